@@ -1,0 +1,57 @@
+"""Corral: self-hosted execution sandboxes for AI agents.
+
+    >>> from corral import Sandbox
+    >>> with Sandbox.create() as sb:
+    ...     print(sb.commands.run("echo hi").stdout)
+"""
+
+from __future__ import annotations
+
+from ._sdk.sandbox import Commands, Files, Sandbox
+from .errors import (
+    BackendError,
+    BackendUnavailable,
+    CommandError,
+    ConfigError,
+    CorralError,
+    FileError,
+    FileNotFound,
+    PathRefused,
+    PolicyError,
+    QuotaExceeded,
+    SandboxBusy,
+    SandboxError,
+    SandboxExpired,
+    SandboxNotFound,
+    UsageError,
+)
+from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, Usage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "CommandError",
+    "CommandResult",
+    "Commands",
+    "ConfigError",
+    "CorralError",
+    "FileEntry",
+    "FileError",
+    "FileNotFound",
+    "Files",
+    "PathRefused",
+    "PolicyError",
+    "QuotaExceeded",
+    "ResourceTier",
+    "Sandbox",
+    "SandboxBusy",
+    "SandboxError",
+    "SandboxExpired",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "Usage",
+    "UsageError",
+    "__version__",
+]

@@ -1,0 +1,5 @@
+"""The namespace isolation tier."""
+
+from .backend import NamespaceBackend
+
+__all__ = ["NamespaceBackend"]

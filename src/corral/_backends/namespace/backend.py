@@ -1,0 +1,185 @@
+"""The namespace tier: bwrap + user/PID/mount/IPC/UTS/cgroup namespaces + seccomp + cgroups,
+a private network namespace per sandbox and a per-sandbox host uid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from ..._settings import Settings
+from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
+from ...errors import BackendError, BackendUnavailable
+from . import netns
+from .cgroups import CgroupDriver, detect_cgroups
+from .hostcheck import check_host
+from .runner import CommandLauncher
+from .storage import WorkspaceStore
+from .template import load_template
+
+__all__ = ["NamespaceBackend"]
+
+logger = logging.getLogger(__name__)
+
+
+def _proc_start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class NamespaceBackend:
+    """See the module docstring. One instance per process and data directory."""
+
+    name: BackendName = "namespace"
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._instance = f"corral-{settings.instance}"
+        self._store = WorkspaceStore(settings.home / "sandboxes")
+        self._templates_dir = settings.home / "templates"
+        self._cgroups: CgroupDriver | None = None
+        self._launcher: CommandLauncher | None = None
+        # Command cgroups carry the owner's pid and start time, so a later process can tell a
+        # crashed owner's leftovers from a live neighbour's commands.
+        self._owner = f"{os.getpid()}.{_proc_start_time(os.getpid())}"
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def check_host(self) -> list[HostCheck]:
+        return check_host(self._settings)
+
+    def _ready(self) -> CommandLauncher:
+        if self._launcher is None:
+            failed = [c for c in self.check_host() if not c.ok]
+            if failed:
+                lines = "; ".join(f"{c.name}: {c.detail} (fix: {c.fix})" for c in failed)
+                raise BackendUnavailable(
+                    f"this host cannot run namespace sandboxes safely: {lines}. "
+                    "Run `corral doctor` for details."
+                )
+            bwrap = shutil.which("bwrap")
+            assert bwrap is not None  # checked above
+            self._cgroups = detect_cgroups(self._instance)
+            self._launcher = CommandLauncher(bwrap=bwrap, cgroups=self._cgroups)
+        return self._launcher
+
+    @property
+    def cgroups(self) -> CgroupDriver:
+        self._ready()
+        assert self._cgroups is not None
+        return self._cgroups
+
+    def _netns_path(self, sandbox_id: str) -> Path:
+        return self._settings.run_dir / f"{self._instance}-{sandbox_id}"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def create(self, spec: SandboxSpec) -> None:
+        self._ready()
+        load_template(spec.template, self._templates_dir)
+        try:
+            self.cgroups.create_sandbox(spec.id, spec.tier)
+            netns.create_netns(self._netns_path(spec.id))
+            self._store.create(spec.id, uid=spec.uid, size_bytes=spec.tier.disk_bytes)
+        except BaseException:
+            with contextlib.suppress(BackendError, OSError):
+                self.destroy(spec)
+            raise
+
+    def _ensure_runtime(self, spec: SandboxSpec) -> Path:
+        """Rebuild what a reboot or crash removed (netns pin, cgroup, mount)."""
+        path = self._netns_path(spec.id)
+        if not netns.is_pinned(path):
+            path.unlink(missing_ok=True)
+            netns.create_netns(path)
+        self.cgroups.create_sandbox(spec.id, spec.tier)
+        return self._store.ensure_mounted(spec.id)
+
+    def workspace_root(self, spec: SandboxSpec) -> Path:
+        self._ready()
+        return self._store.ensure_mounted(spec.id)
+
+    def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
+        launcher = self._ready()
+        workspace = self._ensure_runtime(spec)
+        template = load_template(spec.template, self._templates_dir)
+        group = f"{spec.id}/c.{self._owner}.{secrets.token_hex(4)}"
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
+            "HOME": "/workspace",
+            "USER": "user",
+            "LOGNAME": "user",
+            "SHELL": "/bin/bash",
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "TMPDIR": "/tmp",
+            "CORRAL_SANDBOX_ID": spec.id,
+            **request.env,
+        }
+        return launcher.run(
+            uid=spec.uid, netns_path=self._netns_path(spec.id), template=template,
+            workspace=workspace, tmp_bytes=spec.tier.tmp_bytes, group=group, request=request,
+            env=env,
+        )
+
+    def destroy(self, spec: SandboxSpec) -> None:
+        self._ready()
+        self.cgroups.kill(spec.id)
+        self.cgroups.remove(spec.id)
+        netns.remove_netns(self._netns_path(spec.id))
+        self._store.remove(spec.id)
+
+    def sweep(self, live_ids: set[str]) -> list[str]:
+        """Remove runtime pieces of unknown sandboxes and commands of dead owners."""
+        self._ready()
+        removed: list[str] = []
+        for sandbox_id in self._store.ids():
+            if sandbox_id not in live_ids:
+                self._store.remove(sandbox_id)
+                removed.append(f"workspace {sandbox_id}")
+        run_dir = self._settings.run_dir
+        prefix = f"{self._instance}-"
+        if run_dir.exists():
+            for entry in run_dir.iterdir():
+                if entry.name.startswith(prefix) and entry.name[len(prefix):] not in live_ids:
+                    netns.remove_netns(entry)
+                    removed.append(f"netns {entry.name}")
+        for sandbox_id in self.cgroups.children(""):
+            if sandbox_id not in live_ids:
+                self.cgroups.kill(sandbox_id)
+                self.cgroups.remove(sandbox_id)
+                removed.append(f"cgroup {sandbox_id}")
+                continue
+            for command in self.cgroups.children(sandbox_id):
+                owner = command.split(".")
+                if len(owner) >= 3 and _owner_alive(owner[1], owner[2]):
+                    continue
+                group = f"{sandbox_id}/{command}"
+                self.cgroups.kill(group)
+                self.cgroups.remove(group)
+                removed.append(f"command {group}")
+        if removed:
+            logger.info("swept %d leftovers: %s", len(removed), ", ".join(removed))
+        return removed
+
+    def close(self) -> None:
+        pass
+
+    def remove_instance(self) -> None:
+        """Remove this data directory's empty top-level cgroups (tests and uninstall)."""
+        if self._cgroups is not None and not self._cgroups.children(""):
+            self._cgroups.remove("")
+
+
+def _owner_alive(pid: str, start_time: str) -> bool:
+    try:
+        return _proc_start_time(int(pid)) == start_time
+    except ValueError:
+        return False

@@ -1,0 +1,306 @@
+"""cgroup v1 and v2 behind one small interface: limits, placement, usage, reliable tree kill.
+
+Layout, relative to each hierarchy's root: ``corral-<instance>/<sandbox>/<command>``. Limits live
+on the sandbox group (so every command and, later, background processes share them); each command
+gets its own child group so its usage can be read and its whole tree killed without names or pids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ...errors import BackendError, BackendUnavailable
+from ...models import ResourceTier
+
+__all__ = ["CgroupDriver", "CgroupUsage", "detect_cgroups"]
+
+_V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
+_V2_CONTROLLERS = ("memory", "pids", "cpu")
+_CFS_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupUsage:
+    cpu_s: float
+    peak_memory_bytes: int
+    oom_killed: bool
+
+
+class CgroupDriver(Protocol):
+    version: int
+
+    def create_sandbox(self, group: str, tier: ResourceTier) -> None: ...
+    def create_command(self, group: str) -> None: ...
+    def attach(self, group: str, pids: Iterable[int]) -> None: ...
+    def usage(self, group: str) -> CgroupUsage: ...
+    def kill(self, group: str) -> None: ...
+    def remove(self, group: str) -> None: ...
+    def children(self, group: str) -> list[str]: ...
+    def describe(self) -> str: ...
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _mounts() -> list[tuple[str, str, list[str]]]:
+    """(mount point, fstype, super options) for every cgroup mount."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = right.split()
+            if fields and fields[0] in ("cgroup", "cgroup2"):
+                found.append((left.split()[4], fields[0], fields[2].split(",")))
+    return found
+
+
+def _wait_empty(procs_files: list[Path], deadline_s: float = 5.0) -> bool:
+    end = time.monotonic() + deadline_s
+    delay = 0.0005
+    while time.monotonic() < end:
+        if all(not _read(p).strip() for p in procs_files if p.exists()):
+            return True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+    return False
+
+
+def _rmdir_tree(path: Path) -> None:
+    """Remove a cgroup directory and its child groups, deepest first."""
+    if not path.exists():
+        return
+    for child in sorted((p for p in path.iterdir() if p.is_dir()), reverse=True):
+        _rmdir_tree(child)
+    for attempt in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or attempt == 49:
+                raise BackendError(f"cannot remove cgroup {path}: {exc.strerror}") from exc
+            time.sleep(0.01)
+
+
+class CgroupV1:
+    """Separate v1 hierarchies (memory, pids, cpu, cpuacct, freezer), co-mounted or not."""
+
+    version = 1
+
+    def __init__(self, roots: dict[str, Path], prefix: str) -> None:
+        self._roots = roots
+        self._prefix = prefix
+        self._hierarchies = sorted(set(roots.values()))
+
+    def describe(self) -> str:
+        return "cgroup v1: " + ", ".join(f"{c}={p}" for c, p in sorted(self._roots.items()))
+
+    def _paths(self, group: str) -> list[Path]:
+        return [h / self._prefix / group for h in self._hierarchies]
+
+    def _path(self, controller: str, group: str) -> Path:
+        return self._roots[controller] / self._prefix / group
+
+    def create_sandbox(self, group: str, tier: ResourceTier) -> None:
+        for path in self._paths(group):
+            path.mkdir(parents=True, exist_ok=True)
+        mem = self._path("memory", group)
+        _write(mem / "memory.limit_in_bytes", str(tier.memory_bytes))
+        if (mem / "memory.memsw.limit_in_bytes").exists():
+            # memsw must be >= the memory limit; equal means "no swap at all".
+            _write(mem / "memory.memsw.limit_in_bytes", str(tier.memory_bytes))
+        with contextlib.suppress(OSError):
+            _write(mem / "memory.swappiness", "0")
+        _write(self._path("pids", group) / "pids.max", str(tier.pids))
+        cpu = self._path("cpu", group)
+        _write(cpu / "cpu.cfs_period_us", str(_CFS_PERIOD_US))
+        _write(cpu / "cpu.cfs_quota_us", str(int(tier.cpus * _CFS_PERIOD_US)))
+
+    def create_command(self, group: str) -> None:
+        for path in self._paths(group):
+            path.mkdir(parents=False, exist_ok=False)
+
+    def attach(self, group: str, pids: Iterable[int]) -> None:
+        pid_list = list(pids)
+        for path in self._paths(group):
+            for pid in pid_list:
+                _write(path / "cgroup.procs", str(pid))
+
+    def usage(self, group: str) -> CgroupUsage:
+        mem = self._path("memory", group)
+        oom = 0
+        for line in _read(mem / "memory.oom_control").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                oom = int(value)
+        return CgroupUsage(
+            cpu_s=int(_read(self._path("cpuacct", group) / "cpuacct.usage")) / 1e9,
+            peak_memory_bytes=int(_read(mem / "memory.max_usage_in_bytes")),
+            oom_killed=oom > 0,
+        )
+
+    def kill(self, group: str) -> None:
+        freezer = self._path("freezer", group)
+        if not freezer.exists():
+            return
+        # Freeze first so nothing can fork while we collect pids, then kill every pid, then thaw
+        # so the kernel can deliver SIGKILL.
+        _write(freezer / "freezer.state", "FROZEN")
+        end = time.monotonic() + 2.0
+        while _read(freezer / "freezer.state").strip() != "FROZEN" and time.monotonic() < end:
+            time.sleep(0.0005)
+        for _ in range(100):
+            pids = _all_procs(freezer)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            _write(freezer / "freezer.state", "THAWED")
+            if _wait_empty([p / "cgroup.procs" for p in freezer.rglob("") if p.is_dir()], 0.5):
+                break
+            _write(freezer / "freezer.state", "FROZEN")
+        _write(freezer / "freezer.state", "THAWED")
+        if not _wait_empty([p / "cgroup.procs" for p in self._paths(group)]):
+            raise BackendError(f"processes of cgroup {group} survived SIGKILL")
+
+    def remove(self, group: str) -> None:
+        for path in self._paths(group):
+            _rmdir_tree(path)
+
+    def children(self, group: str) -> list[str]:
+        path = self._path("freezer", group)
+        if not path.exists():
+            return []
+        return sorted(p.name for p in path.iterdir() if p.is_dir())
+
+
+def _all_procs(path: Path) -> list[int]:
+    pids: list[int] = []
+    for procs in path.rglob("cgroup.procs"):
+        pids.extend(int(x) for x in _read(procs).split())
+    return pids
+
+
+class CgroupV2:
+    """The unified hierarchy with memory, pids and cpu delegated to our subtree."""
+
+    version = 2
+
+    def __init__(self, root: Path, prefix: str) -> None:
+        self._root = root
+        self._base = root / prefix
+
+    def describe(self) -> str:
+        return f"cgroup v2: {self._root}"
+
+    def _enable(self, path: Path) -> None:
+        _write(path / "cgroup.subtree_control", " ".join(f"+{c}" for c in _V2_CONTROLLERS))
+
+    def create_sandbox(self, group: str, tier: ResourceTier) -> None:
+        if not self._base.exists():
+            self._base.mkdir()
+        self._enable(self._root)
+        self._enable(self._base)
+        path = self._base / group
+        path.mkdir(exist_ok=True)
+        self._enable(path)
+        _write(path / "memory.max", str(tier.memory_bytes))
+        if (path / "memory.swap.max").exists():
+            _write(path / "memory.swap.max", "0")
+        _write(path / "pids.max", str(tier.pids))
+        _write(path / "cpu.max", f"{int(tier.cpus * _CFS_PERIOD_US)} {_CFS_PERIOD_US}")
+
+    def create_command(self, group: str) -> None:
+        (self._base / group).mkdir(exist_ok=False)
+
+    def attach(self, group: str, pids: Iterable[int]) -> None:
+        for pid in pids:
+            _write(self._base / group / "cgroup.procs", str(pid))
+
+    def usage(self, group: str) -> CgroupUsage:
+        path = self._base / group
+        cpu_us = 0
+        for line in _read(path / "cpu.stat").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                cpu_us = int(value)
+        oom = 0
+        for line in _read(path / "memory.events").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                oom = int(value)
+        peak_file = path / "memory.peak"
+        peak = int(_read(peak_file)) if peak_file.exists() else int(_read(path / "memory.current"))
+        return CgroupUsage(cpu_s=cpu_us / 1e6, peak_memory_bytes=peak, oom_killed=oom > 0)
+
+    def kill(self, group: str) -> None:
+        path = self._base / group
+        if not path.exists():
+            return
+        _write(path / "cgroup.kill", "1")
+        if not _wait_empty([p / "cgroup.procs" for p in path.rglob("") if p.is_dir()]):
+            raise BackendError(f"processes of cgroup {group} survived cgroup.kill")
+
+    def remove(self, group: str) -> None:
+        _rmdir_tree(self._base / group)
+
+    def children(self, group: str) -> list[str]:
+        path = self._base / group
+        if not path.exists():
+            return []
+        return sorted(p.name for p in path.iterdir() if p.is_dir())
+
+
+def detect_cgroups(prefix: str) -> CgroupDriver:
+    """Pick v2 when its controllers are usable, else v1; refuse clearly when neither is complete."""
+    mounts = _mounts()
+    for point, fstype, _ in mounts:
+        if fstype != "cgroup2":
+            continue
+        root = Path(point)
+        available = set(_read(root / "cgroup.controllers").split())
+        if set(_V2_CONTROLLERS) <= available:
+            if _has_v1_for(mounts, _V2_CONTROLLERS):
+                # A controller bound to v1 is unavailable to v2 even when listed; prefer v1 then.
+                break
+            return CgroupV2(root, prefix)
+    roots: dict[str, Path] = {}
+    for point, fstype, options in mounts:
+        if fstype == "cgroup":
+            for controller in _V1_CONTROLLERS:
+                if controller in options:
+                    roots.setdefault(controller, Path(point))
+    missing = [c for c in _V1_CONTROLLERS if c not in roots]
+    if missing:
+        raise BackendUnavailable(
+            "no usable cgroup hierarchy: cgroup v2 lacks the memory, pids or cpu controller and "
+            f"cgroup v1 lacks {', '.join(missing)}; mount them (v2: enable the controllers in "
+            "/sys/fs/cgroup/cgroup.subtree_control; v1: mount each controller) and run "
+            "`corral doctor`"
+        )
+    return CgroupV1(roots, prefix)
+
+
+def _has_v1_for(mounts: list[tuple[str, str, list[str]]], controllers: Iterable[str]) -> bool:
+    wanted = set(controllers)
+    return any(fstype == "cgroup" and wanted & set(opts) for _, fstype, opts in mounts)

@@ -1,0 +1,137 @@
+"""Host checks for the namespace tier: each says what is missing and how to fix it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+
+from ..._core import linux
+from ..._settings import Settings
+from ...backends import HostCheck
+from ...errors import BackendUnavailable
+
+__all__ = ["check_host"]
+
+_APT = "apt-get install -y bubblewrap libseccomp2 e2fsprogs mount"
+
+
+def _check_root() -> HostCheck:
+    if os.geteuid() == 0:
+        return HostCheck("root", True, "running as root (needed to give each sandbox its own uid)")
+    return HostCheck(
+        "root", False, "not running as root",
+        "run Corral as root: it drops every sandbox to its own unprivileged host uid, which "
+        "needs root to set up; bwrap alone as a normal user shares your uid with the sandbox",
+    )
+
+
+def _check_tool(name: str, package: str) -> HostCheck:
+    path = shutil.which(name)
+    if path:
+        return HostCheck(name, True, path)
+    return HostCheck(name, False, f"{name} not found on PATH", f"apt-get install -y {package}")
+
+
+def _check_bwrap() -> HostCheck:
+    path = shutil.which("bwrap")
+    if not path:
+        return HostCheck("bwrap", False, "bubblewrap is not installed",
+                         "apt-get install -y bubblewrap")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return HostCheck("bwrap", False, f"bwrap does not run: {exc}", _APT)
+    version = out.stdout.strip().split()[-1] if out.stdout.strip() else "?"
+    try:
+        parts = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        parts = (0, 0)
+    if parts < (0, 8):
+        return HostCheck("bwrap", False, f"bubblewrap {version} lacks --disable-userns",
+                         "install bubblewrap 0.8 or newer (Debian 12 has it)")
+    if os.stat(path).st_mode & 0o4000:
+        return HostCheck("bwrap", False, f"{path} is setuid root",
+                         "use a non-setuid bwrap (chmod u-s); Corral drops privileges itself")
+    return HostCheck("bwrap", True, f"bubblewrap {version} at {path}")
+
+
+def _check_userns() -> HostCheck:
+    try:
+        with open("/proc/sys/user/max_user_namespaces") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        limit = -1
+    if limit == 0:
+        return HostCheck("user namespaces", False, "user.max_user_namespaces is 0",
+                         "sysctl -w user.max_user_namespaces=65536")
+    try:
+        with open("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") as f:
+            if f.read().strip() == "1":
+                return HostCheck(
+                    "user namespaces", False,
+                    "AppArmor restricts unprivileged user namespaces",
+                    "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0, or add an "
+                    "AppArmor profile allowing userns for /usr/bin/bwrap",
+                )
+    except OSError:
+        pass
+    return HostCheck("user namespaces", True, f"max_user_namespaces={limit}")
+
+
+def _check_seccomp() -> HostCheck:
+    from .seccomp import compile_filter
+
+    try:
+        program = compile_filter()
+    except BackendUnavailable as exc:
+        return HostCheck("seccomp", False, exc.message, "apt-get install -y libseccomp2")
+    with open("/proc/self/status") as f:
+        if not any(line.startswith("Seccomp:") for line in f):
+            return HostCheck("seccomp", False, "the kernel has no seccomp support",
+                             "use a kernel built with CONFIG_SECCOMP_FILTER")
+    return HostCheck("seccomp", True, f"filter compiled ({len(program) // 8} BPF instructions)")
+
+
+def _check_cgroups(settings: Settings) -> HostCheck:
+    from .cgroups import detect_cgroups
+
+    try:
+        driver = detect_cgroups(f"corral-{settings.instance}")
+    except BackendUnavailable as exc:
+        return HostCheck("cgroups", False, exc.message, "see the message")
+    return HostCheck("cgroups", True, driver.describe())
+
+
+def _check_openat2() -> HostCheck:
+    try:
+        fd = linux.openat2(os.open("/", os.O_PATH), ".", os.O_PATH, 0, linux.RESOLVE_BENEATH)
+        os.close(fd)
+    except OSError as exc:
+        if exc.errno == errno.ENOSYS:
+            return HostCheck("openat2", False, "the kernel lacks openat2 (Linux < 5.6)",
+                             "use Linux 5.6 or newer; file access into sandboxes needs it")
+    return HostCheck("openat2", True, "RESOLVE_BENEATH available for safe file access")
+
+
+def _check_loop() -> HostCheck:
+    if os.path.exists("/dev/loop-control"):
+        return HostCheck("loop devices", True, "/dev/loop-control present")
+    return HostCheck("loop devices", False, "/dev/loop-control is missing",
+                     "load the loop module (modprobe loop); workspaces are loop-mounted images")
+
+
+def check_host(settings: Settings) -> list[HostCheck]:
+    """Every check, in the order a fix is best applied. Never raises."""
+    return [
+        _check_root(),
+        _check_bwrap(),
+        _check_userns(),
+        _check_seccomp(),
+        _check_cgroups(settings),
+        _check_openat2(),
+        _check_loop(),
+        _check_tool("mkfs.ext4", "e2fsprogs"),
+        _check_tool("mount", "mount"),
+    ]

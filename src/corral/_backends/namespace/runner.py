@@ -1,0 +1,321 @@
+"""Runs one sandboxed command: spawn, place in its cgroup before it runs, stream, limit, reap.
+
+Ordering that makes the limits hold: bwrap is started with ``--block-fd``, so after building the
+namespaces its sandbox init waits; we read the init's pid from ``--info-fd``, move both bwrap
+processes into the command's cgroup, and only then release it. Nothing the user asked for runs
+outside the cgroup, even for a microsecond.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import json
+import os
+import resource
+import selectors
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...backends import ExecOutcome, ExecRequest, OutputCallback
+from ...errors import BackendError, CommandError
+from ...models import Usage
+from . import netns, seccomp
+from .bwrap import BwrapFds, build_argv
+from .cgroups import CgroupDriver
+from .template import BaseTemplate
+
+__all__ = ["CommandLauncher"]
+
+_READ_CHUNK = 65536
+_SETUP_TIMEOUT_S = 10.0
+_TIMEOUT_EXIT_CODE = 124
+
+
+@dataclass
+class _Stream:
+    """One output stream: decode incrementally, keep up to ``limit`` bytes, count the rest."""
+
+    name: str
+    limit: int
+    callback: OutputCallback | None
+    kept: int = 0
+    dropped: int = 0
+    parts: list[str] = field(default_factory=list)
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+
+    def feed(self, data: bytes) -> None:
+        room = self.limit - self.kept
+        if room <= 0:
+            self.dropped += len(data)
+            return
+        if len(data) > room:
+            self.dropped += len(data) - room
+            data = data[:room]
+        self.kept += len(data)
+        self._emit(self.decoder.decode(data))
+
+    def finish(self) -> str:
+        self._emit(self.decoder.decode(b"", final=True))
+        text = "".join(self.parts)
+        if self.dropped:
+            text += (
+                f"\n[corral: {self.name} truncated: {self.dropped} more bytes dropped; "
+                f"{self.limit} bytes are kept per stream]\n"
+            )
+        return text
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.parts.append(text)
+            if self.callback is not None:
+                self.callback(text)
+
+
+@dataclass(frozen=True, slots=True)
+class CommandLauncher:
+    """What is constant for a backend: the bwrap binary and the cgroup driver."""
+
+    bwrap: str
+    cgroups: CgroupDriver
+
+    def run(
+        self,
+        *,
+        uid: int,
+        netns_path: Path,
+        template: BaseTemplate,
+        workspace: Path,
+        tmp_bytes: int,
+        group: str,
+        request: ExecRequest,
+        env: Mapping[str, str],
+    ) -> ExecOutcome:
+        self.cgroups.create_command(group)
+        try:
+            return self._run_in_group(uid=uid, netns_path=netns_path, template=template,
+                                      workspace=workspace, tmp_bytes=tmp_bytes, group=group,
+                                      request=request, env=env)
+        finally:
+            with contextlib.suppress(BackendError):
+                self.cgroups.kill(group)
+            self.cgroups.remove(group)
+
+    def _run_in_group(
+        self,
+        *,
+        uid: int,
+        netns_path: Path,
+        template: BaseTemplate,
+        workspace: Path,
+        tmp_bytes: int,
+        group: str,
+        request: ExecRequest,
+        env: Mapping[str, str],
+    ) -> ExecOutcome:
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe()
+        seccomp_fd = seccomp.filter_fd()
+        child_fds = (info_w, block_r, seccomp_fd)
+        argv = build_argv(
+            self.bwrap, template=template, workspace=workspace, tmp_bytes=tmp_bytes,
+            cwd=request.cwd, argv=request.argv,
+            fds=BwrapFds(info=info_w, block=block_r, seccomp=seccomp_fd),
+        )
+
+        def spawn() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if request.stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=dict(env),
+                cwd="/",
+                user=uid,
+                group=uid,
+                extra_groups=[],
+                pass_fds=child_fds,
+                start_new_session=True,
+            )
+
+        started = time.monotonic()
+        try:
+            proc = netns.run_in_netns(netns_path, spawn)
+        except OSError as exc:
+            for fd in (*child_fds, info_r, block_w):
+                os.close(fd)
+            if exc.errno == 7:  # E2BIG
+                raise CommandError(
+                    "the command's argv and environment are too large to start it "
+                    "(the kernel's limit is about 2 MiB); pass data through files or stdin"
+                ) from exc
+            raise BackendError(f"cannot start bwrap: {exc}") from exc
+        for fd in child_fds:
+            os.close(fd)
+        try:
+            init_pid = self._read_init_pid(info_r, proc)
+            for pid in (proc.pid, init_pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+            try:
+                self.cgroups.attach(group, (proc.pid, init_pid))
+            except ProcessLookupError:
+                raise BackendError(
+                    "the sandbox could not be set up: " + self._setup_error(proc)
+                ) from None
+            os.write(block_w, b"1")
+        except BaseException:
+            self._abort(proc, group)
+            raise
+        finally:
+            os.close(info_r)
+            os.close(block_w)
+
+        try:
+            streams, timed_out = self._pump(proc, request, started)
+        except BaseException:
+            self._abort(proc, group)
+            raise
+        if timed_out:
+            self.cgroups.kill(group)
+        try:
+            returncode = proc.wait(timeout=_SETUP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.cgroups.kill(group)
+            returncode = proc.wait()
+        wall = time.monotonic() - started
+        # Anything the command left behind (it cannot outlive the PID namespace, but belt and
+        # braces) dies before we read usage.
+        self.cgroups.kill(group)
+        usage = self.cgroups.usage(group)
+        stdout, stderr = streams
+        if timed_out:
+            exit_code = _TIMEOUT_EXIT_CODE
+        elif returncode < 0:
+            exit_code = 128 - returncode
+        else:
+            exit_code = returncode
+        return ExecOutcome(
+            exit_code=exit_code,
+            stdout=stdout.finish(),
+            stderr=stderr.finish(),
+            timed_out=timed_out,
+            usage=Usage(wall_s=wall, cpu_s=usage.cpu_s,
+                        peak_memory_bytes=usage.peak_memory_bytes,
+                        oom_killed=usage.oom_killed),
+            stdout_truncated=stdout.dropped,
+            stderr_truncated=stderr.dropped,
+        )
+
+    def _abort(self, proc: subprocess.Popen[bytes], group: str) -> None:
+        with contextlib.suppress(BackendError):
+            self.cgroups.kill(group)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=_SETUP_TIMEOUT_S)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+    def _read_init_pid(self, info_r: int, proc: subprocess.Popen[bytes]) -> int:
+        data = b""
+        deadline = time.monotonic() + _SETUP_TIMEOUT_S
+        with selectors.DefaultSelector() as sel:
+            sel.register(info_r, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not sel.select(deadline - time.monotonic()):
+                    continue
+                chunk = os.read(info_r, 4096)
+                if not chunk:
+                    break
+                data += chunk
+        try:
+            return int(json.loads(data)["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        message = self._setup_error(proc)
+        if "chdir" in message.lower():
+            raise CommandError(f"cannot enter the working directory: {message}")
+        raise BackendError(f"the sandbox could not be set up: {message}")
+
+    @staticmethod
+    def _setup_error(proc: subprocess.Popen[bytes]) -> str:
+        """bwrap's own complaint, once it has died during set-up."""
+        try:
+            _, err = proc.communicate(timeout=_SETUP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        message = err.decode(errors="replace").strip().removeprefix("bwrap: ")
+        return message or f"bwrap exited with status {proc.returncode}"
+
+    def _pump(
+        self, proc: subprocess.Popen[bytes], request: ExecRequest, started: float
+    ) -> tuple[tuple[_Stream, _Stream], bool]:
+        assert proc.stdout is not None and proc.stderr is not None
+        out = _Stream("stdout", request.output_limit_bytes, request.on_stdout)
+        err = _Stream("stderr", request.output_limit_bytes, request.on_stderr)
+        deadline = started + request.timeout_s
+        pending = memoryview(request.stdin or b"")
+        with selectors.DefaultSelector() as sel:
+            handlers: dict[int, Callable[[], None]] = {}
+
+            def reader(fd: int, stream: _Stream) -> Callable[[], None]:
+                def handle() -> None:
+                    chunk = os.read(fd, _READ_CHUNK)
+                    if chunk:
+                        stream.feed(chunk)
+                    else:
+                        sel.unregister(fd)
+                        del handlers[fd]
+                return handle
+
+            for pipe, stream in ((proc.stdout, out), (proc.stderr, err)):
+                fd = pipe.fileno()
+                sel.register(fd, selectors.EVENT_READ)
+                handlers[fd] = reader(fd, stream)
+            if proc.stdin is not None:
+                stdin_fd = proc.stdin.fileno()
+                os.set_blocking(stdin_fd, False)
+
+                def write_stdin() -> None:
+                    nonlocal pending
+                    try:
+                        written = os.write(stdin_fd, pending[:_READ_CHUNK])
+                        pending = pending[written:]
+                    except BrokenPipeError:
+                        pending = memoryview(b"")
+                    if not pending:
+                        sel.unregister(stdin_fd)
+                        del handlers[stdin_fd]
+                        proc.stdin.close()  # type: ignore[union-attr]
+
+                if pending:
+                    sel.register(stdin_fd, selectors.EVENT_WRITE)
+                    handlers[stdin_fd] = write_stdin
+                else:
+                    proc.stdin.close()
+            timed_out = False
+            while any(fd in handlers for fd in (proc.stdout.fileno(), proc.stderr.fileno())):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    timed_out = True
+                    break
+                for key, _ in sel.select(remaining):
+                    handler = handlers.get(key.fd)
+                    if handler is not None:
+                        handler()
+        if timed_out:
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
+        else:
+            proc.stdout.close()
+            proc.stderr.close()
+        return (out, err), timed_out

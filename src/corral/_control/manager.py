@@ -1,0 +1,318 @@
+"""The control plane: sandbox lifecycle, validation, TTL reaping, crash recovery.
+
+Every SDK and CLI call lands here. It validates input, keeps the store and the backend in step,
+and enforces lifetimes: an expired sandbox is destroyed the next time anything looks at it (and by
+``reap_expired``, which every start runs), so a sandbox never outlives its TTL as something usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shlex
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._backends import load_backend
+from .._core.resources import get_tier
+from .._settings import Settings
+from .._workspace.files import WorkspaceFiles, to_relative
+from ..backends import ExecRequest, IsolationBackend, OutputCallback, SandboxSpec
+from ..errors import (
+    BackendUnavailable,
+    CommandError,
+    SandboxExpired,
+    SandboxNotFound,
+    UsageError,
+)
+from ..models import CommandResult, SandboxInfo
+from .store import Store
+
+__all__ = ["Manager", "get_manager"]
+
+logger = logging.getLogger(__name__)
+
+_ID_RE = re.compile(r"^sbx_[0-9a-z]{12}$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MAX_ENV_BYTES = 256 * 1024
+_MAX_ARGV_BYTES = 1024 * 1024
+_MAX_STDIN_BYTES = 64 * 1024 * 1024
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}$")
+
+
+def _new_id() -> str:
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+    return "sbx_" + "".join(secrets.choice(alphabet) for _ in range(12))
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    stdin: bytes | None
+
+
+def _validate_command(
+    cmd: str | Sequence[str], cwd: str | None, envs: Mapping[str, str] | None,
+    stdin: str | bytes | None,
+) -> _Command:
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise CommandError("the command is empty; pass a shell string or an argv list")
+        argv = ["/bin/bash", "-c", cmd]
+    elif isinstance(cmd, Sequence) and not isinstance(cmd, bytes | bytearray):
+        argv = list(cmd)
+        if not argv:
+            raise CommandError("the command is empty; pass a shell string or an argv list")
+        for i, arg in enumerate(argv):
+            if not isinstance(arg, str):
+                raise CommandError(f"argv[{i}] is {type(arg).__name__}, not str")
+        if not argv[0]:
+            raise CommandError("argv[0] (the program) is empty")
+    else:
+        raise CommandError(f"command must be a string or a list of strings, not {type(cmd).__name__}")
+    if any("\x00" in a for a in argv):
+        raise CommandError("the command contains a NUL byte")
+    if sum(len(a.encode()) + 1 for a in argv) > _MAX_ARGV_BYTES:
+        raise CommandError(f"the command is longer than {_MAX_ARGV_BYTES} bytes; pass data "
+                           "through stdin or a file instead")
+    env: dict[str, str] = {}
+    total = 0
+    for key, value in (envs or {}).items():
+        if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
+            raise CommandError(f"invalid environment variable name {key!r}")
+        if not isinstance(value, str):
+            raise CommandError(f"environment variable {key} must be a string")
+        if "\x00" in value:
+            raise CommandError(f"environment variable {key} contains a NUL byte")
+        total += len(key) + len(value.encode()) + 2
+        env[key] = value
+    if total > _MAX_ENV_BYTES:
+        raise CommandError(
+            f"the environment is {total} bytes, over the {_MAX_ENV_BYTES}-byte limit; pass "
+            "large data through files or stdin"
+        )
+    rel = to_relative(cwd or "/workspace")
+    cwd_inside = "/workspace" if rel == "." else f"/workspace/{rel}"
+    data: bytes | None
+    if stdin is None:
+        data = None
+    elif isinstance(stdin, str):
+        data = stdin.encode()
+    elif isinstance(stdin, bytes | bytearray | memoryview):
+        data = bytes(stdin)
+    else:
+        raise CommandError(f"stdin must be str or bytes, not {type(stdin).__name__}")
+    if data is not None and len(data) > _MAX_STDIN_BYTES:
+        raise CommandError(f"stdin is over {_MAX_STDIN_BYTES} bytes; write a file instead")
+    return _Command(argv=argv, cwd=cwd_inside, env=env, stdin=data)
+
+
+class Manager:
+    """Owns the store and the backend of one data directory."""
+
+    def __init__(self, settings: Settings) -> None:
+        if os.geteuid() != 0:
+            raise BackendUnavailable(
+                "Corral must run as root: each sandbox gets its own unprivileged host uid, and "
+                "setting that up needs root. Run `corral doctor` for the full host check."
+            )
+        self.settings = settings
+        settings.home.mkdir(parents=True, exist_ok=True, mode=0o711)
+        os.chmod(settings.home, 0o711)
+        self.store = Store(settings.home / "corral.db")
+        self.backend: IsolationBackend = load_backend(settings)
+        self._recovered = False
+        self._lock = threading.Lock()
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def recover(self) -> list[str]:
+        """Finish interrupted destroys, reap expired sandboxes and sweep crash leftovers."""
+        removed: list[str] = []
+        for info in self.store.list():
+            if info.state == "destroying" or info.expires_at <= time.time():
+                self._destroy(info)
+                removed.append(f"sandbox {info.id}")
+        removed += self.backend.sweep({i.id for i in self.store.list()})
+        self._recovered = True
+        return removed
+
+    def _ensure_recovered(self) -> None:
+        if not self._recovered:
+            with self._lock:
+                if not self._recovered:
+                    self.recover()
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    def create(
+        self, *, template: str = "base", resources: str = "small", timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> SandboxInfo:
+        tier = get_tier(resources)
+        if not isinstance(template, str):
+            raise UsageError(f"template must be a string, not {type(template).__name__}")
+        ttl = tier.ttl_s if timeout is None else self._check_ttl(timeout, tier.max_ttl_s)
+        clean_labels = self._check_labels(labels)
+        self._ensure_recovered()
+        from .._backends.namespace.template import TEMPLATES
+
+        if template not in TEMPLATES:
+            raise UsageError(f"unknown template {template!r}; available: {', '.join(TEMPLATES)}")
+        info = self.store.insert(
+            sandbox_id=_new_id(), template=template, resources=resources, ttl_s=ttl,
+            labels=clean_labels, uid_start=self.settings.uid_start,
+            uid_count=self.settings.uid_count,
+        )
+        try:
+            self.backend.create(self._spec(info))
+        except BaseException:
+            self.store.delete(info.id)
+            raise
+        logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
+        return info
+
+    @staticmethod
+    def _check_ttl(timeout: float, max_ttl: float) -> float:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise UsageError(f"timeout must be a number of seconds, not {timeout!r}")
+        if not 0 < timeout <= max_ttl:
+            raise UsageError(f"timeout must be between 0 and {max_ttl:g} seconds, got {timeout:g}")
+        return float(timeout)
+
+    @staticmethod
+    def _check_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
+        clean: dict[str, str] = {}
+        for key, value in (labels or {}).items():
+            if not isinstance(key, str) or not _LABEL_RE.match(key):
+                raise UsageError(f"invalid label name {key!r}: letters, digits, _ . - / only")
+            if not isinstance(value, str) or len(value) > 256:
+                raise UsageError(f"label {key} must be a string of at most 256 characters")
+            clean[key] = value
+        if len(clean) > 64:
+            raise UsageError("at most 64 labels per sandbox")
+        return clean
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
+            raise SandboxNotFound(
+                f"{sandbox_id!r} is not a sandbox id (they look like sbx_0123456789ab); "
+                "`corral ls` lists them"
+            )
+        info = self.store.get(sandbox_id)
+        if info is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist; `corral ls` lists them")
+        if info.state == "destroying":
+            raise SandboxNotFound(f"sandbox {sandbox_id} is being destroyed")
+        if info.expires_at <= time.time():
+            self._destroy(info)
+            raise SandboxExpired(
+                f"sandbox {sandbox_id} reached the end of its lifetime and was destroyed; pass a "
+                "longer timeout= when creating it, or extend it with set_timeout()"
+            )
+        return info
+
+    def list(self) -> list[SandboxInfo]:
+        self._ensure_recovered()
+        now = time.time()
+        live = []
+        for info in self.store.list():
+            if info.expires_at <= now:
+                self._destroy(info)
+            elif info.state == "running":
+                live.append(info)
+        return live
+
+    def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        info = self.get(sandbox_id)
+        ttl = self._check_ttl(timeout, get_tier(info.resources).max_ttl_s)
+        self.store.set_expiry(sandbox_id, time.time() + ttl)
+        return self.get(sandbox_id)
+
+    def destroy(self, sandbox_id: str) -> None:
+        info = self.get(sandbox_id)
+        self._destroy(info)
+
+    def _destroy(self, info: SandboxInfo) -> None:
+        # Mark first: a crash in the middle leaves a row that the next start finishes off.
+        self.store.set_state(info.id, "destroying")
+        self.backend.destroy(self._spec(info))
+        self.store.delete(info.id)
+        logger.info("destroyed sandbox %s", info.id)
+
+    def _spec(self, info: SandboxInfo) -> SandboxSpec:
+        return SandboxSpec(id=info.id, uid=info.uid, template=info.template,
+                           tier=get_tier(info.resources))
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def run(
+        self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None = None,
+        envs: Mapping[str, str] | None = None, cwd: str | None = None,
+        stdin: str | bytes | None = None, on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandResult:
+        command = _validate_command(cmd, cwd, envs, stdin)
+        info = self.get(sandbox_id)
+        self._ensure_recovered()
+        tier = get_tier(info.resources)
+        if timeout is None:
+            limit = tier.command_timeout_s
+        else:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+                raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            if timeout > tier.command_timeout_s:
+                raise UsageError(
+                    f"timeout {timeout:g} s is over the {tier.name} tier's limit of "
+                    f"{tier.command_timeout_s:g} s; use resources='large' for longer commands"
+                )
+            limit = float(timeout)
+        # A command never outlives its sandbox.
+        limit = max(0.001, min(limit, info.expires_at - time.time()))
+        started = time.monotonic()
+        outcome = self.backend.exec(self._spec(info), ExecRequest(
+            argv=command.argv, cwd=command.cwd, env=command.env, timeout_s=limit,
+            stdin=command.stdin, output_limit_bytes=tier.output_limit_bytes,
+            on_stdout=on_stdout, on_stderr=on_stderr,
+        ))
+        logger.debug("ran %s in %s: exit %d", shlex.join(command.argv)[:200], sandbox_id,
+                     outcome.exit_code)
+        return CommandResult(
+            exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
+            timed_out=outcome.timed_out, duration_s=time.monotonic() - started,
+            usage=outcome.usage, stdout_truncated=outcome.stdout_truncated,
+            stderr_truncated=outcome.stderr_truncated,
+        )
+
+    # -- files --------------------------------------------------------------------------------
+
+    def files(self, sandbox_id: str) -> WorkspaceFiles:
+        info = self.get(sandbox_id)
+        root: Path = self.backend.workspace_root(self._spec(info))
+        return WorkspaceFiles(root, info.uid)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.store.close()
+
+
+_managers: dict[Path, Manager] = {}
+_managers_lock = threading.Lock()
+
+
+def get_manager(settings: Settings | None = None) -> Manager:
+    """The process-wide manager of a data directory (built on first use)."""
+    settings = settings or Settings()
+    with _managers_lock:
+        manager = _managers.get(settings.home)
+        if manager is None:
+            manager = Manager(settings)
+            _managers[settings.home] = manager
+        return manager

@@ -1,0 +1,120 @@
+"""SQLite store for sandbox metadata. Safe for several processes on one data directory."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import QuotaExceeded
+from ..models import SandboxInfo
+
+__all__ = ["Store"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    uid INTEGER NOT NULL UNIQUE,
+    template TEXT NOT NULL,
+    resources TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    labels TEXT NOT NULL DEFAULT '{}'
+);
+"""
+
+
+def _row_to_info(row: sqlite3.Row) -> SandboxInfo:
+    return SandboxInfo(
+        id=row["id"], template=row["template"], resources=row["resources"],
+        state=row["state"], created_at=row["created_at"], expires_at=row["expires_at"],
+        uid=row["uid"], labels=json.loads(row["labels"]),
+    )
+
+
+class Store:
+    """Sandboxes by id; uid allocation happens inside the insert's transaction."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        path.chmod(0o600)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def insert(
+        self, *, sandbox_id: str, template: str, resources: str, ttl_s: float,
+        labels: dict[str, str], uid_start: int, uid_count: int,
+    ) -> SandboxInfo:
+        """Insert a sandbox with the lowest free uid of the range.
+
+        Raises:
+            QuotaExceeded: every uid of the range is taken.
+        """
+        now = time.time()
+        with self._tx() as db:
+            used = {r[0] for r in db.execute(
+                "SELECT uid FROM sandboxes WHERE uid >= ? AND uid < ?",
+                (uid_start, uid_start + uid_count),
+            )}
+            uid = next((u for u in range(uid_start, uid_start + uid_count) if u not in used), None)
+            if uid is None:
+                raise QuotaExceeded(
+                    f"all {uid_count} sandbox uids ({uid_start}..{uid_start + uid_count - 1}) "
+                    "are in use; remove sandboxes (`corral ls`, `corral rm ID`) or widen "
+                    "CORRAL_UID_COUNT"
+                )
+            db.execute(
+                "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
+                "expires_at, labels) VALUES (?, ?, ?, ?, 'running', ?, ?, ?)",
+                (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels)),
+            )
+        info = self.get(sandbox_id)
+        assert info is not None
+        return info
+
+    def get(self, sandbox_id: str) -> SandboxInfo | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return _row_to_info(row) if row else None
+
+    def list(self) -> list[SandboxInfo]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
+        return [_row_to_info(r) for r in rows]
+
+    def set_state(self, sandbox_id: str, state: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET state = ? WHERE id = ?", (state, sandbox_id))
+
+    def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET expires_at = ? WHERE id = ?", (expires_at, sandbox_id))
+
+    def delete(self, sandbox_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,224 @@
+"""The embedded Python SDK: ``Sandbox`` with ``commands`` and ``files``.
+
+Shaped like the hosted sandboxes agent developers know (``Sandbox.create()``,
+``sb.commands.run()``, ``sb.files.write()``), running in-process against the local control plane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, overload
+
+from .._control.manager import Manager, get_manager
+from .._settings import Settings
+from ..backends import OutputCallback
+from ..errors import UsageError
+from ..models import CommandResult, FileEntry, SandboxInfo
+
+__all__ = ["Commands", "Files", "Sandbox"]
+
+
+def _manager(home: str | Path | None) -> Manager:
+    return get_manager(Settings(home=Path(home)) if home is not None else Settings())
+
+
+class Commands:
+    """Run commands in one sandbox. Reached as ``sandbox.commands``."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        envs: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: str | bytes | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> CommandResult:
+        """Run ``cmd`` and wait for it.
+
+        Args:
+            cmd: a shell string (run by ``bash -c``) or an argv list (run directly).
+            timeout: seconds before the whole process tree is killed; defaults to the tier's
+                limit and may not exceed it.
+            envs: extra environment variables.
+            cwd: working directory inside ``/workspace`` (default ``/workspace``).
+            stdin: data fed to the command's standard input.
+            on_stdout: called with each piece of standard output as it arrives.
+            on_stderr: the same for standard error.
+
+        Returns:
+            The result; a non-zero exit is not an exception (check ``result.ok``).
+
+        Raises:
+            CommandError: empty or malformed command, bad env, cwd outside ``/workspace``.
+            SandboxNotFound: the sandbox is gone (or expired).
+
+        Example:
+            >>> sb.commands.run("python3 -c 'print(6 * 7)'").stdout
+            '42\\n'
+        """
+        return self._sandbox._mgr.run(
+            self._sandbox._live_id(), cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
+            on_stdout=on_stdout, on_stderr=on_stderr,
+        )
+
+
+class Files:
+    """Files in the sandbox's ``/workspace``. Paths are ``/workspace/...`` or relative to it.
+
+    Paths that leave ``/workspace`` (``..``, other absolute paths, symlinks pointing out) raise
+    ``PathRefused``.
+    """
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def _fs(self):  # type: ignore[no-untyped-def]
+        return self._sandbox._mgr.files(self._sandbox._live_id())
+
+    @overload
+    def read(self, path: str, *, format: Literal["text"] = "text") -> str: ...
+    @overload
+    def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
+
+    def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        """Read a whole file, as text (UTF-8, invalid bytes replaced) or bytes."""
+        if format not in ("text", "bytes"):
+            raise UsageError(f"format must be 'text' or 'bytes', not {format!r}")
+        data: bytes = self._fs().read(path)
+        return data if format == "bytes" else data.decode("utf-8", errors="replace")
+
+    def write(self, path: str, data: str | bytes) -> FileEntry:
+        """Write a whole file atomically, creating parent directories."""
+        if isinstance(data, str):
+            data = data.encode()
+        elif not isinstance(data, bytes | bytearray | memoryview):
+            raise UsageError(f"data must be str or bytes, not {type(data).__name__}")
+        entry: FileEntry = self._fs().write(path, bytes(data))
+        return entry
+
+    def list(self, path: str = "/workspace") -> list[FileEntry]:
+        """The entries of a directory, sorted by name."""
+        entries: list[FileEntry] = self._fs().list(path)
+        return entries
+
+    def stat(self, path: str) -> FileEntry:
+        entry: FileEntry = self._fs().stat(path)
+        return entry
+
+    def exists(self, path: str) -> bool:
+        return bool(self._fs().exists(path))
+
+    def remove(self, path: str) -> None:
+        """Remove a file or a whole directory tree."""
+        self._fs().remove(path)
+
+    def make_dir(self, path: str) -> bool:
+        """Create a directory and its parents; False if it already existed."""
+        return bool(self._fs().make_dir(path))
+
+
+class Sandbox:
+    """A sandbox: an isolated Linux environment with one writable directory, ``/workspace``.
+
+    Example:
+        >>> from corral import Sandbox
+        >>> with Sandbox.create() as sb:
+        ...     sb.files.write("hello.py", "print('hi')")
+        ...     print(sb.commands.run("python3 hello.py").stdout)
+        hi
+    """
+
+    def __init__(self, info: SandboxInfo, manager: Manager) -> None:
+        self._info = info
+        self._mgr = manager
+        self._killed = False
+        self.commands = Commands(self)
+        self.files = Files(self)
+
+    @classmethod
+    def create(
+        cls,
+        template: str = "base",
+        *,
+        resources: str = "small",
+        timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        home: str | Path | None = None,
+    ) -> Sandbox:
+        """Create a sandbox.
+
+        Args:
+            template: root filesystem; ``base`` is the host's system, read-only.
+            resources: tier name, ``small`` or ``large`` (limits are in the README).
+            timeout: lifetime in seconds (default: the tier's); it is destroyed after that.
+            labels: free-form string labels, shown by ``Sandbox.list()``.
+            home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
+
+        Raises:
+            UsageError: unknown template or tier, bad timeout or labels.
+            BackendUnavailable: the host lacks something the sandbox needs (see ``corral doctor``).
+        """
+        manager = _manager(home)
+        info = manager.create(template=template, resources=resources, timeout=timeout,
+                              labels=labels)
+        return cls(info, manager)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, *, home: str | Path | None = None) -> Sandbox:
+        """Attach to an existing sandbox (also one created by another process)."""
+        manager = _manager(home)
+        return cls(manager.get(sandbox_id), manager)
+
+    @classmethod
+    def list(cls, *, home: str | Path | None = None) -> list[SandboxInfo]:
+        """Every live sandbox of the data directory."""
+        return _manager(home).list()
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    def get_info(self) -> SandboxInfo:
+        """Fresh metadata from the store."""
+        self._info = self._mgr.get(self._live_id())
+        return self._info
+
+    def set_timeout(self, timeout: float) -> None:
+        """Set the remaining lifetime to ``timeout`` seconds from now."""
+        self._info = self._mgr.set_timeout(self._live_id(), timeout)
+
+    def kill(self) -> None:
+        """Destroy the sandbox: kill its processes, delete its workspace. Idempotent."""
+        if not self._killed:
+            self._killed = True
+            from ..errors import SandboxNotFound
+
+            try:
+                self._mgr.destroy(self._info.id)
+            except SandboxNotFound:
+                pass
+
+    def _live_id(self) -> str:
+        if self._killed:
+            raise UsageError(f"sandbox {self._info.id} was killed; create a new one")
+        return self._info.id
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill()
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self._info.id} {self._info.resources}>"

@@ -1,0 +1,50 @@
+"""The one settings object. Built once at the edge (CLI, ``Sandbox``) and passed down."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+def _default_home() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/corral")
+    return Path.home() / ".local" / "share" / "corral"
+
+
+class Settings(BaseSettings):
+    """Corral's configuration: arguments first, then ``CORRAL_*`` variables, then defaults.
+
+    Attributes:
+        home: data directory (SQLite store, workspaces, templates). ``CORRAL_HOME``.
+        uid_start: first host uid handed to sandboxes. ``CORRAL_UID_START``.
+        uid_count: how many uids the range holds; also the most sandboxes at once.
+            Two Corral homes on one host must use ranges that do not overlap.
+        backend: the isolation tier. Only ``namespace`` exists so far.
+        run_dir: where network namespaces are pinned (``ip netns`` sees them).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
+
+    home: Path = Field(default_factory=_default_home)
+    uid_start: int = Field(default=1_900_000_000, ge=1000, le=4_000_000_000)
+    uid_count: int = Field(default=65536, ge=1, le=1_000_000)
+    backend: Literal["namespace"] = "namespace"
+    run_dir: Path = Path("/run/netns")
+
+    @model_validator(mode="after")
+    def _absolute_home(self) -> Settings:
+        self.home = self.home.expanduser().absolute()
+        return self
+
+    @property
+    def instance(self) -> str:
+        """A short tag naming this home in host-wide places (cgroups, netns names)."""
+        return hashlib.sha256(str(self.home).encode()).hexdigest()[:8]

@@ -1,0 +1,283 @@
+"""File operations from the host into a sandbox's ``/workspace``, safe against a hostile sandbox.
+
+The sandbox can create symlinks and swap directories while the host works, so no path is ever
+resolved as a string. Every lookup goes through ``openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS |
+RESOLVE_NO_XDEV)`` from a descriptor of the workspace root: the kernel refuses any step that would
+leave it (``..`` above the root, absolute or escaping symlinks, other mounts), at the moment of the
+lookup, so a swap between a check and a use cannot win. The final component is then used through its
+parent's descriptor with ``O_NOFOLLOW`` / ``follow_symlinks=False``.
+
+Because the workspace is its own filesystem (see ``storage``), nothing in it can be a hard link to a
+host file either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import posixpath
+import secrets
+import shutil
+import stat as stat_mod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+from .._core import linux
+from ..errors import FileError, FileNotFound, PathRefused, QuotaExceeded
+from ..models import FileEntry
+
+__all__ = ["MAX_FILE_BYTES", "WORKSPACE", "WorkspaceFiles", "to_relative"]
+
+WORKSPACE = "/workspace"
+MAX_FILE_BYTES = 256 * 1024 * 1024
+_RESOLVE = linux.RESOLVE_BENEATH | linux.RESOLVE_NO_MAGICLINKS | linux.RESOLVE_NO_XDEV
+
+
+def to_relative(path: str) -> str:
+    """Map a sandbox path (``/workspace/a``, ``a``, ``./a``) to one relative to the workspace.
+
+    Returns ``"."`` for the workspace itself.
+
+    Raises:
+        PathRefused: absolute outside ``/workspace``, ``..`` escaping it, NUL bytes, not a string.
+    """
+    if not isinstance(path, str) or not path:
+        raise PathRefused(f"path must be a non-empty string, got {path!r}")
+    if "\x00" in path:
+        raise PathRefused("path contains a NUL byte")
+    if len(path.encode()) > 4096:
+        raise PathRefused("path is longer than 4096 bytes")
+    if path.startswith("/"):
+        normal = posixpath.normpath(path)
+        if normal == WORKSPACE:
+            return "."
+        if not normal.startswith(WORKSPACE + "/"):
+            raise PathRefused(f"{path!r} is outside {WORKSPACE}; only {WORKSPACE} is reachable")
+        rel = normal[len(WORKSPACE) + 1:]
+    else:
+        rel = posixpath.normpath(path)
+    if rel == ".." or rel.startswith("../"):
+        raise PathRefused(f"{path!r} climbs out of {WORKSPACE} with '..'")
+    return rel
+
+
+def _display(rel: str) -> str:
+    return WORKSPACE if rel == "." else f"{WORKSPACE}/{rel}"
+
+
+@contextlib.contextmanager
+def _mapped(rel: str) -> Iterator[None]:
+    """Turn OS errors into Corral errors that name the sandbox path."""
+    shown = _display(rel)
+    try:
+        yield
+    except OSError as exc:
+        code = exc.errno
+        if code == errno.ENOENT:
+            raise FileNotFound(f"{shown} does not exist") from None
+        if code in (errno.EXDEV, errno.ELOOP):
+            raise PathRefused(
+                f"{shown} goes through a symlink that leaves {WORKSPACE} (or is a symlink where a "
+                "file or directory is needed); refused"
+            ) from None
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            raise QuotaExceeded(
+                f"the workspace is full while writing {shown}; delete files or use a larger "
+                "resource tier"
+            ) from None
+        if code == errno.ENOTDIR:
+            raise FileError(f"a component of {shown} is not a directory") from None
+        if code == errno.EISDIR:
+            raise FileError(f"{shown} is a directory") from None
+        if code == errno.EEXIST:
+            raise FileError(f"{shown} already exists and is not a directory") from None
+        if code == errno.ENOTEMPTY:
+            raise FileError(f"{shown} is not empty") from None
+        if code == errno.ENAMETOOLONG:
+            raise PathRefused(f"a name in {shown} is too long") from None
+        raise FileError(f"{shown}: {exc.strerror}") from exc
+
+
+def _entry(name: str, rel: str, st: os.stat_result) -> FileEntry:
+    mode = st.st_mode
+    kind: Literal["file", "dir", "symlink", "other"]
+    if stat_mod.S_ISREG(mode):
+        kind = "file"
+    elif stat_mod.S_ISDIR(mode):
+        kind = "dir"
+    elif stat_mod.S_ISLNK(mode):
+        kind = "symlink"
+    else:
+        kind = "other"
+    return FileEntry(name=name, path=_display(rel), type=kind, size=st.st_size,
+                     mode=stat_mod.S_IMODE(mode), modified_at=st.st_mtime)
+
+
+class WorkspaceFiles:
+    """File operations on one workspace, owned by the sandbox's host ``uid``."""
+
+    def __init__(self, root: Path, uid: int, *, max_file_bytes: int = MAX_FILE_BYTES) -> None:
+        self._root = root
+        self._uid = uid
+        self._max = max_file_bytes
+
+    @contextlib.contextmanager
+    def _root_fd(self) -> Iterator[int]:
+        fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _open(self, root_fd: int, rel: str, flags: int) -> int:
+        for _ in range(16):
+            try:
+                return linux.openat2(root_fd, rel, flags, 0, _RESOLVE)
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN:  # a concurrent rename; the kernel asks to retry
+                    raise
+        raise FileError(f"{_display(rel)} kept changing while being opened; try again")
+
+    @contextlib.contextmanager
+    def _parent(self, rel: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        if rel == ".":
+            raise PathRefused(f"this operation needs a path inside {WORKSPACE}, not {WORKSPACE}")
+        parent, leaf = posixpath.split(rel)
+        with self._root_fd() as root_fd:
+            if create and parent:
+                self._make_dirs(root_fd, parent)
+            fd = self._open(root_fd, parent or ".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            yield fd, leaf
+        finally:
+            os.close(fd)
+
+    def _make_dirs(self, root_fd: int, rel: str) -> bool:
+        """mkdir -p, one component at a time through descriptors; True if anything was made."""
+        made = False
+        fd = os.dup(root_fd)
+        try:
+            for part in rel.split("/"):
+                if part in ("", "."):
+                    continue
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.chown(part, self._uid, self._uid, dir_fd=fd, follow_symlinks=False)
+                    made = True
+                except FileExistsError:
+                    pass
+                nxt = self._open(fd, part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                os.close(fd)
+                fd = nxt
+        finally:
+            os.close(fd)
+        return made
+
+    # -- public operations -------------------------------------------------------------------
+
+    def read(self, path: str) -> bytes:
+        rel = to_relative(path)
+        with _mapped(rel), self._root_fd() as root_fd:
+            fd = self._open(root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                if stat_mod.S_ISDIR(st.st_mode):
+                    raise FileError(f"{_display(rel)} is a directory; use list()")
+                if not stat_mod.S_ISREG(st.st_mode):
+                    raise FileError(f"{_display(rel)} is not a regular file")
+                if st.st_size > self._max:
+                    raise QuotaExceeded(
+                        f"{_display(rel)} is {st.st_size} bytes; files over {self._max} bytes "
+                        "cannot be read whole"
+                    )
+                chunks = []
+                total = 0
+                while chunk := os.read(fd, 1 << 20):
+                    total += len(chunk)
+                    if total > self._max:
+                        raise QuotaExceeded(f"{_display(rel)} grew past {self._max} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+            finally:
+                os.close(fd)
+
+    def write(self, path: str, data: bytes, *, mode: int = 0o644) -> FileEntry:
+        """Write atomically (temp file + rename), creating parent directories.
+
+        On any failure the previous content, if any, is left untouched.
+        """
+        rel = to_relative(path)
+        if len(data) > self._max:
+            raise QuotaExceeded(f"{len(data)} bytes is over the {self._max}-byte file limit")
+        with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
+            tmp = f".corral-tmp-{secrets.token_hex(6)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         mode & 0o777, dir_fd=dir_fd)
+            try:
+                try:
+                    os.fchown(fd, self._uid, self._uid)
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+                os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
+            return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
+
+    def list(self, path: str = WORKSPACE) -> list[FileEntry]:
+        rel = to_relative(path)
+        with _mapped(rel), self._root_fd() as root_fd:
+            fd = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                entries = []
+                with os.scandir(fd) as it:
+                    for item in it:
+                        child = item.name if rel == "." else f"{rel}/{item.name}"
+                        entries.append(_entry(item.name, child, item.stat(follow_symlinks=False)))
+                return sorted(entries, key=lambda e: e.name)
+            finally:
+                os.close(fd)
+
+    def stat(self, path: str) -> FileEntry:
+        rel = to_relative(path)
+        if rel == ".":
+            with self._root_fd() as fd:
+                return _entry("workspace", rel, os.fstat(fd))
+        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+            return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stat(path)
+        except FileNotFound:
+            return False
+        except FileError as exc:
+            if "not a directory" in exc.message:
+                return False
+            raise
+        return True
+
+    def remove(self, path: str) -> None:
+        """Remove a file, symlink or directory tree."""
+        rel = to_relative(path)
+        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+            st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
+            if stat_mod.S_ISDIR(st.st_mode):
+                # fd-based, never follows symlinks (shutil's safe variant on Linux).
+                shutil.rmtree(leaf, dir_fd=dir_fd)
+            else:
+                os.unlink(leaf, dir_fd=dir_fd)
+
+    def make_dir(self, path: str) -> bool:
+        """mkdir -p; True when the directory was created, False when it already existed."""
+        rel = to_relative(path)
+        if rel == ".":
+            return False
+        with _mapped(rel), self._root_fd() as root_fd:
+            return self._make_dirs(root_fd, rel)

@@ -1,0 +1,123 @@
+"""The isolation backend protocol: one interface for every isolation tier.
+
+The control plane decides what a sandbox is (id, uid, limits, lifetime) and stores it; a backend
+decides how it runs. A backend owns the runtime of a sandbox (network namespace, cgroups, the
+workspace filesystem) and must be able to rebuild it from a ``SandboxSpec`` alone, because the
+control plane may restart at any time.
+
+Contract:
+    * ``create`` builds everything a sandbox needs; on failure it leaves nothing behind.
+    * ``exec`` runs one command and returns only after every process it started is gone.
+    * ``destroy`` is idempotent and succeeds on a half-built or already-removed sandbox.
+    * ``sweep`` removes runtime pieces of sandboxes that are not in ``live_ids`` (crash leftovers)
+      and commands whose owning process died.
+    * Every method raises only ``corral.errors`` exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from .models import ResourceTier, Usage
+
+__all__ = [
+    "BackendName",
+    "ExecOutcome",
+    "ExecRequest",
+    "HostCheck",
+    "IsolationBackend",
+    "OutputCallback",
+    "SandboxSpec",
+]
+
+BackendName = Literal["namespace"]
+OutputCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxSpec:
+    """Everything a backend needs to build or rebuild a sandbox's runtime."""
+
+    id: str
+    uid: int
+    template: str
+    tier: ResourceTier
+
+
+@dataclass(frozen=True, slots=True)
+class ExecRequest:
+    """One command, already validated by the control plane.
+
+    ``cwd`` is a path inside the sandbox (under ``/workspace``); ``timeout_s`` is final (the control
+    plane has already capped it by the tier and the sandbox's remaining lifetime).
+    """
+
+    argv: Sequence[str]
+    cwd: str
+    env: Mapping[str, str]
+    timeout_s: float
+    stdin: bytes | None = None
+    output_limit_bytes: int = 1 << 20
+    on_stdout: OutputCallback | None = None
+    on_stderr: OutputCallback | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecOutcome:
+    """What ``exec`` observed."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    usage: Usage
+    stdout_truncated: int = 0
+    stderr_truncated: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HostCheck:
+    """One line of ``corral doctor``: what was checked, whether it passed, how to fix it."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class IsolationBackend(Protocol):
+    """One isolation tier. See the module docstring for the contract."""
+
+    name: BackendName
+
+    def check_host(self) -> list[HostCheck]:
+        """Inspect the host; never raises. Used by ``corral doctor`` and at start-up."""
+        ...
+
+    def create(self, spec: SandboxSpec) -> None:
+        """Build the runtime of a new sandbox."""
+        ...
+
+    def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
+        """Run one command to completion (or timeout) and return what happened."""
+        ...
+
+    def workspace_root(self, spec: SandboxSpec) -> Path:
+        """Host path of the sandbox's ``/workspace``, mounted and ready for file operations."""
+        ...
+
+    def destroy(self, spec: SandboxSpec) -> None:
+        """Kill everything and remove every trace of the sandbox's runtime."""
+        ...
+
+    def sweep(self, live_ids: set[str]) -> list[str]:
+        """Remove leftovers not belonging to ``live_ids``; return what was removed."""
+        ...
+
+    def close(self) -> None:
+        """Release process-local resources (not sandboxes)."""
+        ...

@@ -1,0 +1,135 @@
+"""Public result and description types, shared by the SDK, the CLI and (later) the HTTP API."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "CommandResult",
+    "FileEntry",
+    "ResourceTier",
+    "SandboxInfo",
+    "SandboxState",
+    "Usage",
+]
+
+SandboxState = Literal["running", "destroying"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceTier:
+    """Hard limits applied to one sandbox; ``small`` and ``large`` are built in.
+
+    Attributes:
+        name: the tier's name.
+        cpus: CPU quota in cores (CFS quota; 1.0 is one full core).
+        memory_bytes: memory limit of the whole sandbox, swap included (no swap).
+        pids: most processes and threads alive at once in the sandbox.
+        disk_bytes: size of the sandbox's ``/workspace`` filesystem.
+        tmp_bytes: size of each command's ``/tmp`` tmpfs (counted in memory too).
+        command_timeout_s: default and maximum per-command timeout.
+        ttl_s: default sandbox lifetime.
+        max_ttl_s: the longest lifetime a caller may ask for.
+        output_limit_bytes: bytes kept per stream (stdout, stderr) of one command.
+    """
+
+    name: str
+    cpus: float
+    memory_bytes: int
+    pids: int
+    disk_bytes: int
+    tmp_bytes: int
+    command_timeout_s: float
+    ttl_s: float
+    max_ttl_s: float
+    output_limit_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one command consumed, read from its own cgroup.
+
+    Attributes:
+        wall_s: seconds from start to exit.
+        cpu_s: CPU seconds (user + system) of the whole process tree.
+        peak_memory_bytes: highest memory use of the process tree.
+        oom_killed: True when the kernel's OOM killer ended a process of the command.
+    """
+
+    wall_s: float
+    cpu_s: float
+    peak_memory_bytes: int
+    oom_killed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    """The outcome of one command.
+
+    Attributes:
+        exit_code: the command's exit status; 128+N when killed by signal N; 124 on timeout.
+        stdout: captured standard output (UTF-8, invalid bytes replaced), capped.
+        stderr: captured standard error, capped the same way.
+        timed_out: True when the command hit its timeout and its whole tree was killed.
+        duration_s: wall-clock seconds.
+        usage: resource usage of the command's process tree.
+        stdout_truncated: bytes of stdout dropped past the cap (0 when nothing was dropped).
+        stderr_truncated: the same for stderr.
+    """
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_s: float
+    usage: Usage
+    stdout_truncated: int = 0
+    stderr_truncated: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0 without timing out."""
+        return self.exit_code == 0 and not self.timed_out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxInfo:
+    """A sandbox's metadata as the store holds it."""
+
+    id: str
+    template: str
+    resources: str
+    state: SandboxState
+    created_at: float
+    expires_at: float
+    uid: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One entry of a directory listing or a stat, with its path as seen inside the sandbox."""
+
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    modified_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
