@@ -26,6 +26,8 @@ from ..backends import ExecRequest, IsolationBackend, OutputCallback, SandboxSpe
 from ..errors import (
     BackendUnavailable,
     CommandError,
+    FileError,
+    FileNotFound,
     SandboxExpired,
     SandboxNotFound,
     UsageError,
@@ -76,7 +78,9 @@ def _validate_command(
         if not argv[0]:
             raise CommandError("argv[0] (the program) is empty")
     else:
-        raise CommandError(f"command must be a string or a list of strings, not {type(cmd).__name__}")
+        raise CommandError(
+            f"command must be a string or a list of strings, not {type(cmd).__name__}"
+        )
     if any("\x00" in a for a in argv):
         raise CommandError("the command contains a NUL byte")
     if sum(len(a.encode()) + 1 for a in argv) > _MAX_ARGV_BYTES:
@@ -274,6 +278,8 @@ class Manager:
                     f"{tier.command_timeout_s:g} s; use resources='large' for longer commands"
                 )
             limit = float(timeout)
+        if command.cwd != "/workspace":
+            self._check_cwd(info, command.cwd)
         # A command never outlives its sandbox.
         limit = max(0.001, min(limit, info.expires_at - time.time()))
         started = time.monotonic()
@@ -290,6 +296,17 @@ class Manager:
             usage=outcome.usage, stdout_truncated=outcome.stdout_truncated,
             stderr_truncated=outcome.stderr_truncated,
         )
+
+    def _check_cwd(self, info: SandboxInfo, cwd: str) -> None:
+        files = WorkspaceFiles(self.backend.workspace_root(self._spec(info)), info.uid)
+        try:
+            entry = files.stat(cwd)
+        except FileNotFound:
+            raise CommandError(f"the working directory {cwd} does not exist") from None
+        except FileError as exc:
+            raise CommandError(f"cannot use {cwd} as working directory: {exc.message}") from None
+        if entry.type != "dir":
+            raise CommandError(f"the working directory {cwd} is not a directory")
 
     # -- files --------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ __all__ = [
     "RESOLVE_NO_MAGICLINKS",
     "RESOLVE_NO_XDEV",
     "mount",
+    "set_child_subreaper",
     "openat2",
     "setns",
     "umount",
@@ -45,6 +46,14 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def set_child_subreaper() -> None:
+    """Orphaned descendants become our children (so we can reap them) instead of init's."""
+    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
 def unshare(flags: int) -> None:
     _check(_libc.unshare(flags), "unshare")
 
@@ -53,7 +62,9 @@ def setns(fd: int, nstype: int) -> None:
     _check(_libc.setns(fd, nstype), "setns")
 
 
-def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+def mount(
+    source: str, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     _check(
         _libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
                     data.encode() if data else None),

@@ -13,6 +13,7 @@ from typing import Literal, overload
 
 from .._control.manager import Manager, get_manager
 from .._settings import Settings
+from .._workspace.files import WorkspaceFiles
 from ..backends import OutputCallback
 from ..errors import UsageError
 from ..models import CommandResult, FileEntry, SandboxInfo
@@ -80,7 +81,7 @@ class Files:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sandbox = sandbox
 
-    def _fs(self):  # type: ignore[no-untyped-def]
+    def _fs(self) -> WorkspaceFiles:
         return self._sandbox._mgr.files(self._sandbox._live_id())
 
     @overload
@@ -92,7 +93,7 @@ class Files:
         """Read a whole file, as text (UTF-8, invalid bytes replaced) or bytes."""
         if format not in ("text", "bytes"):
             raise UsageError(f"format must be 'text' or 'bytes', not {format!r}")
-        data: bytes = self._fs().read(path)
+        data = self._fs().read(path)
         return data if format == "bytes" else data.decode("utf-8", errors="replace")
 
     def write(self, path: str, data: str | bytes) -> FileEntry:
@@ -101,20 +102,17 @@ class Files:
             data = data.encode()
         elif not isinstance(data, bytes | bytearray | memoryview):
             raise UsageError(f"data must be str or bytes, not {type(data).__name__}")
-        entry: FileEntry = self._fs().write(path, bytes(data))
-        return entry
+        return self._fs().write(path, bytes(data))
 
     def list(self, path: str = "/workspace") -> list[FileEntry]:
         """The entries of a directory, sorted by name."""
-        entries: list[FileEntry] = self._fs().list(path)
-        return entries
+        return self._fs().list(path)
 
     def stat(self, path: str) -> FileEntry:
-        entry: FileEntry = self._fs().stat(path)
-        return entry
+        return self._fs().stat(path)
 
     def exists(self, path: str) -> bool:
-        return bool(self._fs().exists(path))
+        return self._fs().exists(path)
 
     def remove(self, path: str) -> None:
         """Remove a file or a whole directory tree."""
@@ -122,7 +120,7 @@ class Files:
 
     def make_dir(self, path: str) -> bool:
         """Create a directory and its parents; False if it already existed."""
-        return bool(self._fs().make_dir(path))
+        return self._fs().make_dir(path)
 
 
 class Sandbox:

@@ -1,13 +1,16 @@
 """Per-sandbox network namespaces holding only ``lo``, pinned under /run/netns.
 
-Namespaces are per thread in Linux, so each operation runs on a short-lived thread that enters the
-namespace and then dies; the rest of the process never leaves the host namespace.
+Namespaces are per thread in Linux: creation runs on a short-lived thread that unshares and dies,
+and processes are started by the ``Spawner`` thread; no other thread ever leaves the host's
+namespace.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import os
+import queue
 import socket
 import struct
 import threading
@@ -17,7 +20,7 @@ from typing import TypeVar
 
 from ..._core import linux
 
-__all__ = ["create_netns", "is_pinned", "remove_netns", "run_in_netns"]
+__all__ = ["Spawner", "create_netns", "is_pinned", "remove_netns"]
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
@@ -84,17 +87,53 @@ def remove_netns(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def run_in_netns(path: Path, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on a thread inside the namespace pinned at ``path``; children it forks stay there."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        def work() -> T:
-            linux.setns(fd, linux.CLONE_NEWNET)
-            return fn()
+class Spawner:
+    """One long-lived thread that starts processes inside sandbox network namespaces.
 
-        return _on_fresh_thread(work)
-    finally:
-        os.close(fd)
+    Why not a fresh thread per spawn: bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, which
+    fires when the *thread* that forked it exits. A short-lived spawning thread would SIGKILL the
+    sandbox moments after starting it (a race that load makes likely). This thread lives as long as
+    the process, so sandboxes die exactly when Corral does. It enters a namespace only for the
+    fork and always returns to the host's namespace before taking the next job.
+    """
+
+    def __init__(self) -> None:
+        self._host_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self._jobs: queue.SimpleQueue[
+            tuple[Path, Callable[[], object], concurrent.futures.Future[object]]
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="corral-spawner", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            path, fn, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    linux.setns(fd, linux.CLONE_NEWNET)
+                finally:
+                    os.close(fd)
+                try:
+                    future.set_result(fn())
+                finally:
+                    # Never take the next job in a sandbox's namespace; if we cannot get back,
+                    # the host side is compromised and the process must not go on spawning.
+                    try:
+                        linux.setns(self._host_fd, linux.CLONE_NEWNET)
+                    except OSError:
+                        os._exit(70)
+            except BaseException as exc:
+                if not future.done():
+                    future.set_exception(exc)
+
+    def run(self, path: Path, fn: Callable[[], T]) -> T:
+        """Run ``fn`` inside the namespace pinned at ``path``; children it forks stay there."""
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self._jobs.put((path, fn, future))
+        return future.result()  # type: ignore[return-value]
 
 
 def is_pinned(path: Path) -> bool:

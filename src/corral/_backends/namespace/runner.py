@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..._core import linux
 from ...backends import ExecOutcome, ExecRequest, OutputCallback
 from ...errors import BackendError, CommandError
 from ...models import Usage
@@ -77,12 +78,32 @@ class _Stream:
                 self.callback(text)
 
 
-@dataclass(frozen=True, slots=True)
-class CommandLauncher:
-    """What is constant for a backend: the bwrap binary and the cgroup driver."""
+def _reap(pid: int) -> None:
+    """Collect ``pid`` if it was re-parented to us; it is already dead or dying."""
+    if pid <= 0:
+        return
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return  # not ours: bwrap's outer process reaped it
+        if done:
+            return
+        time.sleep(0.001)
 
-    bwrap: str
-    cgroups: CgroupDriver
+
+class CommandLauncher:
+    """Starts commands for one backend: the bwrap binary, the cgroup driver, the spawner thread."""
+
+    def __init__(self, bwrap: str, cgroups: CgroupDriver) -> None:
+        self.bwrap = bwrap
+        self.cgroups = cgroups
+        self._spawner = netns.Spawner()
+        # When a kill takes bwrap's outer process before the sandbox's init, the init is
+        # re-parented; as a subreaper we get it (and reap it) instead of a host init that may
+        # never reap (containers often run one that doesn't).
+        linux.set_child_subreaper()
 
     def run(
         self,
@@ -145,7 +166,7 @@ class CommandLauncher:
 
         started = time.monotonic()
         try:
-            proc = netns.run_in_netns(netns_path, spawn)
+            proc = self._spawner.run(netns_path, spawn)
         except OSError as exc:
             for fd in (*child_fds, info_r, block_w):
                 os.close(fd)
@@ -157,6 +178,7 @@ class CommandLauncher:
             raise BackendError(f"cannot start bwrap: {exc}") from exc
         for fd in child_fds:
             os.close(fd)
+        init_pid = 0
         try:
             init_pid = self._read_init_pid(info_r, proc)
             for pid in (proc.pid, init_pid):
@@ -170,7 +192,7 @@ class CommandLauncher:
                 ) from None
             os.write(block_w, b"1")
         except BaseException:
-            self._abort(proc, group)
+            self._abort(proc, group, init_pid)
             raise
         finally:
             os.close(info_r)
@@ -179,7 +201,7 @@ class CommandLauncher:
         try:
             streams, timed_out = self._pump(proc, request, started)
         except BaseException:
-            self._abort(proc, group)
+            self._abort(proc, group, init_pid)
             raise
         if timed_out:
             self.cgroups.kill(group)
@@ -192,6 +214,7 @@ class CommandLauncher:
         # Anything the command left behind (it cannot outlive the PID namespace, but belt and
         # braces) dies before we read usage.
         self.cgroups.kill(group)
+        _reap(init_pid)
         usage = self.cgroups.usage(group)
         stdout, stderr = streams
         if timed_out:
@@ -212,13 +235,14 @@ class CommandLauncher:
             stderr_truncated=stderr.dropped,
         )
 
-    def _abort(self, proc: subprocess.Popen[bytes], group: str) -> None:
+    def _abort(self, proc: subprocess.Popen[bytes], group: str, init_pid: int) -> None:
         with contextlib.suppress(BackendError):
             self.cgroups.kill(group)
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=_SETUP_TIMEOUT_S)
+        _reap(init_pid)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
@@ -311,11 +335,7 @@ class CommandLauncher:
                     handler = handlers.get(key.fd)
                     if handler is not None:
                         handler()
-        if timed_out:
-            for pipe in (proc.stdin, proc.stdout, proc.stderr):
-                if pipe is not None and not pipe.closed:
-                    pipe.close()
-        else:
-            proc.stdout.close()
-            proc.stderr.close()
+        for stream_pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if stream_pipe is not None and not stream_pipe.closed:
+                stream_pipe.close()
         return (out, err), timed_out

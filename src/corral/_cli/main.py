@@ -1,0 +1,413 @@
+"""The ``corral`` command line: a thin layer over the SDK.
+
+Results go to stdout, progress and errors to stderr. Every command takes ``--json``. ``run`` and
+``exec`` exit with the sandboxed command's own exit code; Corral's own failures use the codes below.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from .. import errors
+from .._sdk.sandbox import Sandbox
+from .._settings import Settings
+from ..models import CommandResult, FileEntry, SandboxInfo
+
+__all__ = ["main"]
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+EXIT_NOT_FOUND = 4
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _exit_code_for(exc: errors.CorralError) -> int:
+    if isinstance(exc, errors.SandboxNotFound | errors.FileNotFound):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, errors.BackendUnavailable):
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, errors.UsageError | errors.CommandError | errors.PathRefused
+                  | errors.ConfigError):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def _fail(message: str, code: str, exit_code: int, as_json: bool) -> NoReturn:
+    if as_json:
+        click.echo(json.dumps({"code": code, "message": message}), err=True)
+    else:
+        click.secho(f"corral: {message}", err=True, fg="red")
+    sys.exit(exit_code)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn Corral errors into a message and an exit code; tracebacks only with --debug."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        ctx = click.get_current_context()
+        as_json = bool(kwargs.get("as_json", False))
+        try:
+            return fn(*args, **kwargs)
+        except errors.CorralError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            _fail(exc.message, exc.code, _exit_code_for(exc), as_json)
+        except OSError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            _fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""),
+                  "os_error", EXIT_FAILED, as_json)
+
+    return wrapper  # type: ignore[return-value]
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+
+
+def _home(ctx: click.Context) -> Path:
+    settings: Settings = ctx.obj["settings"]
+    return settings.home
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=None, sort_keys=False))
+
+
+def _command_from(args: Sequence[str]) -> str | list[str]:
+    """One argument is a shell string (pipes, globs work); several are an argv run as-is."""
+    if not args:
+        raise click.UsageError("no command given; put it after --, e.g. `corral run -- echo hi`")
+    return args[0] if len(args) == 1 else list(args)
+
+
+def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--env")
+        env[key] = value
+    return env
+
+
+def _run_and_report(
+    sb: Sandbox, command: str | list[str], *, timeout: float | None, env: dict[str, str],
+    cwd: str | None, forward_stdin: bool, as_json: bool,
+) -> NoReturn:
+    stdin = sys.stdin.buffer.read() if forward_stdin else None
+
+    def out(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def err(text: str) -> None:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    result: CommandResult = sb.commands.run(
+        command, timeout=timeout, envs=env, cwd=cwd, stdin=stdin,
+        on_stdout=None if as_json else out, on_stderr=None if as_json else err,
+    )
+    if as_json:
+        _emit_json(_result_json(result))
+    elif result.timed_out:
+        click.secho(f"corral: command timed out after {result.duration_s:.1f} s; its processes "
+                    "were killed", err=True, fg="yellow")
+    elif result.usage.oom_killed:
+        click.secho("corral: the command ran out of memory and was killed (OOM)", err=True,
+                    fg="yellow")
+    sys.exit(result.exit_code)
+
+
+def _result_json(result: CommandResult) -> dict[str, Any]:
+    return {
+        "exit_code": result.exit_code,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "timed_out": result.timed_out,
+        "duration_s": round(result.duration_s, 6),
+        "usage": result.usage.to_dict(),
+        "stdout_truncated": result.stdout_truncated,
+        "stderr_truncated": result.stderr_truncated,
+    }
+
+
+def _info_json(info: SandboxInfo) -> dict[str, Any]:
+    return info.to_dict()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--home", type=click.Path(path_type=Path), default=None,
+              help="Data directory (default: $CORRAL_HOME or /var/lib/corral).")
+@click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.version_option(package_name="corral", prog_name="corral")
+@click.pass_context
+def cli(ctx: click.Context, home: Path | None, debug: bool) -> None:
+    """Corral: run untrusted code from AI agents in sandboxes that cannot hurt the host.
+
+    Sandboxes have no network, one writable directory (/workspace), hard CPU, memory, process,
+    disk and time limits, and run as their own unprivileged host user.
+
+    \b
+    Quick start:
+      corral doctor                     check this host
+      corral run -- python3 -c 'print(1+1)'
+      ID=$(corral create)               a sandbox that persists across commands
+      corral exec $ID -- 'echo hi > f.txt'
+      corral files read $ID f.txt
+      corral rm $ID
+    """
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings(home=home) if home is not None else Settings()
+    except Exception as exc:  # pydantic's ValidationError names the bad variable
+        raise click.UsageError(f"invalid configuration: {exc}") from exc
+    ctx.obj = {"settings": settings, "debug": debug}
+
+
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("--resources", "-r", default="small", show_default=True,
+              help="Resource tier: small or large.")
+@click.option("--timeout", "-t", type=float, default=None,
+              help="Command timeout in seconds (default: the tier's).")
+@click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set a variable.")
+@click.option("--cwd", default=None, help="Working directory inside /workspace.")
+@click.option("--stdin", "forward_stdin", is_flag=True, help="Send this terminal's stdin.")
+@json_option
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+@handle_errors
+def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[str, ...],
+        cwd: str | None, forward_stdin: bool, as_json: bool, command: tuple[str, ...]) -> None:
+    """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
+
+    One argument is run by bash (pipes and globs work); several are run as an argv.
+    """
+    cmd = _command_from(command)
+    variables = _parse_env(env)
+    with Sandbox.create(resources=resources, home=_home(ctx)) as sb:
+        _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
+                        forward_stdin=forward_stdin, as_json=as_json)
+
+
+@cli.command()
+@click.option("--resources", "-r", default="small", show_default=True,
+              help="Resource tier: small or large.")
+@click.option("--ttl", type=float, default=None,
+              help="Lifetime in seconds (default: the tier's); destroyed after that.")
+@click.option("--label", "-l", "labels", multiple=True, metavar="KEY=VALUE", help="Add a label.")
+@json_option
+@click.pass_context
+@handle_errors
+def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
+           as_json: bool) -> None:
+    """Create a sandbox and print its id."""
+    label_map = {}
+    for pair in labels:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--label")
+        label_map[key] = value
+    sb = Sandbox.create(resources=resources, timeout=ttl, labels=label_map, home=_home(ctx))
+    if as_json:
+        _emit_json(_info_json(sb.get_info()))
+    else:
+        click.echo(sb.id)
+
+
+@cli.command(name="exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.option("--timeout", "-t", type=float, default=None,
+              help="Command timeout in seconds (default: the tier's).")
+@click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set a variable.")
+@click.option("--cwd", default=None, help="Working directory inside /workspace.")
+@click.option("--stdin", "forward_stdin", is_flag=True, help="Send this terminal's stdin.")
+@json_option
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+@handle_errors
+def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple[str, ...],
+          cwd: str | None, forward_stdin: bool, as_json: bool, command: tuple[str, ...]) -> None:
+    """Run COMMAND in an existing sandbox; exit with COMMAND's exit code."""
+    cmd = _command_from(command)
+    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    _run_and_report(sb, cmd, timeout=timeout, env=_parse_env(env), cwd=cwd,
+                    forward_stdin=forward_stdin, as_json=as_json)
+
+
+@cli.command(name="ls")
+@json_option
+@click.pass_context
+@handle_errors
+def list_(ctx: click.Context, as_json: bool) -> None:
+    """List live sandboxes."""
+    infos = Sandbox.list(home=_home(ctx))
+    if as_json:
+        _emit_json([_info_json(i) for i in infos])
+        return
+    if not infos:
+        click.echo("no sandboxes", err=True)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None)
+    for column in ("ID", "TEMPLATE", "RESOURCES", "AGE", "EXPIRES IN", "LABELS"):
+        table.add_column(column)
+    now = time.time()
+    for info in infos:
+        labels = ",".join(f"{k}={v}" for k, v in info.labels.items())
+        table.add_row(info.id, info.template, info.resources, _duration(now - info.created_at),
+                      _duration(info.expires_at - now), labels)
+    Console().print(table)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+
+
+@cli.command(name="info")
+@click.argument("sandbox_id")
+@json_option
+@click.pass_context
+@handle_errors
+def info_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+    """Show one sandbox."""
+    info = Sandbox.connect(sandbox_id, home=_home(ctx)).get_info()
+    if as_json:
+        _emit_json(_info_json(info))
+    else:
+        for key, value in _info_json(info).items():
+            click.echo(f"{key:11} {value}")
+
+
+@cli.command(name="rm")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@json_option
+@click.pass_context
+@handle_errors
+def remove(ctx: click.Context, sandbox_ids: tuple[str, ...], as_json: bool) -> None:
+    """Destroy sandboxes: kill their processes and delete their workspaces."""
+    for sandbox_id in sandbox_ids:
+        Sandbox.connect(sandbox_id, home=_home(ctx)).kill()
+        if not as_json:
+            click.echo(f"removed {sandbox_id}", err=True)
+    if as_json:
+        _emit_json({"removed": list(sandbox_ids)})
+
+
+@cli.group()
+def files() -> None:
+    """Read, write and list files in a sandbox's /workspace."""
+
+
+@files.command(name="read")
+@click.argument("sandbox_id")
+@click.argument("path")
+@json_option
+@click.pass_context
+@handle_errors
+def files_read(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) -> None:
+    """Print a file's content (raw bytes; with --json, as UTF-8 text)."""
+    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    data = sb.files.read(path, format="bytes")
+    if as_json:
+        _emit_json({"path": path, "size": len(data),
+                    "content": data.decode("utf-8", errors="replace")})
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+
+
+@files.command(name="write")
+@click.argument("sandbox_id")
+@click.argument("path")
+@click.option("--from", "source", type=click.File("rb"), default="-",
+              help="Read the content from this file instead of stdin.")
+@json_option
+@click.pass_context
+@handle_errors
+def files_write(ctx: click.Context, sandbox_id: str, path: str, source: Any,
+                as_json: bool) -> None:
+    """Write stdin (or --from FILE) to PATH, creating parent directories."""
+    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    entry = sb.files.write(path, source.read())
+    if as_json:
+        _emit_json(entry.to_dict())
+    else:
+        click.echo(f"wrote {entry.size} bytes to {entry.path}", err=True)
+
+
+@files.command(name="ls")
+@click.argument("sandbox_id")
+@click.argument("path", default="/workspace")
+@json_option
+@click.pass_context
+@handle_errors
+def files_ls(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) -> None:
+    """List a directory."""
+    entries: list[FileEntry] = Sandbox.connect(sandbox_id, home=_home(ctx)).files.list(path)
+    if as_json:
+        _emit_json([e.to_dict() for e in entries])
+        return
+    for e in entries:
+        suffix = "/" if e.type == "dir" else ("@" if e.type == "symlink" else "")
+        click.echo(f"{e.mode:04o} {e.size:>10} {e.name}{suffix}")
+
+
+@cli.command()
+@json_option
+@click.pass_context
+@handle_errors
+def doctor(ctx: click.Context, as_json: bool) -> None:
+    """Check that this host can run sandboxes safely, and say how to fix what is missing."""
+    from .._backends import load_backend
+
+    checks = load_backend(ctx.obj["settings"]).check_host()
+    ok = all(c.ok for c in checks)
+    if as_json:
+        _emit_json({"ok": ok, "checks": [
+            {"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix} for c in checks
+        ]})
+    else:
+        for c in checks:
+            mark = click.style("ok  ", fg="green") if c.ok else click.style("FAIL", fg="red")
+            click.echo(f"{mark} {c.name:16} {c.detail}")
+            if not c.ok:
+                click.echo(f"     {'':16} fix: {c.fix}")
+        click.echo("this host can run Corral sandboxes" if ok else
+                   "this host cannot run Corral sandboxes safely; fix the FAIL lines above",
+                   err=True)
+    sys.exit(0 if ok else EXIT_UNAVAILABLE)
+
+
+@cli.command()
+@click.pass_context
+@handle_errors
+def demo(ctx: click.Context) -> None:
+    """Walk through an agent-like session: write code, run it, try to escape, clean up."""
+    from .demo import run_demo
+
+    run_demo(home=_home(ctx))
+
+
+def main() -> None:
+    cli(prog_name="corral")

@@ -1,0 +1,63 @@
+"""Shared fixtures. Integration tests run as root against real namespaces, cgroups and mounts,
+each session in its own data directory and uid range, and must leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral._control.manager import Manager
+from corral._settings import Settings
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.geteuid() == 0:
+        return
+    skip = pytest.mark.skip(reason="needs root: sandboxes need namespaces, cgroups and mounts")
+    for item in items:
+        if "needs_root" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def settings() -> Iterator[Settings]:
+    home = Path(tempfile.mkdtemp(prefix="corral-test-"))
+    # A uid range of our own, so a test run never shares uids with a real instance.
+    start = 2_100_000_000 + random.randrange(0, 1000) * 10_000
+    yield Settings(home=home, uid_start=start, uid_count=10_000)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def manager(settings: Settings) -> Iterator[Manager]:
+    from corral._control import manager as manager_mod
+
+    mgr = manager_mod.get_manager(settings)
+    yield mgr
+    for info in mgr.store.list():
+        mgr._destroy(info)
+    mgr.backend.sweep(set())
+    mgr.backend.remove_instance()  # type: ignore[attr-defined]
+    mgr.close()
+    manager_mod._managers.pop(settings.home, None)
+
+
+@pytest.fixture
+def home(settings: Settings, manager: Manager) -> str:
+    """The data directory to pass as ``home=`` to ``Sandbox`` calls."""
+    return str(settings.home)
+
+
+@pytest.fixture
+def sandbox(home: str) -> Iterator[object]:
+    from corral import Sandbox
+
+    sb = Sandbox.create(home=home)
+    yield sb
+    sb.kill()

@@ -1,0 +1,144 @@
+"""Commands: argv and shell forms, cwd, env, stdin, streaming, exit codes, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from corral import (
+    CommandError,
+    PathRefused,
+    Sandbox,
+    SandboxNotFound,
+    UsageError,
+)
+
+pytestmark = pytest.mark.needs_root
+
+
+def test_argv_and_shell_forms(sandbox: Sandbox) -> None:
+    assert sandbox.commands.run(["echo", "a b", "$HOME"]).stdout == "a b $HOME\n"
+    assert sandbox.commands.run("echo $HOME | tr a-z A-Z").stdout == "/WORKSPACE\n"
+
+
+def test_exit_codes_and_signals(sandbox: Sandbox) -> None:
+    assert sandbox.commands.run("exit 42").exit_code == 42
+    killed = sandbox.commands.run("kill -TERM $$")
+    assert killed.exit_code == 128 + 15
+    assert not killed.timed_out and not killed.ok
+
+
+def test_missing_program_is_a_result_not_a_crash(sandbox: Sandbox) -> None:
+    result = sandbox.commands.run(["/no/such/program"])
+    assert result.exit_code != 0
+    assert "no/such/program" in result.stderr
+
+
+def test_cwd_env_and_stdin(sandbox: Sandbox) -> None:
+    sandbox.files.make_dir("sub/dir")
+    result = sandbox.commands.run("pwd; echo $GREETING; wc -c", cwd="/workspace/sub/dir",
+                                  envs={"GREETING": "hello"}, stdin=b"12345")
+    assert result.stdout.split() == ["/workspace/sub/dir", "hello", "5"]
+
+
+def test_large_stdin_is_fed_without_deadlock(sandbox: Sandbox) -> None:
+    data = b"x" * (5 * 1024 * 1024)
+    result = sandbox.commands.run("wc -c", stdin=data, timeout=30)
+    assert result.stdout.strip() == str(len(data))
+
+
+def test_host_environment_does_not_leak(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CORRAL_TEST_HOST_SECRET", "s3cr3t")
+    env = sandbox.commands.run("env").stdout
+    assert "s3cr3t" not in env
+    assert "HOME=/workspace" in env
+
+
+def test_output_streams_to_callbacks_as_it_comes(sandbox: Sandbox) -> None:
+    seen: list[tuple[str, str]] = []
+    result = sandbox.commands.run(
+        "for i in 1 2 3; do echo out$i; echo err$i >&2; sleep 0.2; done",
+        on_stdout=lambda t: seen.append(("out", t)), on_stderr=lambda t: seen.append(("err", t)),
+    )
+    assert "".join(t for k, t in seen if k == "out") == result.stdout == "out1\nout2\nout3\n"
+    assert "".join(t for k, t in seen if k == "err") == result.stderr
+    # Streamed in pieces as produced, not once at the end.
+    assert len([k for k, _ in seen if k == "out"]) >= 2
+
+
+def test_non_utf8_output_is_replaced_not_fatal(sandbox: Sandbox) -> None:
+    result = sandbox.commands.run(["printf", "ok\\377\\376end"])
+    assert result.exit_code == 0
+    assert result.stdout.startswith("ok") and result.stdout.endswith("end")
+    assert "\ufffd" in result.stdout
+
+
+def test_files_persist_across_commands(sandbox: Sandbox) -> None:
+    sandbox.commands.run("echo kept > state.txt && mkdir -p d && echo 1 > d/f")
+    assert sandbox.commands.run("cat state.txt d/f").stdout == "kept\n1\n"
+    assert sandbox.files.read("state.txt") == "kept\n"
+
+
+def test_tmp_is_fresh_for_each_command(sandbox: Sandbox) -> None:
+    sandbox.commands.run("echo x > /tmp/scratch")
+    assert sandbox.commands.run("ls /tmp").stdout == ""
+
+
+def test_usage_is_reported(sandbox: Sandbox) -> None:
+    result = sandbox.commands.run(
+        "python3 -c \"b = bytearray(60 * 1024 * 1024); import time; t = time.time()\n"
+        "while time.time() - t < 0.3: pass\""
+    )
+    assert result.exit_code == 0, result.stderr
+    assert result.usage.peak_memory_bytes >= 60 * 1024 * 1024
+    assert result.usage.cpu_s >= 0.2
+    assert result.usage.wall_s >= 0.3
+    assert result.usage.oom_killed is False
+
+
+def test_unknown_sandbox_id(home: str) -> None:
+    with pytest.raises(SandboxNotFound, match="corral ls"):
+        Sandbox.connect("sbx_000000000000", home=home)
+    with pytest.raises(SandboxNotFound, match="not a sandbox id"):
+        Sandbox.connect("../../etc", home=home)
+
+
+def test_unknown_tier_and_template(home: str) -> None:
+    with pytest.raises(UsageError, match="unknown resource tier 'xl'"):
+        Sandbox.create(resources="xl", home=home)
+    with pytest.raises(UsageError, match="unknown template"):
+        Sandbox.create("ubuntu", home=home)
+    with pytest.raises(UsageError, match="timeout"):
+        Sandbox.create(timeout=-1, home=home)
+
+
+def test_bad_commands_are_refused_clearly(sandbox: Sandbox) -> None:
+    with pytest.raises(CommandError, match="empty"):
+        sandbox.commands.run("")
+    with pytest.raises(CommandError, match="empty"):
+        sandbox.commands.run([])
+    with pytest.raises(CommandError, match="environment"):
+        sandbox.commands.run("true", envs={"BIG": "x" * 1_000_000})
+    with pytest.raises(PathRefused):
+        sandbox.commands.run("true", cwd="/etc")
+    with pytest.raises(CommandError, match="working directory"):
+        sandbox.commands.run("true", cwd="/workspace/does/not/exist")
+    with pytest.raises(UsageError, match="tier's limit"):
+        sandbox.commands.run("true", timeout=10_000)
+    # The sandbox is unharmed by all of the above.
+    assert sandbox.commands.run("echo fine").stdout == "fine\n"
+
+
+def test_killed_sandbox_refuses_use(home: str) -> None:
+    sb = Sandbox.create(home=home)
+    sb.kill()
+    sb.kill()  # idempotent
+    with pytest.raises(UsageError, match="was killed"):
+        sb.commands.run("true")
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect(sb.id, home=home)
+
+
+def test_context_manager_destroys(home: str) -> None:
+    with Sandbox.create(home=home) as sb:
+        sb.commands.run("true")
+    assert sb.id not in {i.id for i in Sandbox.list(home=home)}

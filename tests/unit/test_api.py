@@ -1,0 +1,33 @@
+"""The public surface is deliberate: a change to it must show up here in review."""
+
+from __future__ import annotations
+
+import corral
+from corral import errors
+
+PUBLIC = [
+    "BackendError", "BackendUnavailable", "CommandError", "CommandResult", "Commands",
+    "ConfigError", "CorralError", "FileEntry", "FileError", "FileNotFound", "Files", "PathRefused",
+    "PolicyError", "QuotaExceeded", "ResourceTier", "Sandbox", "SandboxBusy", "SandboxError",
+    "SandboxExpired", "SandboxInfo", "SandboxNotFound", "Usage", "UsageError", "__version__",
+]
+
+
+def test_all_matches_the_snapshot() -> None:
+    assert sorted(corral.__all__) == sorted(PUBLIC)
+
+
+def test_every_exported_name_exists() -> None:
+    for name in corral.__all__:
+        assert hasattr(corral, name), name
+
+
+def test_every_error_derives_from_the_root_and_has_a_unique_code() -> None:
+    classes = [getattr(errors, n) for n in errors.__all__]
+    codes = set()
+    for cls in classes:
+        assert issubclass(cls, errors.CorralError)
+        assert cls.__name__.endswith(("Error", "NotFound", "Expired", "Busy", "Refused",
+                                      "Exceeded", "Unavailable"))
+        codes.add(cls.code)
+    assert len(codes) == len(classes)

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from corral._backends.namespace.bwrap import BwrapFds, build_argv
+from corral._backends.namespace.seccomp import compile_filter
+from corral._backends.namespace.template import BaseTemplate
+
+
+def test_filter_compiles_to_whole_bpf_instructions() -> None:
+    program = compile_filter()
+    assert program and len(program) % 8 == 0
+
+
+def test_bwrap_argv_isolates_everything_but_the_shared_network() -> None:
+    template = BaseTemplate(etc=Path("/t/etc"), system=(("symlink", "usr/bin", "/bin"),
+                                                        ("bind", "/usr", "/usr")))
+    argv = build_argv("bwrap", template=template, workspace=Path("/w"), tmp_bytes=1024,
+                      cwd="/workspace", argv=["echo", "hi"], fds=BwrapFds(3, 4, 5))
+    for flag in ("--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                 "--unshare-cgroup", "--disable-userns", "--die-with-parent", "--new-session"):
+        assert flag in argv
+    # The sandbox's persistent network namespace is joined from outside, never shared or new.
+    assert "--unshare-net" not in argv and "--share-net" not in argv
+    usr = argv.index("/usr")
+    assert argv[usr - 1:usr + 2] == ["--ro-bind", "/usr", "/usr"]
+    assert ["--bind", "/w", "/workspace"] == argv[argv.index("/w") - 1:argv.index("/w") + 2]
+    assert argv[-3:] == ["--", "echo", "hi"]
+    assert "/etc/shadow" not in argv
