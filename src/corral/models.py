@@ -15,7 +15,7 @@ __all__ = [
     "Usage",
 ]
 
-SandboxState = Literal["running", "destroying"]
+SandboxState = Literal["creating", "running", "destroying"]
 
 
 @dataclass(frozen=True, slots=True)

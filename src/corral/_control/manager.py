@@ -7,6 +7,7 @@ and enforces lifetimes: an expired sandbox is destroyed the next time anything l
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ from ..errors import (
     CommandError,
     FileError,
     FileNotFound,
+    SandboxBusy,
     SandboxExpired,
     SandboxNotFound,
     UsageError,
@@ -140,8 +142,11 @@ class Manager:
     def recover(self) -> list[str]:
         """Finish interrupted destroys, reap expired sandboxes and sweep crash leftovers."""
         removed: list[str] = []
+        now = time.time()
         for info in self.store.list():
-            if info.state == "destroying" or info.expires_at <= time.time():
+            # A create takes milliseconds; one still "creating" after a minute was interrupted.
+            stale_create = info.state == "creating" and info.created_at < now - 60
+            if info.state == "destroying" or stale_create or info.expires_at <= now:
                 self._destroy(info)
                 removed.append(f"sandbox {info.id}")
         removed += self.backend.sweep({i.id for i in self.store.list()})
@@ -180,6 +185,8 @@ class Manager:
         except BaseException:
             self.store.delete(info.id)
             raise
+        self.store.set_state(info.id, "running")
+        info = dataclasses.replace(info, state="running")
         logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
         return info
 
@@ -215,6 +222,8 @@ class Manager:
             raise SandboxNotFound(f"sandbox {sandbox_id} does not exist; `corral ls` lists them")
         if info.state == "destroying":
             raise SandboxNotFound(f"sandbox {sandbox_id} is being destroyed")
+        if info.state == "creating":
+            raise SandboxBusy(f"sandbox {sandbox_id} is still being created; try again shortly")
         if info.expires_at <= time.time():
             self._destroy(info)
             raise SandboxExpired(

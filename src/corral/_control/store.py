@@ -66,7 +66,7 @@ class Store:
         self, *, sandbox_id: str, template: str, resources: str, ttl_s: float,
         labels: dict[str, str], uid_start: int, uid_count: int,
     ) -> SandboxInfo:
-        """Insert a sandbox with the lowest free uid of the range.
+        """Insert a sandbox in state ``creating`` with the lowest free uid of the range.
 
         Raises:
             QuotaExceeded: every uid of the range is taken.
@@ -86,7 +86,7 @@ class Store:
                 )
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
-                "expires_at, labels) VALUES (?, ?, ?, ?, 'running', ?, ?, ?)",
+                "expires_at, labels) VALUES (?, ?, ?, ?, 'creating', ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels)),
             )
         info = self.get(sandbox_id)

@@ -1,0 +1,119 @@
+"""The CLI, driven as a user would: a separate process, exit codes, --json on every command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from corral._settings import Settings
+
+pytestmark = pytest.mark.needs_root
+
+
+@pytest.fixture
+def corral(settings: Settings, home: str):  # type: ignore[no-untyped-def]
+    env = {**os.environ, "CORRAL_HOME": str(settings.home),
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+
+    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral", *args], env=env, input=stdin,
+                              capture_output=True, text=True, timeout=120)
+
+    return run
+
+
+def test_run_prints_json_and_exits_with_the_command_code(corral) -> None:  # type: ignore[no-untyped-def]
+    done = corral("run", "--json", "--", "echo hi; echo oops >&2; exit 3")
+    assert done.returncode == 3
+    result = json.loads(done.stdout)
+    assert result["exit_code"] == 3
+    assert result["stdout"] == "hi\n" and result["stderr"] == "oops\n"
+    assert result["timed_out"] is False
+    assert set(result["usage"]) == {"wall_s", "cpu_s", "peak_memory_bytes", "oom_killed"}
+
+
+def test_run_streams_plain_output_and_argv_form(corral) -> None:  # type: ignore[no-untyped-def]
+    done = corral("run", "--", "printf", "%s|", "a b", "c")
+    assert done.returncode == 0
+    assert done.stdout == "a b|c|"
+
+
+def test_run_timeout_exits_124(corral) -> None:  # type: ignore[no-untyped-def]
+    done = corral("run", "--timeout", "1", "--", "sleep 30")
+    assert done.returncode == 124
+    assert "timed out" in done.stderr
+
+
+def test_persistent_sandbox_workflow(corral) -> None:  # type: ignore[no-untyped-def]
+    created = corral("create", "--json", "--label", "team=agents")
+    assert created.returncode == 0, created.stderr
+    sandbox_id = json.loads(created.stdout)["id"]
+    try:
+        assert corral("exec", sandbox_id, "--", "echo 41 > n.txt").returncode == 0
+        wrote = corral("files", "write", sandbox_id, "src/app.py", stdin="print(42)\n")
+        assert wrote.returncode == 0, wrote.stderr
+        ran = corral("exec", sandbox_id, "--json", "--", "python3 src/app.py; cat n.txt")
+        assert json.loads(ran.stdout)["stdout"] == "42\n41\n"
+        assert corral("files", "read", sandbox_id, "n.txt").stdout == "41\n"
+        listing = json.loads(corral("files", "ls", sandbox_id, "--json").stdout)
+        assert {e["name"] for e in listing} == {"n.txt", "src"}
+        listed = json.loads(corral("ls", "--json").stdout)
+        assert any(s["id"] == sandbox_id and s["labels"] == {"team": "agents"} for s in listed)
+        info = json.loads(corral("info", sandbox_id, "--json").stdout)
+        assert info["resources"] == "small"
+    finally:
+        assert corral("rm", sandbox_id).returncode == 0
+    gone = corral("exec", sandbox_id, "--json", "--", "true")
+    assert gone.returncode == 4
+    assert json.loads(gone.stderr)["code"] == "sandbox_not_found"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (("run", "--resources", "huge", "--", "true"), 2, "unknown resource tier"),
+        (("run",), 2, "no command"),
+        (("exec", "sbx_000000000000", "--", "true"), 4, "does not exist"),
+        (("exec", "not-an-id", "--", "true"), 4, "not a sandbox id"),
+        (("rm", "sbx_000000000000"), 4, "does not exist"),
+        (("run", "--env", "NOEQUALS", "--", "true"), 2, "KEY=VALUE"),
+        (("run", "--cwd", "/etc", "--", "true"), 2, "outside /workspace"),
+    ],
+)
+def test_bad_input_gives_a_clear_error_and_exit_code(  # type: ignore[no-untyped-def]
+    corral, args: tuple[str, ...], code: int, needle: str
+) -> None:
+    done = corral(*args)
+    assert done.returncode == code, done.stderr
+    assert needle in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_path_refusal_through_the_cli(corral) -> None:  # type: ignore[no-untyped-def]
+    sandbox_id = corral("create").stdout.strip()
+    try:
+        done = corral("files", "read", sandbox_id, "../../etc/passwd", "--json")
+        assert done.returncode == 2
+        assert json.loads(done.stderr)["code"] == "path_refused"
+    finally:
+        corral("rm", sandbox_id)
+
+
+def test_doctor_reports_a_healthy_host(corral) -> None:  # type: ignore[no-untyped-def]
+    done = corral("doctor", "--json")
+    report = json.loads(done.stdout)
+    assert done.returncode == 0 and report["ok"] is True
+    assert {c["name"] for c in report["checks"]} >= {"bwrap", "seccomp", "cgroups", "root"}
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["exec"], ["files"], ["files", "write"],
+                                     ["doctor"], ["demo"], ["create"], ["ls"], ["rm"]])
+def test_help_is_available_everywhere(corral, command: list[str]) -> None:  # type: ignore[no-untyped-def]
+    done = corral(*command, "--help")
+    assert done.returncode == 0
+    assert "Usage:" in done.stdout
