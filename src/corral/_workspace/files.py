@@ -155,20 +155,24 @@ class WorkspaceFiles:
             os.close(fd)
 
     def _make_dirs(self, root_fd: int, rel: str) -> bool:
-        """mkdir -p, one component at a time through descriptors; True if anything was made."""
+        """mkdir -p, one component at a time; True if anything was made.
+
+        Each prefix is opened from the root with the same ``RESOLVE_BENEATH`` rules as any other
+        lookup, so a symlink on the way is followed when it stays inside and refused (EXDEV)
+        when it leads out.
+        """
         made = False
+        parts = [p for p in rel.split("/") if p not in ("", ".")]
         fd = os.dup(root_fd)
         try:
-            for part in rel.split("/"):
-                if part in ("", "."):
-                    continue
+            for i, part in enumerate(parts):
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)
                     os.chown(part, self._uid, self._uid, dir_fd=fd, follow_symlinks=False)
                     made = True
                 except FileExistsError:
                     pass
-                nxt = self._open(fd, part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                nxt = self._open(root_fd, "/".join(parts[: i + 1]), os.O_RDONLY | os.O_DIRECTORY)
                 os.close(fd)
                 fd = nxt
         finally:
@@ -206,29 +210,71 @@ class WorkspaceFiles:
     def write(self, path: str, data: bytes, *, mode: int = 0o644) -> FileEntry:
         """Write atomically (temp file + rename), creating parent directories.
 
-        On any failure the previous content, if any, is left untouched.
+        A symlink at ``path`` is followed when it stays inside the workspace (like ``read``) and
+        refused when it leads out. On any failure the previous content is left untouched.
         """
         rel = to_relative(path)
         if len(data) > self._max:
             raise QuotaExceeded(f"{len(data)} bytes is over the {self._max}-byte file limit")
-        with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
-            tmp = f".corral-tmp-{secrets.token_hex(6)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         mode & 0o777, dir_fd=dir_fd)
+        for _ in range(8):  # symlink hops, like the kernel's own limit on nesting
+            with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
+                target = self._symlink_target(dir_fd, leaf, rel)
+                if target is None:
+                    return self._replace(dir_fd, leaf, rel, data, mode)
+            rel = target
+        raise PathRefused(f"{_display(rel)}: too many levels of symlinks")
+
+    def _symlink_target(self, dir_fd: int, leaf: str, rel: str) -> str | None:
+        """If ``leaf`` is a symlink, where it leads (relative to the root); else None.
+
+        Raises PathRefused when it leads out. Only a hint for where to write: if the sandbox
+        swaps the link afterwards, the rename replaces the link itself and writes through nothing.
+        """
+        try:
+            st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if not stat_mod.S_ISLNK(st.st_mode):
+            return None
+        with self._root_fd() as root_fd:
             try:
-                try:
-                    os.fchown(fd, self._uid, self._uid)
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                finally:
-                    os.close(fd)
-                os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=dir_fd)
-                raise
-            return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
+                fd = self._open(root_fd, rel, os.O_PATH)
+            except FileNotFoundError:
+                # Dangling: it resolves inside (else EXDEV) but names nothing yet; follow the
+                # text of the link, which must itself stay inside.
+                link = os.readlink(leaf, dir_fd=dir_fd)
+                base = posixpath.dirname(rel)
+                joined = link if link.startswith("/") else posixpath.join(base, link)
+                if joined.startswith("/"):
+                    raise PathRefused(f"{_display(rel)} is an absolute symlink; refused") from None
+                return to_relative(joined)
+            try:
+                host_path = os.readlink(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+        inside = os.path.relpath(host_path, self._root)
+        if inside.startswith(".."):
+            raise PathRefused(f"{_display(rel)} is a symlink that leaves {WORKSPACE}")
+        return inside
+
+    def _replace(self, dir_fd: int, leaf: str, rel: str, data: bytes, mode: int) -> FileEntry:
+        tmp = f".corral-tmp-{secrets.token_hex(6)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     mode & 0o777, dir_fd=dir_fd)
+        try:
+            try:
+                os.fchown(fd, self._uid, self._uid)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
 
     def list(self, path: str = WORKSPACE) -> list[FileEntry]:
         rel = to_relative(path)
