@@ -51,8 +51,16 @@ def build_argv(
             args += ["--ro-bind", source, dest]
     args += [
         "--ro-bind", str(template.etc), "/etc",
+        # bwrap's /dev is a writable tmpfs; keep /dev/shm writable (POSIX semaphores need it) as
+        # a size-limited tmpfs of its own and make the rest read-only.
         "--dev", "/dev",
+        "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
+        "--remount-ro", "/dev",
         "--proc", "/proc",
+    ]
+    for hidden in template.masked_proc:
+        args += ["--ro-bind", "/dev/null", hidden]
+    args += [
         "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
         "--bind", str(workspace), "/workspace",
         "--remount-ro", "/",

@@ -66,8 +66,11 @@ def compile_filter() -> bytes:
     filt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_NEWUSER, _CLONE_NEWUSER))
     filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, _TIOCSTI))
     filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, _TIOCLINUX))
-    filt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, _AF_NETLINK))
-    filt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, _AF_PACKET))
+    # Masked to 32 bits: the kernel reads an int, so a plain 64-bit EQ would let
+    # AF_NETLINK | 1 << 32 through.
+    for family in (_AF_NETLINK, _AF_PACKET):
+        filt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket",
+                      sc.Arg(0, sc.MASKED_EQ, 0xFFFFFFFF, family))
     filt.add_rule(eperm, "socket", sc.Arg(1, sc.MASKED_EQ, _SOCK_TYPE_MASK, _SOCK_RAW))
 
     with tempfile.TemporaryFile() as out:

@@ -96,6 +96,9 @@ class WorkspaceStore:
             lost = point / "lost+found"
             if lost.is_dir() and not any(lost.iterdir()):
                 lost.rmdir()
+            # Only the sandbox's own uid may enter: another sandbox's uid that somehow reached
+            # the host's mount table still finds nothing to read.
+            os.chmod(point, 0o700)
         return point
 
     def unmount(self, sandbox_id: str) -> None:

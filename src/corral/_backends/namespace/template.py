@@ -41,6 +41,10 @@ _HOSTS = "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopbac
 
 # Top-level host paths bound read-only. On merged-/usr systems most are symlinks into /usr and
 # are recreated as symlinks.
+# Kernel memory, key and timer details a sandbox has no use for (Docker masks the same ones).
+_MASKED_PROC = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/kallsyms",
+                "/proc/sched_debug")
+
 _SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 
@@ -50,6 +54,7 @@ class BaseTemplate:
 
     etc: Path
     system: tuple[tuple[str, str, str], ...]  # (kind, source, dest); kind is "bind" or "symlink"
+    masked_proc: tuple[str, ...] = ()  # /proc files hidden behind /dev/null
 
 
 def _copy_etc(dest: Path) -> None:
@@ -105,4 +110,5 @@ def load_template(name: str, templates_dir: Path) -> BaseTemplate:
             system.append(("symlink", os.readlink(src), f"/{entry}"))
         elif src.is_dir():
             system.append(("bind", str(src), f"/{entry}"))
-    return BaseTemplate(etc=etc, system=tuple(system))
+    masked = tuple(p for p in _MASKED_PROC if os.path.exists(p))
+    return BaseTemplate(etc=etc, system=tuple(system), masked_proc=masked)

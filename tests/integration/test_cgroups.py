@@ -1,0 +1,113 @@
+"""The cgroup drivers against the real hierarchies of this host.
+
+This host mounts the v1 controllers, so v2 can only be exercised where it needs no controller:
+placement, `cgroup.kill` of a whole tree and removal (its limits are covered on v2 hosts only).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from corral._backends.namespace.cgroups import CgroupV1, CgroupV2, _mounts, detect_cgroups
+from corral._core.resources import get_tier
+
+pytestmark = pytest.mark.needs_root
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _forking_tree() -> subprocess.Popen[bytes]:
+    """A process that forks three sleepers only once released, so it can be placed first."""
+    return subprocess.Popen(
+        ["bash", "-c", "read go; p=; for i in 1 2 3; do sleep 60 & p=\"$p $!\"; done; echo $p; wait"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+    )
+
+
+def _close(proc: subprocess.Popen[bytes]) -> None:
+    proc.wait(timeout=5)
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+def _place_and_release(driver: CgroupV1 | CgroupV2, group: str) -> tuple[
+    subprocess.Popen[bytes], list[int]
+]:
+    proc = _forking_tree()
+    driver.attach(group, [proc.pid])
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+    children = [int(p) for p in proc.stdout.readline().split()]
+    assert len(children) == 3
+    return proc, children
+
+
+def test_detection_prefers_v1_when_controllers_are_bound_to_it() -> None:
+    driver = detect_cgroups("corral-detect")
+    has_v1_memory = any(t == "cgroup" and "memory" in o for _, t, o in _mounts())
+    assert driver.version == (1 if has_v1_memory else 2)
+
+
+def test_v1_limits_placement_usage_and_tree_kill() -> None:
+    driver = detect_cgroups(f"corral-test-{secrets.token_hex(3)}")
+    if driver.version != 1:
+        pytest.skip("this host runs cgroup v2")
+    tier = get_tier("small")
+    driver.create_sandbox("sbx", tier)
+    try:
+        mem = Path("/sys/fs/cgroup/memory") / driver._prefix / "sbx"  # type: ignore[union-attr]
+        assert int((mem / "memory.limit_in_bytes").read_text()) == tier.memory_bytes
+        pids = Path("/sys/fs/cgroup/pids") / driver._prefix / "sbx"  # type: ignore[union-attr]
+        assert int((pids / "pids.max").read_text()) == tier.pids
+        driver.create_command("sbx/cmd")
+        proc, children = _place_and_release(driver, "sbx/cmd")
+        assert all(_alive(p) for p in children)
+        driver.kill("sbx/cmd")
+        _close(proc)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(_alive(p) for p in children)
+        assert driver.usage("sbx/cmd").cpu_s >= 0
+    finally:
+        driver.kill("sbx")
+        driver.remove("")
+    assert not (Path("/sys/fs/cgroup/freezer") / driver._prefix).exists()  # type: ignore[union-attr]
+
+
+def test_v2_placement_and_cgroup_kill_without_controllers() -> None:
+    root = next((Path(p) for p, t, _ in _mounts() if t == "cgroup2"), None)
+    if root is None or not os.access(root / "cgroup.procs", os.W_OK):
+        pytest.skip("no writable cgroup2 mount")
+    prefix = f"corral-test-{secrets.token_hex(3)}"
+    driver = CgroupV2(root, prefix)
+    (root / prefix).mkdir()
+    try:
+        driver.create_command("cmd")
+        if not (root / prefix / "cmd" / "cgroup.kill").exists():
+            pytest.skip("kernel older than 5.14: no cgroup.kill")
+        proc, children = _place_and_release(driver, "cmd")
+        procs = {int(p) for p in (root / prefix / "cmd" / "cgroup.procs").read_text().split()}
+        assert {proc.pid, *children} <= procs
+        driver.kill("cmd")
+        _close(proc)
+        assert not any(_alive(p) for p in children)
+        assert driver.children("") == ["cmd"]
+    finally:
+        driver.kill("cmd")
+        driver.remove("")
+    assert not (root / prefix).exists()
