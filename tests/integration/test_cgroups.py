@@ -31,7 +31,8 @@ def _alive(pid: int) -> bool:
 def _forking_tree() -> subprocess.Popen[bytes]:
     """A process that forks three sleepers only once released, so it can be placed first."""
     return subprocess.Popen(
-        ["bash", "-c", "read go; p=; for i in 1 2 3; do sleep 60 & p=\"$p $!\"; done; echo $p; wait"],
+        ["bash", "-c",
+         "read go; p=; for i in 1 2 3; do sleep 60 & p=\"$p $!\"; done; echo $p; wait"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
     )
 
