@@ -111,8 +111,44 @@ def test_doctor_reports_a_healthy_host(corral) -> None:  # type: ignore[no-untyp
     assert {c["name"] for c in report["checks"]} >= {"bwrap", "seccomp", "cgroups", "root"}
 
 
+def test_reap_removes_expired_sandboxes(corral) -> None:  # type: ignore[no-untyped-def]
+    sandbox_id = corral("create", "--ttl", "1").stdout.strip()
+    import time
+
+    time.sleep(1.2)
+    done = corral("reap", "--json")
+    assert done.returncode == 0, done.stderr
+    assert f"sandbox {sandbox_id}" in json.loads(done.stdout)["removed"]
+
+
+def test_refuses_to_run_unprivileged(settings: Settings) -> None:
+    """As a normal user a sandbox would share that user's uid: Corral refuses instead."""
+    from corral import BackendUnavailable
+    from corral._control.manager import Manager
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child drops to nobody and reports what Corral said
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            Manager(settings)
+            os.write(write_end, b"started")
+        except BackendUnavailable as exc:
+            os.write(write_end, exc.message.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    message = os.read(read_end, 4096).decode()
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    assert "must run as root" in message
+
+
 @pytest.mark.parametrize("command", [[], ["run"], ["exec"], ["files"], ["files", "write"],
-                                     ["doctor"], ["demo"], ["create"], ["ls"], ["rm"]])
+                                     ["doctor"], ["demo"], ["create"], ["ls"], ["rm"],
+                                     ["reap"]])
 def test_help_is_available_everywhere(corral, command: list[str]) -> None:  # type: ignore[no-untyped-def]
     done = corral(*command, "--help")
     assert done.returncode == 0

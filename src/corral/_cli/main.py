@@ -377,6 +377,27 @@ def files_ls(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) -> N
 @json_option
 @click.pass_context
 @handle_errors
+def reap(ctx: click.Context, as_json: bool) -> None:
+    """Destroy expired sandboxes and clean what crashed processes left behind.
+
+    Every command does this on start; run it from cron or a systemd timer so expired sandboxes
+    are removed even when nothing else runs.
+    """
+    from .._control.manager import get_manager
+
+    removed = get_manager(ctx.obj["settings"]).recover()
+    if as_json:
+        _emit_json({"removed": removed})
+    else:
+        for item in removed:
+            click.echo(f"removed {item}")
+        click.echo(f"{len(removed)} item(s) removed", err=True)
+
+
+@cli.command()
+@json_option
+@click.pass_context
+@handle_errors
 def doctor(ctx: click.Context, as_json: bool) -> None:
     """Check that this host can run sandboxes safely, and say how to fix what is missing."""
     from .._backends import load_backend
