@@ -19,7 +19,7 @@ from .cgroups import CgroupDriver, detect_cgroups
 from .hostcheck import check_host
 from .runner import CommandLauncher
 from .storage import WorkspaceStore
-from .template import load_template
+from .template import BaseTemplate, load_template
 
 __all__ = ["NamespaceBackend"]
 
@@ -45,6 +45,9 @@ class NamespaceBackend:
         self._store = WorkspaceStore(settings.home / "sandboxes")
         self._templates_dir = settings.home / "templates"
         self._cgroups: CgroupDriver | None = None
+        self._templates: dict[str, BaseTemplate] = {}
+        # Sandboxes whose cgroup this process has already set up (the hot path skips the writes).
+        self._ensured: set[str] = set()
         self._launcher: CommandLauncher | None = None
         # Command cgroups carry the owner's pid and start time, so a later process can tell a
         # crashed owner's leftovers from a live neighbour's commands.
@@ -81,11 +84,18 @@ class NamespaceBackend:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def _template(self, name: str) -> BaseTemplate:
+        template = self._templates.get(name)
+        if template is None:
+            template = self._templates[name] = load_template(name, self._templates_dir)
+        return template
+
     def create(self, spec: SandboxSpec) -> None:
         self._ready()
-        load_template(spec.template, self._templates_dir)
+        self._template(spec.template)
         try:
             self.cgroups.create_sandbox(spec.id, spec.tier)
+            self._ensured.add(spec.id)
             netns.create_netns(self._netns_path(spec.id))
             self._store.create(spec.id, uid=spec.uid, size_bytes=spec.tier.disk_bytes)
         except BaseException:
@@ -99,7 +109,9 @@ class NamespaceBackend:
         if not netns.is_pinned(path):
             path.unlink(missing_ok=True)
             netns.create_netns(path)
-        self.cgroups.create_sandbox(spec.id, spec.tier)
+        if spec.id not in self._ensured:
+            self.cgroups.create_sandbox(spec.id, spec.tier)
+            self._ensured.add(spec.id)
         return self._store.ensure_mounted(spec.id)
 
     def workspace_root(self, spec: SandboxSpec) -> Path:
@@ -109,7 +121,7 @@ class NamespaceBackend:
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         launcher = self._ready()
         workspace = self._ensure_runtime(spec)
-        template = load_template(spec.template, self._templates_dir)
+        template = self._template(spec.template)
         group = f"{spec.id}/c.{self._owner}.{secrets.token_hex(4)}"
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
@@ -131,6 +143,7 @@ class NamespaceBackend:
 
     def destroy(self, spec: SandboxSpec) -> None:
         self._ready()
+        self._ensured.discard(spec.id)
         self.cgroups.kill(spec.id)
         self.cgroups.remove(spec.id)
         netns.remove_netns(self._netns_path(spec.id))

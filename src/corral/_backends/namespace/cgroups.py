@@ -83,19 +83,40 @@ def _wait_empty(procs_files: list[Path], deadline_s: float = 5.0) -> bool:
     return False
 
 
+def _groups(path: Path) -> list[Path]:
+    """``path`` and every cgroup below it, parents first (d_type only: no stat per file)."""
+    found = [path]
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    found.extend(_groups(Path(entry.path)))
+    except FileNotFoundError:
+        return []
+    return found
+
+
+def _procs(path: Path) -> list[int]:
+    pids: list[int] = []
+    for group in _groups(path):
+        with contextlib.suppress(FileNotFoundError):
+            pids.extend(int(x) for x in _read(group / "cgroup.procs").split())
+    return pids
+
+
 def _rmdir_tree(path: Path) -> None:
     """Remove a cgroup directory and its child groups, deepest first."""
-    if not path.exists():
-        return
-    for child in sorted((p for p in path.iterdir() if p.is_dir()), reverse=True):
-        _rmdir_tree(child)
     for attempt in range(50):
         try:
-            path.rmdir()
+            path.rmdir()  # the common case: a leaf group, no walk needed
             return
         except FileNotFoundError:
             return
         except OSError as exc:
+            if exc.errno == errno.EBUSY and len(_groups(path)) > 1:
+                for child in reversed(_groups(path)[1:]):
+                    _rmdir_tree(child)
+                continue
             if exc.errno != errno.EBUSY or attempt == 49:
                 raise BackendError(f"cannot remove cgroup {path}: {exc.strerror}") from exc
             time.sleep(0.01)
@@ -160,7 +181,9 @@ class CgroupV1:
 
     def kill(self, group: str) -> None:
         freezer = self._path("freezer", group)
-        if not freezer.exists():
+        if not _procs(freezer):
+            # Nothing to kill (or no group). Worth the check: freezing a group whose children
+            # were just removed can sit in FREEZING for tens of milliseconds.
             return
         # Freeze first so nothing can fork while we collect pids, then kill every pid, then thaw
         # so the kernel can deliver SIGKILL.
@@ -169,14 +192,14 @@ class CgroupV1:
         while _read(freezer / "freezer.state").strip() != "FROZEN" and time.monotonic() < end:
             time.sleep(0.0005)
         for _ in range(100):
-            pids = _all_procs(freezer)
+            pids = _procs(freezer)
             if not pids:
                 break
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             _write(freezer / "freezer.state", "THAWED")
-            if _wait_empty([p / "cgroup.procs" for p in freezer.rglob("") if p.is_dir()], 0.5):
+            if _wait_empty([g / "cgroup.procs" for g in _groups(freezer)], 0.5):
                 break
             _write(freezer / "freezer.state", "FROZEN")
         _write(freezer / "freezer.state", "THAWED")
@@ -192,13 +215,6 @@ class CgroupV1:
         if not path.exists():
             return []
         return sorted(p.name for p in path.iterdir() if p.is_dir())
-
-
-def _all_procs(path: Path) -> list[int]:
-    pids: list[int] = []
-    for procs in path.rglob("cgroup.procs"):
-        pids.extend(int(x) for x in _read(procs).split())
-    return pids
 
 
 class CgroupV2:
@@ -255,10 +271,10 @@ class CgroupV2:
 
     def kill(self, group: str) -> None:
         path = self._base / group
-        if not path.exists():
+        if not _procs(path):
             return
         _write(path / "cgroup.kill", "1")
-        if not _wait_empty([p / "cgroup.procs" for p in path.rglob("") if p.is_dir()]):
+        if not _wait_empty([g / "cgroup.procs" for g in _groups(path)]):
             raise BackendError(f"processes of cgroup {group} survived cgroup.kill")
 
     def remove(self, group: str) -> None:

@@ -9,16 +9,21 @@ a few MiB. Mounts survive the Corral process; after a reboot ``ensure_mounted`` 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
+from ..._core import linux
 from ...errors import BackendError, BackendUnavailable, QuotaExceeded
+from . import loop
 
 __all__ = ["WorkspaceStore"]
 
 _MOUNT_OPTIONS = "loop,nodev,nosuid,noatime"
+
+logger = logging.getLogger(__name__)
 
 
 def _run(argv: list[str], what: str) -> None:
@@ -91,8 +96,12 @@ class WorkspaceStore:
                     f"the workspace image of sandbox {sandbox_id} is missing ({image}); "
                     f"remove the sandbox with `corral rm {sandbox_id}`"
                 )
-            _run(["mount", "-o", _MOUNT_OPTIONS, str(image), str(point)],
-                 f"mounting the workspace of {sandbox_id}")
+            try:
+                loop.mount_image(str(image), str(point))
+            except OSError as exc:
+                logger.debug("in-process loop mount failed (%s); using mount(8)", exc)
+                _run(["mount", "-o", _MOUNT_OPTIONS, str(image), str(point)],
+                     f"mounting the workspace of {sandbox_id}")
             lost = point / "lost+found"
             if lost.is_dir() and not any(lost.iterdir()):
                 lost.rmdir()
@@ -105,8 +114,10 @@ class WorkspaceStore:
         if self.is_mounted(sandbox_id):
             # Lazy: the sandbox's processes are already dead; detaching can't fail on a stray
             # host shell sitting in the directory, and the loop device auto-clears.
-            _run(["umount", "-l", str(self.mount_point(sandbox_id))],
-                 f"unmounting the workspace of {sandbox_id}")
+            try:
+                linux.umount(str(self.mount_point(sandbox_id)), linux.MNT_DETACH)
+            except OSError as exc:
+                raise BackendError(f"cannot unmount the workspace of {sandbox_id}: {exc}") from exc
 
     def remove(self, sandbox_id: str) -> None:
         """Unmount and delete everything of ``sandbox_id``. Idempotent."""
