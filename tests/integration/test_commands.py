@@ -142,3 +142,15 @@ def test_context_manager_destroys(home: str) -> None:
     with Sandbox.create(home=home) as sb:
         sb.commands.run("true")
     assert sb.id not in {i.id for i in Sandbox.list(home=home)}
+
+
+def test_many_quick_commands_do_not_leak_processes(sandbox: Sandbox, settings) -> None:  # type: ignore[no-untyped-def]
+    """Each command's sandbox init must be reaped: a leak would exhaust the 128-pid limit."""
+    from pathlib import Path
+
+    for i in range(200):
+        result = sandbox.commands.run(["true"])
+        assert result.exit_code == 0, (i, result.stderr)
+    pids = Path("/sys/fs/cgroup/pids", f"corral-{settings.instance}", sandbox.id, "pids.current")
+    if pids.exists():
+        assert int(pids.read_text()) == 0
