@@ -153,3 +153,16 @@ def test_help_is_available_everywhere(corral, command: list[str]) -> None:  # ty
     done = corral(*command, "--help")
     assert done.returncode == 0
     assert "Usage:" in done.stdout
+
+
+def test_demo_runs_end_to_end_and_everything_is_contained(corral) -> None:  # type: ignore[no-untyped-def]
+    done = corral("demo", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["destroyed"] is True
+    assert summary["report"]["words"] == 29
+    steps = {s["step"]: s for s in summary["steps"]}
+    assert steps["run agent script"]["ok"] is True
+    for name in ("write outside /workspace", "open a connection to the internet",
+                 "resolve a host name", "runaway loop", "see the host's processes"):
+        assert steps[name]["contained"] is True, steps[name]

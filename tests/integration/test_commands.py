@@ -154,3 +154,22 @@ def test_many_quick_commands_do_not_leak_processes(sandbox: Sandbox, settings) -
     pids = Path("/sys/fs/cgroup/pids", f"corral-{settings.instance}", sandbox.id, "pids.current")
     if pids.exists():
         assert int(pids.read_text()) == 0
+
+
+def test_concurrent_commands_in_one_sandbox(sandbox: Sandbox) -> None:
+    import threading
+    import time
+
+    results: list[object] = []
+
+    def work(i: int) -> None:
+        results.append(sandbox.commands.run(f"sleep 0.5; echo {i} > f{i}; cat f{i}"))
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert time.monotonic() - started < 1.4  # they ran side by side, not one after another
+    assert sorted(r.stdout for r in results) == ["0\n", "1\n", "2\n"]  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ import json
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.panel import Panel
@@ -58,8 +59,10 @@ def _last_line(result: CommandResult) -> str:
     return text[-1] if text else f"exit {result.exit_code}"
 
 
-def run_demo(*, home: Path) -> None:
-    console = Console()
+def run_demo(*, home: Path, console: Console | None = None) -> dict[str, Any]:
+    """Run the session, narrating on ``console``; return a machine-readable summary."""
+    console = console or Console()
+    summary: dict[str, Any] = {"steps": []}
     console.print(Panel.fit(
         "[bold]Corral demo[/bold]: an agent writes a script, runs it, and then (as if steered "
         "by a prompt injection) tries to break out.",
@@ -71,6 +74,8 @@ def run_demo(*, home: Path) -> None:
     try:
         info = sb.get_info()
         tier = get_tier(info.resources)
+        summary.update(sandbox_id=sb.id, uid=info.uid, tier=tier.to_dict(),
+                       create_ms=round((time.perf_counter() - started) * 1000, 1))
         console.print(
             f"[green]1.[/green] created sandbox [bold]{sb.id}[/bold] in "
             f"{(time.perf_counter() - started) * 1000:.0f} ms — host uid {info.uid}, "
@@ -89,7 +94,10 @@ def run_demo(*, home: Path) -> None:
             on_stdout=lambda text: console.print(f"   [dim]│[/dim] {text.rstrip()}"),
         )
         console.print(f"   exit code {result.exit_code} in {result.duration_s * 1000:.0f} ms")
+        summary["steps"].append({"step": "run agent script", "ok": result.ok,
+                                 "result": result.to_dict()})
         report = json.loads(sb.files.read("/workspace/report.json"))
+        summary["report"] = report
         console.print(f"   the report it wrote, read back through the files API: {report}")
 
         console.print("[green]4.[/green] now the injected instructions try to get out:")
@@ -102,13 +110,19 @@ def run_demo(*, home: Path) -> None:
             if label == "see the host's processes":
                 table.add_row(label, "[green]contained[/green]",
                               f"sees only its own: {attempt.stdout.strip()}")
+                summary["steps"].append({"step": label, "contained": True,
+                                         "visible": attempt.stdout.split()})
                 continue
+            summary["steps"].append({"step": label, "contained": not attempt.ok,
+                                     "said": _last_line(attempt)})
             verdict = "[red]ESCAPED[/red]" if attempt.ok else "[green]refused[/green]"
             table.add_row(label, verdict, _last_line(attempt))
         console.print(table)
 
         console.print("[green]5.[/green] a runaway loop meets its timeout:")
         loop = sb.commands.run("while true; do :; done", timeout=2)
+        summary["steps"].append({"step": "runaway loop", "contained": loop.timed_out,
+                                 "duration_s": round(loop.duration_s, 3)})
         console.print(
             f"   timed_out={loop.timed_out}, exit code {loop.exit_code}, "
             f"killed after {loop.duration_s:.2f} s"
@@ -128,7 +142,10 @@ def run_demo(*, home: Path) -> None:
         gone = False
     except SandboxNotFound:
         gone = True
+    summary["destroyed"] = gone
+    summary["total_s"] = round(time.perf_counter() - started, 3)
     console.print(
         f"[green]7.[/green] destroyed {sb.id}: processes killed, workspace deleted "
         f"({'gone' if gone else 'STILL THERE'}). Total {time.perf_counter() - started:.1f} s."
     )
+    return summary

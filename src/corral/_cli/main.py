@@ -421,13 +421,23 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
 
 @cli.command()
+@json_option
 @click.pass_context
 @handle_errors
-def demo(ctx: click.Context) -> None:
+def demo(ctx: click.Context, as_json: bool) -> None:
     """Walk through an agent-like session: write code, run it, try to escape, clean up."""
+    import io
+
+    from rich.console import Console
+
     from .demo import run_demo
 
-    run_demo(home=_home(ctx))
+    console = Console(file=io.StringIO()) if as_json else Console()
+    summary = run_demo(home=_home(ctx), console=console)
+    if as_json:
+        _emit_json(summary)
+    contained = all(step.get("contained", True) for step in summary["steps"])
+    sys.exit(0 if contained and summary["destroyed"] else EXIT_FAILED)
 
 
 def main() -> None:
