@@ -29,6 +29,8 @@ import pytest
 
 from corral import PathRefused, Sandbox
 
+from .hostprocs import host_procs_of_uid, status_field
+
 pytestmark = pytest.mark.needs_root
 
 
@@ -47,27 +49,6 @@ def py_json(sb: Sandbox, code: str, *args: str, **kw: object) -> dict:  # type: 
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def host_procs_of_uid(uid: int, *, zombies: bool = False) -> list[tuple[int, str]]:
-    """(pid, status text) of every host process whose real, effective, saved or fs uid is ``uid``.
-
-    Zombies (dead, waiting to be reaped: they run no code) are left out unless ``zombies``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                status = f.read()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("Uid:") and str(uid) in line.split()[1:]:
-                if zombies or not status_field(status, "State").startswith("Z"):
-                    found.append((int(entry), status))
-                break
-    return found
-
-
 def host_procs_with_marker(marker: str) -> list[int]:
     """Host processes whose argv[0] contains ``marker``."""
     found = []
@@ -81,13 +62,6 @@ def host_procs_with_marker(marker: str) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def status_field(status: str, name: str) -> str:
-    for line in status.splitlines():
-        if line.startswith(name + ":"):
-            return line.split(":", 1)[1].strip()
-    raise KeyError(name)
 
 
 def errname(code: int | None) -> str:

@@ -16,6 +16,8 @@ from corral import Sandbox, SandboxExpired, SandboxNotFound
 from corral._control.manager import Manager
 from corral._settings import Settings
 
+from .hostprocs import host_procs_of_uid
+
 pytestmark = pytest.mark.needs_root
 
 
@@ -33,22 +35,7 @@ def _runtime_pieces(settings: Settings, sandbox_id: str) -> dict[str, bool]:
 
 def _uid_processes(uid: int) -> list[int]:
     """Live (not zombie) processes running as host ``uid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("State:") and line.split()[1] == "Z":
-                        break
-                    if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
-                            found.append(int(entry))
-                        break
-        except OSError:
-            continue
-    return found
+    return [pid for pid, _ in host_procs_of_uid(uid)]
 
 
 def _python(settings: Settings, code: str) -> subprocess.Popen[str]:

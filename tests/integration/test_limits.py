@@ -9,7 +9,6 @@ timeout.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import textwrap
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+
+from .hostprocs import host_procs_of_uid, status_field
 
 pytestmark = pytest.mark.needs_root
 
@@ -34,21 +35,8 @@ SMALL_OUTPUT = 1 * MiB
 
 def live_host_procs_of_uid(uid: int) -> list[str]:
     """Host processes (not zombies) running as ``uid``: "pid name state"."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                status = dict(
-                    line.split(":", 1) for line in f.read().splitlines() if ":" in line
-                )
-        except OSError:
-            continue
-        zombie = status.get("State", "").strip().startswith("Z")
-        if str(uid) in status.get("Uid", "").split() and not zombie:
-            found.append(f"{entry} {status['Name'].strip()} {status['State'].strip()}")
-    return found
+    return [f"{pid} {status_field(st, 'Name')} {status_field(st, 'State')}"
+            for pid, st in host_procs_of_uid(uid)]
 
 
 def assert_host_and_sandbox_fine(sb: Sandbox) -> None:

@@ -178,16 +178,27 @@ def cli(ctx: click.Context, home: Path | None, debug: bool) -> None:
     ctx.obj = {"settings": settings, "debug": debug}
 
 
+def command_options(fn: F) -> F:
+    """The options `run` and `exec` share, and the trailing COMMAND."""
+    for decorator in reversed([
+        click.option("--timeout", "-t", type=float, default=None,
+                     help="Command timeout in seconds (default: the tier's)."),
+        click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE",
+                     help="Set a variable."),
+        click.option("--cwd", default=None, help="Working directory inside /workspace."),
+        click.option("--stdin", "forward_stdin", is_flag=True,
+                     help="Send this terminal's stdin."),
+        json_option,
+        click.argument("command", nargs=-1, type=click.UNPROCESSED),
+    ]):
+        fn = decorator(fn)
+    return fn
+
+
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.option("--resources", "-r", default="small", show_default=True,
               help="Resource tier: small or large.")
-@click.option("--timeout", "-t", type=float, default=None,
-              help="Command timeout in seconds (default: the tier's).")
-@click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set a variable.")
-@click.option("--cwd", default=None, help="Working directory inside /workspace.")
-@click.option("--stdin", "forward_stdin", is_flag=True, help="Send this terminal's stdin.")
-@json_option
-@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@command_options
 @click.pass_context
 @handle_errors
 def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[str, ...],
@@ -230,13 +241,7 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
 
 @cli.command(name="exec", context_settings={"ignore_unknown_options": True})
 @click.argument("sandbox_id")
-@click.option("--timeout", "-t", type=float, default=None,
-              help="Command timeout in seconds (default: the tier's).")
-@click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set a variable.")
-@click.option("--cwd", default=None, help="Working directory inside /workspace.")
-@click.option("--stdin", "forward_stdin", is_flag=True, help="Send this terminal's stdin.")
-@json_option
-@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@command_options
 @click.pass_context
 @handle_errors
 def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple[str, ...],

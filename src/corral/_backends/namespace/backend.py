@@ -17,7 +17,7 @@ from ...errors import BackendError, BackendUnavailable
 from . import netns
 from .cgroups import CgroupDriver, detect_cgroups
 from .hostcheck import check_host
-from .runner import CommandLauncher
+from .runner import CommandLauncher, Launch
 from .storage import WorkspaceStore
 from .template import BaseTemplate, load_template
 
@@ -135,11 +135,11 @@ class NamespaceBackend:
             "CORRAL_SANDBOX_ID": spec.id,
             **request.env,
         }
-        return launcher.run(
+        return launcher.run(Launch(
             uid=spec.uid, netns_path=self._netns_path(spec.id), template=template,
             workspace=workspace, tmp_bytes=spec.tier.tmp_bytes, group=group, request=request,
             env=env,
-        )
+        ))
 
     def destroy(self, spec: SandboxSpec) -> None:
         self._ready()

@@ -29,7 +29,7 @@ from .bwrap import BwrapFds, build_argv
 from .cgroups import CgroupDriver
 from .template import BaseTemplate
 
-__all__ = ["CommandLauncher"]
+__all__ = ["CommandLauncher", "Launch"]
 
 _READ_CHUNK = 65536
 _SETUP_TIMEOUT_S = 10.0
@@ -93,6 +93,20 @@ def _reap(pid: int) -> None:
         time.sleep(0.001)
 
 
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One command to start, with everything about its sandbox that the launch needs."""
+
+    uid: int
+    netns_path: Path
+    template: BaseTemplate
+    workspace: Path
+    tmp_bytes: int
+    group: str
+    request: ExecRequest
+    env: Mapping[str, str]
+
+
 class CommandLauncher:
     """Starts commands for one backend: the bwrap binary, the cgroup driver, the spawner thread."""
 
@@ -105,47 +119,24 @@ class CommandLauncher:
         # never reap (containers often run one that doesn't).
         linux.set_child_subreaper()
 
-    def run(
-        self,
-        *,
-        uid: int,
-        netns_path: Path,
-        template: BaseTemplate,
-        workspace: Path,
-        tmp_bytes: int,
-        group: str,
-        request: ExecRequest,
-        env: Mapping[str, str],
-    ) -> ExecOutcome:
-        self.cgroups.create_command(group)
+    def run(self, launch: Launch) -> ExecOutcome:
+        self.cgroups.create_command(launch.group)
         try:
-            return self._run_in_group(uid=uid, netns_path=netns_path, template=template,
-                                      workspace=workspace, tmp_bytes=tmp_bytes, group=group,
-                                      request=request, env=env)
+            return self._run_in_group(launch)
         finally:
             with contextlib.suppress(BackendError):
-                self.cgroups.kill(group)
-            self.cgroups.remove(group)
+                self.cgroups.kill(launch.group)
+            self.cgroups.remove(launch.group)
 
-    def _run_in_group(
-        self,
-        *,
-        uid: int,
-        netns_path: Path,
-        template: BaseTemplate,
-        workspace: Path,
-        tmp_bytes: int,
-        group: str,
-        request: ExecRequest,
-        env: Mapping[str, str],
-    ) -> ExecOutcome:
+    def _run_in_group(self, launch: Launch) -> ExecOutcome:
+        request, group = launch.request, launch.group
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         seccomp_fd = seccomp.filter_fd()
         child_fds = (info_w, block_r, seccomp_fd)
         argv = build_argv(
-            self.bwrap, template=template, workspace=workspace, tmp_bytes=tmp_bytes,
-            cwd=request.cwd, argv=request.argv,
+            self.bwrap, template=launch.template, workspace=launch.workspace,
+            tmp_bytes=launch.tmp_bytes, cwd=request.cwd, argv=request.argv,
             fds=BwrapFds(info=info_w, block=block_r, seccomp=seccomp_fd),
         )
 
@@ -155,10 +146,10 @@ class CommandLauncher:
                 stdin=subprocess.PIPE if request.stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=dict(env),
+                env=dict(launch.env),
                 cwd="/",
-                user=uid,
-                group=uid,
+                user=launch.uid,
+                group=launch.uid,
                 extra_groups=[],
                 pass_fds=child_fds,
                 start_new_session=True,
@@ -166,7 +157,7 @@ class CommandLauncher:
 
         started = time.monotonic()
         try:
-            proc = self._spawner.run(netns_path, spawn)
+            proc = self._spawner.run(launch.netns_path, spawn)
         except OSError as exc:
             for fd in (*child_fds, info_r, block_w):
                 os.close(fd)

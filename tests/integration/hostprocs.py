@@ -1,0 +1,35 @@
+"""Looking at the host's processes from a test: what runs as a sandbox's host uid."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["host_procs_of_uid", "status_field"]
+
+
+def status_field(status: str, name: str) -> str:
+    for line in status.splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    raise KeyError(name)
+
+
+def host_procs_of_uid(uid: int, *, zombies: bool = False) -> list[tuple[int, str]]:
+    """(pid, status text) of every host process whose real, effective, saved or fs uid is ``uid``.
+
+    Zombies (dead, waiting to be reaped: they run no code) are left out unless ``zombies``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("Uid:") and str(uid) in line.split()[1:]:
+                if zombies or not status_field(status, "State").startswith("Z"):
+                    found.append((int(entry), status))
+                break
+    return found
