@@ -92,14 +92,14 @@ def _command_from(args: Sequence[str]) -> str | list[str]:
     return args[0] if len(args) == 1 else list(args)
 
 
-def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
-    env = {}
+def _parse_pairs(pairs: Sequence[str], option: str = "--env") -> dict[str, str]:
+    parsed = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--env")
-        env[key] = value
-    return env
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint=option)
+        parsed[key] = value
+    return parsed
 
 
 def _run_and_report(
@@ -208,7 +208,7 @@ def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[st
     One argument is run by bash (pipes and globs work); several are run as an argv.
     """
     cmd = _command_from(command)
-    variables = _parse_env(env)
+    variables = _parse_pairs(env)
     with Sandbox.create(resources=resources, home=_home(ctx)) as sb:
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
                         forward_stdin=forward_stdin, as_json=as_json)
@@ -226,12 +226,7 @@ def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[st
 def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
            as_json: bool) -> None:
     """Create a sandbox and print its id."""
-    label_map = {}
-    for pair in labels:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--label")
-        label_map[key] = value
+    label_map = _parse_pairs(labels, "--label")
     sb = Sandbox.create(resources=resources, timeout=ttl, labels=label_map, home=_home(ctx))
     if as_json:
         _emit_json(_info_json(sb.get_info()))
@@ -249,7 +244,7 @@ def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple
     """Run COMMAND in an existing sandbox; exit with COMMAND's exit code."""
     cmd = _command_from(command)
     sb = Sandbox.connect(sandbox_id, home=_home(ctx))
-    _run_and_report(sb, cmd, timeout=timeout, env=_parse_env(env), cwd=cwd,
+    _run_and_report(sb, cmd, timeout=timeout, env=_parse_pairs(env), cwd=cwd,
                     forward_stdin=forward_stdin, as_json=as_json)
 
 
