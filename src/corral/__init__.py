@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
-from ._sdk.sandbox import Commands, Files, Sandbox
+from ._audit.events import AuditEvent
+from ._audit.log import AuditTrail
+from ._sdk.sandbox import Audit, Commands, Files, Sandbox, read_audit
 from .errors import (
     BackendError,
     BackendUnavailable,
@@ -30,6 +32,9 @@ from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, Usage
 __version__ = "0.1.0"
 
 __all__ = [
+    "Audit",
+    "AuditEvent",
+    "AuditTrail",
     "BackendError",
     "BackendUnavailable",
     "CommandError",
@@ -54,4 +59,5 @@ __all__ = [
     "Usage",
     "UsageError",
     "__version__",
+    "read_audit",
 ]

@@ -29,6 +29,8 @@ class Settings(BaseSettings):
             Two Corral homes on one host must use ranges that do not overlap.
         backend: the isolation tier. Only ``namespace`` exists so far.
         run_dir: where network namespaces are pinned (``ip netns`` sees them).
+        audit: write the audit trail (``CORRAL_AUDIT=0`` turns it off; only for measuring).
+        audit_output_bytes: command output kept in the audit trail, per stream and command.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -38,6 +40,8 @@ class Settings(BaseSettings):
     uid_count: int = Field(default=65536, ge=1, le=1_000_000)
     backend: Literal["namespace"] = "namespace"
     run_dir: Path = Path("/run/netns")
+    audit: bool = True
+    audit_output_bytes: int = Field(default=256 * 1024, ge=0, le=64 * 1024 * 1024)
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

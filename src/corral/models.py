@@ -83,6 +83,7 @@ class CommandResult:
         usage: resource usage of the command's process tree.
         stdout_truncated: bytes of stdout dropped past the cap (0 when nothing was dropped).
         stderr_truncated: the same for stderr.
+        command_id: the command's id in the sandbox's audit trail.
     """
 
     exit_code: int
@@ -93,6 +94,7 @@ class CommandResult:
     usage: Usage
     stdout_truncated: int = 0
     stderr_truncated: int = 0
+    command_id: str = ""
 
     @property
     def ok(self) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from .. import errors
+from .._audit.events import AuditEvent
 from .._sdk.sandbox import Sandbox
 from .._settings import Settings
 from ..models import CommandResult, FileEntry, SandboxInfo
@@ -104,7 +105,7 @@ def _parse_pairs(pairs: Sequence[str], option: str = "--env") -> dict[str, str]:
 
 def _run_and_report(
     sb: Sandbox, command: str | list[str], *, timeout: float | None, env: dict[str, str],
-    cwd: str | None, forward_stdin: bool, as_json: bool,
+    cwd: str | None, forward_stdin: bool, as_json: bool, context: dict[str, str],
 ) -> NoReturn:
     stdin = sys.stdin.buffer.read() if forward_stdin else None
 
@@ -119,6 +120,7 @@ def _run_and_report(
     result: CommandResult = sb.commands.run(
         command, timeout=timeout, envs=env, cwd=cwd, stdin=stdin,
         on_stdout=None if as_json else out, on_stderr=None if as_json else err,
+        context=context or None,
     )
     if as_json:
         _emit_json(_result_json(result))
@@ -141,6 +143,7 @@ def _result_json(result: CommandResult) -> dict[str, Any]:
         "usage": result.usage.to_dict(),
         "stdout_truncated": result.stdout_truncated,
         "stderr_truncated": result.stderr_truncated,
+        "command_id": result.command_id,
     }
 
 
@@ -188,6 +191,9 @@ def command_options(fn: F) -> F:
         click.option("--cwd", default=None, help="Working directory inside /workspace."),
         click.option("--stdin", "forward_stdin", is_flag=True,
                      help="Send this terminal's stdin."),
+        click.option("--context", "-c", "context", multiple=True, metavar="KEY=VALUE",
+                     help="Why this command runs (tool-call id, model input): kept in the "
+                          "audit trail."),
         json_option,
         click.argument("command", nargs=-1, type=click.UNPROCESSED),
     ]):
@@ -202,7 +208,8 @@ def command_options(fn: F) -> F:
 @click.pass_context
 @handle_errors
 def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[str, ...],
-        cwd: str | None, forward_stdin: bool, as_json: bool, command: tuple[str, ...]) -> None:
+        cwd: str | None, forward_stdin: bool, context: tuple[str, ...], as_json: bool,
+        command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
 
     One argument is run by bash (pipes and globs work); several are run as an argv.
@@ -211,7 +218,8 @@ def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[st
     variables = _parse_pairs(env)
     with Sandbox.create(resources=resources, home=_home(ctx)) as sb:
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
-                        forward_stdin=forward_stdin, as_json=as_json)
+                        forward_stdin=forward_stdin, as_json=as_json,
+                        context=_parse_pairs(context, "--context"))
 
 
 @cli.command()
@@ -240,12 +248,14 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
 @click.pass_context
 @handle_errors
 def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple[str, ...],
-          cwd: str | None, forward_stdin: bool, as_json: bool, command: tuple[str, ...]) -> None:
+          cwd: str | None, forward_stdin: bool, context: tuple[str, ...], as_json: bool,
+          command: tuple[str, ...]) -> None:
     """Run COMMAND in an existing sandbox; exit with COMMAND's exit code."""
     cmd = _command_from(command)
     sb = Sandbox.connect(sandbox_id, home=_home(ctx))
     _run_and_report(sb, cmd, timeout=timeout, env=_parse_pairs(env), cwd=cwd,
-                    forward_stdin=forward_stdin, as_json=as_json)
+                    forward_stdin=forward_stdin, as_json=as_json,
+                    context=_parse_pairs(context, "--context"))
 
 
 @cli.command(name="ls")
@@ -371,6 +381,132 @@ def files_ls(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) -> N
     for e in entries:
         suffix = "/" if e.type == "dir" else ("@" if e.type == "symlink" else "")
         click.echo(f"{e.mode:04o} {e.size:>10} {e.name}{suffix}")
+
+
+@cli.command()
+@click.argument("sandbox_id")
+@click.option("--type", "-T", "types", multiple=True,
+              help="Only these event types (repeatable); a family works too: command.*")
+@click.option("--since", default=None, help="From this time: Unix seconds, ISO 8601, or 10m ago.")
+@click.option("--until", default=None, help="Up to this time (same forms).")
+@click.option("--command", "command_id", default=None, help="Only events of this command id.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events until the sandbox "
+              "is destroyed (Ctrl-C stops).")
+@json_option
+@click.pass_context
+@handle_errors
+def replay(ctx: click.Context, sandbox_id: str, types: tuple[str, ...], since: str | None,
+           until: str | None, command_id: str | None, follow: bool, as_json: bool) -> None:
+    """Show what happened in a sandbox, in order: commands, output, files, lifecycle.
+
+    Works for destroyed sandboxes too. With --json: one event per line.
+    """
+    from rich.console import Console
+
+    from .._audit.log import follow as follow_log
+    from .._control.manager import get_manager
+    from .replay import parse_time, render_event, type_filter
+
+    wanted = type_filter(types)
+    start, end = parse_time(since, "--since"), parse_time(until, "--until")
+    auditor = get_manager(ctx.obj["settings"]).auditor
+    console = Console(highlight=False)
+
+    def show(event: AuditEvent, first_ts: float) -> None:
+        if as_json:
+            click.echo(event.model_dump_json())
+        else:
+            render_event(console, event, first_ts)
+
+    if follow:
+        path = auditor.path(sandbox_id)
+        first: float | None = None
+        try:
+            for event in follow_log(path, types=wanted, command=command_id):
+                if (start is not None and event.ts < start) or (end is not None and event.ts > end):
+                    continue
+                first = event.ts if first is None else first
+                show(event, first)
+        except KeyboardInterrupt:
+            pass
+        return
+    trail = auditor.trail(sandbox_id, types=wanted, since=start, until=end, command=command_id)
+    first_ts = trail.events[0].ts if trail.events else 0.0
+    for event in trail.events:
+        show(event, first_ts)
+    if trail.torn_tail:
+        click.secho("corral: the log's last line was torn (a crash cut a write short) and was "
+                    "skipped", err=True, fg="yellow")
+    if trail.skipped:
+        click.secho(f"corral: {trail.skipped} unreadable line(s) were skipped", err=True,
+                    fg="yellow")
+
+
+@cli.command()
+@click.pass_context
+@handle_errors
+def metrics(ctx: click.Context) -> None:
+    """Print Prometheus metrics (text exposition format): sandboxes, commands, reaper."""
+    from .._audit.metrics import render
+    from .._control.manager import get_manager
+
+    click.echo(render(get_manager(ctx.obj["settings"]).store), nl=False)
+
+
+@cli.group()
+def secrets() -> None:
+    """Register secrets on the host. Their values are redacted from every audit record."""
+
+
+@secrets.command(name="add")
+@click.argument("name")
+@click.option("--host", "hosts", multiple=True, metavar="HOST",
+              help="A host the value may be sent to (repeatable): api.example.com, *.example.com.")
+@json_option
+@click.pass_context
+@handle_errors
+def secrets_add(ctx: click.Context, name: str, hosts: tuple[str, ...], as_json: bool) -> None:
+    """Register NAME with its value read from stdin (never from the command line)."""
+    from .._control.manager import get_manager
+
+    value = sys.stdin.read().rstrip("\n")
+    info = get_manager(ctx.obj["settings"]).secrets.add(name, value, list(hosts))
+    if as_json:
+        _emit_json({"name": info.name, "hosts": list(info.hosts)})
+    else:
+        click.echo(f"registered {info.name}", err=True)
+
+
+@secrets.command(name="ls")
+@json_option
+@click.pass_context
+@handle_errors
+def secrets_ls(ctx: click.Context, as_json: bool) -> None:
+    """List secret names and hosts (never values)."""
+    from .._control.manager import get_manager
+
+    infos = get_manager(ctx.obj["settings"]).secrets.list()
+    if as_json:
+        _emit_json([{"name": i.name, "hosts": list(i.hosts), "created_at": i.created_at}
+                    for i in infos])
+        return
+    for info in infos:
+        click.echo(f"{info.name}\t{','.join(info.hosts) or '-'}")
+
+
+@secrets.command(name="rm")
+@click.argument("name")
+@json_option
+@click.pass_context
+@handle_errors
+def secrets_rm(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Forget a secret."""
+    from .._control.manager import get_manager
+
+    if not get_manager(ctx.obj["settings"]).secrets.remove(name):
+        raise errors.UsageError(f"no secret named {name!r}; `corral secrets ls` lists them")
+    if as_json:
+        _emit_json({"removed": name})
 
 
 @cli.command()

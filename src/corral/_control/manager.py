@@ -18,7 +18,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from .._audit.auditor import Auditor, new_command_id
+from .._audit.tracing import tracer
 from .._backends import load_backend
 from .._core.resources import get_tier
 from .._settings import Settings
@@ -35,6 +38,8 @@ from ..errors import (
     UsageError,
 )
 from ..models import CommandResult, SandboxInfo
+from .files import AuditedFiles
+from .secrets import SecretStore
 from .store import Store
 
 __all__ = ["Manager", "get_manager"]
@@ -120,6 +125,14 @@ def _validate_command(
     return _Command(argv=argv, cwd=cwd_inside, env=env, stdin=data)
 
 
+def _outcome(result: CommandResult) -> str:
+    if result.timed_out:
+        return "timeout"
+    if result.usage.oom_killed:
+        return "oom"
+    return "ok" if result.exit_code == 0 else "error"
+
+
 class Manager:
     """Owns the store and the backend of one data directory."""
 
@@ -133,6 +146,10 @@ class Manager:
         settings.home.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(settings.home, 0o711)
         self.store = Store(settings.home / "corral.db")
+        self.secrets = SecretStore(settings.home / "secrets.db")
+        self.auditor = Auditor(directory=settings.home / "audit", store=self.store,
+                               secrets=self.secrets, enabled=settings.audit,
+                               output_limit_bytes=settings.audit_output_bytes)
         self.backend: IsolationBackend = load_backend(settings)
         self._recovered = False
         self._lock = threading.Lock()
@@ -146,12 +163,19 @@ class Manager:
         for info in self.store.list():
             # A create takes milliseconds; one still "creating" after a minute was interrupted.
             stale_create = info.state == "creating" and info.created_at < now - 60
-            if info.state == "destroying" or stale_create or info.expires_at <= now:
-                self._destroy(info)
-                removed.append(f"sandbox {info.id}")
-        removed += self.backend.sweep({i.id for i in self.store.list()})
+            if info.expires_at <= now and info.state == "running":
+                self._expire(info)
+            elif info.state == "destroying" or stale_create:
+                self._destroy(info, reason="interrupted")
+            else:
+                continue
+            self.auditor.count("corral_reaper_actions", action="destroy_sandbox")
+            removed.append(f"sandbox {info.id}")
+        swept = self.backend.sweep({i.id for i in self.store.list()})
+        for item in swept:
+            self.auditor.count("corral_reaper_actions", action=f"sweep_{item.split()[0]}")
         self._recovered = True
-        return removed
+        return removed + swept
 
     def _ensure_recovered(self) -> None:
         if not self._recovered:
@@ -187,6 +211,12 @@ class Manager:
             raise
         self.store.set_state(info.id, "running")
         info = dataclasses.replace(info, state="running")
+        self.auditor.event(info.id, "sandbox.created", {
+            "template": template, "resources": resources, "uid": info.uid,
+            "expires_at": info.expires_at, "labels": clean_labels, "limits": tier.to_dict(),
+            "backend": self.backend.name,
+        })
+        self.auditor.count("corral_sandboxes_created")
         logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
         return info
 
@@ -225,7 +255,7 @@ class Manager:
         if info.state == "creating":
             raise SandboxBusy(f"sandbox {sandbox_id} is still being created; try again shortly")
         if info.expires_at <= time.time():
-            self._destroy(info)
+            self._expire(info)
             raise SandboxExpired(
                 f"sandbox {sandbox_id} reached the end of its lifetime and was destroyed; pass a "
                 "longer timeout= when creating it, or extend it with set_timeout()"
@@ -237,8 +267,8 @@ class Manager:
         now = time.time()
         live = []
         for info in self.store.list():
-            if info.expires_at <= now:
-                self._destroy(info)
+            if info.expires_at <= now and info.state == "running":
+                self._expire(info)
             elif info.state == "running":
                 live.append(info)
         return live
@@ -247,18 +277,27 @@ class Manager:
         info = self.get(sandbox_id)
         ttl = self._check_ttl(timeout, get_tier(info.resources).max_ttl_s)
         self.store.set_expiry(sandbox_id, time.time() + ttl)
-        return self.get(sandbox_id)
+        info = self.get(sandbox_id)
+        self.auditor.event(sandbox_id, "sandbox.timeout_changed", {"expires_at": info.expires_at})
+        return info
 
     def destroy(self, sandbox_id: str) -> None:
         info = self.get(sandbox_id)
-        self._destroy(info)
+        self._destroy(info, reason="requested")
 
-    def _destroy(self, info: SandboxInfo) -> None:
+    def _expire(self, info: SandboxInfo) -> None:
+        self.auditor.event(info.id, "sandbox.expired", {"expires_at": info.expires_at})
+        self._destroy(info, reason="expired")
+
+    def _destroy(self, info: SandboxInfo, *, reason: str) -> None:
         # Mark first: a crash in the middle leaves a row that the next start finishes off.
         self.store.set_state(info.id, "destroying")
         self.backend.destroy(self._spec(info))
         self.store.delete(info.id)
-        logger.info("destroyed sandbox %s", info.id)
+        self.auditor.event(info.id, "sandbox.destroyed", {"reason": reason}, sync=True)
+        self.auditor.close_log(info.id)
+        self.auditor.count("corral_sandboxes_destroyed", reason=reason)
+        logger.info("destroyed sandbox %s (%s)", info.id, reason)
 
     def _spec(self, info: SandboxInfo) -> SandboxSpec:
         return SandboxSpec(id=info.id, uid=info.uid, template=info.template,
@@ -270,9 +309,11 @@ class Manager:
         self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None = None,
         envs: Mapping[str, str] | None = None, cwd: str | None = None,
         stdin: str | bytes | None = None, on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None, context: Mapping[str, Any] | None = None,
     ) -> CommandResult:
         command = _validate_command(cmd, cwd, envs, stdin)
+        if context is not None and not isinstance(context, Mapping):
+            raise UsageError(f"context must be a mapping, not {type(context).__name__}")
         info = self.get(sandbox_id)
         self._ensure_recovered()
         tier = get_tier(info.resources)
@@ -291,20 +332,49 @@ class Manager:
             self._check_cwd(info, command.cwd)
         # A command never outlives its sandbox.
         limit = max(0.001, min(limit, info.expires_at - time.time()))
-        started = time.monotonic()
-        outcome = self.backend.exec(self._spec(info), ExecRequest(
-            argv=command.argv, cwd=command.cwd, env=command.env, timeout_s=limit,
-            stdin=command.stdin, output_limit_bytes=tier.output_limit_bytes,
-            on_stdout=on_stdout, on_stderr=on_stderr,
-        ))
+        recorder = self.auditor.command(sandbox_id)
+        command_id = recorder.command_id if recorder else new_command_id()
+        with tracer.start_as_current_span("corral.command", attributes={
+            "corral.sandbox.id": sandbox_id, "corral.command.id": command_id,
+            "corral.tier": tier.name, "corral.backend": self.backend.name,
+        }) as span:
+            if recorder is not None:
+                recorder.started(argv=command.argv, cwd=command.cwd, env=command.env,
+                                 timeout_s=limit, context=context)
+            self.auditor.count("corral_commands_started")
+            started = time.monotonic()
+            try:
+                outcome = self.backend.exec(self._spec(info), ExecRequest(
+                    argv=command.argv, cwd=command.cwd, env=command.env, timeout_s=limit,
+                    stdin=command.stdin, output_limit_bytes=tier.output_limit_bytes,
+                    on_stdout=self.auditor.recorded_callback(recorder, "stdout", on_stdout),
+                    on_stderr=self.auditor.recorded_callback(recorder, "stderr", on_stderr),
+                ))
+            except BaseException as exc:
+                span.set_attribute("corral.outcome", "failed")
+                if recorder is not None:
+                    recorder.finished(None, error=f"{type(exc).__name__}: {exc}")
+                self.auditor.count("corral_commands_finished", outcome="failed")
+                raise
+            result = CommandResult(
+                exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
+                timed_out=outcome.timed_out, duration_s=time.monotonic() - started,
+                usage=outcome.usage, stdout_truncated=outcome.stdout_truncated,
+                stderr_truncated=outcome.stderr_truncated, command_id=command_id,
+            )
+            verdict = _outcome(result)
+            span.set_attributes({"corral.outcome": verdict, "corral.exit_code": result.exit_code})
+            with tracer.start_as_current_span("corral.audit.commit"):
+                if recorder is not None:
+                    recorder.finished(result)
+                if self.auditor.enabled:
+                    self.auditor.metrics.command_finished(
+                        outcome=verdict, duration_s=result.duration_s,
+                        cpu_s=result.usage.cpu_s,
+                        peak_memory_bytes=result.usage.peak_memory_bytes)
         logger.debug("ran %s in %s: exit %d", shlex.join(command.argv)[:200], sandbox_id,
                      outcome.exit_code)
-        return CommandResult(
-            exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
-            timed_out=outcome.timed_out, duration_s=time.monotonic() - started,
-            usage=outcome.usage, stdout_truncated=outcome.stdout_truncated,
-            stderr_truncated=outcome.stderr_truncated,
-        )
+        return result
 
     def _check_cwd(self, info: SandboxInfo, cwd: str) -> None:
         files = WorkspaceFiles(self.backend.workspace_root(self._spec(info)), info.uid)
@@ -319,14 +389,16 @@ class Manager:
 
     # -- files --------------------------------------------------------------------------------
 
-    def files(self, sandbox_id: str) -> WorkspaceFiles:
+    def files(self, sandbox_id: str) -> AuditedFiles:
         info = self.get(sandbox_id)
         root: Path = self.backend.workspace_root(self._spec(info))
-        return WorkspaceFiles(root, info.uid)
+        return AuditedFiles(WorkspaceFiles(root, info.uid), self.auditor, sandbox_id)
 
     def close(self) -> None:
+        self.auditor.close()
         self.backend.close()
         self.store.close()
+        self.secrets.close()
 
 
 _managers: dict[Path, Manager] = {}

@@ -6,7 +6,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +25,12 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     created_at REAL NOT NULL,
     expires_at REAL NOT NULL,
     labels TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT NOT NULL,
+    labels TEXT NOT NULL,
+    value REAL NOT NULL,
+    PRIMARY KEY (name, labels)
 );
 """
 
@@ -114,6 +120,18 @@ class Store:
     def delete(self, sandbox_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    def add_counters(self, rows: Sequence[tuple[str, str, float]]) -> None:
+        """Add to metric counters, creating them at zero; one transaction for all rows."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO counters (name, labels, value) VALUES (?, ?, ?) "
+                "ON CONFLICT (name, labels) DO UPDATE SET value = value + excluded.value", rows)
+
+    def counters(self) -> dict[tuple[str, str], float]:
+        with self._lock:
+            rows = self._db.execute("SELECT name, labels, value FROM counters").fetchall()
+        return {(r[0], r[1]): r[2] for r in rows}
 
     def close(self) -> None:
         with self._lock:

@@ -9,16 +9,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
+from .._audit.events import AuditEvent
+from .._audit.log import AuditTrail
+from .._control.files import AuditedFiles
 from .._control.manager import Manager, get_manager
 from .._settings import Settings
-from .._workspace.files import WorkspaceFiles
 from ..backends import OutputCallback
 from ..errors import UsageError
 from ..models import CommandResult, FileEntry, SandboxInfo
 
-__all__ = ["Commands", "Files", "Sandbox"]
+__all__ = ["Audit", "Commands", "Files", "Sandbox", "read_audit"]
 
 
 def _manager(home: str | Path | None) -> Manager:
@@ -41,6 +43,7 @@ class Commands:
         stdin: str | bytes | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        context: Mapping[str, Any] | None = None,
     ) -> CommandResult:
         """Run ``cmd`` and wait for it.
 
@@ -53,6 +56,8 @@ class Commands:
             stdin: data fed to the command's standard input.
             on_stdout: called with each piece of standard output as it arrives.
             on_stderr: the same for standard error.
+            context: why this command runs, kept (redacted) in the audit trail; for example
+                ``{"tool_call_id": ..., "model_input": ...}``.
 
         Returns:
             The result; a non-zero exit is not an exception (check ``result.ok``).
@@ -67,7 +72,7 @@ class Commands:
         """
         return self._sandbox._mgr.run(
             self._sandbox._live_id(), cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
-            on_stdout=on_stdout, on_stderr=on_stderr,
+            on_stdout=on_stdout, on_stderr=on_stderr, context=context,
         )
 
 
@@ -81,7 +86,7 @@ class Files:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sandbox = sandbox
 
-    def _fs(self) -> WorkspaceFiles:
+    def _fs(self) -> AuditedFiles:
         return self._sandbox._mgr.files(self._sandbox._live_id())
 
     @overload
@@ -123,6 +128,55 @@ class Files:
         return self._fs().make_dir(path)
 
 
+class Audit:
+    """The sandbox's audit trail. Reached as ``sandbox.audit``."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def events(
+        self,
+        *,
+        types: Sequence[str] | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        command: str | None = None,
+    ) -> list[AuditEvent]:
+        """Events in log order, filtered by type (``command.finished`` or ``command.*``), Unix
+        time and command id (``result.command_id``)."""
+        return self.trail(types=types, since=since, until=until, command=command).events
+
+    def trail(
+        self,
+        *,
+        types: Sequence[str] | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        command: str | None = None,
+    ) -> AuditTrail:
+        """Like ``events`` but also says whether a torn last line was skipped."""
+        return self._sandbox._mgr.auditor.trail(
+            self._sandbox.id, types=types, since=since, until=until, command=command)
+
+
+def read_audit(
+    sandbox_id: str,
+    *,
+    home: str | Path | None = None,
+    types: Sequence[str] | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    command: str | None = None,
+) -> AuditTrail:
+    """The audit trail of any sandbox, also one that has been destroyed.
+
+    Raises:
+        SandboxNotFound: no trail exists for that id.
+    """
+    return _manager(home).auditor.trail(sandbox_id, types=types, since=since, until=until,
+                                        command=command)
+
+
 class Sandbox:
     """A sandbox: an isolated Linux environment with one writable directory, ``/workspace``.
 
@@ -140,6 +194,7 @@ class Sandbox:
         self._killed = False
         self.commands = Commands(self)
         self.files = Files(self)
+        self.audit = Audit(self)
 
     @classmethod
     def create(

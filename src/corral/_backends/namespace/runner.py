@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..._audit.tracing import tracer
 from ..._core import linux
 from ...backends import ExecOutcome, ExecRequest, OutputCallback
 from ...errors import BackendError, CommandError
@@ -130,6 +131,51 @@ class CommandLauncher:
 
     def _run_in_group(self, launch: Launch) -> ExecOutcome:
         request, group = launch.request, launch.group
+        started = time.monotonic()
+        with tracer.start_as_current_span("corral.process.start"):
+            proc, init_pid = self._start(launch)
+        with tracer.start_as_current_span("corral.process.run"):
+            try:
+                streams, timed_out = self._pump(proc, request, started)
+            except BaseException:
+                self._abort(proc, group, init_pid)
+                raise
+            if timed_out:
+                self.cgroups.kill(group)
+            try:
+                returncode = proc.wait(timeout=_SETUP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.cgroups.kill(group)
+                returncode = proc.wait()
+        wall = time.monotonic() - started
+        with tracer.start_as_current_span("corral.process.reap"):
+            # Anything the command left behind (it cannot outlive the PID namespace, but belt
+            # and braces) dies before we read usage.
+            self.cgroups.kill(group)
+            _reap(init_pid)
+            usage = self.cgroups.usage(group)
+        stdout, stderr = streams
+        if timed_out:
+            exit_code = _TIMEOUT_EXIT_CODE
+        elif returncode < 0:
+            exit_code = 128 - returncode
+        else:
+            exit_code = returncode
+        return ExecOutcome(
+            exit_code=exit_code,
+            stdout=stdout.finish(),
+            stderr=stderr.finish(),
+            timed_out=timed_out,
+            usage=Usage(wall_s=wall, cpu_s=usage.cpu_s,
+                        peak_memory_bytes=usage.peak_memory_bytes,
+                        oom_killed=usage.oom_killed),
+            stdout_truncated=stdout.dropped,
+            stderr_truncated=stderr.dropped,
+        )
+
+    def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
+        """Start bwrap, place it in the command's cgroup, then let the command run."""
+        request, group = launch.request, launch.group
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         seccomp_fd = seccomp.filter_fd()
@@ -155,7 +201,6 @@ class CommandLauncher:
                 start_new_session=True,
             )
 
-        started = time.monotonic()
         try:
             proc = self._spawner.run(launch.netns_path, spawn)
         except OSError as exc:
@@ -188,43 +233,7 @@ class CommandLauncher:
         finally:
             os.close(info_r)
             os.close(block_w)
-
-        try:
-            streams, timed_out = self._pump(proc, request, started)
-        except BaseException:
-            self._abort(proc, group, init_pid)
-            raise
-        if timed_out:
-            self.cgroups.kill(group)
-        try:
-            returncode = proc.wait(timeout=_SETUP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.cgroups.kill(group)
-            returncode = proc.wait()
-        wall = time.monotonic() - started
-        # Anything the command left behind (it cannot outlive the PID namespace, but belt and
-        # braces) dies before we read usage.
-        self.cgroups.kill(group)
-        _reap(init_pid)
-        usage = self.cgroups.usage(group)
-        stdout, stderr = streams
-        if timed_out:
-            exit_code = _TIMEOUT_EXIT_CODE
-        elif returncode < 0:
-            exit_code = 128 - returncode
-        else:
-            exit_code = returncode
-        return ExecOutcome(
-            exit_code=exit_code,
-            stdout=stdout.finish(),
-            stderr=stderr.finish(),
-            timed_out=timed_out,
-            usage=Usage(wall_s=wall, cpu_s=usage.cpu_s,
-                        peak_memory_bytes=usage.peak_memory_bytes,
-                        oom_killed=usage.oom_killed),
-            stdout_truncated=stdout.dropped,
-            stderr_truncated=stderr.dropped,
-        )
+        return proc, init_pid
 
     def _abort(self, proc: subprocess.Popen[bytes], group: str, init_pid: int) -> None:
         with contextlib.suppress(BackendError):

@@ -1,0 +1,1 @@
+"""The audit trail: events, redaction, the append-only log, metrics and traces."""

@@ -1,0 +1,127 @@
+"""The control plane's one door to the audit trail and metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import SandboxNotFound
+from .log import AuditLog, AuditTrail, Record, read_trail
+from .metrics import Metrics
+from .recorder import CommandRecorder, new_command_id
+from .redact import Redactor
+
+if TYPE_CHECKING:
+    from .._control.secrets import SecretStore
+    from .._control.store import Store
+
+__all__ = ["Auditor", "new_command_id"]
+
+_ID_RE = re.compile(r"^sbx_[0-9a-z]{12}$")
+
+
+class Auditor:
+    """Writes lifecycle, command and file events (redacted) and keeps the metrics.
+
+    With ``enabled`` False nothing is written: neither events nor metrics.
+    """
+
+    def __init__(self, *, directory: Path, store: Store, secrets: SecretStore, enabled: bool,
+                 output_limit_bytes: int) -> None:
+        self.directory = directory
+        self.enabled = enabled
+        self.output_limit_bytes = output_limit_bytes
+        self._secrets = secrets
+        self._extra_literals: set[str] = set()
+        self.metrics = Metrics(store)
+        self._logs: dict[str, AuditLog] = {}
+        self._lock = threading.Lock()
+
+    def path(self, sandbox_id: str) -> Path:
+        if not _ID_RE.match(sandbox_id):
+            raise SandboxNotFound(f"{sandbox_id!r} is not a sandbox id")
+        return self.directory / f"{sandbox_id}.jsonl"
+
+    def _log(self, sandbox_id: str) -> AuditLog:
+        with self._lock:
+            log = self._logs.get(sandbox_id)
+            if log is None:
+                log = self._logs[sandbox_id] = AuditLog(self.path(sandbox_id), sandbox_id)
+            return log
+
+    def add_literals(self, values: Iterable[str]) -> None:
+        """More strings to redact (placeholders handed to sandboxes, for example)."""
+        self._extra_literals.update(values)
+
+    def redactor(self) -> Redactor:
+        # Read per use: another process may have registered a secret a moment ago.
+        return Redactor([*self._secrets.values(), *self._extra_literals])
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def event(self, sandbox_id: str, type_: str, data: dict[str, Any], *,
+              command: str | None = None, sync: bool = False) -> None:
+        if self.enabled:
+            self._log(sandbox_id).append(
+                [Record(type_, self.redactor().data(data), command)], sync=sync)
+
+    def command(self, sandbox_id: str) -> CommandRecorder | None:
+        if not self.enabled:
+            return None
+        return CommandRecorder(self._log(sandbox_id), self.redactor(),
+                               command_id=new_command_id(),
+                               output_limit_bytes=self.output_limit_bytes)
+
+    def file_event(self, sandbox_id: str, op: str, path: str,
+                   data: bytes | None = None, **extra: Any) -> None:
+        if not self.enabled:
+            return
+        fields: dict[str, Any] = {"path": path, **extra}
+        if data is not None:
+            fields["size"] = len(data)
+            fields["sha256"] = hashlib.sha256(data).hexdigest()
+        self.event(sandbox_id, f"file.{op}", fields)
+        self.metrics.inc("corral_file_operations", labels={"op": op})
+
+    def count(self, name: str, **labels: str) -> None:
+        if self.enabled:
+            self.metrics.inc(name, labels=labels)
+
+    def close_log(self, sandbox_id: str) -> None:
+        with self._lock:
+            log = self._logs.pop(sandbox_id, None)
+        if log is not None:
+            log.close()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def trail(self, sandbox_id: str, **filters: Any) -> AuditTrail:
+        path = self.path(sandbox_id)
+        if not path.exists():
+            raise SandboxNotFound(f"no audit trail for {sandbox_id}; `corral ls` lists sandboxes")
+        return read_trail(path, **filters)
+
+    def recorded_callback(
+        self, recorder: CommandRecorder | None, stream: str,
+        user: Callable[[str], None] | None,
+    ) -> Callable[[str], None] | None:
+        """The output callback for the runner: audit first, then the caller's."""
+        if recorder is None:
+            return user
+
+        def callback(text: str) -> None:
+            recorder.output(stream, text)
+            if user is not None:
+                user(text)
+
+        return callback
+
+    def close(self) -> None:
+        with self._lock:
+            logs, self._logs = list(self._logs.values()), {}
+        for log in logs:
+            log.close()

@@ -1,0 +1,250 @@
+"""The append-only, per-sandbox audit log: ``<home>/audit/<sandbox>.jsonl``.
+
+Writers from any number of processes serialise on ``flock``; the sequence number continues from the
+file's last line. A crash can only tear the line being written: the next writer cuts that torn tail
+off (and records an ``audit.recovered`` event), and a reader that meets one skips it and says so.
+Callers ask for ``sync=True`` when the events must be on disk before they go on (the end of a
+command).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .events import SCHEMA_VERSION, AuditEvent
+
+__all__ = ["AuditLog", "AuditTrail", "Record", "follow", "read_trail"]
+
+_TAIL_BLOCK = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """An event before it has a sequence number and a time."""
+
+    type: str
+    data: dict[str, Any]
+    command: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditTrail:
+    """Events read back from a log.
+
+    Attributes:
+        events: the events that passed the filters, in log order.
+        torn_tail: the last line was incomplete (a write cut short by a crash) and was skipped.
+        skipped: lines other than the last that could not be parsed (0 unless the file was edited).
+    """
+
+    events: list[AuditEvent]
+    torn_tail: bool = False
+    skipped: int = 0
+
+
+def _last_line(fd: int, size: int) -> tuple[bytes, int]:
+    """The last complete line of the file and the offset just after it (where a tear starts)."""
+    block = _TAIL_BLOCK
+    while True:
+        start = max(0, size - block)
+        data = os.pread(fd, size - start, start)
+        end = data.rfind(b"\n")
+        if end == -1:
+            if start == 0:
+                return b"", 0
+            block *= 4
+            continue
+        begin = data.rfind(b"\n", 0, end)
+        if begin == -1 and start > 0:
+            block *= 4
+            continue
+        return data[begin + 1:end], start + end + 1
+
+
+class AuditLog:
+    """Appends events to one sandbox's log. Thread-safe; safe across processes."""
+
+    def __init__(self, path: Path, sandbox_id: str) -> None:
+        self.path = path
+        self.sandbox_id = sandbox_id
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        # (file size, last seq) as of our own last write: skips re-reading the tail when no
+        # other process wrote in between.
+        self._known: tuple[int, int] | None = None
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                               0o600)
+        return self._fd
+
+    def _last_seq(self, fd: int) -> tuple[int, list[Record]]:
+        """The last sequence number, cutting a torn tail off first."""
+        size = os.fstat(fd).st_size
+        if self._known is not None and self._known[0] == size:
+            return self._known[1], []
+        if size == 0:
+            return 0, []
+        line, end = self._tail(size)
+        recovered: list[Record] = []
+        if end < size:
+            os.ftruncate(fd, end)
+            recovered.append(Record("audit.recovered", {"dropped_bytes": size - end}))
+        try:
+            return int(json.loads(line)["seq"]), recovered
+        except (ValueError, KeyError, TypeError):
+            return 0, recovered
+
+    def _tail(self, size: int) -> tuple[bytes, int]:
+        read_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return _last_line(read_fd, size)
+        finally:
+            os.close(read_fd)
+
+    def append(self, records: Sequence[Record], *, sync: bool = False) -> int:
+        """Write ``records`` with the next sequence numbers; return the last one written."""
+        if not records:
+            return 0
+        with self._lock:
+            fd = self._open()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                seq, recovered = self._last_seq(fd)
+                now = time.time()
+                lines = []
+                for record in [*recovered, *records]:
+                    seq += 1
+                    lines.append(json.dumps({
+                        "v": SCHEMA_VERSION, "seq": seq, "ts": now, "sandbox": self.sandbox_id,
+                        "command": record.command, "type": record.type, "data": record.data,
+                    }, ensure_ascii=False, separators=(",", ":")))
+                payload = ("\n".join(lines) + "\n").encode()
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(fd, view):]
+                if sync:
+                    os.fdatasync(fd)
+                self._known = (os.fstat(fd).st_size, seq)
+                return seq
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def sync(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.fdatasync(self._fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+                self._known = None
+
+
+def _parse(lines: Iterable[bytes], *, final_complete: bool) -> tuple[list[AuditEvent], bool, int]:
+    events: list[AuditEvent] = []
+    items = list(lines)
+    torn = False
+    skipped = 0
+    for index, raw in enumerate(items):
+        if not raw.strip():
+            continue
+        try:
+            events.append(AuditEvent.model_validate_json(raw))
+        except ValueError:
+            if index == len(items) - 1 and not final_complete:
+                torn = True
+            else:
+                skipped += 1
+    return events, torn, skipped
+
+
+def read_trail(
+    path: Path,
+    *,
+    types: Iterable[str] | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    command: str | None = None,
+) -> AuditTrail:
+    """Read a log back, filtered by event type (exact or ``prefix.*``), time and command."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return AuditTrail(events=[])
+    complete = data.endswith(b"\n")
+    events, torn, skipped = _parse(data.split(b"\n"), final_complete=complete)
+    match = _matcher(types, since, until, command)
+    return AuditTrail(events=[e for e in events if match(e)], torn_tail=torn, skipped=skipped)
+
+
+def _matcher(
+    types: Iterable[str] | None, since: float | None, until: float | None, command: str | None
+) -> Callable[[AuditEvent], bool]:
+    wanted = list(types or [])
+
+    def match(event: AuditEvent) -> bool:
+        if wanted and not any(
+            event.type == t or (t.endswith(".*") and event.type.startswith(t[:-1]))
+            or (t.endswith(".") and event.type.startswith(t))
+            for t in wanted
+        ):
+            return False
+        if since is not None and event.ts < since:
+            return False
+        if until is not None and event.ts > until:
+            return False
+        return command is None or event.command == command
+
+    return match
+
+
+def follow(
+    path: Path,
+    *,
+    types: Iterable[str] | None = None,
+    command: str | None = None,
+    poll_s: float = 0.2,
+    stop: Callable[[], bool] | None = None,
+) -> Iterator[AuditEvent]:
+    """Yield events as they are appended, from the start, until ``sandbox.destroyed``.
+
+    ``stop`` is an optional callable; when it returns True the generator ends.
+    """
+    match = _matcher(types, None, None, command)
+    offset = 0
+    pending = b""
+    while True:
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+            offset += len(chunk)
+            pending += chunk
+        *complete, pending = pending.split(b"\n")
+        finished = False
+        for raw in complete:
+            if not raw.strip():
+                continue
+            try:
+                event = AuditEvent.model_validate_json(raw)
+            except ValueError:
+                continue
+            if match(event):
+                yield event
+            finished = finished or event.type == "sandbox.destroyed"
+        if finished or (stop is not None and stop()):
+            return
+        time.sleep(poll_s)

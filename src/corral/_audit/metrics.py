@@ -1,0 +1,112 @@
+"""Prometheus metrics, kept as counters in the store so every process (CLI calls, the service)
+adds to the same numbers and ``corral metrics`` prints the totals.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+if TYPE_CHECKING:
+    from .._control.store import Store
+
+__all__ = ["DURATION_BUCKETS", "MEMORY_BUCKETS", "Metrics", "render"]
+
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    300.0, 600.0)
+MEMORY_BUCKETS = tuple(float(1 << n) for n in range(20, 34, 2))  # 1 MiB .. 8 GiB
+
+_COUNTERS = {
+    "corral_sandboxes_created": ("Sandboxes created.", ()),
+    "corral_sandboxes_destroyed": ("Sandboxes destroyed, by reason.", ("reason",)),
+    "corral_commands_started": ("Commands started.", ()),
+    "corral_commands_finished": ("Commands finished, by outcome.", ("outcome",)),
+    "corral_command_cpu_seconds": ("CPU seconds used by commands.", ()),
+    "corral_file_operations": ("File operations through the API, by operation.", ("op",)),
+    "corral_reaper_actions": ("Clean-up actions (expired sandboxes, crash leftovers).",
+                              ("action",)),
+}
+_HISTOGRAMS = {
+    "corral_command_duration_seconds": ("Wall time of commands.", DURATION_BUCKETS),
+    "corral_command_peak_memory_bytes": ("Peak memory of commands.", MEMORY_BUCKETS),
+}
+
+
+def _key(labels: dict[str, str]) -> str:
+    return json.dumps(labels, sort_keys=True)
+
+
+class Metrics:
+    """Adds to the store's counters; each call is one small transaction."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def inc(self, name: str, *, amount: float = 1.0,
+            labels: Mapping[str, str] | None = None) -> None:
+        self._store.add_counters([(name, _key(dict(labels or {})), amount)])
+
+    def command_finished(self, *, outcome: str, duration_s: float, cpu_s: float,
+                         peak_memory_bytes: int) -> None:
+        rows = [
+            ("corral_commands_finished", _key({"outcome": outcome}), 1.0),
+            ("corral_command_cpu_seconds", _key({}), cpu_s),
+        ]
+        for name, value in (("corral_command_duration_seconds", duration_s),
+                            ("corral_command_peak_memory_bytes", float(peak_memory_bytes))):
+            buckets = _HISTOGRAMS[name][1]
+            # Store the bucket an observation falls in; cumulative counts are built on read.
+            bound = next((b for b in buckets if value <= b), float("inf"))
+            rows += [(f"{name}:bucket", _key({"le": repr(bound)}), 1.0),
+                     (f"{name}:sum", _key({}), value)]
+        self._store.add_counters(rows)
+
+
+class _StoreCollector:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self._store.counters()
+        states = GaugeMetricFamily("corral_sandboxes", "Sandboxes by state.", labels=["state"])
+        counts: dict[str, int] = {"creating": 0, "running": 0, "destroying": 0}
+        for info in self._store.list():
+            counts[info.state] = counts.get(info.state, 0) + 1
+        for state, count in sorted(counts.items()):
+            states.add_metric([state], count)
+        yield states
+        for name, (doc, label_names) in _COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=list(label_names))
+            for (row_name, labels), value in rows.items():
+                if row_name == name:
+                    parsed = json.loads(labels)
+                    family.add_metric([parsed.get(k, "") for k in label_names], value)
+            yield family
+        for name, (doc, buckets) in _HISTOGRAMS.items():
+            per_bucket = {float(json.loads(labels)["le"]): value
+                          for (row_name, labels), value in rows.items()
+                          if row_name == f"{name}:bucket"}
+            cumulative, running = [], 0.0
+            for bound in (*buckets, float("inf")):
+                running += per_bucket.get(bound, 0.0)
+                cumulative.append(("+Inf" if bound == float("inf") else repr(bound), running))
+            total = rows.get((f"{name}:sum", _key({})), 0.0)
+            histogram = HistogramMetricFamily(name, doc)
+            histogram.add_metric([], cumulative, sum_value=total)
+            yield histogram
+
+
+def render(store: Store) -> str:
+    """Every metric in Prometheus' text exposition format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StoreCollector(store))
+    return generate_latest(registry).decode()
