@@ -275,7 +275,7 @@ def teardown(settings: Settings) -> list[str]:
     if mgr is not None:
         try:
             for info in mgr.store.list():
-                mgr._destroy(info)
+                mgr._destroy(info, reason="cleanup")
             mgr.backend.sweep(set())
             mgr.backend.remove_instance()  # type: ignore[attr-defined]
         finally:

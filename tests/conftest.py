@@ -41,7 +41,7 @@ def manager(settings: Settings) -> Iterator[Manager]:
     mgr = manager_mod.get_manager(settings)
     yield mgr
     for info in mgr.store.list():
-        mgr._destroy(info)
+        mgr._destroy(info, reason="cleanup")
     mgr.backend.sweep(set())
     mgr.backend.remove_instance()  # type: ignore[attr-defined]
     mgr.close()

@@ -148,7 +148,7 @@ def test_refuses_to_run_unprivileged(settings: Settings) -> None:
 
 @pytest.mark.parametrize("command", [[], ["run"], ["exec"], ["files"], ["files", "write"],
                                      ["doctor"], ["demo"], ["create"], ["ls"], ["rm"],
-                                     ["reap"]])
+                                     ["reap"], ["replay"], ["metrics"], ["secrets"]])
 def test_help_is_available_everywhere(corral, command: list[str]) -> None:  # type: ignore[no-untyped-def]
     done = corral(*command, "--help")
     assert done.returncode == 0
@@ -166,3 +166,32 @@ def test_demo_runs_end_to_end_and_everything_is_contained(corral) -> None:  # ty
     for name in ("write outside /workspace", "open a connection to the internet",
                  "resolve a host name", "runaway loop", "see the host's processes"):
         assert steps[name]["contained"] is True, steps[name]
+
+
+def test_metrics_command_prints_parseable_prometheus_text(corral) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    done = corral("metrics")
+    assert done.returncode == 0, done.stderr
+    names = {f.name for f in text_string_to_metric_families(done.stdout)}
+    assert "corral_commands_finished" in names and "corral_sandboxes" in names
+
+
+def test_secrets_are_added_from_stdin_and_never_listed_with_values(corral) -> None:  # type: ignore[no-untyped-def]
+    value = "tok-" + "9" * 20
+    added = corral("secrets", "add", "CLI_TOKEN", "--host", "api.example.com", stdin=value)
+    assert added.returncode == 0, added.stderr
+    listed = corral("secrets", "ls", "--json")
+    assert {"name": "CLI_TOKEN", "hosts": ["api.example.com"]}.items() <= next(
+        s for s in json.loads(listed.stdout) if s["name"] == "CLI_TOKEN").items()
+    assert value not in listed.stdout and value not in corral("secrets", "ls").stdout
+    bad = corral("secrets", "add", "not a name", stdin="x")
+    assert bad.returncode == 2 and "invalid secret name" in bad.stderr
+    assert corral("secrets", "rm", "CLI_TOKEN").returncode == 0
+    missing = corral("secrets", "rm", "CLI_TOKEN")
+    assert missing.returncode == 2 and "no secret named" in missing.stderr
+
+
+def test_replay_of_an_unknown_sandbox(corral) -> None:  # type: ignore[no-untyped-def]
+    done = corral("replay", "sbx_000000000000")
+    assert done.returncode == 4 and "no audit trail" in done.stderr
