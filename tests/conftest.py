@@ -3,6 +3,7 @@ each session in its own data directory and uid range, and must leave nothing beh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -34,18 +35,27 @@ def settings() -> Iterator[Settings]:
     shutil.rmtree(home, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def manager(settings: Settings) -> Iterator[Manager]:
+@contextlib.contextmanager
+def managed(settings: Settings) -> Iterator[Manager]:
+    """A manager for ``settings`` that leaves nothing behind when the block ends."""
     from corral._control import manager as manager_mod
 
     mgr = manager_mod.get_manager(settings)
-    yield mgr
-    for info in mgr.store.list():
-        mgr._destroy(info, reason="cleanup")
-    mgr.backend.sweep(set())
-    mgr.backend.remove_instance()  # type: ignore[attr-defined]
-    mgr.close()
-    manager_mod._managers.pop(settings.home, None)
+    try:
+        yield mgr
+    finally:
+        for info in mgr.store.list():
+            mgr._destroy(info, reason="cleanup")
+        mgr.backend.sweep(set())
+        mgr.backend.remove_instance()  # type: ignore[attr-defined]
+        mgr.close()
+        manager_mod._managers.pop(settings.home, None)
+
+
+@pytest.fixture(scope="session")
+def manager(settings: Settings) -> Iterator[Manager]:
+    with managed(settings) as mgr:
+        yield mgr
 
 
 @pytest.fixture

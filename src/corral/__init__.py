@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ._audit.events import AuditEvent
 from ._audit.log import AuditTrail
-from ._sdk.sandbox import Audit, Commands, Files, Sandbox, read_audit
+from ._sdk.sandbox import Audit, Commands, Files, Network, Sandbox, read_audit
 from .errors import (
     BackendError,
     BackendUnavailable,
@@ -46,6 +46,7 @@ __all__ = [
     "FileError",
     "FileNotFound",
     "Files",
+    "Network",
     "PathRefused",
     "PolicyError",
     "QuotaExceeded",

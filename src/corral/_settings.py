@@ -12,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
 
+# bwrap writes uid maps with a signed int: larger uids fail ("setting up uid map").
+_MAX_UID = 2**31 - 2
+
 
 def _default_home() -> Path:
     if os.geteuid() == 0:
@@ -31,21 +34,35 @@ class Settings(BaseSettings):
         run_dir: where network namespaces are pinned (``ip netns`` sees them).
         audit: write the audit trail (``CORRAL_AUDIT=0`` turns it off; only for measuring).
         audit_output_bytes: command output kept in the audit trail, per stream and command.
+        egress_allow_cidrs: operator-only: comma-separated CIDRs the gateway may connect to even
+            though they are private/loopback/link-local (internal package mirrors, for example).
+            Never settable through a sandbox's own policy. Empty by default.
+        egress_hosts: operator-only: names pinned to addresses, consulted before the host's
+            resolver (JSON: ``{"mirror.internal": ["10.0.0.5"]}``); answers are still vetted.
+        egress_upstream_ca: a CA bundle the gateway trusts for upstream TLS when it intercepts
+            (default: the system's).
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
 
     home: Path = Field(default_factory=_default_home)
-    uid_start: int = Field(default=1_900_000_000, ge=1000, le=4_000_000_000)
+    uid_start: int = Field(default=1_900_000_000, ge=1000, le=_MAX_UID)
     uid_count: int = Field(default=65536, ge=1, le=1_000_000)
     backend: Literal["namespace"] = "namespace"
     run_dir: Path = Path("/run/netns")
     audit: bool = True
     audit_output_bytes: int = Field(default=256 * 1024, ge=0, le=64 * 1024 * 1024)
+    egress_allow_cidrs: str = ""
+    egress_hosts: dict[str, list[str]] = Field(default_factory=dict)
+    egress_upstream_ca: Path | None = None
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:
         self.home = self.home.expanduser().absolute()
+        if self.uid_start + self.uid_count - 1 > _MAX_UID:
+            raise ValueError(f"the sandbox uid range {self.uid_start}..."
+                             f"{self.uid_start + self.uid_count - 1} goes past {_MAX_UID}; "
+                             "lower CORRAL_UID_START or CORRAL_UID_COUNT")
         return self
 
     @property

@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,11 @@ class IsolationBackend(Protocol):
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         """Run one command to completion (or timeout) and return what happened."""
+        ...
+
+    def open_listener(self, spec: SandboxSpec) -> socket.socket:
+        """A listening TCP socket on 127.0.0.1 *inside* the sandbox's network, for the egress
+        gateway to serve; the caller owns and closes it."""
         ...
 
     def workspace_root(self, spec: SandboxSpec) -> Path:

@@ -117,6 +117,8 @@ class SandboxInfo:
     expires_at: float
     uid: int
     labels: dict[str, str] = field(default_factory=dict)
+    network: dict[str, Any] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict)  # name -> placeholder
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

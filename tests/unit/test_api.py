@@ -6,7 +6,7 @@ import corral
 from corral import errors
 
 PUBLIC = [
-    "Audit", "AuditEvent", "AuditTrail", "read_audit",
+    "Audit", "AuditEvent", "AuditTrail", "Network", "read_audit",
     "BackendError", "BackendUnavailable", "CommandError", "CommandResult", "Commands",
     "ConfigError", "CorralError", "FileEntry", "FileError", "FileNotFound", "Files", "PathRefused",
     "PolicyError", "QuotaExceeded", "ResourceTier", "Sandbox", "SandboxBusy", "SandboxError",

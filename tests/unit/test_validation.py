@@ -55,3 +55,13 @@ def test_tiers_are_ordered_and_sane() -> None:
     for tier in TIERS.values():
         assert tier.tmp_bytes < tier.memory_bytes
         assert tier.ttl_s <= tier.max_ttl_s
+
+
+def test_uid_range_must_fit_a_signed_int() -> None:
+    from pydantic import ValidationError
+
+    from corral._settings import Settings
+
+    with pytest.raises(ValidationError, match="goes past"):
+        Settings(home="/tmp/x", uid_start=2_147_000_000, uid_count=1_000_000)
+    assert Settings(home="/tmp/x", uid_start=2_000_000_000, uid_count=1000).uid_count == 1000

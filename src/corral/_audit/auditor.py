@@ -38,6 +38,7 @@ class Auditor:
         self._secrets = secrets
         self._extra_literals: set[str] = set()
         self.metrics = Metrics(store)
+        self._store = store
         self._logs: dict[str, AuditLog] = {}
         self._lock = threading.Lock()
 
@@ -59,7 +60,8 @@ class Auditor:
 
     def redactor(self) -> Redactor:
         # Read per use: another process may have registered a secret a moment ago.
-        return Redactor([*self._secrets.values(), *self._extra_literals])
+        return Redactor([*self._secrets.values(), *self._store.placeholders(),
+                         *self._extra_literals])
 
     # -- writing ------------------------------------------------------------------------------
 

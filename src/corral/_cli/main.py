@@ -201,13 +201,33 @@ def command_options(fn: F) -> F:
     return fn
 
 
+def network_options(fn: F) -> F:
+    """--allow, --deny and --secret, shared by `run` and `create`."""
+    for decorator in reversed([
+        click.option("--allow", "allow", multiple=True, metavar="HOST",
+                     help="Allow egress to HOST (pypi.org, *.github.com, host:port); repeatable."),
+        click.option("--deny", "deny", multiple=True, metavar="HOST",
+                     help="Deny HOST even if an allow rule matches; repeatable."),
+        click.option("--secret", "secret_names", multiple=True, metavar="NAME",
+                     help="Expose host secret NAME as a placeholder in env NAME; repeatable."),
+    ]):
+        fn = decorator(fn)
+    return fn
+
+
+def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[str]] | str:
+    return {"allow": list(allow), "deny": list(deny)} if allow else "none"
+
+
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.option("--resources", "-r", default="small", show_default=True,
               help="Resource tier: small or large.")
+@network_options
 @command_options
 @click.pass_context
 @handle_errors
-def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[str, ...],
+def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[str, ...],
+        secret_names: tuple[str, ...], timeout: float | None, env: tuple[str, ...],
         cwd: str | None, forward_stdin: bool, context: tuple[str, ...], as_json: bool,
         command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
@@ -216,7 +236,8 @@ def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[st
     """
     cmd = _command_from(command)
     variables = _parse_pairs(env)
-    with Sandbox.create(resources=resources, home=_home(ctx)) as sb:
+    with Sandbox.create(resources=resources, network=_network(allow, deny),
+                        secrets=list(secret_names), home=_home(ctx)) as sb:
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
                         forward_stdin=forward_stdin, as_json=as_json,
                         context=_parse_pairs(context, "--context"))
@@ -228,14 +249,18 @@ def run(ctx: click.Context, resources: str, timeout: float | None, env: tuple[st
 @click.option("--ttl", type=float, default=None,
               help="Lifetime in seconds (default: the tier's); destroyed after that.")
 @click.option("--label", "-l", "labels", multiple=True, metavar="KEY=VALUE", help="Add a label.")
+@network_options
 @json_option
 @click.pass_context
 @handle_errors
 def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
+           allow: tuple[str, ...], deny: tuple[str, ...], secret_names: tuple[str, ...],
            as_json: bool) -> None:
     """Create a sandbox and print its id."""
     label_map = _parse_pairs(labels, "--label")
-    sb = Sandbox.create(resources=resources, timeout=ttl, labels=label_map, home=_home(ctx))
+    sb = Sandbox.create(resources=resources, timeout=ttl, labels=label_map,
+                        network=_network(allow, deny), secrets=list(secret_names),
+                        home=_home(ctx))
     if as_json:
         _emit_json(_info_json(sb.get_info()))
     else:
@@ -440,6 +465,67 @@ def replay(ctx: click.Context, sandbox_id: str, types: tuple[str, ...], since: s
     if trail.skipped:
         click.secho(f"corral: {trail.skipped} unreadable line(s) were skipped", err=True,
                     fg="yellow")
+
+
+@cli.command(name="network")
+@click.argument("sandbox_id")
+@click.option("--allow", "allow", multiple=True, metavar="HOST", help="Allow HOST; repeatable.")
+@click.option("--deny", "deny", multiple=True, metavar="HOST", help="Deny HOST; repeatable.")
+@click.option("--none", "block", is_flag=True, help="No network at all.")
+@json_option
+@click.pass_context
+@handle_errors
+def network_(ctx: click.Context, sandbox_id: str, allow: tuple[str, ...], deny: tuple[str, ...],
+             block: bool, as_json: bool) -> None:
+    """Show a sandbox's network policy, or replace it (--allow/--deny/--none).
+
+    A change applies to the next connection, also from commands already running.
+    """
+    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    if block:
+        sb.network.block()
+    elif allow or deny:
+        sb.network.update(allow=allow, deny=deny)
+    policy = sb.network.get()
+    if as_json:
+        _emit_json(policy)
+    else:
+        click.echo(f"mode  {policy.get('mode', 'none')}")
+        for rule in policy.get("allow", []):
+            click.echo(f"allow {rule}")
+        for rule in policy.get("deny", []):
+            click.echo(f"deny  {rule}")
+
+
+@cli.command()
+@click.argument("sandbox_id")
+@json_option
+@click.pass_context
+@handle_errors
+def egress(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+    """Every egress decision of a sandbox: who asked for what, the verdict and the rule."""
+    from .._control.manager import get_manager
+
+    trail = get_manager(ctx.obj["settings"]).auditor.trail(sandbox_id, types=["egress.decision"])
+    if as_json:
+        for event in trail.events:
+            click.echo(event.model_dump_json())
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None)
+    for column in ("TIME", "COMMAND", "METHOD", "HOST:PORT", "VERDICT", "RULE", "UP", "DOWN"):
+        table.add_column(column)
+    for event in trail.events:
+        d = event.data
+        verdict = d.get("verdict", "")
+        colour = "green" if verdict == "allowed" else "red"
+        table.add_row(time.strftime("%H:%M:%S", time.gmtime(event.ts)), event.command or "-",
+                      d.get("method", ""), f"{d.get('host')}:{d.get('port')}",
+                      f"[{colour}]{verdict}[/{colour}]", d.get("rule", ""),
+                      str(d.get("bytes_up", 0)), str(d.get("bytes_down", 0)))
+    Console().print(table)
 
 
 @cli.command()

@@ -38,6 +38,7 @@ from ..errors import (
     UsageError,
 )
 from ..models import CommandResult, SandboxInfo
+from .egress import EgressBroker, NetworkSpec, policy_from
 from .files import AuditedFiles
 from .secrets import SecretStore
 from .store import Store
@@ -150,6 +151,7 @@ class Manager:
         self.auditor = Auditor(directory=settings.home / "audit", store=self.store,
                                secrets=self.secrets, enabled=settings.audit,
                                output_limit_bytes=settings.audit_output_bytes)
+        self.egress = EgressBroker(settings, self.store, self.secrets, self.auditor)
         self.backend: IsolationBackend = load_backend(settings)
         self._recovered = False
         self._lock = threading.Lock()
@@ -187,9 +189,14 @@ class Manager:
 
     def create(
         self, *, template: str = "base", resources: str = "small", timeout: float | None = None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, network: NetworkSpec = None,
+        secrets: Sequence[str] | None = None,
     ) -> SandboxInfo:
         tier = get_tier(resources)
+        policy = policy_from(network)
+        if isinstance(secrets, str):
+            raise UsageError("secrets takes a list of secret names, not a single string")
+        placeholders = self.egress.placeholders_for(secrets or [])
         if not isinstance(template, str):
             raise UsageError(f"template must be a string, not {type(template).__name__}")
         ttl = tier.ttl_s if timeout is None else self._check_ttl(timeout, tier.max_ttl_s)
@@ -202,7 +209,7 @@ class Manager:
         info = self.store.insert(
             sandbox_id=_new_id(), template=template, resources=resources, ttl_s=ttl,
             labels=clean_labels, uid_start=self.settings.uid_start,
-            uid_count=self.settings.uid_count,
+            uid_count=self.settings.uid_count, network=policy.to_json(), secrets=placeholders,
         )
         try:
             self.backend.create(self._spec(info))
@@ -214,7 +221,8 @@ class Manager:
         self.auditor.event(info.id, "sandbox.created", {
             "template": template, "resources": resources, "uid": info.uid,
             "expires_at": info.expires_at, "labels": clean_labels, "limits": tier.to_dict(),
-            "backend": self.backend.name,
+            "backend": self.backend.name, "network": policy.to_json(),
+            "secrets": sorted(placeholders),
         })
         self.auditor.count("corral_sandboxes_created")
         logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
@@ -281,6 +289,14 @@ class Manager:
         self.auditor.event(sandbox_id, "sandbox.timeout_changed", {"expires_at": info.expires_at})
         return info
 
+    def set_network(self, sandbox_id: str, network: NetworkSpec) -> SandboxInfo:
+        """Replace the sandbox's network policy; the next connection sees it."""
+        policy = policy_from(network)
+        self.get(sandbox_id)
+        self.store.set_network(sandbox_id, policy.to_json())
+        self.auditor.event(sandbox_id, "sandbox.policy_changed", {"network": policy.to_json()})
+        return self.get(sandbox_id)
+
     def destroy(self, sandbox_id: str) -> None:
         info = self.get(sandbox_id)
         self._destroy(info, reason="requested")
@@ -343,13 +359,18 @@ class Manager:
                                  timeout_s=limit, context=context)
             self.auditor.count("corral_commands_started")
             started = time.monotonic()
+            spec = self._spec(info)
             try:
-                outcome = self.backend.exec(self._spec(info), ExecRequest(
-                    argv=command.argv, cwd=command.cwd, env=command.env, timeout_s=limit,
-                    stdin=command.stdin, output_limit_bytes=tier.output_limit_bytes,
-                    on_stdout=self.auditor.recorded_callback(recorder, "stdout", on_stdout),
-                    on_stderr=self.auditor.recorded_callback(recorder, "stderr", on_stderr),
-                ))
+                with self.egress.for_command(self.backend, spec, network=info.network,
+                                             placeholders=info.secrets,
+                                             command_id=command_id) as egress_env:
+                    outcome = self.backend.exec(spec, ExecRequest(
+                        argv=command.argv, cwd=command.cwd, env={**command.env, **egress_env},
+                        timeout_s=limit, stdin=command.stdin,
+                        output_limit_bytes=tier.output_limit_bytes,
+                        on_stdout=self.auditor.recorded_callback(recorder, "stdout", on_stdout),
+                        on_stderr=self.auditor.recorded_callback(recorder, "stderr", on_stderr),
+                    ))
             except BaseException as exc:
                 span.set_attribute("corral.outcome", "failed")
                 if recorder is not None:
@@ -395,6 +416,7 @@ class Manager:
         return AuditedFiles(WorkspaceFiles(root, info.uid), self.auditor, sandbox_id)
 
     def close(self) -> None:
+        self.egress.close()
         self.auditor.close()
         self.backend.close()
         self.store.close()

@@ -87,6 +87,11 @@ class SecretStore:
             cursor = self._db.execute("DELETE FROM secrets WHERE name = ?", (name,))
         return cursor.rowcount > 0
 
+    def value(self, name: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()
+        return row[0] if row else None
+
     def values(self) -> builtins.list[str]:
         """Every registered value: what the redactor must never let through."""
         with self._lock:

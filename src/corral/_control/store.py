@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import sqlite3
 import threading
@@ -24,7 +25,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     state TEXT NOT NULL,
     created_at REAL NOT NULL,
     expires_at REAL NOT NULL,
-    labels TEXT NOT NULL DEFAULT '{}'
+    labels TEXT NOT NULL DEFAULT '{}',
+    network TEXT NOT NULL DEFAULT '{}',
+    secrets TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT NOT NULL,
@@ -40,6 +43,7 @@ def _row_to_info(row: sqlite3.Row) -> SandboxInfo:
         id=row["id"], template=row["template"], resources=row["resources"],
         state=row["state"], created_at=row["created_at"], expires_at=row["expires_at"],
         uid=row["uid"], labels=json.loads(row["labels"]),
+        network=json.loads(row["network"]), secrets=json.loads(row["secrets"]),
     )
 
 
@@ -55,6 +59,11 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for column in ("network", "secrets"):
+            if column not in columns:  # a store made before egress existed
+                self._db.execute(
+                    f"ALTER TABLE sandboxes ADD COLUMN {column} TEXT NOT NULL DEFAULT '{{}}'")
         path.chmod(0o600)
 
     @contextmanager
@@ -71,6 +80,7 @@ class Store:
     def insert(
         self, *, sandbox_id: str, template: str, resources: str, ttl_s: float,
         labels: dict[str, str], uid_start: int, uid_count: int,
+        network: dict[str, object] | None = None, secrets: dict[str, str] | None = None,
     ) -> SandboxInfo:
         """Insert a sandbox in state ``creating`` with the lowest free uid of the range.
 
@@ -92,8 +102,10 @@ class Store:
                 )
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
-                "expires_at, labels) VALUES (?, ?, ?, ?, 'creating', ?, ?, ?)",
-                (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels)),
+                "expires_at, labels, network, secrets) "
+                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?)",
+                (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
+                 json.dumps(network or {}), json.dumps(secrets or {})),
             )
         info = self.get(sandbox_id)
         assert info is not None
@@ -116,6 +128,17 @@ class Store:
     def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
         with self._tx() as db:
             db.execute("UPDATE sandboxes SET expires_at = ? WHERE id = ?", (expires_at, sandbox_id))
+
+    def set_network(self, sandbox_id: str, network: dict[str, object]) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET network = ? WHERE id = ?",
+                       (json.dumps(network), sandbox_id))
+
+    def placeholders(self) -> builtins.list[str]:
+        """Every secret placeholder handed to a live sandbox (for redaction)."""
+        with self._lock:
+            rows = self._db.execute("SELECT secrets FROM sandboxes").fetchall()
+        return [p for r in rows for p in json.loads(r[0]).values()]
 
     def delete(self, sandbox_id: str) -> None:
         with self._tx() as db:

@@ -20,7 +20,7 @@ from ..backends import OutputCallback
 from ..errors import UsageError
 from ..models import CommandResult, FileEntry, SandboxInfo
 
-__all__ = ["Audit", "Commands", "Files", "Sandbox", "read_audit"]
+__all__ = ["Audit", "Commands", "Files", "Network", "Sandbox", "read_audit"]
 
 
 def _manager(home: str | Path | None) -> Manager:
@@ -128,6 +128,31 @@ class Files:
         return self._fs().make_dir(path)
 
 
+class Network:
+    """The sandbox's network policy. Reached as ``sandbox.network``."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def get(self) -> dict[str, Any]:
+        """``{"mode": "none"|"allowlist", "allow": [...], "deny": [...]}``."""
+        return dict(self._sandbox.get_info().network)
+
+    def update(self, *, allow: Sequence[str] | None = None,
+               deny: Sequence[str] | None = None) -> dict[str, Any]:
+        """Replace the policy: allow these hosts (``pypi.org``, ``*.github.com``,
+        ``api.example.com:8443``), deny these (deny wins). No allow rules means no network.
+        Takes effect for the next connection, also of commands already running."""
+        info = self._sandbox._mgr.set_network(
+            self._sandbox._live_id(), {"allow": list(allow or []), "deny": list(deny or [])})
+        self._sandbox._info = info
+        return dict(info.network)
+
+    def block(self) -> None:
+        """Back to no network at all."""
+        self._sandbox._info = self._sandbox._mgr.set_network(self._sandbox._live_id(), "none")
+
+
 class Audit:
     """The sandbox's audit trail. Reached as ``sandbox.audit``."""
 
@@ -195,6 +220,7 @@ class Sandbox:
         self.commands = Commands(self)
         self.files = Files(self)
         self.audit = Audit(self)
+        self.network = Network(self)
 
     @classmethod
     def create(
@@ -204,6 +230,8 @@ class Sandbox:
         resources: str = "small",
         timeout: float | None = None,
         labels: Mapping[str, str] | None = None,
+        network: str | Mapping[str, Sequence[str]] | None = None,
+        secrets: Sequence[str] | None = None,
         home: str | Path | None = None,
     ) -> Sandbox:
         """Create a sandbox.
@@ -213,6 +241,12 @@ class Sandbox:
             resources: tier name, ``small`` or ``large`` (limits are in the README).
             timeout: lifetime in seconds (default: the tier's); it is destroyed after that.
             labels: free-form string labels, shown by ``Sandbox.list()``.
+            network: ``"none"`` (default: no network at all) or
+                ``{"allow": ["pypi.org", "*.github.com"], "deny": [...]}``; allowed traffic goes
+                through the audited egress gateway (HTTP_PROXY and friends are set).
+            secrets: names of host secrets (``corral secrets add``) to expose: the sandbox sees
+                a placeholder in env ``NAME``; the gateway swaps in the value for the hosts the
+                secret is bound to.
             home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
 
         Raises:
@@ -221,7 +255,7 @@ class Sandbox:
         """
         manager = _manager(home)
         info = manager.create(template=template, resources=resources, timeout=timeout,
-                              labels=labels)
+                              labels=labels, network=network, secrets=secrets)
         return cls(info, manager)
 
     @classmethod

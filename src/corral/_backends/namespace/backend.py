@@ -9,6 +9,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 from pathlib import Path
 
 from ..._settings import Settings
@@ -87,7 +88,9 @@ class NamespaceBackend:
     def _template(self, name: str) -> BaseTemplate:
         template = self._templates.get(name)
         if template is None:
-            template = self._templates[name] = load_template(name, self._templates_dir)
+            ca = self._settings.home / "egress" / "ca.pem"
+            template = self._templates[name] = load_template(
+                name, self._templates_dir, extra_ca=ca.read_bytes() if ca.exists() else None)
         return template
 
     def create(self, spec: SandboxSpec) -> None:
@@ -113,6 +116,23 @@ class NamespaceBackend:
             self.cgroups.create_sandbox(spec.id, spec.tier)
             self._ensured.add(spec.id)
         return self._store.ensure_mounted(spec.id)
+
+    def open_listener(self, spec: SandboxSpec) -> socket.socket:
+        launcher = self._ready()
+        self._ensure_runtime(spec)
+
+        def bind() -> socket.socket:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind(("127.0.0.1", 0))
+                sock.listen(128)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+        return launcher.spawner.run(self._netns_path(spec.id), bind)
 
     def workspace_root(self, spec: SandboxSpec) -> Path:
         self._ready()

@@ -114,7 +114,7 @@ class CommandLauncher:
     def __init__(self, bwrap: str, cgroups: CgroupDriver) -> None:
         self.bwrap = bwrap
         self.cgroups = cgroups
-        self._spawner = netns.Spawner()
+        self.spawner = netns.Spawner()
         # When a kill takes bwrap's outer process before the sandbox's init, the init is
         # re-parented; as a subreaper we get it (and reap it) instead of a host init that may
         # never reap (containers often run one that doesn't).
@@ -202,7 +202,7 @@ class CommandLauncher:
             )
 
         try:
-            proc = self._spawner.run(launch.netns_path, spawn)
+            proc = self.spawner.run(launch.netns_path, spawn)
         except OSError as exc:
             for fd in (*child_fds, info_r, block_w):
                 os.close(fd)
@@ -222,11 +222,11 @@ class CommandLauncher:
                     resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
             try:
                 self.cgroups.attach(group, (proc.pid, init_pid))
-            except ProcessLookupError:
+                os.write(block_w, b"1")
+            except (ProcessLookupError, BrokenPipeError):
                 raise BackendError(
                     "the sandbox could not be set up: " + self._setup_error(proc)
                 ) from None
-            os.write(block_w, b"1")
         except BaseException:
             self._abort(proc, group, init_pid)
             raise

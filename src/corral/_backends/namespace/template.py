@@ -7,6 +7,7 @@ token in ``/etc/environment``, ssh host keys) then stays out by default.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class BaseTemplate:
     masked_proc: tuple[str, ...] = ()  # /proc files hidden behind /dev/null
 
 
-def _copy_etc(dest: Path) -> None:
+def _copy_etc(dest: Path, stamp: str, extra_ca: bytes | None) -> None:
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -83,7 +84,18 @@ def _copy_etc(dest: Path) -> None:
     (tmp / "hosts").write_text(_HOSTS)
     (tmp / "hostname").write_text("sandbox\n")
     (tmp / "resolv.conf").write_text("# no resolver: the sandbox has no network\n")
-    (tmp / ".corral-template").write_text(_VERSION)
+    if extra_ca:
+        # The egress gateway's CA, trusted inside for the hosts it intercepts.
+        (tmp / "corral").mkdir()
+        (tmp / "corral" / "egress-ca.pem").write_bytes(extra_ca)
+        bundle = tmp / "ssl" / "certs" / "ca-certificates.crt"
+        if bundle.is_file() and not bundle.is_symlink():
+            bundle.write_bytes(bundle.read_bytes().rstrip(b"\n") + b"\n" + extra_ca)
+        else:
+            bundle.parent.mkdir(parents=True, exist_ok=True)
+            bundle.unlink(missing_ok=True)
+            bundle.write_bytes(extra_ca)
+    (tmp / ".corral-template").write_text(stamp)
     for path in [tmp, *tmp.rglob("*")]:
         if not path.is_symlink():
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
@@ -91,7 +103,7 @@ def _copy_etc(dest: Path) -> None:
     tmp.rename(dest)
 
 
-def load_template(name: str, templates_dir: Path) -> BaseTemplate:
+def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = None) -> BaseTemplate:
     """Return the template ``name``, building its ``/etc`` on first use.
 
     Raises:
@@ -100,9 +112,10 @@ def load_template(name: str, templates_dir: Path) -> BaseTemplate:
     if name not in TEMPLATES:
         raise UsageError(f"unknown template {name!r}; available: {', '.join(TEMPLATES)}")
     etc = templates_dir / name / "etc"
-    stamp = etc / ".corral-template"
-    if not stamp.exists() or stamp.read_text() != _VERSION:
-        _copy_etc(etc)
+    stamp_file = etc / ".corral-template"
+    stamp = _VERSION + (f":{hashlib.sha256(extra_ca).hexdigest()[:16]}" if extra_ca else "")
+    if not stamp_file.exists() or stamp_file.read_text() != stamp:
+        _copy_etc(etc, stamp, extra_ca)
     system = []
     for entry in _SYSTEM_DIRS:
         src = Path("/") / entry

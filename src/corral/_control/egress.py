@@ -1,0 +1,132 @@
+"""Wires the egress gateway into the control plane: policies from the store, secrets from the
+secret store, decisions into the audit trail, a listener per command."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets as random
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from .._audit.auditor import Auditor
+from .._egress.addresses import parse_cidrs
+from .._egress.ca import CertificateAuthority
+from .._egress.gateway import BoundSecret, Decision, EgressContext, Gateway
+from .._egress.policy import NetworkPolicy, Rule
+from .._settings import Settings
+from ..backends import IsolationBackend, SandboxSpec
+from ..errors import UsageError
+from .secrets import SecretStore
+from .store import Store
+
+__all__ = ["EgressBroker", "NetworkSpec"]
+
+NetworkSpec = str | Mapping[str, Iterable[str]] | None
+
+# Where the sandbox finds the gateway's CA (the template's bundle includes it too).
+_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def policy_from(network: NetworkSpec) -> NetworkPolicy:
+    """``None``/``"none"``, or ``{"allow": [...], "deny": [...]}``.
+
+    Raises:
+        UsageError: anything else, or a malformed rule.
+    """
+    if network is None or network == "none":
+        return NetworkPolicy.none()
+    if isinstance(network, Mapping):
+        unknown = set(network) - {"allow", "deny"}
+        if unknown:
+            raise UsageError(f"unknown network keys {sorted(unknown)}; use 'allow' and 'deny'")
+        return NetworkPolicy.build(network.get("allow"), network.get("deny"))
+    raise UsageError(f"network must be 'none' or {{'allow': [...], 'deny': [...]}}, "
+                     f"not {network!r}")
+
+
+class EgressBroker:
+    def __init__(self, settings: Settings, store: Store, secret_store: SecretStore,
+                 auditor: Auditor) -> None:
+        self._settings = settings
+        self._store = store
+        self._secrets = secret_store
+        self._auditor = auditor
+        self._cidrs = parse_cidrs(c for c in settings.egress_allow_cidrs.split(",") if c.strip())
+        # Made now, before any template is built, so every sandbox's trust bundle has it.
+        self.ca = CertificateAuthority(settings.home / "egress")
+        self._gateway: Gateway | None = None
+        self._lock = threading.Lock()
+
+    def placeholders_for(self, names: Iterable[str]) -> dict[str, str]:
+        """A fresh random placeholder per secret name; unknown names are refused."""
+        known = {s.name for s in self._secrets.list()}
+        result = {}
+        for name in names:
+            if name not in known:
+                raise UsageError(f"no secret named {name!r}; register it with "
+                                 f"`corral secrets add {name} --host HOST`")
+            result[name] = f"CORRAL_PLACEHOLDER_{name}_{random.token_hex(16)}"
+        return result
+
+    def _context(self, sandbox_id: str) -> EgressContext:
+        info = self._store.get(sandbox_id)
+        if info is None or info.state != "running":
+            return EgressContext(policy=NetworkPolicy.none())
+        bound = []
+        for secret in self._secrets.list():
+            placeholder = info.secrets.get(secret.name)
+            if placeholder is None:
+                continue
+            value = self._secrets.value(secret.name)
+            if value is None:
+                continue
+            rules = tuple(Rule.parse(h) for h in secret.hosts)
+            bound.append(BoundSecret(secret.name, placeholder, value, rules))
+        return EgressContext(policy=NetworkPolicy.from_json(info.network), secrets=tuple(bound))
+
+    def _report(self, decision: Decision) -> None:
+        self._auditor.event(decision.sandbox_id, "egress.decision", decision.to_dict(),
+                            command=decision.command_id)
+        self._auditor.count("corral_egress_decisions", verdict=decision.verdict)
+
+    def gateway(self) -> Gateway:
+        with self._lock:
+            if self._gateway is None:
+                upstream_ca = self._settings.egress_upstream_ca
+                self._gateway = Gateway(
+                    lookup=self._context, report=self._report, ca=self.ca,
+                    operator_cidrs=self._cidrs, pinned_hosts=self._settings.egress_hosts,
+                    upstream_ca_file=str(upstream_ca) if upstream_ca else None)
+            return self._gateway
+
+    @contextlib.contextmanager
+    def for_command(self, backend: IsolationBackend, spec: SandboxSpec, *,
+                    network: Mapping[str, Any], placeholders: Mapping[str, str],
+                    command_id: str) -> Iterator[dict[str, str]]:
+        """The environment a command gets for egress; a listener lives while it runs."""
+        env = dict(placeholders)
+        if NetworkPolicy.from_json(dict(network)).mode == "none":
+            yield env  # no listener, no proxy variables: nothing answers
+            return
+        sock = backend.open_listener(spec)
+        try:
+            handle = self.gateway().serve(sock, sandbox_id=spec.id, command_id=command_id)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            proxy = f"http://127.0.0.1:{handle.port}"
+            for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+                env[name] = env[name.lower()] = proxy
+            env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+            for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"):
+                env[name] = _CA_BUNDLE
+            env["NODE_EXTRA_CA_CERTS"] = "/etc/corral/egress-ca.pem"
+            yield env
+        finally:
+            handle.close()
+
+    def close(self) -> None:
+        if self._gateway is not None:
+            self._gateway.close()

@@ -1,0 +1,1 @@
+"""The egress gateway: policy matching, address vetting, the proxy, brokered secrets."""

@@ -1,0 +1,169 @@
+"""Network policy: ``none`` (the default) or an allowlist with deny rules that win.
+
+Rules are ``host``, ``*.domain`` (subdomains only, never the apex) or either with ``:port``; a rule
+without a port matches ports 80 and 443. Hosts are compared after normalisation: lower case, no
+trailing dot, IDNA (punycode) for non-ASCII names. IP literals are never matched by host rules:
+the gateway refuses them outright.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+__all__ = ["DEFAULT_PORTS", "NetworkPolicy", "Rule", "Verdict", "is_ip_literal", "normalize_host"]
+
+DEFAULT_PORTS = (80, 443)
+_LABEL_RE = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+_MAX_RULES = 256
+
+
+def normalize_host(host: str) -> str:
+    """Lower-case, strip one trailing dot, IDNA-encode; raise ValueError when not a DNS name."""
+    if not isinstance(host, str):
+        raise ValueError("host must be a string")
+    name = host.strip().rstrip(".") if host.endswith(".") else host.strip()
+    if not name or len(name) > 253:
+        raise ValueError(f"{host!r} is not a host name")
+    try:
+        name = name.encode("idna").decode("ascii").lower()
+    except UnicodeError as exc:
+        raise ValueError(f"{host!r} is not a valid international host name") from exc
+    labels = name.split(".")
+    if not all(_LABEL_RE.match(label) for label in labels):
+        raise ValueError(f"{host!r} is not a host name")
+    return name
+
+
+def is_ip_literal(host: str) -> bool:
+    """True for any spelling the C library would take as an address: 127.0.0.1, [::1], 2130706433,
+    0x7f.1, 127.1, 017700000001 — these never pass as names."""
+    text = host.strip().strip("[]").rstrip(".")
+    if not text:
+        return False
+    try:
+        ipaddress.ip_address(text.split("%", 1)[0])
+        return True
+    except ValueError:
+        pass
+    try:
+        socket.inet_aton(text)  # the permissive BSD forms
+        return True
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One allow or deny rule, already normalised."""
+
+    host: str  # "example.com" or "*.example.com"
+    port: int | None  # None: 80 and 443
+
+    @classmethod
+    def parse(cls, text: str) -> Rule:
+        if not isinstance(text, str) or not text.strip():
+            raise UsageError(f"empty network rule {text!r}")
+        raw = text.strip()
+        port: int | None = None
+        host = raw
+        if raw.count(":") == 1:
+            host, port_text = raw.rsplit(":", 1)
+            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                raise UsageError(f"bad port in network rule {text!r}")
+            port = int(port_text)
+        elif ":" in raw:
+            raise UsageError(f"network rule {text!r}: IP literals cannot be allowed; operators "
+                             "allow private ranges with CORRAL_EGRESS_ALLOW_CIDRS")
+        wildcard = host.startswith("*.")
+        base = host[2:] if wildcard else host
+        if "*" in base or "/" in base or "@" in base:
+            raise UsageError(f"network rule {text!r}: only a leading '*.' wildcard is allowed")
+        if is_ip_literal(base):
+            raise UsageError(f"network rule {text!r}: IP literals cannot be allowed; operators "
+                             "allow private ranges with CORRAL_EGRESS_ALLOW_CIDRS")
+        try:
+            name = normalize_host(base)
+        except ValueError as exc:
+            raise UsageError(f"network rule {text!r}: {exc}") from None
+        if wildcard and "." not in name:
+            raise UsageError(f"network rule {text!r} would match a whole top-level domain")
+        return cls(host=f"*.{name}" if wildcard else name, port=port)
+
+    def matches(self, host: str, port: int) -> bool:
+        if self.port is None:
+            if port not in DEFAULT_PORTS:
+                return False
+        elif port != self.port:
+            return False
+        if self.host.startswith("*."):
+            # Subdomains only: "a.example.com" yes, "example.com" and "badexample.com" no.
+            return host.endswith(self.host[1:])
+        return host == self.host
+
+    def __str__(self) -> str:
+        return self.host if self.port is None else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    allowed: bool
+    rule: str  # the matching rule, or why nothing matched
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkPolicy:
+    """``mode`` is ``none`` (no network at all) or ``allowlist``."""
+
+    mode: str = "none"
+    allow: tuple[Rule, ...] = ()
+    deny: tuple[Rule, ...] = ()
+
+    @classmethod
+    def none(cls) -> NetworkPolicy:
+        return cls()
+
+    @classmethod
+    def build(cls, allow: Iterable[str] | None = None,
+              deny: Iterable[str] | None = None) -> NetworkPolicy:
+        """An allowlist policy; with no allow rules it is the same as ``none``."""
+        if isinstance(allow, str) or isinstance(deny, str):
+            raise UsageError("allow and deny take a list of rules, not a single string")
+        allow_rules = tuple(Rule.parse(r) for r in (allow or ()))
+        deny_rules = tuple(Rule.parse(r) for r in (deny or ()))
+        if len(allow_rules) + len(deny_rules) > _MAX_RULES:
+            raise UsageError(f"at most {_MAX_RULES} network rules per sandbox")
+        if not allow_rules:
+            return cls(mode="none", deny=deny_rules)
+        return cls(mode="allowlist", allow=allow_rules, deny=deny_rules)
+
+    def decide(self, host: str, port: int) -> Verdict:
+        """Deny rules first, then an allow rule must match. ``host`` must be normalised."""
+        if self.mode == "none":
+            return Verdict(False, "network=none", "this sandbox has no network access")
+        for rule in self.deny:
+            if rule.matches(host, port):
+                return Verdict(False, f"deny {rule}", f"{host}:{port} matches deny rule {rule}")
+        for rule in self.allow:
+            if rule.matches(host, port):
+                return Verdict(True, f"allow {rule}", f"{host}:{port} matches allow rule {rule}")
+        return Verdict(False, "no-match", f"{host}:{port} matches no allow rule")
+
+    def to_json(self) -> dict[str, object]:
+        return {"mode": self.mode, "allow": [str(r) for r in self.allow],
+                "deny": [str(r) for r in self.deny]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, object] | None) -> NetworkPolicy:
+        if not data or data.get("mode") == "none" and not data.get("deny"):
+            return cls.none()
+        allow = data.get("allow") or []
+        deny = data.get("deny") or []
+        assert isinstance(allow, Sequence) and isinstance(deny, Sequence)
+        return cls.build([str(r) for r in allow], [str(r) for r in deny])
