@@ -30,6 +30,7 @@ from ..backends import ExecRequest, IsolationBackend, OutputCallback, SandboxSpe
 from ..errors import (
     BackendUnavailable,
     CommandError,
+    ConfigError,
     FileError,
     FileNotFound,
     SandboxBusy,
@@ -146,6 +147,13 @@ class Manager:
         self.settings = settings
         settings.home.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(settings.home, 0o711)
+        for parent in settings.home.parents:
+            # bwrap runs as the sandbox's uid and must reach the template and the workspace.
+            if not os.stat(parent).st_mode & 0o001:
+                raise ConfigError(
+                    f"{parent} is not traversable by other users (mode "
+                    f"{os.stat(parent).st_mode & 0o777:o}), so sandboxes cannot reach "
+                    f"{settings.home}; `chmod o+x {parent}` or choose another CORRAL_HOME")
         self.store = Store(settings.home / "corral.db")
         self.secrets = SecretStore(settings.home / "secrets.db")
         self.auditor = Auditor(directory=settings.home / "audit", store=self.store,

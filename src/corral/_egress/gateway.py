@@ -194,6 +194,7 @@ class Gateway:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       sandbox_id: str, command_id: str) -> None:
+        _tune(writer)
         conn = h11.Connection(h11.SERVER)
         decision: Decision | None = None
         try:
@@ -312,6 +313,7 @@ class Gateway:
                         server_hostname=host if tls else None),
                     _CONNECT_TIMEOUT_S)
                 decision.address = answer
+                _tune(writer)
                 return reader, writer
             except (TimeoutError, OSError, ssl.SSLError) as exc:
                 last = exc
@@ -498,6 +500,14 @@ class Gateway:
                     writer.write(conn.send(h11.EndOfMessage()))
                 await writer.drain()
                 return
+
+
+def _tune(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
 
 
 _REASONS = {400: b"Bad Request", 403: b"Forbidden", 502: b"Bad Gateway", 504: b"Gateway Timeout"}
