@@ -105,6 +105,13 @@ def render_event(console: Console, event: AuditEvent, started: float) -> None:
     elif kind == "command.output_truncated":
         detail = f"[yellow]{d.get('stream')} truncated in the log: {d.get('dropped_bytes')} " \
                  f"bytes not kept[/yellow]"
+    elif kind == "egress.decision":
+        allowed = d.get("verdict") == "allowed"
+        colour = "green" if allowed else "red"
+        detail = (f"[{colour}]{d.get('verdict')}[/{colour}] {escape(str(d.get('method')))} "
+                  f"{escape(str(d.get('host')))}:{d.get('port')} [dim]{escape(str(d.get('rule')))}"
+                  f" {d.get('mode') or ''} up {d.get('bytes_up', 0)} B down "
+                  f"{d.get('bytes_down', 0)} B[/dim]")
     elif kind.startswith("file."):
         size = f" {d['size']} B sha256:{str(d.get('sha256', ''))[:12]}" if "size" in d else ""
         detail = f"[magenta]{escape(str(d.get('path')))}{size}[/magenta]"
