@@ -11,9 +11,11 @@ from ._audit.events import AuditEvent
 from ._audit.log import AuditTrail
 from ._sdk.sandbox import Audit, Commands, Files, Network, Sandbox, read_audit
 from .errors import (
+    AuthError,
     BackendError,
     BackendUnavailable,
     CommandError,
+    CommandNotFound,
     ConfigError,
     CorralError,
     FileError,
@@ -25,6 +27,8 @@ from .errors import (
     SandboxError,
     SandboxExpired,
     SandboxNotFound,
+    TooLarge,
+    TransportError,
     UsageError,
 )
 from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, Usage
@@ -33,11 +37,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Audit",
+    "AuthError",
     "AuditEvent",
     "AuditTrail",
     "BackendError",
     "BackendUnavailable",
     "CommandError",
+    "CommandNotFound",
     "CommandResult",
     "Commands",
     "ConfigError",
@@ -57,6 +63,8 @@ __all__ = [
     "SandboxExpired",
     "SandboxInfo",
     "SandboxNotFound",
+    "TooLarge",
+    "TransportError",
     "Usage",
     "UsageError",
     "__version__",

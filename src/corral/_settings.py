@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
@@ -41,6 +41,9 @@ class Settings(BaseSettings):
             resolver (JSON: ``{"mirror.internal": ["10.0.0.5"]}``); answers are still vetted.
         egress_upstream_ca: a CA bundle the gateway trusts for upstream TLS when it intercepts
             (default: the system's).
+        url: a Corral service (``corral serve``) to use instead of running sandboxes in this
+            process. ``CORRAL_URL``.
+        api_key: the key for ``url``. ``CORRAL_API_KEY``.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -55,6 +58,8 @@ class Settings(BaseSettings):
     egress_allow_cidrs: str = ""
     egress_hosts: dict[str, list[str]] = Field(default_factory=dict)
     egress_upstream_ca: Path | None = None
+    url: str | None = None
+    api_key: SecretStr | None = None
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

@@ -64,6 +64,7 @@ class ExecRequest:
     output_limit_bytes: int = 1 << 20
     on_stdout: OutputCallback | None = None
     on_stderr: OutputCallback | None = None
+    command_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,14 @@ class IsolationBackend(Protocol):
 
     def workspace_root(self, spec: SandboxSpec) -> Path:
         """Host path of the sandbox's ``/workspace``, mounted and ready for file operations."""
+        ...
+
+    def pause(self, spec: SandboxSpec, paused: bool) -> None:
+        """Freeze (or thaw) every process of the sandbox; files stay reachable."""
+        ...
+
+    def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
+        """Kill one running command's whole process tree; False when it is not running."""
         ...
 
     def destroy(self, spec: SandboxSpec) -> None:

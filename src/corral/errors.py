@@ -4,30 +4,37 @@ The tree::
 
     CorralError
     ├── ConfigError            settings or host configuration is wrong
+    ├── AuthError              missing, unknown or revoked API key (HTTP service)
     ├── UsageError             the caller misused an object (also a RuntimeError)
     ├── SandboxError
     │   ├── SandboxNotFound
     │   ├── SandboxExpired     its TTL has passed; it has been destroyed
     │   └── SandboxBusy        being created or destroyed by someone else
     ├── CommandError           a command could not be started (bad argv, cwd, env)
+    ├── CommandNotFound        no such running command (kill)
     ├── FileError              a file operation failed
     │   ├── PathRefused        the path leaves /workspace (.., absolute, symlink)
     │   └── FileNotFound
     ├── BackendError           the isolation backend failed
     │   └── BackendUnavailable a kernel feature or host tool is missing
-    └── PolicyError
-        └── QuotaExceeded      no free uid, too large a file, ...
+    ├── PolicyError
+    │   └── QuotaExceeded      a tenant or sandbox limit: no free uid, too many sandboxes, ...
+    │       └── TooLarge       a request body or file over its size limit
+    └── TransportError         the remote SDK could not reach the service
 
-Each class carries a stable ``code`` (used by the CLI's ``--json`` output and, later, the HTTP API)
-and messages say what happened, to which object, and what to do next.
+Each class carries a stable ``code`` and an HTTP ``status`` (the service sends
+``{"error": code, "message": ...}`` and the remote SDK raises the same class back from ``code``);
+messages say what happened, to which object, and what to do next.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AuthError",
     "BackendError",
     "BackendUnavailable",
     "CommandError",
+    "CommandNotFound",
     "ConfigError",
     "CorralError",
     "FileError",
@@ -39,7 +46,10 @@ __all__ = [
     "SandboxError",
     "SandboxExpired",
     "SandboxNotFound",
+    "TooLarge",
+    "TransportError",
     "UsageError",
+    "error_class",
 ]
 
 
@@ -47,6 +57,7 @@ class CorralError(Exception):
     """Root of every error Corral raises on purpose."""
 
     code: str = "corral_error"
+    status: int = 500
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -55,55 +66,107 @@ class CorralError(Exception):
 
 class ConfigError(CorralError):
     code = "config_error"
+    status = 500
 
 
 class UsageError(CorralError, RuntimeError):
     code = "usage_error"
+    status = 400
 
 
 class SandboxError(CorralError):
     code = "sandbox_error"
+    status = 400
 
 
 class SandboxNotFound(SandboxError):
     code = "sandbox_not_found"
+    status = 404
 
 
 class SandboxExpired(SandboxNotFound):
     code = "sandbox_expired"
+    status = 404
 
 
 class SandboxBusy(SandboxError):
     code = "sandbox_busy"
+    status = 409
 
 
 class CommandError(CorralError, ValueError):
     code = "command_error"
+    status = 400
+
+
+class CommandNotFound(CorralError):
+    code = "command_not_found"
+    status = 404
 
 
 class FileError(CorralError):
     code = "file_error"
+    status = 400
 
 
 class PathRefused(FileError, ValueError):
     code = "path_refused"
+    status = 400
 
 
 class FileNotFound(FileError):
     code = "file_not_found"
+    status = 404
 
 
 class BackendError(CorralError):
     code = "backend_error"
+    status = 500
 
 
 class BackendUnavailable(BackendError):
     code = "backend_unavailable"
+    status = 503
 
 
 class PolicyError(CorralError):
     code = "policy_error"
+    status = 403
 
 
 class QuotaExceeded(PolicyError):
     code = "quota_exceeded"
+    status = 429
+
+
+class TooLarge(QuotaExceeded):
+    code = "too_large"
+    status = 413
+
+
+class AuthError(CorralError):
+    code = "unauthorized"
+    status = 401
+
+
+class TransportError(CorralError):
+    code = "transport_error"
+    status = 502
+
+
+def error_class(code: str) -> type[CorralError]:
+    """The class for a wire ``code`` (the remote SDK raises what the service raised)."""
+    for cls in _all_classes():
+        if cls.code == code:
+            return cls
+    return CorralError
+
+
+def _all_classes() -> list[type[CorralError]]:
+    found: list[type[CorralError]] = []
+    pending: list[type[CorralError]] = [CorralError]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return found

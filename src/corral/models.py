@@ -15,7 +15,7 @@ __all__ = [
     "Usage",
 ]
 
-SandboxState = Literal["creating", "running", "destroying"]
+SandboxState = Literal["creating", "running", "paused", "destroying"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +119,7 @@ class SandboxInfo:
     labels: dict[str, str] = field(default_factory=dict)
     network: dict[str, Any] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)  # name -> placeholder
+    tenant: str = "local"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

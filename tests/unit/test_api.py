@@ -6,7 +6,8 @@ import corral
 from corral import errors
 
 PUBLIC = [
-    "Audit", "AuditEvent", "AuditTrail", "Network", "read_audit",
+    "Audit", "AuditEvent", "AuditTrail", "Network", "read_audit", "AuthError", "TooLarge",
+    "TransportError", "CommandNotFound",
     "BackendError", "BackendUnavailable", "CommandError", "CommandResult", "Commands",
     "ConfigError", "CorralError", "FileEntry", "FileError", "FileNotFound", "Files", "PathRefused",
     "PolicyError", "QuotaExceeded", "ResourceTier", "Sandbox", "SandboxBusy", "SandboxError",
@@ -24,11 +25,13 @@ def test_every_exported_name_exists() -> None:
 
 
 def test_every_error_derives_from_the_root_and_has_a_unique_code() -> None:
-    classes = [getattr(errors, n) for n in errors.__all__]
+    classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
     codes = set()
     for cls in classes:
         assert issubclass(cls, errors.CorralError)
         assert cls.__name__.endswith(("Error", "NotFound", "Expired", "Busy", "Refused",
-                                      "Exceeded", "Unavailable"))
+                                      "Exceeded", "Unavailable", "TooLarge"))
+        assert 400 <= cls.status < 600
+        assert errors.error_class(cls.code) is cls  # the remote SDK raises the same class
         codes.add(cls.code)
     assert len(codes) == len(classes)

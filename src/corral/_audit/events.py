@@ -30,6 +30,7 @@ EventType = Literal[
     "file.write",
     "file.remove",
     "file.mkdir",
+    "file.rename",
     "file.upload",
     "file.download",
     "egress.decision",

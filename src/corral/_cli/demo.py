@@ -59,7 +59,7 @@ def _last_line(result: CommandResult) -> str:
     return text[-1] if text else f"exit {result.exit_code}"
 
 
-def run_demo(*, home: Path, console: Console | None = None) -> dict[str, Any]:
+def run_demo(*, home: Path | None, console: Console | None = None) -> dict[str, Any]:
     """Run the session, narrating on ``console``; return a machine-readable summary."""
     console = console or Console()
     summary: dict[str, Any] = {"steps": []}

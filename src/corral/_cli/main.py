@@ -77,8 +77,12 @@ def handle_errors(fn: F) -> F:
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
 
-def _home(ctx: click.Context) -> Path:
+def _home(ctx: click.Context) -> Path | None:
+    """The data directory for SDK calls; None (so the SDK talks to ``CORRAL_URL``) when a
+    service is configured and no --home was given."""
     settings: Settings = ctx.obj["settings"]
+    if settings.url and not ctx.obj.get("home_given"):
+        return None
     return settings.home
 
 
@@ -178,7 +182,7 @@ def cli(ctx: click.Context, home: Path | None, debug: bool) -> None:
         settings = Settings(home=home) if home is not None else Settings()
     except Exception as exc:  # pydantic's ValidationError names the bad variable
         raise click.UsageError(f"invalid configuration: {exc}") from exc
-    ctx.obj = {"settings": settings, "debug": debug}
+    ctx.obj = {"settings": settings, "debug": debug, "home_given": home is not None}
 
 
 def command_options(fn: F) -> F:
@@ -332,6 +336,32 @@ def info_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
     else:
         for key, value in _info_json(info).items():
             click.echo(f"{key:11} {value}")
+
+
+@cli.command(name="pause")
+@click.argument("sandbox_id")
+@json_option
+@click.pass_context
+@handle_errors
+def pause_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+    """Freeze every process in a sandbox; its files stay reachable."""
+    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    sb.pause()
+    if as_json:
+        _emit_json(_info_json(sb.get_info()))
+
+
+@cli.command(name="resume")
+@click.argument("sandbox_id")
+@json_option
+@click.pass_context
+@handle_errors
+def resume_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+    """Let a paused sandbox's processes run again."""
+    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    sb.resume()
+    if as_json:
+        _emit_json(_info_json(sb.get_info()))
 
 
 @cli.command(name="rm")
@@ -596,6 +626,115 @@ def secrets_rm(ctx: click.Context, name: str, as_json: bool) -> None:
 
 
 @cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; beyond loopback, API keys are required.")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.pass_context
+@handle_errors
+def serve(ctx: click.Context, host: str, port: int) -> None:
+    """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics)."""
+    from .._control.manager import get_manager
+    from .._server.serve import serve as run_server
+
+    run_server(get_manager(ctx.obj["settings"]), host=host, port=port)
+
+
+@cli.group()
+def tenants() -> None:
+    """Tenants of the HTTP service and their quotas."""
+
+
+@tenants.command(name="add")
+@click.argument("name")
+@click.option("--max-sandboxes", default=10, show_default=True, type=int)
+@click.option("--tier", "tiers", multiple=True, help="Allowed tier (repeatable; default small).")
+@click.option("--commands-per-minute", default=600, show_default=True, type=int)
+@json_option
+@click.pass_context
+@handle_errors
+def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[str, ...],
+                commands_per_minute: int, as_json: bool) -> None:
+    """Add (or update) a tenant."""
+    from .._control.manager import get_manager
+    from .._server.auth import TenantDirectory
+
+    tenant = TenantDirectory(get_manager(ctx.obj["settings"]).store).add_tenant(
+        name, max_sandboxes=max_sandboxes, tiers=list(tiers) or None,
+        commands_per_minute=commands_per_minute)
+    if as_json:
+        _emit_json({"name": tenant.name, "max_sandboxes": tenant.max_sandboxes,
+                    "tiers": list(tenant.tiers),
+                    "commands_per_minute": tenant.commands_per_minute})
+    else:
+        click.echo(f"tenant {tenant.name}: {tenant.max_sandboxes} sandboxes, tiers "
+                   f"{','.join(tenant.tiers)}, {tenant.commands_per_minute} commands/min",
+                   err=True)
+
+
+@tenants.command(name="ls")
+@json_option
+@click.pass_context
+@handle_errors
+def tenants_ls(ctx: click.Context, as_json: bool) -> None:
+    """List tenants."""
+    from .._control.manager import get_manager
+
+    rows = get_manager(ctx.obj["settings"]).store.tenants()
+    if as_json:
+        _emit_json(rows)
+        return
+    for row in rows:
+        click.echo(f"{row['name']}\t{row['max_sandboxes']}\t{','.join(row['tiers'])}\t"
+                   f"{row['commands_per_minute']}/min")
+
+
+@tenants.command(name="rm")
+@click.argument("name")
+@click.pass_context
+@handle_errors
+def tenants_rm(ctx: click.Context, name: str) -> None:
+    """Remove a tenant and revoke its keys."""
+    from .._control.manager import get_manager
+
+    if not get_manager(ctx.obj["settings"]).store.remove_tenant(name):
+        raise errors.UsageError(f"no tenant named {name!r}")
+
+
+@cli.group()
+def keys() -> None:
+    """API keys of the HTTP service (stored hashed; shown once)."""
+
+
+@keys.command(name="create")
+@click.argument("tenant")
+@json_option
+@click.pass_context
+@handle_errors
+def keys_create(ctx: click.Context, tenant: str, as_json: bool) -> None:
+    """Create a key for TENANT and print it (it cannot be shown again)."""
+    from .._control.manager import get_manager
+    from .._server.auth import TenantDirectory
+
+    key_id, key = TenantDirectory(get_manager(ctx.obj["settings"]).store).create_key(tenant)
+    if as_json:
+        _emit_json({"id": key_id, "tenant": tenant, "key": key})
+    else:
+        click.echo(key)
+
+
+@keys.command(name="revoke")
+@click.argument("key_id")
+@click.pass_context
+@handle_errors
+def keys_revoke(ctx: click.Context, key_id: str) -> None:
+    """Revoke a key by its id (the 12 hex digits after ck_)."""
+    from .._control.manager import get_manager
+
+    if not get_manager(ctx.obj["settings"]).store.revoke_key(key_id.removeprefix("ck_")[:12]):
+        raise errors.UsageError(f"no live key with id {key_id!r}")
+
+
+@cli.command()
 @json_option
 @click.pass_context
 @handle_errors
@@ -660,6 +799,25 @@ def demo(ctx: click.Context, as_json: bool) -> None:
         _emit_json(summary)
     contained = all(step.get("contained", True) for step in summary["steps"])
     sys.exit(0 if contained and summary["destroyed"] else EXIT_FAILED)
+
+
+@cli.command(name="mcp")
+@click.option("--transport", type=click.Choice(["stdio", "http"]), default="stdio",
+              show_default=True, help="stdio (one client, spawned by it) or Streamable HTTP.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="HTTP address; the endpoint has no authentication, keep it on loopback.")
+@click.option("--port", type=int, default=8765, show_default=True, help="HTTP port.")
+@click.pass_context
+@handle_errors
+def mcp_(ctx: click.Context, transport: str, host: str, port: int) -> None:
+    """Serve sandboxes as tools over the Model Context Protocol (MCP).
+
+    Calls without a sandbox_id share one sandbox per MCP session, destroyed when the session
+    ends (or at its TTL if the server is killed).
+    """
+    from .._mcp import serve
+
+    serve(_home(ctx), "http" if transport == "http" else "stdio", host=host, port=port)
 
 
 def main() -> None:

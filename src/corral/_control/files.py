@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import BinaryIO
+
 from .._audit.auditor import Auditor
+from .._workspace.archive import ExtractReport, create_tar, extract_tar
 from .._workspace.files import WorkspaceFiles, to_relative
+from ..errors import CorralError
 from ..models import FileEntry
 
 __all__ = ["AuditedFiles"]
@@ -36,6 +41,11 @@ class AuditedFiles:
         self._files.remove(path)
         self._auditor.file_event(self._sandbox_id, "remove", _shown(path))
 
+    def rename(self, src: str, dst: str) -> FileEntry:
+        entry = self._files.rename(src, dst)
+        self._auditor.file_event(self._sandbox_id, "rename", entry.path, source=_shown(src))
+        return entry
+
     def make_dir(self, path: str) -> bool:
         created = self._files.make_dir(path)
         self._auditor.file_event(self._sandbox_id, "mkdir", _shown(path), created=created)
@@ -49,3 +59,55 @@ class AuditedFiles:
 
     def exists(self, path: str) -> bool:
         return self._files.exists(path)
+
+    def upload(self, dest: str, stream: BinaryIO, *, max_bytes: int,
+               max_entries: int = 100_000) -> ExtractReport:
+        """Extract a tar stream under ``dest`` (see ``extract_tar``); one ``file.upload`` event.
+
+        The event is recorded whether or not extraction succeeds, with the counts of what was
+        written; a refusal adds ``error`` (the error code) and ``message``.
+        """
+        report = ExtractReport()
+        shown = _shown(dest)
+        try:
+            extract_tar(self._files, dest, stream, max_bytes=max_bytes,
+                        max_entries=max_entries, report=report)
+        except CorralError as exc:
+            self._auditor.file_event(self._sandbox_id, "upload", shown, None, **_counts(report),
+                                     error=exc.code, message=exc.message)
+            raise
+        self._auditor.file_event(self._sandbox_id, "upload", shown, None, **_counts(report))
+        return report
+
+    def download(self, src: str, *, max_bytes: int, max_entries: int = 100_000,
+                 gzip: bool = False) -> Iterator[bytes]:
+        """A tar stream of the tree under ``src`` (see ``create_tar``).
+
+        Errors about ``src`` are raised now. One ``file.download`` event is recorded when the
+        stream ends: ``complete`` says whether it was read to the end, and a limit reached on
+        the way adds ``error`` and ``message``. (A stream that is never iterated records
+        nothing, because nothing was read.)
+        """
+        report = ExtractReport()
+        chunks = create_tar(self._files, src, max_bytes=max_bytes, max_entries=max_entries,
+                            gzip=gzip, report=report)
+        return self._recorded_download(_shown(src), chunks, report, gzip=gzip)
+
+    def _recorded_download(self, shown: str, chunks: Iterator[bytes], report: ExtractReport,
+                           *, gzip: bool) -> Iterator[bytes]:
+        complete = False
+        failure: dict[str, str] = {}
+        try:
+            yield from chunks
+            complete = True
+        except CorralError as exc:
+            failure = {"error": exc.code, "message": exc.message}
+            raise
+        finally:
+            self._auditor.file_event(self._sandbox_id, "download", shown, None, **_counts(report),
+                                     gzip=gzip, complete=complete, **failure)
+
+
+def _counts(report: ExtractReport) -> dict[str, int]:
+    return {"entries": report.entries, "files": report.files, "dirs": report.dirs,
+            "symlinks": report.symlinks, "bytes": report.bytes}

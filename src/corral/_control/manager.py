@@ -15,10 +15,10 @@ import secrets
 import shlex
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
@@ -30,6 +30,7 @@ from ..backends import ExecRequest, IsolationBackend, OutputCallback, SandboxSpe
 from ..errors import (
     BackendUnavailable,
     CommandError,
+    CommandNotFound,
     ConfigError,
     FileError,
     FileNotFound,
@@ -173,7 +174,7 @@ class Manager:
         for info in self.store.list():
             # A create takes milliseconds; one still "creating" after a minute was interrupted.
             stale_create = info.state == "creating" and info.created_at < now - 60
-            if info.expires_at <= now and info.state == "running":
+            if info.expires_at <= now and info.state in ("running", "paused"):
                 self._expire(info)
             elif info.state == "destroying" or stale_create:
                 self._destroy(info, reason="interrupted")
@@ -184,6 +185,15 @@ class Manager:
         swept = self.backend.sweep({i.id for i in self.store.list()})
         for item in swept:
             self.auditor.count("corral_reaper_actions", action=f"sweep_{item.split()[0]}")
+            kind, _, group = item.partition(" ")
+            sandbox_id, _, name = group.partition("/")
+            command_id = name.rsplit(".", 1)[-1]
+            if kind == "command" and command_id.startswith("cmd_"):
+                # Its process died (crash, SIGKILL): close the command's story in the trail.
+                self.auditor.event(sandbox_id, "command.finished", {
+                    "exit_code": None, "interrupted": True,
+                    "error": "interrupted: the process running it stopped",
+                }, command=command_id, sync=True)
         self._recovered = True
         return removed + swept
 
@@ -198,7 +208,8 @@ class Manager:
     def create(
         self, *, template: str = "base", resources: str = "small", timeout: float | None = None,
         labels: Mapping[str, str] | None = None, network: NetworkSpec = None,
-        secrets: Sequence[str] | None = None,
+        secrets: Sequence[str] | None = None, tenant: str = "local",
+        max_for_tenant: int | None = None,
     ) -> SandboxInfo:
         tier = get_tier(resources)
         policy = policy_from(network)
@@ -218,6 +229,7 @@ class Manager:
             sandbox_id=_new_id(), template=template, resources=resources, ttl_s=ttl,
             labels=clean_labels, uid_start=self.settings.uid_start,
             uid_count=self.settings.uid_count, network=policy.to_json(), secrets=placeholders,
+            tenant=tenant, max_for_tenant=max_for_tenant,
         )
         try:
             self.backend.create(self._spec(info))
@@ -230,7 +242,7 @@ class Manager:
             "template": template, "resources": resources, "uid": info.uid,
             "expires_at": info.expires_at, "labels": clean_labels, "limits": tier.to_dict(),
             "backend": self.backend.name, "network": policy.to_json(),
-            "secrets": sorted(placeholders),
+            "secrets": sorted(placeholders), "tenant": tenant,
         })
         self.auditor.count("corral_sandboxes_created")
         logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
@@ -257,14 +269,15 @@ class Manager:
             raise UsageError("at most 64 labels per sandbox")
         return clean
 
-    def get(self, sandbox_id: str) -> SandboxInfo:
+    def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxInfo:
+        """The sandbox; with ``tenant``, only if it belongs to that tenant (else not found)."""
         if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
             raise SandboxNotFound(
                 f"{sandbox_id!r} is not a sandbox id (they look like sbx_0123456789ab); "
                 "`corral ls` lists them"
             )
         info = self.store.get(sandbox_id)
-        if info is None:
+        if info is None or (tenant is not None and info.tenant != tenant):
             raise SandboxNotFound(f"sandbox {sandbox_id} does not exist; `corral ls` lists them")
         if info.state == "destroying":
             raise SandboxNotFound(f"sandbox {sandbox_id} is being destroyed")
@@ -278,14 +291,15 @@ class Manager:
             )
         return info
 
-    def list(self) -> list[SandboxInfo]:
+    def list(self, *, tenant: str | None = None) -> list[SandboxInfo]:
         self._ensure_recovered()
         now = time.time()
         live = []
         for info in self.store.list():
-            if info.expires_at <= now and info.state == "running":
+            if info.expires_at <= now and info.state in ("running", "paused"):
                 self._expire(info)
-            elif info.state == "running":
+            elif info.state in ("running", "paused") and (tenant is None
+                                                          or info.tenant == tenant):
                 live.append(info)
         return live
 
@@ -304,6 +318,36 @@ class Manager:
         self.store.set_network(sandbox_id, policy.to_json())
         self.auditor.event(sandbox_id, "sandbox.policy_changed", {"network": policy.to_json()})
         return self.get(sandbox_id)
+
+    def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze every process of the sandbox (files stay reachable); its TTL keeps running."""
+        info = self.get(sandbox_id)
+        if info.state == "paused":
+            return info
+        self.backend.pause(self._spec(info), True)
+        self.store.set_state(sandbox_id, "paused")
+        self.auditor.event(sandbox_id, "sandbox.paused", {})
+        return self.get(sandbox_id)
+
+    def resume(self, sandbox_id: str) -> SandboxInfo:
+        info = self.get(sandbox_id)
+        if info.state != "paused":
+            return info
+        self.backend.pause(self._spec(info), False)
+        self.store.set_state(sandbox_id, "running")
+        self.auditor.event(sandbox_id, "sandbox.resumed", {})
+        return self.get(sandbox_id)
+
+    def kill_command(self, sandbox_id: str, command_id: str) -> None:
+        """Kill a running command (from any process); its run() returns exit code 137."""
+        info = self.get(sandbox_id)
+        if info.state == "paused":
+            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume it before killing "
+                              "commands")
+        if not isinstance(command_id, str) or not re.match(r"^cmd_[0-9a-f]{12}$", command_id):
+            raise CommandNotFound(f"{command_id!r} is not a command id")
+        if not self.backend.kill_command(self._spec(info), command_id):
+            raise CommandNotFound(f"command {command_id} is not running in {sandbox_id}")
 
     def destroy(self, sandbox_id: str) -> None:
         info = self.get(sandbox_id)
@@ -339,6 +383,8 @@ class Manager:
         if context is not None and not isinstance(context, Mapping):
             raise UsageError(f"context must be a mapping, not {type(context).__name__}")
         info = self.get(sandbox_id)
+        if info.state == "paused":
+            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to run commands")
         self._ensure_recovered()
         tier = get_tier(info.resources)
         if timeout is None:
@@ -373,6 +419,7 @@ class Manager:
                                              placeholders=info.secrets,
                                              command_id=command_id) as egress_env:
                     outcome = self.backend.exec(spec, ExecRequest(
+                        command_id=command_id,
                         argv=command.argv, cwd=command.cwd, env={**command.env, **egress_env},
                         timeout_s=limit, stdin=command.stdin,
                         output_limit_bytes=tier.output_limit_bytes,
@@ -422,6 +469,17 @@ class Manager:
         info = self.get(sandbox_id)
         root: Path = self.backend.workspace_root(self._spec(info))
         return AuditedFiles(WorkspaceFiles(root, info.uid), self.auditor, sandbox_id)
+
+    def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
+        info = self.get(sandbox_id)
+        report = self.files(sandbox_id).upload(
+            path, stream, max_bytes=get_tier(info.resources).disk_bytes)
+        return dataclasses.asdict(report)
+
+    def download(self, sandbox_id: str, path: str, *, gzip: bool = False) -> Iterator[bytes]:
+        info = self.get(sandbox_id)
+        return self.files(sandbox_id).download(
+            path, max_bytes=get_tier(info.resources).disk_bytes, gzip=gzip)
 
     def close(self) -> None:
         self.egress.close()

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..errors import QuotaExceeded
 from ..models import SandboxInfo
@@ -27,7 +28,22 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     expires_at REAL NOT NULL,
     labels TEXT NOT NULL DEFAULT '{}',
     network TEXT NOT NULL DEFAULT '{}',
-    secrets TEXT NOT NULL DEFAULT '{}'
+    secrets TEXT NOT NULL DEFAULT '{}',
+    tenant TEXT NOT NULL DEFAULT 'local'
+);
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY,
+    max_sandboxes INTEGER NOT NULL,
+    tiers TEXT NOT NULL,
+    commands_per_minute INTEGER NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    hash TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT NOT NULL,
@@ -44,6 +60,7 @@ def _row_to_info(row: sqlite3.Row) -> SandboxInfo:
         state=row["state"], created_at=row["created_at"], expires_at=row["expires_at"],
         uid=row["uid"], labels=json.loads(row["labels"]),
         network=json.loads(row["network"]), secrets=json.loads(row["secrets"]),
+        tenant=row["tenant"],
     )
 
 
@@ -60,10 +77,10 @@ class Store:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
-        for column in ("network", "secrets"):
-            if column not in columns:  # a store made before egress existed
-                self._db.execute(
-                    f"ALTER TABLE sandboxes ADD COLUMN {column} TEXT NOT NULL DEFAULT '{{}}'")
+        for column, default in (("network", "{}"), ("secrets", "{}"), ("tenant", "local")):
+            if column not in columns:  # a store made before that column existed
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {column} TEXT NOT NULL "
+                                 f"DEFAULT '{default}'")
         path.chmod(0o600)
 
     @contextmanager
@@ -81,6 +98,7 @@ class Store:
         self, *, sandbox_id: str, template: str, resources: str, ttl_s: float,
         labels: dict[str, str], uid_start: int, uid_count: int,
         network: dict[str, object] | None = None, secrets: dict[str, str] | None = None,
+        tenant: str = "local", max_for_tenant: int | None = None,
     ) -> SandboxInfo:
         """Insert a sandbox in state ``creating`` with the lowest free uid of the range.
 
@@ -89,6 +107,13 @@ class Store:
         """
         now = time.time()
         with self._tx() as db:
+            if max_for_tenant is not None:
+                count = db.execute("SELECT COUNT(*) FROM sandboxes WHERE tenant = ?",
+                                   (tenant,)).fetchone()[0]
+                if count >= max_for_tenant:
+                    raise QuotaExceeded(
+                        f"tenant {tenant!r} already has {count} sandboxes, its limit; destroy "
+                        "one or ask the operator for a higher limit")
             used = {r[0] for r in db.execute(
                 "SELECT uid FROM sandboxes WHERE uid >= ? AND uid < ?",
                 (uid_start, uid_start + uid_count),
@@ -102,10 +127,10 @@ class Store:
                 )
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
-                "expires_at, labels, network, secrets) "
-                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?)",
+                "expires_at, labels, network, secrets, tenant) "
+                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
-                 json.dumps(network or {}), json.dumps(secrets or {})),
+                 json.dumps(network or {}), json.dumps(secrets or {}), tenant),
             )
         info = self.get(sandbox_id)
         assert info is not None
@@ -143,6 +168,60 @@ class Store:
     def delete(self, sandbox_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    # -- tenants and API keys ---------------------------------------------------------------
+
+    def add_tenant(self, name: str, *, max_sandboxes: int, tiers: Sequence[str],
+                   commands_per_minute: int) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO tenants (name, max_sandboxes, tiers, "
+                       "commands_per_minute, created_at) VALUES (?, ?, ?, ?, ?)",
+                       (name, max_sandboxes, json.dumps(list(tiers)), commands_per_minute,
+                        time.time()))
+
+    def tenants(self) -> builtins.list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM tenants ORDER BY name").fetchall()
+        return [{"name": r["name"], "max_sandboxes": r["max_sandboxes"],
+                 "tiers": json.loads(r["tiers"]), "commands_per_minute": r["commands_per_minute"],
+                 "created_at": r["created_at"]} for r in rows]
+
+    def tenant(self, name: str) -> dict[str, Any] | None:
+        return next((t for t in self.tenants() if t["name"] == name), None)
+
+    def remove_tenant(self, name: str) -> bool:
+        with self._tx() as db:
+            db.execute("UPDATE api_keys SET revoked = 1 WHERE tenant = ?", (name,))
+            return db.execute("DELETE FROM tenants WHERE name = ?", (name,)).rowcount > 0
+
+    def add_key(self, key_id: str, tenant: str, digest: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO api_keys (id, tenant, hash, created_at) VALUES (?, ?, ?, ?)",
+                       (key_id, tenant, digest, time.time()))
+
+    def key(self, key_id: str) -> tuple[str, str] | None:
+        """(tenant, hash) of a live key."""
+        with self._lock:
+            row = self._db.execute("SELECT tenant, hash FROM api_keys WHERE id = ? AND revoked = 0",
+                                   (key_id,)).fetchone()
+        return (row[0], row[1]) if row else None
+
+    def revoke_key(self, key_id: str) -> bool:
+        with self._tx() as db:
+            return db.execute("UPDATE api_keys SET revoked = 1 WHERE id = ? AND revoked = 0",
+                              (key_id,)).rowcount > 0
+
+    def keys(self) -> builtins.list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT id, tenant, created_at, revoked FROM api_keys "
+                                    "ORDER BY created_at").fetchall()
+        return [{"id": r[0], "tenant": r[1], "created_at": r[2], "revoked": bool(r[3])}
+                for r in rows]
+
+    def live_key_count(self) -> int:
+        with self._lock:
+            return int(self._db.execute(
+                "SELECT COUNT(*) FROM api_keys WHERE revoked = 0").fetchone()[0])
 
     def add_counters(self, rows: Sequence[tuple[str, str, float]]) -> None:
         """Add to metric counters, creating them at zero; one transaction for all rows."""

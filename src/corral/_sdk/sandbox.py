@@ -6,10 +6,11 @@ Shaped like the hosted sandboxes agent developers know (``Sandbox.create()``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import io
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, BinaryIO, Literal, overload
 
 from .._audit.events import AuditEvent
 from .._audit.log import AuditTrail
@@ -19,12 +20,21 @@ from .._settings import Settings
 from ..backends import OutputCallback
 from ..errors import UsageError
 from ..models import CommandResult, FileEntry, SandboxInfo
+from .remote import remote_manager
 
 __all__ = ["Audit", "Commands", "Files", "Network", "Sandbox", "read_audit"]
 
 
-def _manager(home: str | Path | None) -> Manager:
-    return get_manager(Settings(home=Path(home)) if home is not None else Settings())
+def _manager(home: str | Path | None = None, url: str | None = None,
+             api_key: str | None = None) -> Manager:
+    """Embedded (this process runs the sandboxes) unless a service URL is given or set in
+    ``CORRAL_URL``; the remote manager has the same methods."""
+    settings = Settings(home=Path(home)) if home is not None else Settings()
+    url = url or settings.url
+    if url and home is None:
+        key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None)
+        return remote_manager(url, key)  # type: ignore[return-value]
+    return get_manager(settings)
 
 
 class Commands:
@@ -74,6 +84,12 @@ class Commands:
             self._sandbox._live_id(), cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
             on_stdout=on_stdout, on_stderr=on_stderr, context=context,
         )
+
+
+    def kill(self, command_id: str) -> None:
+        """Kill a running command by its id (``result.command_id``, or from the audit trail);
+        its ``run()`` returns with exit code 137."""
+        self._sandbox._mgr.kill_command(self._sandbox._live_id(), command_id)
 
 
 class Files:
@@ -126,6 +142,24 @@ class Files:
     def make_dir(self, path: str) -> bool:
         """Create a directory and its parents; False if it already existed."""
         return self._fs().make_dir(path)
+
+    def rename(self, src: str, dst: str) -> FileEntry:
+        """Move a file, directory or symlink inside the workspace."""
+        return self._fs().rename(src, dst)
+
+    def upload(self, archive: bytes | BinaryIO, path: str = "/workspace") -> dict[str, int]:
+        """Extract a tar or tar.gz (bytes or a binary file object, streamed) under ``path``.
+
+        Refuses absolute names, ``..``, links leading out, hard links, devices, and archives
+        larger than the workspace; entries before a refused one stay. Returns the counts.
+        """
+        stream = io.BytesIO(archive) if isinstance(archive, bytes | bytearray) else archive
+        report = self._sandbox._mgr.upload(self._sandbox._live_id(), path, stream)
+        return dict(report)
+
+    def download(self, path: str = "/workspace", *, gzip: bool = False) -> Iterator[bytes]:
+        """The tree under ``path`` as a tar stream, chunk by chunk (symlinks kept as links)."""
+        return self._sandbox._mgr.download(self._sandbox._live_id(), path, gzip=gzip)
 
 
 class Network:
@@ -188,6 +222,8 @@ def read_audit(
     sandbox_id: str,
     *,
     home: str | Path | None = None,
+    url: str | None = None,
+    api_key: str | None = None,
     types: Sequence[str] | None = None,
     since: float | None = None,
     until: float | None = None,
@@ -198,8 +234,8 @@ def read_audit(
     Raises:
         SandboxNotFound: no trail exists for that id.
     """
-    return _manager(home).auditor.trail(sandbox_id, types=types, since=since, until=until,
-                                        command=command)
+    return _manager(home, url, api_key).auditor.trail(
+        sandbox_id, types=types, since=since, until=until, command=command)
 
 
 class Sandbox:
@@ -233,6 +269,8 @@ class Sandbox:
         network: str | Mapping[str, Sequence[str]] | None = None,
         secrets: Sequence[str] | None = None,
         home: str | Path | None = None,
+        url: str | None = None,
+        api_key: str | None = None,
     ) -> Sandbox:
         """Create a sandbox.
 
@@ -248,26 +286,30 @@ class Sandbox:
                 a placeholder in env ``NAME``; the gateway swaps in the value for the hosts the
                 secret is bound to.
             home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
+            url: a Corral service to use (default ``CORRAL_URL``; embedded when unset).
+            api_key: its API key (default ``CORRAL_API_KEY``).
 
         Raises:
             UsageError: unknown template or tier, bad timeout or labels.
             BackendUnavailable: the host lacks something the sandbox needs (see ``corral doctor``).
         """
-        manager = _manager(home)
+        manager = _manager(home, url, api_key)
         info = manager.create(template=template, resources=resources, timeout=timeout,
                               labels=labels, network=network, secrets=secrets)
         return cls(info, manager)
 
     @classmethod
-    def connect(cls, sandbox_id: str, *, home: str | Path | None = None) -> Sandbox:
+    def connect(cls, sandbox_id: str, *, home: str | Path | None = None, url: str | None = None,
+                api_key: str | None = None) -> Sandbox:
         """Attach to an existing sandbox (also one created by another process)."""
-        manager = _manager(home)
+        manager = _manager(home, url, api_key)
         return cls(manager.get(sandbox_id), manager)
 
     @classmethod
-    def list(cls, *, home: str | Path | None = None) -> list[SandboxInfo]:
-        """Every live sandbox of the data directory."""
-        return _manager(home).list()
+    def list(cls, *, home: str | Path | None = None, url: str | None = None,
+             api_key: str | None = None) -> list[SandboxInfo]:
+        """Every live sandbox (of the data directory, or of your tenant on a service)."""
+        return _manager(home, url, api_key).list()
 
     @property
     def id(self) -> str:
@@ -277,6 +319,14 @@ class Sandbox:
         """Fresh metadata from the store."""
         self._info = self._mgr.get(self._live_id())
         return self._info
+
+    def pause(self) -> None:
+        """Freeze every process in the sandbox (files stay reachable); ``resume()`` goes on.
+        Commands cannot start while paused; lifetimes and timeouts keep counting."""
+        self._info = self._mgr.pause(self._live_id())
+
+    def resume(self) -> None:
+        self._info = self._mgr.resume(self._live_id())
 
     def set_timeout(self, timeout: float) -> None:
         """Set the remaining lifetime to ``timeout`` seconds from now."""

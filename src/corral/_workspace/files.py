@@ -20,7 +20,8 @@ import posixpath
 import secrets
 import shutil
 import stat as stat_mod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -28,10 +29,12 @@ from .._core import linux
 from ..errors import FileError, FileNotFound, PathRefused, QuotaExceeded
 from ..models import FileEntry
 
-__all__ = ["MAX_FILE_BYTES", "WORKSPACE", "WorkspaceFiles", "to_relative"]
+__all__ = ["MAX_FILE_BYTES", "MAX_WALK_DEPTH", "WORKSPACE", "TreeItem", "WorkspaceFiles",
+           "to_relative"]
 
 WORKSPACE = "/workspace"
 MAX_FILE_BYTES = 256 * 1024 * 1024
+MAX_WALK_DEPTH = 256
 _RESOLVE = linux.RESOLVE_BENEATH | linux.RESOLVE_NO_MAGICLINKS | linux.RESOLVE_NO_XDEV
 
 
@@ -113,6 +116,30 @@ def _entry(name: str, rel: str, st: os.stat_result) -> FileEntry:
         kind = "other"
     return FileEntry(name=name, path=_display(rel), type=kind, size=st.st_size,
                      mode=stat_mod.S_IMODE(mode), modified_at=st.st_mtime)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeItem:
+    """One entry met by ``WorkspaceFiles.walk``.
+
+    Attributes:
+        path: relative to the walked directory, ``/``-separated (``a/b.txt``).
+        kind: what the entry is, from ``fstat`` of what was opened (or ``lstat`` for links).
+        mode: permission bits.
+        size: bytes, for files.
+        mtime: modification time.
+        link_target: the text of a symlink, else None.
+        fd: for files, a read-only descriptor of the file, owned by the walk and valid only
+            until the walk advances; else None.
+    """
+
+    path: str
+    kind: Literal["file", "dir", "symlink", "other"]
+    mode: int
+    size: int
+    mtime: float
+    link_target: str | None = None
+    fd: int | None = None
 
 
 class WorkspaceFiles:
@@ -213,16 +240,67 @@ class WorkspaceFiles:
         A symlink at ``path`` is followed when it stays inside the workspace (like ``read``) and
         refused when it leads out. On any failure the previous content is left untouched.
         """
-        rel = to_relative(path)
         if len(data) > self._max:
             raise QuotaExceeded(f"{len(data)} bytes is over the {self._max}-byte file limit")
+        return self.write_stream(path, (data,), mode=mode)
+
+    def write_stream(
+        self, path: str, chunks: Iterable[bytes], *, mode: int = 0o644,
+        mtime: float | None = None, follow_symlinks: bool = True,
+    ) -> FileEntry:
+        """Write ``chunks`` atomically (temp file + rename), creating parent directories.
+
+        Like ``write`` but never holds more than one chunk in memory and has no size limit of
+        its own: the caller bounds what ``chunks`` yields (an exception raised by the iterator
+        removes the temp file and propagates unchanged).
+
+        Args:
+            path: the sandbox path of the file.
+            chunks: the content, consumed once.
+            mode: permission bits (masked to ``0o777``).
+            mtime: modification time to set, or None for now.
+            follow_symlinks: when ``path`` is a symlink, write where it leads (inside the
+                workspace only) if True, or replace the link itself with the file if False.
+
+        Raises:
+            PathRefused: the path or a symlink on it leaves ``/workspace``.
+            QuotaExceeded: the workspace filled up.
+            FileError: a parent is not a directory, ``path`` is a directory, ...
+        """
+        rel = to_relative(path)
         for _ in range(8):  # symlink hops, like the kernel's own limit on nesting
             with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
-                target = self._symlink_target(dir_fd, leaf, rel)
+                target = self._symlink_target(dir_fd, leaf, rel) if follow_symlinks else None
                 if target is None:
-                    return self._replace(dir_fd, leaf, rel, data, mode)
+                    return self._replace(dir_fd, leaf, rel, chunks, mode, mtime)
             rel = target
         raise PathRefused(f"{_display(rel)}: too many levels of symlinks")
+
+    def symlink(self, path: str, target: str) -> FileEntry:
+        """Create (or atomically replace) the symlink ``path`` pointing at ``target``.
+
+        ``target`` is stored as given and never resolved here: every host-side lookup refuses a
+        link that leads out of ``/workspace``, so a link's text cannot make the host escape.
+        Callers that want links to stay inside a subtree check ``target`` themselves.
+
+        Raises:
+            PathRefused: ``path`` leaves ``/workspace`` or ``target`` is not a usable link text.
+            FileError: ``path`` is an existing directory, ...
+        """
+        rel = to_relative(path)
+        if not target or "\x00" in target or len(target.encode("utf-8", "surrogateescape")) > 4095:
+            raise PathRefused(f"symlink target {target!r} for {_display(rel)} is not usable")
+        with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
+            tmp = f".corral-tmp-{secrets.token_hex(6)}"
+            os.symlink(target, tmp, dir_fd=dir_fd)
+            try:
+                os.chown(tmp, self._uid, self._uid, dir_fd=dir_fd, follow_symlinks=False)
+                os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
+            return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
 
     def _symlink_target(self, dir_fd: int, leaf: str, rel: str) -> str | None:
         """If ``leaf`` is a symlink, where it leads (relative to the root); else None.
@@ -257,16 +335,20 @@ class WorkspaceFiles:
             raise PathRefused(f"{_display(rel)} is a symlink that leaves {WORKSPACE}")
         return inside
 
-    def _replace(self, dir_fd: int, leaf: str, rel: str, data: bytes, mode: int) -> FileEntry:
+    def _replace(self, dir_fd: int, leaf: str, rel: str, chunks: Iterable[bytes], mode: int,
+                 mtime: float | None = None) -> FileEntry:
         tmp = f".corral-tmp-{secrets.token_hex(6)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      mode & 0o777, dir_fd=dir_fd)
         try:
             try:
                 os.fchown(fd, self._uid, self._uid)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                for chunk in chunks:
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view):]
+                if mtime is not None:
+                    os.utime(fd, (mtime, mtime))
             finally:
                 os.close(fd)
             os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -275,6 +357,71 @@ class WorkspaceFiles:
                 os.unlink(tmp, dir_fd=dir_fd)
             raise
         return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
+
+    def walk(self, path: str = WORKSPACE) -> Iterator[TreeItem]:
+        """Every entry under the directory ``path``, depth first, sorted, parents first.
+
+        Never follows a symlink (links are reported as links), never leaves the tree: the top
+        is opened with the usual ``RESOLVE_BENEATH`` lookup and every child is opened from its
+        parent's descriptor with ``O_NOFOLLOW``, so the sandbox swapping entries meanwhile can
+        only make entries vanish or change type (those are skipped), never redirect the walk.
+
+        Raises:
+            PathRefused: ``path`` leaves ``/workspace``.
+            FileNotFound: ``path`` does not exist.
+            FileError: ``path`` is not a directory, or the tree is over ``MAX_WALK_DEPTH`` deep.
+        """
+        rel = to_relative(path)
+        with _mapped(rel), self._root_fd() as root_fd:
+            top = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            yield from self._walk_dir(top, "", rel, 0)
+        finally:
+            os.close(top)
+
+    def _walk_dir(self, dir_fd: int, prefix: str, rel: str, depth: int) -> Iterator[TreeItem]:
+        if depth >= MAX_WALK_DEPTH:
+            raise FileError(f"{_display(rel)} is nested over {MAX_WALK_DEPTH} directories deep")
+        with _mapped(rel), os.scandir(dir_fd) as it:
+            names = sorted(entry.name for entry in it)
+        for name in names:
+            try:
+                item, fd = self._walk_open(dir_fd, name, prefix + name)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EINVAL,
+                                 errno.ENXIO, errno.EAGAIN):
+                    continue  # vanished or swapped for another type meanwhile
+                raise
+            try:
+                if item.kind == "dir":
+                    yield item
+                    assert fd is not None
+                    yield from self._walk_dir(fd, item.path + "/", f"{rel}/{name}", depth + 1)
+                elif item.kind != "other":
+                    yield item
+            finally:
+                if fd is not None:
+                    os.close(fd)
+
+    def _walk_open(self, dir_fd: int, name: str, path: str) -> tuple[TreeItem, int | None]:
+        # A single component from a held directory descriptor with O_NOFOLLOW cannot leave it.
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat_mod.S_ISLNK(st.st_mode):
+            link = os.readlink(name, dir_fd=dir_fd)
+            return TreeItem(path, "symlink", 0o777, 0, st.st_mtime, link_target=link), None
+        if not (stat_mod.S_ISDIR(st.st_mode) or stat_mod.S_ISREG(st.st_mode)):
+            return TreeItem(path, "other", 0, 0, st.st_mtime), None
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        entry = _entry(name, path, st)
+        kind = entry.type if entry.type in ("file", "dir") else "other"
+        return TreeItem(path, kind, entry.mode, st.st_size if kind == "file" else 0,
+                        st.st_mtime, fd=fd), fd
 
     def list(self, path: str = WORKSPACE) -> list[FileEntry]:
         rel = to_relative(path)
@@ -319,6 +466,17 @@ class WorkspaceFiles:
                 shutil.rmtree(leaf, dir_fd=dir_fd)
             else:
                 os.unlink(leaf, dir_fd=dir_fd)
+
+    def rename(self, src: str, dst: str) -> FileEntry:
+        """Move ``src`` to ``dst`` (parents of ``dst`` are created); an existing file at ``dst``
+        is replaced, a non-empty directory is not. Symlinks are moved, never followed."""
+        rel_src, rel_dst = to_relative(src), to_relative(dst)
+        with _mapped(rel_src), self._parent(rel_src) as (src_fd, src_leaf):
+            os.stat(src_leaf, dir_fd=src_fd, follow_symlinks=False)  # a clear "does not exist"
+            with _mapped(rel_dst), self._parent(rel_dst, create=True) as (dst_fd, dst_leaf):
+                os.rename(src_leaf, dst_leaf, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                return _entry(dst_leaf, rel_dst,
+                              os.stat(dst_leaf, dir_fd=dst_fd, follow_symlinks=False))
 
     def make_dir(self, path: str) -> bool:
         """mkdir -p; True when the directory was created, False when it already existed."""

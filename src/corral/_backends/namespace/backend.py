@@ -142,7 +142,9 @@ class NamespaceBackend:
         launcher = self._ready()
         workspace = self._ensure_runtime(spec)
         template = self._template(spec.template)
-        group = f"{spec.id}/c.{self._owner}.{secrets.token_hex(4)}"
+        # The group's name carries the owner (to tell crash leftovers from live neighbours) and
+        # the command id (so a sweep can say which command was interrupted).
+        group = f"{spec.id}/c.{self._owner}.{request.command_id or secrets.token_hex(4)}"
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
             "HOME": "/workspace",
@@ -161,9 +163,24 @@ class NamespaceBackend:
             env=env,
         ))
 
+    def pause(self, spec: SandboxSpec, paused: bool) -> None:
+        self._ready()
+        self._ensure_runtime(spec)
+        self.cgroups.freeze(spec.id, paused)
+
+    def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
+        self._ready()
+        for name in self.cgroups.children(spec.id):
+            if name.endswith(f".{command_id}"):
+                self.cgroups.kill(f"{spec.id}/{name}")
+                return True
+        return False
+
     def destroy(self, spec: SandboxSpec) -> None:
         self._ready()
         self._ensured.discard(spec.id)
+        with contextlib.suppress(BackendError, OSError):
+            self.cgroups.freeze(spec.id, False)  # a frozen process cannot die
         self.cgroups.kill(spec.id)
         self.cgroups.remove(spec.id)
         netns.remove_netns(self._netns_path(spec.id))

@@ -42,6 +42,7 @@ class CgroupDriver(Protocol):
     def attach(self, group: str, pids: Iterable[int]) -> None: ...
     def usage(self, group: str) -> CgroupUsage: ...
     def kill(self, group: str) -> None: ...
+    def freeze(self, group: str, frozen: bool) -> None: ...
     def remove(self, group: str) -> None: ...
     def children(self, group: str) -> list[str]: ...
     def describe(self) -> str: ...
@@ -180,6 +181,12 @@ class CgroupV1:
         )
 
     def kill(self, group: str) -> None:
+        try:
+            self._kill(group)
+        except FileNotFoundError:
+            pass  # the group went away under us: its processes are gone with it
+
+    def _kill(self, group: str) -> None:
         freezer = self._path("freezer", group)
         if not _procs(freezer):
             # Nothing to kill (or no group). Worth the check: freezing a group whose children
@@ -205,6 +212,16 @@ class CgroupV1:
         _write(freezer / "freezer.state", "THAWED")
         if not _wait_empty([p / "cgroup.procs" for p in self._paths(group)]):
             raise BackendError(f"processes of cgroup {group} survived SIGKILL")
+
+    def freeze(self, group: str, frozen: bool) -> None:
+        state = self._path("freezer", group) / "freezer.state"
+        want = "FROZEN" if frozen else "THAWED"
+        _write(state, want)
+        end = time.monotonic() + 5.0
+        while _read(state).strip() != want:
+            if time.monotonic() > end:
+                raise BackendError(f"cgroup {group} did not become {want}")
+            time.sleep(0.001)
 
     def remove(self, group: str) -> None:
         for path in self._paths(group):
@@ -273,9 +290,22 @@ class CgroupV2:
         path = self._base / group
         if not _procs(path):
             return
-        _write(path / "cgroup.kill", "1")
+        try:
+            _write(path / "cgroup.kill", "1")
+        except FileNotFoundError:
+            return  # already gone
         if not _wait_empty([g / "cgroup.procs" for g in _groups(path)]):
             raise BackendError(f"processes of cgroup {group} survived cgroup.kill")
+
+    def freeze(self, group: str, frozen: bool) -> None:
+        path = self._base / group
+        _write(path / "cgroup.freeze", "1" if frozen else "0")
+        end = time.monotonic() + 5.0
+        want = f"frozen {1 if frozen else 0}"
+        while want not in _read(path / "cgroup.events"):
+            if time.monotonic() > end:
+                raise BackendError(f"cgroup {group} did not {'freeze' if frozen else 'thaw'}")
+            time.sleep(0.001)
 
     def remove(self, group: str) -> None:
         _rmdir_tree(self._base / group)

@@ -1,0 +1,11 @@
+"""``corral mcp``: Corral's sandboxes as tools of a Model Context Protocol server.
+
+Built on the official ``mcp`` SDK (``mcp.server.mcpserver.MCPServer``, FastMCP's successor in
+mcp 2.x). See ``server.py`` for the tools and the per-session sandbox rules.
+"""
+
+from __future__ import annotations
+
+from .server import OUTPUT_CAP_BYTES, CorralMCP, build_server, serve
+
+__all__ = ["OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "serve"]

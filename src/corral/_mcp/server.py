@@ -1,0 +1,422 @@
+"""The MCP server behind ``corral mcp``: sandboxes as tools for any MCP client.
+
+Tools: ``create_sandbox``, ``run_command``, ``read_file``, ``write_file``, ``list_files``,
+``destroy_sandbox``. Every tool but ``create_sandbox`` takes an optional ``sandbox_id``.
+
+The session sandbox
+    A call without ``sandbox_id`` uses the *session sandbox*: created on the session's first such
+    call (``small`` tier, default TTL, no network), reused by its later calls, destroyed when the
+    session ends. Over stdio the session is the server process (one client per process); over
+    Streamable HTTP it is the ``Mcp-Session-Id`` session, which ends on the client's DELETE, the
+    SDK's idle timeout (30 minutes without a request) or server shutdown. Clients speaking the
+    sessionless 2026-07-28 protocol over HTTP have no session to key on: they get a
+    ``session_required`` error and must call ``create_sandbox`` and pass ``sandbox_id``.
+
+    Sandboxes made with ``create_sandbox`` belong to the session that made them and are destroyed
+    with it too (or, when there is no session, at server shutdown). Every sandbox still carries
+    its TTL: when the server is killed without a chance to clean up (SIGKILL, power loss), its
+    sandboxes live at most until their TTL, after which any Corral process (or ``corral reap``)
+    removes them.
+
+    A ``sandbox_id`` may name any live sandbox of the data directory, as with the CLI: ids are
+    unguessable (``sbx_`` + 12 random characters) and act as capabilities.
+
+Errors
+    A Corral error becomes a tool error result (``isError``) whose text is ``code: message`` and
+    whose structured content is ``{"code": ..., "message": ...}``; no tracebacks reach the client.
+    A non-zero exit code is a normal result, not an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+from mcp.server.mcpserver import Context, MCPServer
+from mcp_types import CallToolResult, TextContent, ToolAnnotations
+
+from .. import errors
+from .._sdk.sandbox import Sandbox
+from ..models import CommandResult, FileEntry
+
+__all__ = ["OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+OUTPUT_CAP_BYTES = 64 * 1024
+"""Bytes of stdout, and of stderr, one ``run_command`` result carries."""
+
+FILE_CAP_BYTES = 256 * 1024
+"""Bytes of a file one ``read_file`` result carries."""
+
+Transport = Literal["stdio", "http"]
+
+_SESSION_LABELS = {"origin": "corral-mcp"}
+
+
+class SessionRequired(errors.UsageError):
+    code = "session_required"
+
+
+def _cap(text: str, cap: int, dropped_before: int, what: str) -> tuple[str, int]:
+    """``text`` cut to ``cap`` UTF-8 bytes plus a marker; and the bytes dropped in all."""
+    data = text.encode()
+    dropped = dropped_before
+    if len(data) > cap:
+        dropped += len(data) - cap
+        text = data[:cap].decode(errors="ignore")
+    if dropped:
+        total = len(data) + dropped_before
+        text += (f"\n[corral: {what} truncated: {dropped} bytes dropped, showing the first "
+                 f"{total - dropped} of {total}; write it to a file in /workspace and read the "
+                 "parts you need]")
+    return text, dropped
+
+
+def _entry(e: FileEntry) -> dict[str, Any]:
+    return {"name": e.name, "path": e.path, "type": e.type, "size": e.size}
+
+
+def _ok(data: dict[str, Any]) -> CallToolResult:
+    return CallToolResult(content=[TextContent(type="text", text=json.dumps(data))],
+                          structured_content=data)
+
+
+def _error(code: str, message: str) -> CallToolResult:
+    return CallToolResult(content=[TextContent(type="text", text=f"{code}: {message}")],
+                          structured_content={"code": code, "message": message}, is_error=True)
+
+
+@dataclass
+class _Session:
+    sandbox: Sandbox | None = None
+    owned: set[str] = field(default_factory=set)
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    hooked: bool = False
+
+
+class CorralMCP:
+    """The server's state: which sandboxes belong to which MCP session."""
+
+    def __init__(self, home: Path | None, transport: Transport) -> None:
+        self.home = home
+        self.transport = transport
+        self._sessions: dict[str, _Session] = {}
+        self._unowned: set[str] = set()  # made by sessionless clients: destroyed at shutdown
+        self._closed = False
+
+    # --- sessions -------------------------------------------------------------------------
+
+    def _session_key(self, ctx: Context[Any, Any] | None) -> str | None:
+        """The MCP session this call belongs to; None for a sessionless (2026-07-28) client."""
+        if self.transport == "stdio":
+            return "stdio"
+        if ctx is None:
+            return None
+        # The server-assigned Mcp-Session-Id of the connection. The SDK has no public accessor
+        # for a tool's connection yet, hence getattr, falling back to the (validated) header.
+        connection = getattr(ctx.request_context.session, "_connection", None)
+        if connection is not None:
+            return getattr(connection, "session_id", None) or None
+        headers = ctx.headers
+        return (headers.get("mcp-session-id") if headers is not None else None) or None
+
+    def _session(self, ctx: Context[Any, Any] | None, key: str) -> _Session:
+        session = self._sessions.setdefault(key, _Session())
+        if not session.hooked and ctx is not None and self.transport == "http":
+            # The SDK unwinds a connection's exit_stack when its session ends (DELETE, idle
+            # timeout, shutdown); without it the session's sandboxes go at shutdown (or TTL).
+            connection = getattr(ctx.request_context.session, "_connection", None)
+            exit_stack = getattr(connection, "exit_stack", None)
+            if exit_stack is not None and getattr(connection, "session_id", None) == key:
+                exit_stack.push_async_callback(self._end_session, key)
+                session.hooked = True
+        return session
+
+    async def _end_session(self, key: str) -> None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._destroy_ids, set(session.owned))
+
+    def _destroy_ids(self, ids: set[str]) -> None:
+        for sandbox_id in sorted(ids):
+            try:
+                Sandbox.connect(sandbox_id, home=self.home).kill()
+            except errors.SandboxNotFound:
+                pass
+            except Exception:  # keep destroying the others
+                log.exception("could not destroy sandbox %s", sandbox_id)
+
+    async def shutdown(self) -> None:
+        """Destroy every sandbox a session made; run when the server stops."""
+        self._closed = True
+        ids = set(self._unowned)
+        for session in self._sessions.values():
+            ids |= session.owned
+        self._sessions.clear()
+        self._unowned.clear()
+        if ids:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._destroy_ids, ids)
+
+    async def sandbox(self, ctx: Context[Any, Any] | None, sandbox_id: str | None) -> Sandbox:
+        """The named sandbox, or the session sandbox (created on first use)."""
+        if sandbox_id is not None:
+            return await anyio.to_thread.run_sync(
+                lambda: Sandbox.connect(sandbox_id, home=self.home))
+        key = self._session_key(ctx)
+        if key is None:
+            raise SessionRequired(
+                "this client has no MCP session (sessionless protocol), so there is no session "
+                "sandbox; call create_sandbox and pass its sandbox_id")
+        session = self._session(ctx, key)
+        async with session.lock:
+            if session.sandbox is None:
+                sb = await anyio.to_thread.run_sync(
+                    lambda: Sandbox.create(labels=_SESSION_LABELS, home=self.home))
+                await self._check_open(sb)
+                session.sandbox = sb
+                session.owned.add(sb.id)
+            return session.sandbox
+
+    async def _check_open(self, sb: Sandbox) -> None:
+        """A sandbox created while the server shut down is destroyed at once."""
+        if self._closed:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(sb.kill)
+            raise errors.UsageError("the MCP server is shutting down")
+
+    def _forget(self, sandbox_id: str) -> None:
+        self._unowned.discard(sandbox_id)
+        for session in self._sessions.values():
+            session.owned.discard(sandbox_id)
+            if session.sandbox is not None and session.sandbox.id == sandbox_id:
+                session.sandbox = None
+
+    async def guarded(self, ctx: Context[Any, Any] | None, sandbox_id: str | None,
+                      body: Callable[[], Awaitable[dict[str, Any]]]) -> CallToolResult:
+        """Run a tool body; Corral errors become tool errors carrying their code."""
+        try:
+            return _ok(await body())
+        except errors.CorralError as exc:
+            key = self._session_key(ctx) if sandbox_id is None else None
+            session = self._sessions.get(key) if key is not None else None
+            if (isinstance(exc, errors.SandboxNotFound) and session is not None
+                    and session.sandbox is not None):
+                # The session sandbox expired (TTL) or was removed: the next call gets a new one.
+                self._forget(session.sandbox.id)
+                return _error(exc.code, f"{exc.message}; the session's next call creates a new "
+                                        "session sandbox (its files are gone)")
+            return _error(exc.code, exc.message)
+        except OSError as exc:
+            return _error("os_error", f"{exc.strerror or exc}")
+
+    # --- tools ----------------------------------------------------------------------------
+
+    async def create_sandbox(
+        self, ctx: Context[Any, Any] | None, resources: str, timeout_s: float | None,
+        allow: list[str], labels: dict[str, str],
+    ) -> dict[str, Any]:
+        network: dict[str, list[str]] | str = {"allow": list(allow)} if allow else "none"
+        sb = await anyio.to_thread.run_sync(lambda: Sandbox.create(
+            resources=resources, timeout=timeout_s, labels=labels, network=network,
+            home=self.home))
+        await self._check_open(sb)
+        key = self._session_key(ctx)
+        if key is None:
+            self._unowned.add(sb.id)
+        else:
+            self._session(ctx, key).owned.add(sb.id)
+        info = sb.get_info()
+        return {"sandbox_id": sb.id, "resources": info.resources, "expires_at": info.expires_at,
+                "network": info.network, "labels": info.labels}
+
+    async def run_command(
+        self, ctx: Context[Any, Any] | None, command: str, sandbox_id: str | None,
+        timeout_s: float | None, cwd: str | None,
+    ) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        context = {"mcp_request_id": ctx.request_id} if ctx is not None else None
+        result: CommandResult = await anyio.to_thread.run_sync(
+            lambda: sb.commands.run(command, timeout=timeout_s, cwd=cwd, context=context))
+        stdout, out_dropped = _cap(result.stdout, OUTPUT_CAP_BYTES, result.stdout_truncated,
+                                   "stdout")
+        stderr, err_dropped = _cap(result.stderr, OUTPUT_CAP_BYTES, result.stderr_truncated,
+                                   "stderr")
+        return {
+            "sandbox_id": sb.id, "exit_code": result.exit_code, "stdout": stdout,
+            "stderr": stderr, "timed_out": result.timed_out,
+            "duration_s": round(result.duration_s, 3), "oom_killed": result.usage.oom_killed,
+            "truncated": bool(out_dropped or err_dropped),
+            "stdout_dropped_bytes": out_dropped, "stderr_dropped_bytes": err_dropped,
+            "command_id": result.command_id,
+        }
+
+    async def read_file(self, ctx: Context[Any, Any] | None, path: str,
+                        sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        data = await anyio.to_thread.run_sync(lambda: sb.files.read(path, format="bytes"))
+        text, dropped = _cap(data[:FILE_CAP_BYTES + 4].decode(errors="replace"), FILE_CAP_BYTES,
+                             max(0, len(data) - FILE_CAP_BYTES - 4), "file")
+        return {"sandbox_id": sb.id, "path": path, "content": text, "size": len(data),
+                "truncated": bool(dropped)}
+
+    async def write_file(self, ctx: Context[Any, Any] | None, path: str, content: str,
+                         sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        entry = await anyio.to_thread.run_sync(lambda: sb.files.write(path, content))
+        return {"sandbox_id": sb.id, **_entry(entry)}
+
+    async def list_files(self, ctx: Context[Any, Any] | None, path: str,
+                         sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        entries = await anyio.to_thread.run_sync(lambda: sb.files.list(path))
+        return {"sandbox_id": sb.id, "path": path, "entries": [_entry(e) for e in entries]}
+
+    async def destroy_sandbox(self, ctx: Context[Any, Any] | None,
+                              sandbox_id: str | None) -> dict[str, Any]:
+        if sandbox_id is None:
+            key = self._session_key(ctx)
+            session = self._sessions.get(key) if key is not None else None
+            if session is None or session.sandbox is None:
+                return {"sandbox_id": None, "destroyed": False}
+            sandbox_id = session.sandbox.id
+        sb = await anyio.to_thread.run_sync(lambda: Sandbox.connect(sandbox_id, home=self.home))
+        await anyio.to_thread.run_sync(sb.kill)
+        self._forget(sandbox_id)
+        return {"sandbox_id": sandbox_id, "destroyed": True}
+
+
+_INSTRUCTIONS = """\
+Corral runs shell commands and file operations in isolated Linux sandboxes (no network unless \
+allowed, one writable directory /workspace, hard CPU/memory/time limits). Calls without \
+sandbox_id share one sandbox per MCP session, created on first use and destroyed when the \
+session ends. Output is capped at 64 KiB per stream; a non-zero exit code is a normal result."""
+
+
+def build_server(home: Path | None, transport: Transport) -> tuple[MCPServer[Any], CorralMCP]:
+    """The MCP server with Corral's tools, and the state behind them."""
+    state = CorralMCP(home, transport)
+
+    @asynccontextmanager
+    async def lifespan(_: MCPServer[Any]) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await state.shutdown()
+
+    from .. import __version__
+
+    mcp: MCPServer[Any] = MCPServer("corral", version=__version__, instructions=_INSTRUCTIONS,
+                                    lifespan=lifespan, log_level="WARNING")
+
+    @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
+    async def create_sandbox(
+        ctx: Context[Any, Any], resources: str = "small", timeout_s: float | None = None,
+        allow: list[str] | None = None, labels: dict[str, str] | None = None,
+    ) -> CallToolResult:
+        """Create a sandbox and return its sandbox_id (pass it to the other tools).
+
+        resources: tier, "small" or "large". timeout_s: lifetime in seconds (default: the
+        tier's). allow: hosts it may reach over HTTP(S) ("pypi.org", "*.github.com"); empty
+        means no network. It is destroyed with this MCP session, or by destroy_sandbox."""
+        return await state.guarded(ctx, "", lambda: state.create_sandbox(
+            ctx, resources, timeout_s, allow or [], labels or {}))
+
+    @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
+    async def run_command(
+        ctx: Context[Any, Any], command: str, sandbox_id: str | None = None,
+        timeout_s: float | None = None, cwd: str | None = None,
+    ) -> CallToolResult:
+        """Run a bash command in the sandbox (default: this session's) and wait for it.
+
+        Returns exit_code, stdout, stderr, timed_out, duration_s. A non-zero exit_code is a
+        result, not an error. stdout and stderr are each capped at 64 KiB; "truncated" says
+        whether anything was cut (a "[corral: ... truncated ...]" line marks the cut)."""
+        return await state.guarded(ctx, sandbox_id, lambda: state.run_command(
+            ctx, command, sandbox_id, timeout_s, cwd))
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def read_file(ctx: Context[Any, Any], path: str,
+                        sandbox_id: str | None = None) -> CallToolResult:
+        """Read a text file under /workspace (relative paths are relative to it)."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.read_file(ctx, path, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
+    async def write_file(ctx: Context[Any, Any], path: str, content: str,
+                         sandbox_id: str | None = None) -> CallToolResult:
+        """Write a whole text file under /workspace, creating parent directories."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.write_file(ctx, path, content, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def list_files(ctx: Context[Any, Any], path: str = "/workspace",
+                         sandbox_id: str | None = None) -> CallToolResult:
+        """List a directory under /workspace: name, path, type and size of each entry."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.list_files(ctx, path, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True,
+                                          open_world_hint=False))
+    async def destroy_sandbox(ctx: Context[Any, Any],
+                              sandbox_id: str | None = None) -> CallToolResult:
+        """Destroy a sandbox (default: this session's; the next call gets a fresh one)."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.destroy_sandbox(ctx, sandbox_id))
+
+    return mcp, state
+
+
+async def _serve_stdio(mcp: MCPServer[Any], state: CorralMCP) -> None:
+    """Serve one client on stdin/stdout until it closes stdin, or a signal arrives."""
+    async with anyio.create_task_group() as tg:
+
+        async def on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async for signum in sigs:
+                    # The SDK reads stdin in a worker thread that cancellation cannot interrupt,
+                    # so clean up here, then die of the signal as if it had not been caught.
+                    await state.shutdown()
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+
+        tg.start_soon(on_signal)
+        await mcp.run_stdio_async()
+        tg.cancel_scope.cancel()
+
+
+async def _serve_http(mcp: MCPServer[Any], host: str, port: int) -> None:
+    import uvicorn
+
+    app = mcp.streamable_http_app(host=host)
+    # A bounded graceful shutdown: open SSE streams would otherwise hold SIGTERM forever.
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    await uvicorn.Server(config).serve()
+
+
+def serve(home: Path | None, transport: Transport, host: str = "127.0.0.1",
+          port: int = 8765) -> None:
+    """Run the server until the client leaves (stdio) or a signal arrives."""
+    mcp, state = build_server(home, transport)
+    if transport == "stdio":
+        anyio.run(_serve_stdio, mcp, state)
+        return
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"corral mcp: listening on {host}, beyond this host; the MCP endpoint has no "
+              "authentication: anyone who reaches it can run commands in sandboxes",
+              file=sys.stderr)
+    print(f"corral mcp: Streamable HTTP on http://{host}:{port}/mcp", file=sys.stderr)
+    anyio.run(_serve_http, mcp, host, port)

@@ -1,0 +1,247 @@
+"""The remote transport: the same calls the SDK makes on the embedded manager, over HTTP.
+
+``Sandbox`` is written against a small duck-typed surface (create, get, list, destroy,
+set_timeout, set_network, run, files, auditor.trail); ``RemoteManager`` implements it with httpx.
+Server errors come back as the same exception classes (from their wire ``code``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, BinaryIO
+
+import httpx
+
+from .._audit.events import AuditEvent
+from .._audit.log import AuditTrail
+from ..backends import OutputCallback
+from ..errors import TransportError, UsageError, error_class
+from ..models import CommandResult, FileEntry, SandboxInfo, Usage
+
+__all__ = ["RemoteManager", "remote_manager"]
+
+
+def _info(data: Mapping[str, Any]) -> SandboxInfo:
+    return SandboxInfo(
+        id=data["id"], template=data["template"], resources=data["resources"],
+        state=data["state"], created_at=data["created_at"], expires_at=data["expires_at"],
+        uid=-1,  # host uids are the operator's business, not the API's
+        labels=dict(data.get("labels", {})), network=dict(data.get("network", {})),
+        secrets={name: "" for name in data.get("secrets", [])},
+    )
+
+
+def _command_result(data: Mapping[str, Any]) -> CommandResult:
+    return CommandResult(
+        exit_code=data["exit_code"], stdout=data["stdout"], stderr=data["stderr"],
+        timed_out=data["timed_out"], duration_s=data["duration_s"],
+        usage=Usage(**data["usage"]), stdout_truncated=data.get("stdout_truncated", 0),
+        stderr_truncated=data.get("stderr_truncated", 0), command_id=data.get("command_id", ""))
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body = json.loads(response.read())
+        code, message = body["error"], body["message"]
+    except (ValueError, KeyError, TypeError):
+        code, message = "transport_error", f"HTTP {response.status_code}: {response.text[:300]}"
+    raise error_class(code)(message)
+
+
+class RemoteFiles:
+    def __init__(self, manager: RemoteManager, sandbox_id: str) -> None:
+        self._m = manager
+        self._base = f"/v1/sandboxes/{sandbox_id}/files"
+
+    def read(self, path: str) -> bytes:
+        return self._m.request("GET", f"{self._base}/content", params={"path": path}).content
+
+    def write(self, path: str, data: bytes) -> FileEntry:
+        body = self._m.request("PUT", f"{self._base}/content", params={"path": path},
+                               content=data).json()
+        return FileEntry(**body)
+
+    def list(self, path: str = "/workspace") -> list[FileEntry]:
+        return [FileEntry(**e) for e in
+                self._m.request("GET", self._base, params={"path": path}).json()]
+
+    def stat(self, path: str) -> FileEntry:
+        return FileEntry(**self._m.request("GET", f"{self._base}/stat",
+                                           params={"path": path}).json())
+
+    def exists(self, path: str) -> bool:
+        from ..errors import FileNotFound
+
+        try:
+            self.stat(path)
+        except FileNotFound:
+            return False
+        return True
+
+    def remove(self, path: str) -> None:
+        self._m.request("DELETE", self._base, params={"path": path})
+
+    def make_dir(self, path: str) -> bool:
+        return bool(self._m.request("POST", f"{self._base}/mkdir",
+                                    params={"path": path}).json()["created"])
+
+    def rename(self, src: str, dst: str) -> FileEntry:
+        return FileEntry(**self._m.request("POST", f"{self._base}/rename",
+                                           params={"src": src, "dst": dst}).json())
+
+
+class _RemoteAudit:
+    def __init__(self, manager: RemoteManager) -> None:
+        self._m = manager
+
+    def trail(self, sandbox_id: str, *, types: Sequence[str] | None = None,
+              since: float | None = None, until: float | None = None,
+              command: str | None = None) -> AuditTrail:
+        params: dict[str, Any] = {"type": list(types or [])}
+        for key, value in (("since", since), ("until", until), ("command", command)):
+            if value is not None:
+                params[key] = value
+        response = self._m.request("GET", f"/v1/sandboxes/{sandbox_id}/audit", params=params)
+        events = [AuditEvent.model_validate_json(line)
+                  for line in response.text.splitlines() if line.strip()]
+        return AuditTrail(events=events,
+                          torn_tail=response.headers.get("x-corral-torn-tail") == "true")
+
+
+class RemoteManager:
+    """Talks to ``corral serve`` at ``url``. Thread-safe (one httpx client)."""
+
+    def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float = 30.0) -> None:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        # No read timeout: a command may legitimately print nothing for minutes.
+        self._client = httpx.Client(base_url=url.rstrip("/"), headers=headers,
+                                    timeout=httpx.Timeout(timeout_s, read=None))
+        self.auditor = _RemoteAudit(self)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise TransportError(f"cannot reach the Corral service at {self._client.base_url}: "
+                                 f"{exc}; check CORRAL_URL and that `corral serve` runs") from exc
+        _raise_for(response)
+        return response
+
+    @contextmanager
+    def _stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        try:
+            with self._client.stream(method, path, **kwargs) as response:
+                _raise_for(response)
+                yield response
+        except httpx.HTTPError as exc:
+            raise TransportError(f"connection to {self._client.base_url} failed: {exc}") from exc
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    def create(self, *, template: str = "base", resources: str = "small",
+               timeout: float | None = None, labels: Mapping[str, str] | None = None,
+               network: Any = None, secrets: Sequence[str] | None = None) -> SandboxInfo:
+        body = {"template": template, "resources": resources, "timeout": timeout,
+                "labels": dict(labels or {}), "network": network or "none",
+                "secrets": list(secrets or [])}
+        return _info(self.request("POST", "/v1/sandboxes", json=body).json())
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return _info(self.request("GET", f"/v1/sandboxes/{sandbox_id}").json())
+
+    def list(self) -> list[SandboxInfo]:
+        return [_info(d) for d in self.request("GET", "/v1/sandboxes").json()]
+
+    def destroy(self, sandbox_id: str) -> None:
+        self.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+    def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        return _info(self.request("POST", f"/v1/sandboxes/{sandbox_id}/timeout",
+                                  json={"timeout": timeout}).json())
+
+    def set_network(self, sandbox_id: str, network: Any) -> SandboxInfo:
+        body = {"allow": [], "deny": []} if network in (None, "none") else dict(network)
+        return _info(self.request("PUT", f"/v1/sandboxes/{sandbox_id}/network", json=body).json())
+
+    def pause(self, sandbox_id: str) -> SandboxInfo:
+        return _info(self.request("POST", f"/v1/sandboxes/{sandbox_id}/pause").json())
+
+    def resume(self, sandbox_id: str) -> SandboxInfo:
+        return _info(self.request("POST", f"/v1/sandboxes/{sandbox_id}/resume").json())
+
+    def kill_command(self, sandbox_id: str, command_id: str) -> None:
+        self.request("POST", f"/v1/sandboxes/{sandbox_id}/commands/{command_id}/kill")
+
+    def files(self, sandbox_id: str) -> RemoteFiles:
+        return RemoteFiles(self, sandbox_id)
+
+    def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
+        def chunks() -> Iterator[bytes]:
+            while chunk := stream.read(1 << 20):
+                yield chunk
+
+        response = self.request("PUT", f"/v1/sandboxes/{sandbox_id}/archive",
+                                params={"path": path}, content=chunks())
+        return dict(response.json())
+
+    def download(self, sandbox_id: str, path: str, *, gzip: bool = False) -> Iterator[bytes]:
+        with self._stream("GET", f"/v1/sandboxes/{sandbox_id}/archive",
+                          params={"path": path, "gzip": gzip}) as response:
+            yield from response.iter_bytes()
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def run(self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None = None,
+            envs: Mapping[str, str] | None = None, cwd: str | None = None,
+            stdin: str | bytes | None = None, on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None,
+            context: Mapping[str, Any] | None = None) -> CommandResult:
+        if isinstance(stdin, bytes | bytearray):
+            try:
+                stdin = bytes(stdin).decode()
+            except UnicodeDecodeError:
+                raise UsageError("stdin over the remote API must be UTF-8 text; write binary "
+                                 "data with files.write() instead") from None
+        body = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "timeout": timeout,
+                "envs": dict(envs or {}), "cwd": cwd, "stdin": stdin,
+                "context": dict(context) if context else None,
+                "stream": on_stdout is not None or on_stderr is not None}
+        path = f"/v1/sandboxes/{sandbox_id}/commands"
+        if not body["stream"]:
+            return _command_result(self.request("POST", path, json=body).json())
+        with self._stream("POST", path, json=body) as response:
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind = event.get("type")
+                if kind == "stdout" and on_stdout is not None:
+                    on_stdout(event["data"])
+                elif kind == "stderr" and on_stderr is not None:
+                    on_stderr(event["data"])
+                elif kind == "result":
+                    return _command_result(event)
+                elif kind == "error":
+                    raise error_class(event["error"])(event["message"])
+        raise TransportError("the command's stream ended without a result")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+_remotes: dict[tuple[str, str | None], RemoteManager] = {}
+_lock = threading.Lock()
+
+
+def remote_manager(url: str, api_key: str | None) -> RemoteManager:
+    with _lock:
+        manager = _remotes.get((url, api_key))
+        if manager is None:
+            manager = _remotes[(url, api_key)] = RemoteManager(url, api_key)
+        return manager
+

@@ -1,0 +1,382 @@
+"""The HTTP API (FastAPI): the embedded control plane, per tenant, over JSON and NDJSON.
+
+Endpoints are plain functions run in the thread pool (the control plane is synchronous); command
+output streams as NDJSON lines ``{"type": "stdout"|"stderr", "data": ...}`` ending with
+``{"type": "result", ...}``. Errors are ``{"error": <code>, "message": ...}`` with the status the
+error class carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import json
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from .._audit.log import follow as follow_log
+from .._audit.metrics import render
+from .._control.manager import Manager
+from .._core.resources import get_tier
+from ..errors import CorralError, SandboxNotFound, TooLarge
+from ..models import CommandResult, SandboxInfo
+from .auth import Tenant, TenantDirectory
+
+__all__ = ["create_app"]
+
+MAX_FILE_BODY = 64 * 1024 * 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NetworkBody(_Strict):
+    allow: list[str] = Field(default_factory=list)
+    deny: list[str] = Field(default_factory=list)
+
+
+class CreateSandbox(_Strict):
+    template: str = "base"
+    resources: str = "small"
+    timeout: float | None = Field(default=None, description="Lifetime in seconds.")
+    labels: dict[str, str] = Field(default_factory=dict)
+    network: NetworkBody | Literal["none"] = "none"
+    secrets: list[str] = Field(default_factory=list)
+
+
+class RunCommand(_Strict):
+    cmd: str | list[str] = Field(description="A shell string (bash -c) or an argv list.")
+    timeout: float | None = None
+    envs: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    stdin: str | None = None
+    context: dict[str, Any] | None = None
+    stream: bool = Field(default=False, description="Stream NDJSON events as output arrives.")
+
+
+class SetTimeout(_Strict):
+    timeout: float
+
+
+class SandboxOut(BaseModel):
+    id: str
+    template: str
+    resources: str
+    state: str
+    created_at: float
+    expires_at: float
+    labels: dict[str, str]
+    network: dict[str, Any]
+    secrets: list[str]
+
+    @classmethod
+    def of(cls, info: SandboxInfo) -> SandboxOut:
+        return cls(id=info.id, template=info.template, resources=info.resources,
+                   state=info.state, created_at=info.created_at, expires_at=info.expires_at,
+                   labels=info.labels, network=info.network, secrets=sorted(info.secrets))
+
+
+def _result(result: CommandResult) -> dict[str, Any]:
+    return result.to_dict()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _tenant(request: Request) -> Tenant:
+    """Auth is required beyond loopback, and on loopback as soon as any key exists."""
+    state = request.app.state
+    required = not state.loopback or state.manager.store.live_key_count() > 0
+    tenants: TenantDirectory = state.tenants
+    return tenants.authenticate(request.headers.get("authorization"), auth_required=required)
+
+
+# Module level: FastAPI resolves string annotations in the module's namespace.
+TenantDep = Annotated[Tenant, Depends(_tenant)]
+
+
+def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
+    """The API for ``manager``. Auth is required unless listening on loopback with no keys."""
+    tenants = TenantDirectory(manager.store)
+    loopback = _is_loopback(listen_host)
+    app = FastAPI(title="Corral", version="0.1.0",
+                  description="Sandboxes for AI agents: commands, files, network policy, audit.")
+    app.state.manager = manager
+    app.state.tenants = tenants
+    app.state.loopback = loopback
+
+    @app.exception_handler(CorralError)
+    async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
+        return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                             for e in exc.errors())
+        return JSONResponse({"error": "invalid_request", "message": problems}, status_code=422)
+
+    def owned(sandbox_id: str, who: Tenant) -> SandboxInfo:
+        return manager.get(sandbox_id, tenant=None if who.name == "local" else who.name)
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxOut)
+    def create_sandbox(body: CreateSandbox, who: TenantDep) -> SandboxOut:
+        get_tier(body.resources)  # an unknown tier is a usage error, not a quota one
+        tenants.check_tier(who, body.resources)
+        network = body.network if isinstance(body.network, str) else body.network.model_dump()
+        info = manager.create(template=body.template, resources=body.resources,
+                              timeout=body.timeout, labels=body.labels, network=network,
+                              secrets=body.secrets, tenant=who.name,
+                              max_for_tenant=None if who.name == "local" else who.max_sandboxes)
+        return SandboxOut.of(info)
+
+    @app.get("/v1/sandboxes", response_model=list[SandboxOut])
+    def list_sandboxes(who: TenantDep, label: Annotated[list[str] | None, Query()] = None
+                       ) -> list[SandboxOut]:
+        wanted = dict(item.partition("=")[::2] for item in (label or []))
+        infos = manager.list(tenant=None if who.name == "local" else who.name)
+        return [SandboxOut.of(i) for i in infos
+                if all(i.labels.get(k) == v for k, v in wanted.items())]
+
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxOut)
+    def get_sandbox(sandbox_id: str, who: TenantDep) -> SandboxOut:
+        return SandboxOut.of(owned(sandbox_id, who))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
+    def delete_sandbox(sandbox_id: str, who: TenantDep) -> Response:
+        owned(sandbox_id, who)
+        manager.destroy(sandbox_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=SandboxOut)
+    def set_timeout(sandbox_id: str, body: SetTimeout, who: TenantDep) -> SandboxOut:
+        owned(sandbox_id, who)
+        return SandboxOut.of(manager.set_timeout(sandbox_id, body.timeout))
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxOut)
+    def set_network(sandbox_id: str, body: NetworkBody, who: TenantDep) -> SandboxOut:
+        owned(sandbox_id, who)
+        return SandboxOut.of(manager.set_network(sandbox_id, body.model_dump()))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxOut)
+    def pause(sandbox_id: str, who: TenantDep) -> SandboxOut:
+        owned(sandbox_id, who)
+        return SandboxOut.of(manager.pause(sandbox_id))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxOut)
+    def resume(sandbox_id: str, who: TenantDep) -> SandboxOut:
+        owned(sandbox_id, who)
+        return SandboxOut.of(manager.resume(sandbox_id))
+
+    # -- commands -----------------------------------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/kill", status_code=204)
+    def kill_command(sandbox_id: str, command_id: str, who: TenantDep) -> Response:
+        owned(sandbox_id, who)
+        manager.kill_command(sandbox_id, command_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/commands", response_model=None)
+    def run_command(sandbox_id: str, body: RunCommand, who: TenantDep
+                    ) -> dict[str, Any] | StreamingResponse:
+        owned(sandbox_id, who)
+        if who.name != "local":
+            tenants.count_command(who)
+        kwargs: dict[str, Any] = {"timeout": body.timeout, "envs": body.envs, "cwd": body.cwd,
+                                  "stdin": body.stdin, "context": body.context}
+        if not body.stream:
+            return _result(manager.run(sandbox_id, body.cmd, **kwargs))
+        return StreamingResponse(_stream(manager, sandbox_id, body.cmd, kwargs),
+                                 media_type="application/x-ndjson")
+
+    # -- files --------------------------------------------------------------------------------
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/content")
+    def read_file(sandbox_id: str, path: str, who: TenantDep) -> Response:
+        owned(sandbox_id, who)
+        return Response(manager.files(sandbox_id).read(path),
+                        media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files/content")
+    async def write_file(sandbox_id: str, path: str, request: Request, who: TenantDep
+                         ) -> dict[str, Any]:
+        declared = int(request.headers.get("content-length") or 0)
+        if declared > MAX_FILE_BODY:
+            raise TooLarge(f"a file upload is limited to {MAX_FILE_BODY} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_FILE_BODY:
+                raise TooLarge(f"a file upload is limited to {MAX_FILE_BODY} bytes")
+            chunks.append(chunk)
+        def write() -> dict[str, Any]:
+            owned(sandbox_id, who)
+            return manager.files(sandbox_id).write(path, b"".join(chunks)).to_dict()
+
+        return await run_in_threadpool(write)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files")
+    def list_files(sandbox_id: str, who: TenantDep, path: str = "/workspace"
+                   ) -> list[dict[str, Any]]:
+        owned(sandbox_id, who)
+        return [e.to_dict() for e in manager.files(sandbox_id).list(path)]
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/stat")
+    def stat_file(sandbox_id: str, path: str, who: TenantDep) -> dict[str, Any]:
+        owned(sandbox_id, who)
+        return manager.files(sandbox_id).stat(path).to_dict()
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204)
+    def remove_file(sandbox_id: str, path: str, who: TenantDep) -> Response:
+        owned(sandbox_id, who)
+        manager.files(sandbox_id).remove(path)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/files/rename")
+    def rename_file(sandbox_id: str, src: str, dst: str, who: TenantDep) -> dict[str, Any]:
+        owned(sandbox_id, who)
+        return manager.files(sandbox_id).rename(src, dst).to_dict()
+
+    @app.put("/v1/sandboxes/{sandbox_id}/archive")
+    async def upload_tar(sandbox_id: str, request: Request, who: TenantDep,
+                         path: str = "/workspace") -> dict[str, Any]:
+        """Extract a tar (or tar.gz) streamed in the body under ``path``."""
+        info = await run_in_threadpool(owned, sandbox_id, who)
+        limit = get_tier(info.resources).disk_bytes
+        files = await run_in_threadpool(manager.files, sandbox_id)
+        read_end, write_end = os.pipe()
+        reader = os.fdopen(read_end, "rb")
+
+        def extract() -> dict[str, Any]:
+            try:
+                return dataclasses.asdict(files.upload(path, reader, max_bytes=limit))
+            finally:
+                reader.close()
+
+        job = asyncio.ensure_future(run_in_threadpool(extract))
+        try:
+            async for chunk in request.stream():
+                view = memoryview(chunk)
+                while view and not job.done():
+                    written = await run_in_threadpool(_write_some, write_end, view)
+                    view = view[written:]
+        finally:
+            os.close(write_end)
+        return await job
+
+    @app.get("/v1/sandboxes/{sandbox_id}/archive")
+    def download_tar(sandbox_id: str, who: TenantDep, path: str = "/workspace",
+                     gzip: bool = False) -> StreamingResponse:
+        """The tree under ``path`` as a tar stream."""
+        info = owned(sandbox_id, who)
+        chunks = manager.files(sandbox_id).download(
+            path, max_bytes=get_tier(info.resources).disk_bytes, gzip=gzip)
+        return StreamingResponse(chunks, media_type="application/gzip" if gzip
+                                 else "application/x-tar")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir")
+    def make_dir(sandbox_id: str, path: str, who: TenantDep) -> dict[str, bool]:
+        owned(sandbox_id, who)
+        return {"created": manager.files(sandbox_id).make_dir(path)}
+
+    # -- audit and metrics --------------------------------------------------------------------
+
+    @app.get("/v1/sandboxes/{sandbox_id}/audit")
+    def audit(sandbox_id: str, who: TenantDep,
+              type: Annotated[list[str] | None, Query()] = None,  # noqa: A002 - the query name
+              since: float | None = None, until: float | None = None,
+              command: str | None = None, follow: bool = False) -> StreamingResponse:
+        _check_trail_owner(manager, sandbox_id, who)
+        if follow:
+            path = manager.auditor.path(sandbox_id)
+
+            def live() -> Iterator[bytes]:
+                for event in follow_log(path, types=type, command=command):
+                    if (since is None or event.ts >= since) and (until is None
+                                                                  or event.ts <= until):
+                        yield (event.model_dump_json() + "\n").encode()
+
+            return StreamingResponse(live(), media_type="application/x-ndjson")
+        trail = manager.auditor.trail(sandbox_id, types=type, since=since, until=until,
+                                      command=command)
+        body = "".join(e.model_dump_json() + "\n" for e in trail.events)
+        return StreamingResponse(iter([body.encode()]), media_type="application/x-ndjson",
+                                 headers={"x-corral-torn-tail": str(trail.torn_tail).lower()})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics(who: TenantDep) -> PlainTextResponse:
+        return PlainTextResponse(render(manager.store),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def _write_some(fd: int, data: memoryview) -> int:
+    try:
+        return os.write(fd, data)
+    except BrokenPipeError:
+        return len(data)  # the extractor stopped (refusal): drain the rest of the body
+
+
+def _check_trail_owner(manager: Manager, sandbox_id: str, who: Tenant) -> None:
+    if who.name == "local":
+        return
+    try:
+        manager.get(sandbox_id, tenant=who.name)
+        return
+    except SandboxNotFound:
+        pass
+    # Gone: the trail's first event says whose it was.
+    trail = manager.auditor.trail(sandbox_id, types=["sandbox.created"])
+    if not trail.events or trail.events[0].data.get("tenant") != who.name:
+        raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
+
+
+def _stream(manager: Manager, sandbox_id: str, cmd: str | list[str],
+            kwargs: dict[str, Any]) -> Iterator[bytes]:
+    """Run in a worker thread; yield NDJSON lines as output arrives, then the result."""
+    events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def work() -> None:
+        try:
+            result = manager.run(
+                sandbox_id, cmd, **kwargs,
+                on_stdout=lambda text: events.put({"type": "stdout", "data": text}),
+                on_stderr=lambda text: events.put({"type": "stderr", "data": text}))
+            events.put({"type": "result", **_result(result)})
+        except CorralError as exc:
+            events.put({"type": "error", "error": exc.code, "message": exc.message})
+        finally:
+            events.put(None)
+
+    threading.Thread(target=work, name="corral-command", daemon=True).start()
+    while True:
+        try:
+            event = events.get(timeout=15)
+        except queue.Empty:
+            # Keep idle connections alive through proxies while a quiet command runs.
+            yield b'{"type":"keepalive"}\n'
+            continue
+        if event is None:
+            return
+        yield (json.dumps(event) + "\n").encode()

@@ -1,0 +1,59 @@
+"""Running the service: uvicorn, the reaper, refusing to listen beyond loopback without keys."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import uvicorn
+
+from .._control.manager import Manager
+from ..errors import ConfigError
+from .app import _is_loopback, create_app
+
+__all__ = ["Reaper", "serve"]
+
+logger = logging.getLogger(__name__)
+
+
+class Reaper:
+    """Destroys expired sandboxes and sweeps leftovers every ``interval_s`` seconds."""
+
+    def __init__(self, manager: Manager, interval_s: float = 5.0) -> None:
+        self._manager = manager
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="corral-reaper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                removed = self._manager.recover()
+                if removed:
+                    logger.info("reaper removed %s", ", ".join(removed))
+            except Exception:  # keep reaping: one bad sandbox must not stop the others
+                logger.exception("reaper pass failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def serve(manager: Manager, *, host: str, port: int) -> None:
+    """Serve until interrupted. Raises ConfigError when exposure would be unauthenticated."""
+    if not _is_loopback(host) and manager.store.live_key_count() == 0:
+        raise ConfigError(
+            f"refusing to listen on {host} without API keys: anyone who can reach it could run "
+            "code. Create a tenant and a key first (`corral tenants add NAME`, "
+            "`corral keys create NAME`), or listen on 127.0.0.1")
+    manager.recover()
+    reaper = Reaper(manager)
+    reaper.start()
+    try:
+        uvicorn.run(create_app(manager, listen_host=host), host=host, port=port,
+                    log_level="info", access_log=False)
+    finally:
+        reaper.stop()
