@@ -31,6 +31,7 @@ __all__ = [
     "HostCheck",
     "IsolationBackend",
     "OutputCallback",
+    "ProcessIO",
     "SandboxSpec",
 ]
 
@@ -46,6 +47,20 @@ class SandboxSpec:
     uid: int
     template: str
     tier: ResourceTier
+
+
+class ProcessIO(Protocol):
+    """Handed to ``ExecRequest.on_start`` for interactive and PTY commands, from any thread."""
+
+    def write(self, data: bytes) -> None:
+        """Send bytes to the command's stdin (or its terminal)."""
+        ...
+
+    def close_stdin(self) -> None: ...
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Change the terminal size (PTY commands only; the command gets SIGWINCH)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +80,11 @@ class ExecRequest:
     on_stdout: OutputCallback | None = None
     on_stderr: OutputCallback | None = None
     command_id: str = ""
+    # Interactive: stdin stays open and is written through the ProcessIO given to on_start.
+    interactive: bool = False
+    # A terminal of (rows, cols): stdin, stdout and stderr are one PTY (output is "stdout").
+    pty: tuple[int, int] | None = None
+    on_start: Callable[[ProcessIO], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -453,3 +453,96 @@ def test_tree_upload_download_and_refusals(where: dict[str, str]) -> None:
         assert not os.path.exists("/etc/evil")
         sb.files.rename("up/app/main.py", "moved/main.py")
         assert sb.commands.run("cat moved/main.py").stdout == "print(7)\n"
+
+
+def test_background_processes_start_list_reconnect_input_kill(where: dict[str, str]) -> None:
+    with Sandbox.create(**where) as sb:
+        server = sb.processes.start(
+            ["python3", "-u", "-c",
+             "import sys\nprint('ready', flush=True)\n"
+             "for line in sys.stdin:\n    print('echo:', line.strip(), flush=True)"])
+        assert server.id.startswith("proc_")
+        assert [p.id for p in sb.processes.list()] == [server.id]
+        first = next(server.output(follow=True, wait_s=10))
+        assert first[1:] == ("stdout", "ready\n")
+        server.send("hello\n")
+        # Reconnect from the last offset, as a new client would.
+        seen = ""
+        for _, _, text in sb.processes.get(server.id).output(first[0] + len(first[2]),
+                                                             follow=True, wait_s=10):
+            seen += text
+            if "echo: hello" in seen:
+                break
+        assert seen == "echo: hello\n"
+        # Commands still run beside it (each in its own PID namespace: they cannot see it).
+        assert sb.commands.run("ps -e -o comm= | grep -c python3 || true").stdout.strip() == "0"
+        server.kill()
+        info = server.wait(timeout=10)
+        assert info["state"] == "exited" and info["exit_code"] == 137
+        replayed = "".join(t for _, _, t in server.output())
+        assert replayed == "ready\necho: hello\n"
+
+
+def test_background_processes_die_with_the_sandbox(where: dict[str, str]) -> None:
+    sb = Sandbox.create(**where)
+    sb.processes.start("sleep 300")
+    uid_probe = sb.commands.run("id -u").stdout
+    assert uid_probe.strip() == "1000"
+    sb.kill()
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect(sb.id, **where)
+
+
+def test_a_terminal_over_websocket(server: _Server) -> None:
+    import asyncio
+    import json as jsonlib
+
+    import websockets
+
+    sb = Sandbox.create(url=server.url)
+
+    async def session() -> str:
+        url = server.url.replace("http", "ws") + f"/v1/sandboxes/{sb.id}/pty?rows=24&cols=80"
+        screen = ""
+        async with websockets.connect(url) as ws:
+            async def read_until(marker: str, timeout: float = 10) -> None:
+                nonlocal screen
+                async with asyncio.timeout(timeout):
+                    while marker not in screen:
+                        frame = await ws.recv()
+                        screen += frame.decode() if isinstance(frame, bytes) else frame
+
+            await read_until("$ ")
+            await ws.send(jsonlib.dumps({"type": "input", "data": "echo typed-$((6*7))\n"}))
+            await read_until("typed-42")
+            await ws.send(jsonlib.dumps({"type": "resize", "rows": 40, "cols": 100}))
+            await ws.send(jsonlib.dumps({"type": "input", "data": "stty size\n"}))
+            await read_until("40 100")
+            await ws.send(jsonlib.dumps({"type": "input", "data": "sleep 60\n"}))
+            await asyncio.sleep(0.3)
+            await ws.send(jsonlib.dumps({"type": "signal", "signal": "INT"}))
+            await read_until("^C")
+            await ws.send(jsonlib.dumps({"type": "input", "data": "echo after-$((1+1))\n"}))
+            await read_until("after-2")
+            await ws.send(jsonlib.dumps({"type": "input", "data": "exit 5\n"}))
+            await read_until('"exit_code": 5')
+        return screen
+
+    try:
+        screen = asyncio.run(session())
+        assert "typed-42" in screen and "40 100" in screen and "after-2" in screen
+    finally:
+        sb.kill()
+    # Unauthenticated or foreign sandboxes are refused at the handshake.
+    async def refused() -> int:
+        url = server.url.replace("http", "ws") + "/v1/sandboxes/sbx_000000000000/pty"
+        try:
+            async with websockets.connect(url) as ws:
+                await ws.recv()
+        except websockets.exceptions.ConnectionClosed as exc:
+            return exc.rcvd.code if exc.rcvd else 0
+        except websockets.exceptions.InvalidStatus as exc:
+            return exc.response.status_code
+        return 0
+
+    assert asyncio.run(refused()) in (4404, 403)

@@ -71,11 +71,11 @@ class Auditor:
             self._log(sandbox_id).append(
                 [Record(type_, self.redactor().data(data), command)], sync=sync)
 
-    def command(self, sandbox_id: str) -> CommandRecorder | None:
+    def command(self, sandbox_id: str, command_id: str | None = None) -> CommandRecorder | None:
         if not self.enabled:
             return None
         return CommandRecorder(self._log(sandbox_id), self.redactor(),
-                               command_id=new_command_id(),
+                               command_id=command_id or new_command_id(),
                                output_limit_bytes=self.output_limit_bytes)
 
     def file_event(self, sandbox_id: str, op: str, path: str,

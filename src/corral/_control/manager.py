@@ -15,7 +15,7 @@ import secrets
 import shlex
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -26,7 +26,7 @@ from .._backends import load_backend
 from .._core.resources import get_tier
 from .._settings import Settings
 from .._workspace.files import WorkspaceFiles, to_relative
-from ..backends import ExecRequest, IsolationBackend, OutputCallback, SandboxSpec
+from ..backends import ExecRequest, IsolationBackend, OutputCallback, ProcessIO, SandboxSpec
 from ..errors import (
     BackendUnavailable,
     CommandError,
@@ -42,6 +42,7 @@ from ..errors import (
 from ..models import CommandResult, SandboxInfo
 from .egress import EgressBroker, NetworkSpec, policy_from
 from .files import AuditedFiles
+from .processes import EmbeddedProcessAPI, ProcessTable
 from .secrets import SecretStore
 from .store import Store
 
@@ -161,6 +162,7 @@ class Manager:
                                secrets=self.secrets, enabled=settings.audit,
                                output_limit_bytes=settings.audit_output_bytes)
         self.egress = EgressBroker(settings, self.store, self.secrets, self.auditor)
+        self.processes = ProcessTable(self)
         self.backend: IsolationBackend = load_backend(settings)
         self._recovered = False
         self._lock = threading.Lock()
@@ -378,7 +380,16 @@ class Manager:
         envs: Mapping[str, str] | None = None, cwd: str | None = None,
         stdin: str | bytes | None = None, on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None, context: Mapping[str, Any] | None = None,
+        interactive: bool = False, pty: tuple[int, int] | None = None,
+        on_start: Callable[[ProcessIO], None] | None = None, lifetime: bool = False,
+        command_id: str | None = None,
     ) -> CommandResult:
+        """Run a command to completion.
+
+        ``interactive``/``pty``/``on_start`` are for background processes and terminals: stdin
+        stays open behind the ProcessIO given to ``on_start``. ``lifetime`` bounds the command
+        by the sandbox's remaining lifetime instead of the tier's command timeout.
+        """
         command = _validate_command(cmd, cwd, envs, stdin)
         if context is not None and not isinstance(context, Mapping):
             raise UsageError(f"context must be a mapping, not {type(context).__name__}")
@@ -387,7 +398,9 @@ class Manager:
             raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to run commands")
         self._ensure_recovered()
         tier = get_tier(info.resources)
-        if timeout is None:
+        if lifetime:
+            limit = info.expires_at - time.time()
+        elif timeout is None:
             limit = tier.command_timeout_s
         else:
             if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
@@ -402,8 +415,8 @@ class Manager:
             self._check_cwd(info, command.cwd)
         # A command never outlives its sandbox.
         limit = max(0.001, min(limit, info.expires_at - time.time()))
-        recorder = self.auditor.command(sandbox_id)
-        command_id = recorder.command_id if recorder else new_command_id()
+        recorder = self.auditor.command(sandbox_id, command_id)
+        command_id = recorder.command_id if recorder else (command_id or new_command_id())
         with tracer.start_as_current_span("corral.command", attributes={
             "corral.sandbox.id": sandbox_id, "corral.command.id": command_id,
             "corral.tier": tier.name, "corral.backend": self.backend.name,
@@ -425,6 +438,7 @@ class Manager:
                         output_limit_bytes=tier.output_limit_bytes,
                         on_stdout=self.auditor.recorded_callback(recorder, "stdout", on_stdout),
                         on_stderr=self.auditor.recorded_callback(recorder, "stderr", on_stderr),
+                        interactive=interactive, pty=pty, on_start=on_start,
                     ))
             except BaseException as exc:
                 span.set_attribute("corral.outcome", "failed")
@@ -469,6 +483,9 @@ class Manager:
         info = self.get(sandbox_id)
         root: Path = self.backend.workspace_root(self._spec(info))
         return AuditedFiles(WorkspaceFiles(root, info.uid), self.auditor, sandbox_id)
+
+    def process_api(self) -> EmbeddedProcessAPI:
+        return EmbeddedProcessAPI(self.processes)
 
     def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
         info = self.get(sandbox_id)

@@ -18,7 +18,7 @@ import httpx
 from .._audit.events import AuditEvent
 from .._audit.log import AuditTrail
 from ..backends import OutputCallback
-from ..errors import TransportError, UsageError, error_class
+from ..errors import CorralError, TransportError, UsageError, error_class
 from ..models import CommandResult, FileEntry, SandboxInfo, Usage
 
 __all__ = ["RemoteManager", "remote_manager"]
@@ -42,15 +42,89 @@ def _command_result(data: Mapping[str, Any]) -> CommandResult:
         stderr_truncated=data.get("stderr_truncated", 0), command_id=data.get("command_id", ""))
 
 
-def _raise_for(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
+def _error_for(status_code: int, content: bytes) -> CorralError | None:
+    """The exception a response stands for (``None`` below 400), from the body's wire code."""
+    if status_code < 400:
+        return None
     try:
-        body = json.loads(response.read())
+        body = json.loads(content)
         code, message = body["error"], body["message"]
     except (ValueError, KeyError, TypeError):
-        code, message = "transport_error", f"HTTP {response.status_code}: {response.text[:300]}"
-    raise error_class(code)(message)
+        text = content.decode("utf-8", errors="replace")
+        code, message = "transport_error", f"HTTP {status_code}: {text[:300]}"
+    return error_class(code)(message)
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code >= 400 and (error := _error_for(response.status_code,
+                                                            response.read())) is not None:
+        raise error
+
+
+def _unreachable(base_url: httpx.URL, exc: httpx.HTTPError) -> TransportError:
+    return TransportError(f"cannot reach the Corral service at {base_url}: {exc}; check "
+                          "CORRAL_URL and that `corral serve` runs")
+
+
+def _create_body(*, template: str, resources: str, timeout: float | None,
+                 labels: Mapping[str, str] | None, network: Any,
+                 secrets: Sequence[str] | None) -> dict[str, Any]:
+    return {"template": template, "resources": resources, "timeout": timeout,
+            "labels": dict(labels or {}), "network": network or "none",
+            "secrets": list(secrets or [])}
+
+
+def _network_body(network: Any) -> dict[str, Any]:
+    return {"allow": [], "deny": []} if network in (None, "none") else dict(network)
+
+
+def _audit_params(types: Sequence[str] | None, since: float | None, until: float | None,
+                  command: str | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"type": list(types or [])}
+    for key, value in (("since", since), ("until", until), ("command", command)):
+        if value is not None:
+            params[key] = value
+    return params
+
+
+def _audit_trail(response: httpx.Response) -> AuditTrail:
+    events = [AuditEvent.model_validate_json(line)
+              for line in response.text.splitlines() if line.strip()]
+    return AuditTrail(events=events,
+                      torn_tail=response.headers.get("x-corral-torn-tail") == "true")
+
+
+def _run_body(cmd: str | Sequence[str], *, timeout: float | None,
+              envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
+              context: Mapping[str, Any] | None, stream: bool) -> dict[str, Any]:
+    if isinstance(stdin, bytes | bytearray):
+        try:
+            stdin = bytes(stdin).decode()
+        except UnicodeDecodeError:
+            raise UsageError("stdin over the remote API must be UTF-8 text; write binary "
+                             "data with files.write() instead") from None
+    return {"cmd": cmd if isinstance(cmd, str) else list(cmd), "timeout": timeout,
+            "envs": dict(envs or {}), "cwd": cwd, "stdin": stdin,
+            "context": dict(context) if context else None, "stream": stream}
+
+
+def _stream_event(line: str) -> tuple[str, str] | CommandResult | None:
+    """One NDJSON line of a command stream: ``("stdout"|"stderr", text)`` to deliver, the
+    final result, or ``None`` (blank line, keepalive); an error event is raised."""
+    if not line.strip():
+        return None
+    event = json.loads(line)
+    kind = event.get("type")
+    if kind in ("stdout", "stderr"):
+        return kind, event["data"]
+    if kind == "result":
+        return _command_result(event)
+    if kind == "error":
+        raise error_class(event["error"])(event["message"])
+    return None
+
+
+_NO_RESULT = "the command's stream ended without a result"
 
 
 class RemoteFiles:
@@ -102,15 +176,48 @@ class _RemoteAudit:
     def trail(self, sandbox_id: str, *, types: Sequence[str] | None = None,
               since: float | None = None, until: float | None = None,
               command: str | None = None) -> AuditTrail:
-        params: dict[str, Any] = {"type": list(types or [])}
-        for key, value in (("since", since), ("until", until), ("command", command)):
-            if value is not None:
-                params[key] = value
-        response = self._m.request("GET", f"/v1/sandboxes/{sandbox_id}/audit", params=params)
-        events = [AuditEvent.model_validate_json(line)
-                  for line in response.text.splitlines() if line.strip()]
-        return AuditTrail(events=events,
-                          torn_tail=response.headers.get("x-corral-torn-tail") == "true")
+        return _audit_trail(self._m.request("GET", f"/v1/sandboxes/{sandbox_id}/audit",
+                                            params=_audit_params(types, since, until, command)))
+
+
+class _RemoteProcesses:
+    def __init__(self, manager: RemoteManager) -> None:
+        self._m = manager
+
+    def _base(self, sandbox_id: str) -> str:
+        return f"/v1/sandboxes/{sandbox_id}/processes"
+
+    def start(self, sandbox_id: str, cmd: str | Sequence[str], *,
+              envs: Mapping[str, str] | None = None, cwd: str | None = None,
+              context: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        body = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "envs": dict(envs or {}),
+                "cwd": cwd, "context": dict(context) if context else None}
+        return dict(self._m.request("POST", self._base(sandbox_id), json=body).json())
+
+    def get(self, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        return dict(self._m.request("GET", f"{self._base(sandbox_id)}/{process_id}").json())
+
+    def list(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return list(self._m.request("GET", self._base(sandbox_id)).json())
+
+    def output(self, sandbox_id: str, process_id: str, offset: int = 0, *,
+               follow: bool = False, wait_s: float | None = None
+               ) -> Iterator[tuple[int, str, str]]:
+        params: dict[str, Any] = {"offset": offset, "follow": follow}
+        if wait_s is not None:
+            params["wait_s"] = wait_s
+        with self._m._stream("GET", f"{self._base(sandbox_id)}/{process_id}/output",
+                             params=params) as response:
+            for line in response.iter_lines():
+                if line.strip():
+                    event = json.loads(line)
+                    yield event["offset"], event["stream"], event["data"]
+
+    def send(self, sandbox_id: str, process_id: str, data: bytes) -> None:
+        self._m.request("POST", f"{self._base(sandbox_id)}/{process_id}/input", content=data)
+
+    def kill(self, sandbox_id: str, process_id: str) -> None:
+        self._m.request("POST", f"{self._base(sandbox_id)}/{process_id}/kill")
 
 
 class RemoteManager:
@@ -127,8 +234,7 @@ class RemoteManager:
         try:
             response = self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise TransportError(f"cannot reach the Corral service at {self._client.base_url}: "
-                                 f"{exc}; check CORRAL_URL and that `corral serve` runs") from exc
+            raise _unreachable(self._client.base_url, exc) from exc
         _raise_for(response)
         return response
 
@@ -146,9 +252,8 @@ class RemoteManager:
     def create(self, *, template: str = "base", resources: str = "small",
                timeout: float | None = None, labels: Mapping[str, str] | None = None,
                network: Any = None, secrets: Sequence[str] | None = None) -> SandboxInfo:
-        body = {"template": template, "resources": resources, "timeout": timeout,
-                "labels": dict(labels or {}), "network": network or "none",
-                "secrets": list(secrets or [])}
+        body = _create_body(template=template, resources=resources, timeout=timeout,
+                            labels=labels, network=network, secrets=secrets)
         return _info(self.request("POST", "/v1/sandboxes", json=body).json())
 
     def get(self, sandbox_id: str) -> SandboxInfo:
@@ -165,8 +270,8 @@ class RemoteManager:
                                   json={"timeout": timeout}).json())
 
     def set_network(self, sandbox_id: str, network: Any) -> SandboxInfo:
-        body = {"allow": [], "deny": []} if network in (None, "none") else dict(network)
-        return _info(self.request("PUT", f"/v1/sandboxes/{sandbox_id}/network", json=body).json())
+        return _info(self.request("PUT", f"/v1/sandboxes/{sandbox_id}/network",
+                                  json=_network_body(network)).json())
 
     def pause(self, sandbox_id: str) -> SandboxInfo:
         return _info(self.request("POST", f"/v1/sandboxes/{sandbox_id}/pause").json())
@@ -179,6 +284,9 @@ class RemoteManager:
 
     def files(self, sandbox_id: str) -> RemoteFiles:
         return RemoteFiles(self, sandbox_id)
+
+    def process_api(self) -> _RemoteProcesses:
+        return _RemoteProcesses(self)
 
     def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
         def chunks() -> Iterator[bytes]:
@@ -201,34 +309,21 @@ class RemoteManager:
             stdin: str | bytes | None = None, on_stdout: OutputCallback | None = None,
             on_stderr: OutputCallback | None = None,
             context: Mapping[str, Any] | None = None) -> CommandResult:
-        if isinstance(stdin, bytes | bytearray):
-            try:
-                stdin = bytes(stdin).decode()
-            except UnicodeDecodeError:
-                raise UsageError("stdin over the remote API must be UTF-8 text; write binary "
-                                 "data with files.write() instead") from None
-        body = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "timeout": timeout,
-                "envs": dict(envs or {}), "cwd": cwd, "stdin": stdin,
-                "context": dict(context) if context else None,
-                "stream": on_stdout is not None or on_stderr is not None}
+        body = _run_body(cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
+                         context=context, stream=on_stdout is not None or on_stderr is not None)
         path = f"/v1/sandboxes/{sandbox_id}/commands"
         if not body["stream"]:
             return _command_result(self.request("POST", path, json=body).json())
         with self._stream("POST", path, json=body) as response:
             for line in response.iter_lines():
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind = event.get("type")
-                if kind == "stdout" and on_stdout is not None:
-                    on_stdout(event["data"])
-                elif kind == "stderr" and on_stderr is not None:
-                    on_stderr(event["data"])
-                elif kind == "result":
-                    return _command_result(event)
-                elif kind == "error":
-                    raise error_class(event["error"])(event["message"])
-        raise TransportError("the command's stream ended without a result")
+                event = _stream_event(line)
+                if isinstance(event, CommandResult):
+                    return event
+                if event is not None:
+                    callback = on_stdout if event[0] == "stdout" else on_stderr
+                    if callback is not None:
+                        callback(event[1])
+        raise TransportError(_NO_RESULT)
 
     def close(self) -> None:
         self._client.close()

@@ -7,10 +7,11 @@ Shaped like the hosted sandboxes agent developers know (``Sandbox.create()``,
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Literal, overload
+from typing import Any, BinaryIO, Literal, Protocol, overload
 
 from .._audit.events import AuditEvent
 from .._audit.log import AuditTrail
@@ -22,7 +23,8 @@ from ..errors import UsageError
 from ..models import CommandResult, FileEntry, SandboxInfo
 from .remote import remote_manager
 
-__all__ = ["Audit", "Commands", "Files", "Network", "Sandbox", "read_audit"]
+__all__ = ["Audit", "Commands", "Files", "Network", "Process", "Processes", "Sandbox",
+           "read_audit"]
 
 
 def _manager(home: str | Path | None = None, url: str | None = None,
@@ -90,6 +92,88 @@ class Commands:
         """Kill a running command by its id (``result.command_id``, or from the audit trail);
         its ``run()`` returns with exit code 137."""
         self._sandbox._mgr.kill_command(self._sandbox._live_id(), command_id)
+
+
+class ProcessAPI(Protocol):
+    """What a transport offers for background processes (embedded table or HTTP)."""
+
+    def start(self, sandbox_id: str, cmd: str | Sequence[str], *,
+              envs: Mapping[str, str] | None = ..., cwd: str | None = ...,
+              context: Mapping[str, Any] | None = ...) -> dict[str, Any]: ...
+    def get(self, sandbox_id: str, process_id: str) -> dict[str, Any]: ...
+    def list(self, sandbox_id: str) -> list[dict[str, Any]]: ...
+    def output(self, sandbox_id: str, process_id: str, offset: int = 0, *,
+               follow: bool = False, wait_s: float | None = None
+               ) -> Iterator[tuple[int, str, str]]: ...
+    def send(self, sandbox_id: str, process_id: str, data: bytes) -> None: ...
+    def kill(self, sandbox_id: str, process_id: str) -> None: ...
+
+
+class Process:
+    """A declared background process. Reached through ``sandbox.processes``."""
+
+    def __init__(self, sandbox: Sandbox, data: dict[str, Any]) -> None:
+        self._sandbox = sandbox
+        self._data = data
+
+    @property
+    def id(self) -> str:
+        return str(self._data["id"])
+
+    def info(self) -> dict[str, Any]:
+        """``{id, state ("running"|"exited"), exit_code, command_id, output_bytes, ...}``."""
+        self._data = self._sandbox._mgr_processes().get(self._sandbox.id, self.id)
+        return dict(self._data)
+
+    def output(self, offset: int = 0, *, follow: bool = False,
+               wait_s: float | None = None) -> Iterator[tuple[int, str, str]]:
+        """``(offset, stream, text)`` from ``offset``; ``follow`` waits for more until the
+        process exits (or ``wait_s`` passes). Reconnect later with the last offset + len."""
+        return self._sandbox._mgr_processes().output(self._sandbox.id, self.id, offset,
+                                                     follow=follow, wait_s=wait_s)
+
+    def send(self, data: str | bytes) -> None:
+        """Write to the process's stdin."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        self._sandbox._mgr_processes().send(self._sandbox.id, self.id, raw)
+
+    def kill(self) -> None:
+        self._sandbox._mgr_processes().kill(self._sandbox.id, self.id)
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait until it exits (or ``timeout``); returns ``info()``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            data = self.info()
+            if data["state"] == "exited":
+                return data
+            if deadline is not None and time.monotonic() >= deadline:
+                return data
+            time.sleep(0.05)
+
+
+class Processes:
+    """Background processes of a sandbox: servers, kernels, watchers."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def start(self, cmd: str | Sequence[str], *, envs: Mapping[str, str] | None = None,
+              cwd: str | None = None, context: Mapping[str, Any] | None = None) -> Process:
+        """Start ``cmd`` in the background. It runs until it exits, is killed, or the
+        sandbox ends; it counts against the sandbox's limits; its output is kept for
+        reconnecting (the last 4 MiB)."""
+        data = self._sandbox._mgr_processes().start(self._sandbox._live_id(), cmd, envs=envs,
+                                                    cwd=cwd, context=context)
+        return Process(self._sandbox, data)
+
+    def list(self) -> list[Process]:
+        return [Process(self._sandbox, d)
+                for d in self._sandbox._mgr_processes().list(self._sandbox._live_id())]
+
+    def get(self, process_id: str) -> Process:
+        return Process(self._sandbox, self._sandbox._mgr_processes().get(
+            self._sandbox._live_id(), process_id))
 
 
 class Files:
@@ -257,6 +341,7 @@ class Sandbox:
         self.files = Files(self)
         self.audit = Audit(self)
         self.network = Network(self)
+        self.processes = Processes(self)
 
     @classmethod
     def create(
@@ -342,6 +427,11 @@ class Sandbox:
                 self._mgr.destroy(self._info.id)
             except SandboxNotFound:
                 pass
+
+    def _mgr_processes(self) -> ProcessAPI:
+        """The process API of the transport: embedded manager's table or the remote client."""
+        api: ProcessAPI = self._mgr.process_api()
+        return api
 
     def _live_id(self) -> str:
         if self._killed:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,6 +31,7 @@ from .._core.resources import get_tier
 from ..errors import CorralError, SandboxNotFound, TooLarge
 from ..models import CommandResult, SandboxInfo
 from .auth import Tenant, TenantDirectory
+from .terminal import serve_terminal
 
 __all__ = ["create_app"]
 
@@ -63,6 +64,13 @@ class RunCommand(_Strict):
     stdin: str | None = None
     context: dict[str, Any] | None = None
     stream: bool = Field(default=False, description="Stream NDJSON events as output arrives.")
+
+
+class StartProcess(_Strict):
+    cmd: str | list[str]
+    envs: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    context: dict[str, Any] | None = None
 
 
 class SetTimeout(_Strict):
@@ -204,6 +212,72 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
             return _result(manager.run(sandbox_id, body.cmd, **kwargs))
         return StreamingResponse(_stream(manager, sandbox_id, body.cmd, kwargs),
                                  media_type="application/x-ndjson")
+
+    # -- background processes -----------------------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes", status_code=201)
+    def start_process(sandbox_id: str, body: StartProcess, who: TenantDep) -> dict[str, Any]:
+        owned(sandbox_id, who)
+        if who.name != "local":
+            tenants.count_command(who)
+        return manager.processes.start(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd,
+                                       context=body.context).to_dict()
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes")
+    def list_processes(sandbox_id: str, who: TenantDep) -> list[dict[str, Any]]:
+        owned(sandbox_id, who)
+        return [p.to_dict() for p in manager.processes.list(sandbox_id)]
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}")
+    def get_process(sandbox_id: str, process_id: str, who: TenantDep) -> dict[str, Any]:
+        owned(sandbox_id, who)
+        return manager.processes.get(sandbox_id, process_id).to_dict()
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}/output")
+    def process_output(sandbox_id: str, process_id: str, who: TenantDep, offset: int = 0,
+                       follow: bool = False, wait_s: float | None = None) -> StreamingResponse:
+        """NDJSON ``{"offset", "stream", "data"}`` from ``offset``; ``follow`` streams until
+        the process exits."""
+        owned(sandbox_id, who)
+        process = manager.processes.get(sandbox_id, process_id)
+
+        def lines() -> Iterator[bytes]:
+            for at, stream, text in process.output(max(0, offset), follow=follow,
+                                                   wait_s=wait_s):
+                yield (json.dumps({"offset": at, "stream": stream, "data": text}) + "\n").encode()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/input", status_code=204)
+    async def process_input(sandbox_id: str, process_id: str, request: Request,
+                            who: TenantDep) -> Response:
+        data = await request.body()
+        if len(data) > MAX_FILE_BODY:
+            raise TooLarge(f"input is limited to {MAX_FILE_BODY} bytes per request")
+
+        def send() -> None:
+            owned(sandbox_id, who)
+            manager.processes.get(sandbox_id, process_id).send(data)
+
+        await run_in_threadpool(send)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/kill", status_code=204)
+    def kill_process(sandbox_id: str, process_id: str, who: TenantDep) -> Response:
+        owned(sandbox_id, who)
+        manager.processes.kill(sandbox_id, process_id)
+        return Response(status_code=204)
+
+    # -- terminals ----------------------------------------------------------------------------
+
+    @app.websocket("/v1/sandboxes/{sandbox_id}/pty")
+    async def pty(websocket: WebSocket, sandbox_id: str, rows: int = 24,
+                  cols: int = 80) -> None:
+        """A shell on a terminal. Client sends JSON text frames ``{"type": "input", "data"}``,
+        ``{"type": "resize", "rows", "cols"}``, ``{"type": "signal", "signal": "INT"|"QUIT"|
+        "TSTP"|"KILL"}``; the server sends binary frames of terminal output and, at the end,
+        ``{"type": "exit", "exit_code"}``."""
+        await serve_terminal(websocket, manager, sandbox_id, rows=rows, cols=cols)
 
     # -- files --------------------------------------------------------------------------------
 

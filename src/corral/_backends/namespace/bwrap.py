@@ -27,6 +27,7 @@ def build_argv(
     cwd: str,
     argv: Sequence[str],
     fds: BwrapFds,
+    new_session: bool = True,
 ) -> list[str]:
     """The full argv.
 
@@ -42,8 +43,12 @@ def build_argv(
         "--disable-userns",
         "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
         "--hostname", "sandbox",
-        "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        "--die-with-parent", "--cap-drop", "ALL",
     ]
+    if new_session:
+        # Detaches from any terminal (the classic TIOCSTI defence; seccomp also blocks it).
+        # PTY commands keep their session so the PTY can be their controlling terminal.
+        args.append("--new-session")
     for kind, source, dest in template.system:
         if kind == "symlink":
             args += ["--symlink", source, dest]

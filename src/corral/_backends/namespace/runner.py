@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import fcntl
 import json
 import os
 import resource
 import selectors
+import shutil
+import struct
 import subprocess
+import termios
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..._audit.tracing import tracer
 from ..._core import linux
@@ -108,6 +114,46 @@ class Launch:
     env: Mapping[str, str]
 
 
+def _set_size(terminal: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+class _ProcessIO:
+    """Stdin (or the terminal) of a running interactive command; safe from any thread."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], terminal: int | None) -> None:
+        self._proc = proc
+        self._terminal = terminal
+        self._lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            try:
+                if self._terminal is not None:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(self._terminal, view):]
+                elif self._proc.stdin is not None and not self._proc.stdin.closed:
+                    self._proc.stdin.write(data)
+                    self._proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass  # the command has ended or closed its input
+
+    def close_stdin(self) -> None:
+        with self._lock:
+            if self._terminal is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._terminal, b"\x04")  # Ctrl-D: end of input on a terminal
+            elif self._proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self._proc.stdin.close()
+
+    def resize(self, rows: int, cols: int) -> None:
+        if self._terminal is not None:
+            with contextlib.suppress(OSError):
+                _set_size(self._terminal, rows, cols)
+
+
 class CommandLauncher:
     """Starts commands for one backend: the bwrap binary, the cgroup driver, the spawner thread."""
 
@@ -115,6 +161,7 @@ class CommandLauncher:
         self.bwrap = bwrap
         self.cgroups = cgroups
         self.spawner = netns.Spawner()
+        self.setsid = shutil.which("setsid") or "setsid"
         # When a kill takes bwrap's outer process before the sandbox's init, the init is
         # re-parented; as a subreaper we get it (and reap it) instead of a host init that may
         # never reap (containers often run one that doesn't).
@@ -134,6 +181,13 @@ class CommandLauncher:
         started = time.monotonic()
         with tracer.start_as_current_span("corral.process.start"):
             proc, init_pid = self._start(launch)
+        terminal: int | None = getattr(proc, "terminal", None)
+        if request.on_start is not None and (request.interactive or terminal is not None):
+            try:
+                request.on_start(_ProcessIO(proc, terminal))
+            except BaseException:
+                self._abort(proc, group, init_pid)
+                raise
         with tracer.start_as_current_span("corral.process.run"):
             try:
                 streams, timed_out = self._pump(proc, request, started)
@@ -184,21 +238,34 @@ class CommandLauncher:
             self.bwrap, template=launch.template, workspace=launch.workspace,
             tmp_bytes=launch.tmp_bytes, cwd=request.cwd, argv=request.argv,
             fds=BwrapFds(info=info_w, block=block_r, seccomp=seccomp_fd),
+            new_session=request.pty is None,
         )
+        terminal: int | None = None
+        stdio: dict[str, Any]
+        if request.pty is not None:
+            terminal, slave = os.openpty()
+            _set_size(terminal, *request.pty)
+            # setsid --ctty: a new session whose controlling terminal is the PTY, so Ctrl-C
+            # and window-size changes reach the command (it execs bwrap: the pid stays).
+            argv = [self.setsid, "--ctty", *argv]
+            stdio = {"stdin": slave, "stdout": slave, "stderr": slave,
+                     "start_new_session": False}
+        else:
+            wants_stdin = request.stdin is not None or request.interactive
+            stdio = {"stdin": subprocess.PIPE if wants_stdin else subprocess.DEVNULL,
+                     "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
+                     "start_new_session": True}
 
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
                 argv,
-                stdin=subprocess.PIPE if request.stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
                 env=dict(launch.env),
                 cwd="/",
                 user=launch.uid,
                 group=launch.uid,
                 extra_groups=[],
                 pass_fds=child_fds,
-                start_new_session=True,
+                **stdio,
             )
 
         try:
@@ -206,6 +273,9 @@ class CommandLauncher:
         except OSError as exc:
             for fd in (*child_fds, info_r, block_w):
                 os.close(fd)
+            if terminal is not None:
+                os.close(terminal)
+                os.close(stdio["stdin"])
             if exc.errno == 7:  # E2BIG
                 raise CommandError(
                     "the command's argv and environment are too large to start it "
@@ -214,6 +284,9 @@ class CommandLauncher:
             raise BackendError(f"cannot start bwrap: {exc}") from exc
         for fd in child_fds:
             os.close(fd)
+        if terminal is not None:
+            os.close(stdio["stdin"])  # the child holds the PTY's other end now
+            proc.terminal = terminal  # type: ignore[attr-defined]
         init_pid = 0
         try:
             init_pid = self._read_init_pid(info_r, proc)
@@ -236,6 +309,10 @@ class CommandLauncher:
         return proc, init_pid
 
     def _abort(self, proc: subprocess.Popen[bytes], group: str, init_pid: int) -> None:
+        terminal = getattr(proc, "terminal", None)
+        if terminal is not None:
+            with contextlib.suppress(OSError):
+                os.close(terminal)
         with contextlib.suppress(BackendError):
             self.cgroups.kill(group)
         with contextlib.suppress(ProcessLookupError):
@@ -282,10 +359,16 @@ class CommandLauncher:
     def _pump(
         self, proc: subprocess.Popen[bytes], request: ExecRequest, started: float
     ) -> tuple[tuple[_Stream, _Stream], bool]:
-        assert proc.stdout is not None and proc.stderr is not None
         out = _Stream("stdout", request.output_limit_bytes, request.on_stdout)
         err = _Stream("stderr", request.output_limit_bytes, request.on_stderr)
         deadline = started + request.timeout_s
+        terminal: int | None = getattr(proc, "terminal", None)
+        if terminal is not None:
+            try:
+                return (out, err), self._pump_terminal(terminal, out, deadline)
+            finally:
+                os.close(terminal)
+        assert proc.stdout is not None and proc.stderr is not None
         pending = memoryview(request.stdin or b"")
         with selectors.DefaultSelector() as sel:
             handlers: dict[int, Callable[[], None]] = {}
@@ -304,7 +387,7 @@ class CommandLauncher:
                 fd = pipe.fileno()
                 sel.register(fd, selectors.EVENT_READ)
                 handlers[fd] = reader(fd, stream)
-            if proc.stdin is not None:
+            if proc.stdin is not None and not request.interactive:
                 stdin_fd = proc.stdin.fileno()
                 os.set_blocking(stdin_fd, False)
 
@@ -337,5 +420,25 @@ class CommandLauncher:
                         handler()
         for stream_pipe in (proc.stdin, proc.stdout, proc.stderr):
             if stream_pipe is not None and not stream_pipe.closed:
-                stream_pipe.close()
+                with contextlib.suppress(OSError):
+                    stream_pipe.close()
         return (out, err), timed_out
+
+    @staticmethod
+    def _pump_terminal(terminal: int, out: _Stream, deadline: float) -> bool:
+        """Read the PTY until every process holding it is gone; True on timeout."""
+        with selectors.DefaultSelector() as sel:
+            sel.register(terminal, selectors.EVENT_READ)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return True
+                if not sel.select(remaining):
+                    continue
+                try:
+                    chunk = os.read(terminal, _READ_CHUNK)
+                except OSError:  # EIO: the last holder of the terminal closed it
+                    return False
+                if not chunk:
+                    return False
+                out.feed(chunk)

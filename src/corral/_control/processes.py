@@ -1,0 +1,214 @@
+"""Declared background processes (a dev server, a kernel): started, listed, reconnected to,
+fed input, killed. Each runs as a command bounded by its sandbox's lifetime, in the sandbox's
+cgroup (so it counts against the limits) and dies with the sandbox. Its output is kept in a
+bounded buffer with absolute offsets, so a client can reconnect and read on from where it was.
+
+They belong to the process that started them (the service, in practice): an embedded program's
+background processes end when it exits.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from .._audit.recorder import new_command_id
+from ..backends import ProcessIO
+from ..errors import CommandNotFound, CorralError, UsageError
+from ..models import CommandResult
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+__all__ = ["BackgroundProcess", "EmbeddedProcessAPI", "ProcessTable"]
+
+_KEEP_BYTES = 4 * 1024 * 1024
+_KEEP_EXITED = 100
+
+
+@dataclass
+class BackgroundProcess:
+    id: str
+    sandbox_id: str
+    command_id: str
+    argv: list[str]
+    started_at: float
+    state: Literal["starting", "running", "exited"] = "starting"
+    result: CommandResult | None = None
+    error: str | None = None
+    _chunks: list[tuple[int, str, str]] = field(default_factory=list)  # (offset, stream, text)
+    _end: int = 0  # offset after the last chunk
+    _kept_from: int = 0
+    _io: ProcessIO | None = None
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "sandbox_id": self.sandbox_id, "argv": self.argv,
+            "started_at": self.started_at, "state": self.state,
+            "exit_code": self.result.exit_code if self.result else None,
+            "command_id": self.command_id,
+            "error": self.error, "output_bytes": self._end,
+        }
+
+    def _feed(self, stream: str, text: str) -> None:
+        with self._cond:
+            self._chunks.append((self._end, stream, text))
+            self._end += len(text)
+            while self._chunks and self._end - self._chunks[0][0] > _KEEP_BYTES:
+                first = self._chunks.pop(0)
+                self._kept_from = first[0] + len(first[2])
+            self._cond.notify_all()
+
+    def _started(self, io: ProcessIO) -> None:
+        with self._cond:
+            self._io = io
+            self.state = "running"
+            self._cond.notify_all()
+
+    def _finished(self, result: CommandResult | None, error: str | None) -> None:
+        with self._cond:
+            self.result, self.error, self.state = result, error, "exited"
+            self._io = None
+            self._cond.notify_all()
+
+    def output(self, offset: int = 0, *, follow: bool = False,
+               wait_s: float | None = None) -> Iterator[tuple[int, str, str]]:
+        """(offset, stream, text) from ``offset`` on; with ``follow``, until the process exits
+        (or ``wait_s`` passes). Output older than the kept window is announced, not replayed."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        position = offset
+        while True:
+            with self._cond:
+                if position < self._kept_from:
+                    yield (position, "notice",
+                           f"[corral: {self._kept_from - position} bytes of earlier output "
+                           "are no longer kept]\n")
+                    position = self._kept_from
+                ready = [c for c in self._chunks if c[0] + len(c[2]) > position]
+                done = self.state == "exited"
+                if not ready and follow and not done:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return
+                    self._cond.wait(timeout=min(remaining or 1.0, 1.0))
+                    continue
+            for start, stream, text in ready:
+                cut = max(0, position - start)
+                yield (start + cut, stream, text[cut:])
+                position = start + len(text)
+            if not follow or (done and not ready):
+                return
+
+    def send(self, data: bytes) -> None:
+        with self._cond:
+            io = self._io
+        if io is None:
+            raise CommandNotFound(f"process {self.id} is not running")
+        io.write(data)
+
+    def close_input(self) -> None:
+        with self._cond:
+            io = self._io
+        if io is not None:
+            io.close_stdin()
+
+    def wait(self, timeout: float | None = None) -> CommandResult | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.state == "exited", timeout=timeout)
+            return self.result
+
+
+class ProcessTable:
+    """The background processes started through one manager."""
+
+    def __init__(self, manager: Manager) -> None:
+        self._manager = manager
+        self._processes: dict[str, BackgroundProcess] = {}
+        self._lock = threading.Lock()
+
+    def start(self, sandbox_id: str, cmd: str | Sequence[str], *,
+              envs: Mapping[str, str] | None = None, cwd: str | None = None,
+              context: Mapping[str, Any] | None = None) -> BackgroundProcess:
+        info = self._manager.get(sandbox_id)
+        argv = [cmd] if isinstance(cmd, str) else list(cmd)
+        process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=info.id,
+                                    command_id=new_command_id(), argv=argv,
+                                    started_at=time.time())
+
+        def run() -> None:
+            try:
+                result = self._manager.run(
+                    sandbox_id, cmd, envs=envs, cwd=cwd, context=context, interactive=True,
+                    on_start=process._started, lifetime=True, command_id=process.command_id,
+                    on_stdout=lambda text: process._feed("stdout", text),
+                    on_stderr=lambda text: process._feed("stderr", text))
+                process._finished(result, None)
+            except CorralError as exc:
+                process._finished(None, f"{exc.code}: {exc.message}")
+            except Exception as exc:  # recorded for the caller; the thread must not vanish
+                process._finished(None, f"{type(exc).__name__}: {exc}")
+
+        with self._lock:
+            self._prune()
+            self._processes[process.id] = process
+        threading.Thread(target=run, name=f"corral-{process.id}", daemon=True).start()
+        with process._cond:
+            process._cond.wait_for(lambda: process.state != "starting", timeout=30)
+        if process.state == "exited" and process.error:
+            raise UsageError(f"the process could not start: {process.error}")
+        return process
+
+    def _prune(self) -> None:
+        exited = [p for p in self._processes.values() if p.state == "exited"]
+        for process in exited[:-_KEEP_EXITED] if len(exited) > _KEEP_EXITED else []:
+            del self._processes[process.id]
+
+    def get(self, sandbox_id: str, process_id: str) -> BackgroundProcess:
+        with self._lock:
+            process = self._processes.get(process_id)
+        if process is None or process.sandbox_id != sandbox_id:
+            raise CommandNotFound(f"no background process {process_id!r} in {sandbox_id}")
+        return process
+
+    def list(self, sandbox_id: str) -> list[BackgroundProcess]:
+        with self._lock:
+            return [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
+
+    def kill(self, sandbox_id: str, process_id: str) -> None:
+        process = self.get(sandbox_id, process_id)
+        if process.state == "exited":
+            return
+        self._manager.kill_command(sandbox_id, process.command_id)
+
+
+class EmbeddedProcessAPI:
+    """The dict-shaped calls the SDK makes, the same as the remote client's."""
+
+    def __init__(self, table: ProcessTable) -> None:
+        self._table = table
+
+    def start(self, sandbox_id: str, cmd: str | Sequence[str], **kwargs: Any) -> dict[str, Any]:
+        return self._table.start(sandbox_id, cmd, **kwargs).to_dict()
+
+    def get(self, sandbox_id: str, process_id: str) -> dict[str, Any]:
+        return self._table.get(sandbox_id, process_id).to_dict()
+
+    def list(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return [p.to_dict() for p in self._table.list(sandbox_id)]
+
+    def output(self, sandbox_id: str, process_id: str, offset: int = 0, *,
+               follow: bool = False, wait_s: float | None = None
+               ) -> Iterator[tuple[int, str, str]]:
+        return self._table.get(sandbox_id, process_id).output(offset, follow=follow,
+                                                               wait_s=wait_s)
+
+    def send(self, sandbox_id: str, process_id: str, data: bytes) -> None:
+        self._table.get(sandbox_id, process_id).send(data)
+
+    def kill(self, sandbox_id: str, process_id: str) -> None:
+        self._table.kill(sandbox_id, process_id)
