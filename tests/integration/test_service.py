@@ -463,13 +463,17 @@ def test_background_processes_start_list_reconnect_input_kill(where: dict[str, s
              "for line in sys.stdin:\n    print('echo:', line.strip(), flush=True)"])
         assert server.id.startswith("proc_")
         assert [p.id for p in sb.processes.list()] == [server.id]
-        first = next(server.output(follow=True, wait_s=10))
-        assert first[1:] == ("stdout", "ready\n")
+        greeting, offset = "", 0
+        for at, stream, text in server.output(follow=True, wait_s=10):
+            assert stream == "stdout"
+            greeting, offset = greeting + text, at + len(text)
+            if greeting.endswith("\n"):
+                break
+        assert greeting == "ready\n"
         server.send("hello\n")
         # Reconnect from the last offset, as a new client would.
         seen = ""
-        for _, _, text in sb.processes.get(server.id).output(first[0] + len(first[2]),
-                                                             follow=True, wait_s=10):
+        for _, _, text in sb.processes.get(server.id).output(offset, follow=True, wait_s=10):
             seen += text
             if "echo: hello" in seen:
                 break
