@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._audit.events import AuditEvent
 from ._audit.log import AuditTrail
+from ._sdk.async_sandbox import AsyncSandbox
 from ._sdk.sandbox import Audit, Commands, Files, Network, Sandbox, read_audit
 from .errors import (
     AuthError,
@@ -36,6 +37,7 @@ from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, Usage
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSandbox",
     "Audit",
     "AuthError",
     "AuditEvent",

@@ -141,6 +141,10 @@ class IsolationBackend(Protocol):
         """Freeze (or thaw) every process of the sandbox; files stay reachable."""
         ...
 
+    def busy(self, spec: SandboxSpec) -> bool:
+        """True while any command of the sandbox runs (from any process)."""
+        ...
+
     def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
         """Kill one running command's whole process tree; False when it is not running."""
         ...

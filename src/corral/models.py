@@ -120,6 +120,8 @@ class SandboxInfo:
     network: dict[str, Any] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)  # name -> placeholder
     tenant: str = "local"
+    idle_timeout: float | None = None  # destroyed after this long without commands or file use
+    last_active: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -3,6 +3,7 @@ remote, tenants, keys, quotas, and a server killed with SIGKILL mid-command."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -550,3 +551,21 @@ def test_a_terminal_over_websocket(server: _Server) -> None:
         return 0
 
     assert asyncio.run(refused()) in (4404, 403)
+
+
+def test_idle_sandboxes_are_reaped_busy_ones_are_not(where: dict[str, str], manager: Manager
+                                                      ) -> None:
+    idle = Sandbox.create(idle_timeout=1, **where)
+    busy = Sandbox.create(idle_timeout=1, **where)
+    try:
+        worker = busy.processes.start("sleep 30")
+        time.sleep(1.3)
+        manager.recover()  # what the service's reaper does every few seconds
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect(idle.id, **where)
+        assert busy.get_info().state == "running"  # a process runs: not idle
+        worker.kill()
+    finally:
+        busy.kill()
+        with contextlib.suppress(SandboxNotFound):
+            idle.kill()

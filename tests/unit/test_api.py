@@ -6,6 +6,7 @@ import corral
 from corral import errors
 
 PUBLIC = [
+    "AsyncSandbox",
     "Audit", "AuditEvent", "AuditTrail", "Network", "read_audit", "AuthError", "TooLarge",
     "TransportError", "CommandNotFound",
     "BackendError", "BackendUnavailable", "CommandError", "CommandResult", "Commands",

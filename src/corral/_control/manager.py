@@ -178,6 +178,10 @@ class Manager:
             stale_create = info.state == "creating" and info.created_at < now - 60
             if info.expires_at <= now and info.state in ("running", "paused"):
                 self._expire(info)
+            elif self._idle(info, now):
+                self.auditor.event(info.id, "sandbox.expired", {
+                    "idle_timeout": info.idle_timeout, "last_active": info.last_active})
+                self._destroy(info, reason="idle")
             elif info.state == "destroying" or stale_create:
                 self._destroy(info, reason="interrupted")
             else:
@@ -199,6 +203,16 @@ class Manager:
         self._recovered = True
         return removed + swept
 
+    def _idle(self, info: SandboxInfo, now: float) -> bool:
+        """Past its idle timeout with nothing running (no command, no background process)."""
+        if info.idle_timeout is None or info.state != "running":
+            return False
+        if now - info.last_active < info.idle_timeout:
+            return False
+        if any(p.state != "exited" for p in self.processes.list(info.id)):
+            return False
+        return not self.backend.busy(self._spec(info))
+
     def _ensure_recovered(self) -> None:
         if not self._recovered:
             with self._lock:
@@ -211,13 +225,15 @@ class Manager:
         self, *, template: str = "base", resources: str = "small", timeout: float | None = None,
         labels: Mapping[str, str] | None = None, network: NetworkSpec = None,
         secrets: Sequence[str] | None = None, tenant: str = "local",
-        max_for_tenant: int | None = None,
+        max_for_tenant: int | None = None, idle_timeout: float | None = None,
     ) -> SandboxInfo:
         tier = get_tier(resources)
         policy = policy_from(network)
         if isinstance(secrets, str):
             raise UsageError("secrets takes a list of secret names, not a single string")
         placeholders = self.egress.placeholders_for(secrets or [])
+        if idle_timeout is not None:
+            idle_timeout = self._check_ttl(idle_timeout, tier.max_ttl_s)
         if not isinstance(template, str):
             raise UsageError(f"template must be a string, not {type(template).__name__}")
         ttl = tier.ttl_s if timeout is None else self._check_ttl(timeout, tier.max_ttl_s)
@@ -231,7 +247,7 @@ class Manager:
             sandbox_id=_new_id(), template=template, resources=resources, ttl_s=ttl,
             labels=clean_labels, uid_start=self.settings.uid_start,
             uid_count=self.settings.uid_count, network=policy.to_json(), secrets=placeholders,
-            tenant=tenant, max_for_tenant=max_for_tenant,
+            tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
         )
         try:
             self.backend.create(self._spec(info))
@@ -413,6 +429,8 @@ class Manager:
             limit = float(timeout)
         if command.cwd != "/workspace":
             self._check_cwd(info, command.cwd)
+        if info.idle_timeout is not None:
+            self.store.touch(sandbox_id)
         # A command never outlives its sandbox.
         limit = max(0.001, min(limit, info.expires_at - time.time()))
         recorder = self.auditor.command(sandbox_id, command_id)
@@ -481,6 +499,8 @@ class Manager:
 
     def files(self, sandbox_id: str) -> AuditedFiles:
         info = self.get(sandbox_id)
+        if info.idle_timeout is not None:
+            self.store.touch(sandbox_id)
         root: Path = self.backend.workspace_root(self._spec(info))
         return AuditedFiles(WorkspaceFiles(root, info.uid), self.auditor, sandbox_id)
 

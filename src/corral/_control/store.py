@@ -29,7 +29,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     labels TEXT NOT NULL DEFAULT '{}',
     network TEXT NOT NULL DEFAULT '{}',
     secrets TEXT NOT NULL DEFAULT '{}',
-    tenant TEXT NOT NULL DEFAULT 'local'
+    tenant TEXT NOT NULL DEFAULT 'local',
+    idle_timeout REAL,
+    last_active REAL
 );
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
@@ -60,7 +62,8 @@ def _row_to_info(row: sqlite3.Row) -> SandboxInfo:
         state=row["state"], created_at=row["created_at"], expires_at=row["expires_at"],
         uid=row["uid"], labels=json.loads(row["labels"]),
         network=json.loads(row["network"]), secrets=json.loads(row["secrets"]),
-        tenant=row["tenant"],
+        tenant=row["tenant"], idle_timeout=row["idle_timeout"],
+        last_active=row["last_active"] or row["created_at"],
     )
 
 
@@ -81,6 +84,9 @@ class Store:
             if column not in columns:  # a store made before that column existed
                 self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {column} TEXT NOT NULL "
                                  f"DEFAULT '{default}'")
+        for column in ("idle_timeout", "last_active"):
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {column} REAL")
         path.chmod(0o600)
 
     @contextmanager
@@ -99,6 +105,7 @@ class Store:
         labels: dict[str, str], uid_start: int, uid_count: int,
         network: dict[str, object] | None = None, secrets: dict[str, str] | None = None,
         tenant: str = "local", max_for_tenant: int | None = None,
+        idle_timeout: float | None = None,
     ) -> SandboxInfo:
         """Insert a sandbox in state ``creating`` with the lowest free uid of the range.
 
@@ -127,10 +134,11 @@ class Store:
                 )
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
-                "expires_at, labels, network, secrets, tenant) "
-                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?)",
+                "expires_at, labels, network, secrets, tenant, idle_timeout, last_active) "
+                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
-                 json.dumps(network or {}), json.dumps(secrets or {}), tenant),
+                 json.dumps(network or {}), json.dumps(secrets or {}), tenant, idle_timeout,
+                 now),
             )
         info = self.get(sandbox_id)
         assert info is not None
@@ -153,6 +161,12 @@ class Store:
     def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
         with self._tx() as db:
             db.execute("UPDATE sandboxes SET expires_at = ? WHERE id = ?", (expires_at, sandbox_id))
+
+    def touch(self, sandbox_id: str) -> None:
+        """Record activity (for the idle timeout)."""
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET last_active = ? WHERE id = ?",
+                       (time.time(), sandbox_id))
 
     def set_network(self, sandbox_id: str, network: dict[str, object]) -> None:
         with self._tx() as db:

@@ -68,10 +68,11 @@ def _unreachable(base_url: httpx.URL, exc: httpx.HTTPError) -> TransportError:
 
 def _create_body(*, template: str, resources: str, timeout: float | None,
                  labels: Mapping[str, str] | None, network: Any,
-                 secrets: Sequence[str] | None) -> dict[str, Any]:
+                 secrets: Sequence[str] | None,
+                 idle_timeout: float | None = None) -> dict[str, Any]:
     return {"template": template, "resources": resources, "timeout": timeout,
             "labels": dict(labels or {}), "network": network or "none",
-            "secrets": list(secrets or [])}
+            "secrets": list(secrets or []), "idle_timeout": idle_timeout}
 
 
 def _network_body(network: Any) -> dict[str, Any]:
@@ -251,9 +252,11 @@ class RemoteManager:
 
     def create(self, *, template: str = "base", resources: str = "small",
                timeout: float | None = None, labels: Mapping[str, str] | None = None,
-               network: Any = None, secrets: Sequence[str] | None = None) -> SandboxInfo:
+               network: Any = None, secrets: Sequence[str] | None = None,
+               idle_timeout: float | None = None) -> SandboxInfo:
         body = _create_body(template=template, resources=resources, timeout=timeout,
-                            labels=labels, network=network, secrets=secrets)
+                            labels=labels, network=network, secrets=secrets,
+                            idle_timeout=idle_timeout)
         return _info(self.request("POST", "/v1/sandboxes", json=body).json())
 
     def get(self, sandbox_id: str) -> SandboxInfo:

@@ -353,6 +353,7 @@ class Sandbox:
         labels: Mapping[str, str] | None = None,
         network: str | Mapping[str, Sequence[str]] | None = None,
         secrets: Sequence[str] | None = None,
+        idle_timeout: float | None = None,
         home: str | Path | None = None,
         url: str | None = None,
         api_key: str | None = None,
@@ -370,6 +371,9 @@ class Sandbox:
             secrets: names of host secrets (``corral secrets add``) to expose: the sandbox sees
                 a placeholder in env ``NAME``; the gateway swaps in the value for the hosts the
                 secret is bound to.
+            idle_timeout: destroy it after this many seconds without a command or file
+                operation (and nothing running); enforced by the service's reaper and by
+                ``corral reap``.
             home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
             url: a Corral service to use (default ``CORRAL_URL``; embedded when unset).
             api_key: its API key (default ``CORRAL_API_KEY``).
@@ -380,7 +384,8 @@ class Sandbox:
         """
         manager = _manager(home, url, api_key)
         info = manager.create(template=template, resources=resources, timeout=timeout,
-                              labels=labels, network=network, secrets=secrets)
+                              labels=labels, network=network, secrets=secrets,
+                              idle_timeout=idle_timeout)
         return cls(info, manager)
 
     @classmethod

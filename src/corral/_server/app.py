@@ -51,6 +51,8 @@ class CreateSandbox(_Strict):
     template: str = "base"
     resources: str = "small"
     timeout: float | None = Field(default=None, description="Lifetime in seconds.")
+    idle_timeout: float | None = Field(
+        default=None, description="Destroy after this many seconds without activity.")
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkBody | Literal["none"] = "none"
     secrets: list[str] = Field(default_factory=list)
@@ -87,12 +89,14 @@ class SandboxOut(BaseModel):
     labels: dict[str, str]
     network: dict[str, Any]
     secrets: list[str]
+    idle_timeout: float | None = None
 
     @classmethod
     def of(cls, info: SandboxInfo) -> SandboxOut:
         return cls(id=info.id, template=info.template, resources=info.resources,
                    state=info.state, created_at=info.created_at, expires_at=info.expires_at,
-                   labels=info.labels, network=info.network, secrets=sorted(info.secrets))
+                   labels=info.labels, network=info.network, secrets=sorted(info.secrets),
+                   idle_timeout=info.idle_timeout)
 
 
 def _result(result: CommandResult) -> dict[str, Any]:
@@ -151,6 +155,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
         info = manager.create(template=body.template, resources=body.resources,
                               timeout=body.timeout, labels=body.labels, network=network,
                               secrets=body.secrets, tenant=who.name,
+                              idle_timeout=body.idle_timeout,
                               max_for_tenant=None if who.name == "local" else who.max_sandboxes)
         return SandboxOut.of(info)
 

@@ -168,6 +168,10 @@ class NamespaceBackend:
         self._ensure_runtime(spec)
         self.cgroups.freeze(spec.id, paused)
 
+    def busy(self, spec: SandboxSpec) -> bool:
+        self._ready()
+        return bool(self.cgroups.children(spec.id))
+
     def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
         self._ready()
         for name in self.cgroups.children(spec.id):
