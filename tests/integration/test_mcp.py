@@ -27,7 +27,7 @@ from corral._settings import Settings
 pytestmark = pytest.mark.needs_root
 
 TOOLS = {"create_sandbox", "run_command", "read_file", "write_file", "list_files",
-         "destroy_sandbox"}
+         "destroy_sandbox", "upload_tar", "download_tar"}
 
 
 @pytest.fixture
@@ -50,6 +50,19 @@ async def _call(session: ClientSession, tool: str, **args: Any) -> dict[str, Any
     result = await session.call_tool(tool, args)
     assert not result.is_error, result.content
     return _data(result)
+
+
+def _tar_slip() -> str:
+    import base64
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("../escaped.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 async def _exercise(session: ClientSession, home: str) -> str:
@@ -75,6 +88,17 @@ async def _exercise(session: ClientSession, home: str) -> str:
     assert {"a.txt", "src"} <= {e["name"] for e in listing["entries"]}
     ran = await _call(session, "run_command", command="python3 app.py", cwd="src")
     assert ran["stdout"] == "42\n"
+
+    # Trees in and out as base64 tar.
+    packed = await _call(session, "download_tar", path="/workspace/src")
+    assert packed["format"] == "tar.gz" and packed["size"] > 0
+    unpacked = await _call(session, "upload_tar", archive_base64=packed["archive_base64"],
+                           path="/workspace/copy")
+    assert unpacked["files"] == 1
+    copied = await _call(session, "run_command", command="python3 copy/app.py")
+    assert copied["stdout"] == "42\n"
+    slip = await session.call_tool("upload_tar", {"archive_base64": _tar_slip()})
+    assert slip.is_error and _data(slip)["code"] == "path_refused"
 
     failed = await _call(session, "run_command", command="echo oops >&2; exit 3")
     assert failed["exit_code"] == 3 and failed["stderr"] == "oops\n"

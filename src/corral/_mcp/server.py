@@ -29,6 +29,8 @@ Errors
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import os
@@ -57,6 +59,7 @@ OUTPUT_CAP_BYTES = 64 * 1024
 """Bytes of stdout, and of stderr, one ``run_command`` result carries."""
 
 FILE_CAP_BYTES = 256 * 1024
+ARCHIVE_CAP_BYTES = 16 * 1024 * 1024  # base64 in a JSON-RPC message: keep it modest
 """Bytes of a file one ``read_file`` result carries."""
 
 Transport = Literal["stdio", "http"]
@@ -284,6 +287,38 @@ class CorralMCP:
         entries = await anyio.to_thread.run_sync(lambda: sb.files.list(path))
         return {"sandbox_id": sb.id, "path": path, "entries": [_entry(e) for e in entries]}
 
+    async def upload(self, ctx: Context[Any, Any] | None, archive_base64: str, path: str,
+                     sandbox_id: str | None) -> dict[str, Any]:
+        try:
+            archive = base64.b64decode(archive_base64, validate=True)
+        except (binascii.Error, ValueError):
+            raise errors.UsageError("archive_base64 is not valid base64") from None
+        if len(archive) > ARCHIVE_CAP_BYTES:
+            raise errors.TooLarge(f"archives over MCP are limited to {ARCHIVE_CAP_BYTES} bytes; "
+                                  "use the HTTP API for larger trees")
+        sb = await self.sandbox(ctx, sandbox_id)
+        report = await anyio.to_thread.run_sync(lambda: sb.files.upload(archive, path))
+        return {"sandbox_id": sb.id, "path": path, **report}
+
+    async def download(self, ctx: Context[Any, Any] | None, path: str, gzip: bool,
+                       sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+
+        def collect() -> bytes:
+            chunks, size = [], 0
+            for chunk in sb.files.download(path, gzip=gzip):
+                size += len(chunk)
+                if size > ARCHIVE_CAP_BYTES:
+                    raise errors.TooLarge(
+                        f"{path} packs to more than {ARCHIVE_CAP_BYTES} bytes; download a "
+                        "smaller directory or use the HTTP API")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        data = await anyio.to_thread.run_sync(collect)
+        return {"sandbox_id": sb.id, "path": path, "format": "tar.gz" if gzip else "tar",
+                "size": len(data), "archive_base64": base64.b64encode(data).decode()}
+
     async def destroy_sandbox(self, ctx: Context[Any, Any] | None,
                               sandbox_id: str | None) -> dict[str, Any]:
         if sandbox_id is None:
@@ -367,6 +402,22 @@ def build_server(home: Path | None, transport: Transport) -> tuple[MCPServer[Any
         """List a directory under /workspace: name, path, type and size of each entry."""
         return await state.guarded(ctx, sandbox_id,
                                    lambda: state.list_files(ctx, path, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
+    async def upload_tar(ctx: Context[Any, Any], archive_base64: str,
+                         path: str = "/workspace",
+                         sandbox_id: str | None = None) -> CallToolResult:
+        """Extract a base64 tar or tar.gz under path (absolute names, '..', links leading out,
+        hard links and devices are refused)."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.upload(ctx, archive_base64, path, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def download_tar(ctx: Context[Any, Any], path: str = "/workspace", gzip: bool = True,
+                           sandbox_id: str | None = None) -> CallToolResult:
+        """The tree under path as a base64 tar (gzip by default)."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.download(ctx, path, gzip, sandbox_id))
 
     @mcp.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True,
                                           open_world_hint=False))
