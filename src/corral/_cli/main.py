@@ -6,105 +6,38 @@ Results go to stdout, progress and errors to stderr. Every command takes ``--jso
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import click
 
-from .. import errors
 from .._audit.events import AuditEvent
 from .._sdk.sandbox import Sandbox
 from .._settings import Settings
 from ..models import CommandResult, FileEntry, SandboxInfo
+from .admin import keys, secrets, tenants
+from .common import (
+    EXIT_FAILED,
+    EXIT_UNAVAILABLE,
+    F,
+    emit_json,
+    handle_errors,
+    home_of,
+    json_option,
+    parse_pairs,
+)
 
 __all__ = ["main"]
-
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 3
-EXIT_NOT_FOUND = 4
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _exit_code_for(exc: errors.CorralError) -> int:
-    if isinstance(exc, errors.SandboxNotFound | errors.FileNotFound):
-        return EXIT_NOT_FOUND
-    if isinstance(exc, errors.BackendUnavailable):
-        return EXIT_UNAVAILABLE
-    if isinstance(exc, errors.UsageError | errors.CommandError | errors.PathRefused
-                  | errors.ConfigError):
-        return EXIT_USAGE
-    return EXIT_FAILED
-
-
-def _fail(message: str, code: str, exit_code: int, as_json: bool) -> NoReturn:
-    if as_json:
-        click.echo(json.dumps({"code": code, "message": message}), err=True)
-    else:
-        click.secho(f"corral: {message}", err=True, fg="red")
-    sys.exit(exit_code)
-
-
-def handle_errors(fn: F) -> F:
-    """Turn Corral errors into a message and an exit code; tracebacks only with --debug."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        ctx = click.get_current_context()
-        as_json = bool(kwargs.get("as_json", False))
-        try:
-            return fn(*args, **kwargs)
-        except errors.CorralError as exc:
-            if ctx.obj and ctx.obj.get("debug"):
-                raise
-            _fail(exc.message, exc.code, _exit_code_for(exc), as_json)
-        except OSError as exc:
-            if ctx.obj and ctx.obj.get("debug"):
-                raise
-            _fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""),
-                  "os_error", EXIT_FAILED, as_json)
-
-    return wrapper  # type: ignore[return-value]
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-
-
-def _home(ctx: click.Context) -> Path | None:
-    """The data directory for SDK calls; None (so the SDK talks to ``CORRAL_URL``) when a
-    service is configured and no --home was given."""
-    settings: Settings = ctx.obj["settings"]
-    if settings.url and not ctx.obj.get("home_given"):
-        return None
-    return settings.home
-
-
-def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=None, sort_keys=False))
-
 
 def _command_from(args: Sequence[str]) -> str | list[str]:
     """One argument is a shell string (pipes, globs work); several are an argv run as-is."""
     if not args:
         raise click.UsageError("no command given; put it after --, e.g. `corral run -- echo hi`")
     return args[0] if len(args) == 1 else list(args)
-
-
-def _parse_pairs(pairs: Sequence[str], option: str = "--env") -> dict[str, str]:
-    parsed = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint=option)
-        parsed[key] = value
-    return parsed
 
 
 def _run_and_report(
@@ -127,7 +60,7 @@ def _run_and_report(
         context=context or None,
     )
     if as_json:
-        _emit_json(_result_json(result))
+        emit_json(_result_json(result))
     elif result.timed_out:
         click.secho(f"corral: command timed out after {result.duration_s:.1f} s; its processes "
                     "were killed", err=True, fg="yellow")
@@ -239,12 +172,12 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
     One argument is run by bash (pipes and globs work); several are run as an argv.
     """
     cmd = _command_from(command)
-    variables = _parse_pairs(env)
+    variables = parse_pairs(env)
     with Sandbox.create(resources=resources, network=_network(allow, deny),
-                        secrets=list(secret_names), home=_home(ctx)) as sb:
+                        secrets=list(secret_names), home=home_of(ctx)) as sb:
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
                         forward_stdin=forward_stdin, as_json=as_json,
-                        context=_parse_pairs(context, "--context"))
+                        context=parse_pairs(context, "--context"))
 
 
 @cli.command()
@@ -261,12 +194,12 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
            allow: tuple[str, ...], deny: tuple[str, ...], secret_names: tuple[str, ...],
            as_json: bool) -> None:
     """Create a sandbox and print its id."""
-    label_map = _parse_pairs(labels, "--label")
+    label_map = parse_pairs(labels, "--label")
     sb = Sandbox.create(resources=resources, timeout=ttl, labels=label_map,
                         network=_network(allow, deny), secrets=list(secret_names),
-                        home=_home(ctx))
+                        home=home_of(ctx))
     if as_json:
-        _emit_json(_info_json(sb.get_info()))
+        emit_json(_info_json(sb.get_info()))
     else:
         click.echo(sb.id)
 
@@ -281,10 +214,10 @@ def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple
           command: tuple[str, ...]) -> None:
     """Run COMMAND in an existing sandbox; exit with COMMAND's exit code."""
     cmd = _command_from(command)
-    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
-    _run_and_report(sb, cmd, timeout=timeout, env=_parse_pairs(env), cwd=cwd,
+    sb = Sandbox.connect(sandbox_id, home=home_of(ctx))
+    _run_and_report(sb, cmd, timeout=timeout, env=parse_pairs(env), cwd=cwd,
                     forward_stdin=forward_stdin, as_json=as_json,
-                    context=_parse_pairs(context, "--context"))
+                    context=parse_pairs(context, "--context"))
 
 
 @cli.command(name="ls")
@@ -293,9 +226,9 @@ def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple
 @handle_errors
 def list_(ctx: click.Context, as_json: bool) -> None:
     """List live sandboxes."""
-    infos = Sandbox.list(home=_home(ctx))
+    infos = Sandbox.list(home=home_of(ctx))
     if as_json:
-        _emit_json([_info_json(i) for i in infos])
+        emit_json([_info_json(i) for i in infos])
         return
     if not infos:
         click.echo("no sandboxes", err=True)
@@ -330,9 +263,9 @@ def _duration(seconds: float) -> str:
 @handle_errors
 def info_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
     """Show one sandbox."""
-    info = Sandbox.connect(sandbox_id, home=_home(ctx)).get_info()
+    info = Sandbox.connect(sandbox_id, home=home_of(ctx)).get_info()
     if as_json:
-        _emit_json(_info_json(info))
+        emit_json(_info_json(info))
     else:
         for key, value in _info_json(info).items():
             click.echo(f"{key:11} {value}")
@@ -345,10 +278,10 @@ def info_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
 @handle_errors
 def pause_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
     """Freeze every process in a sandbox; its files stay reachable."""
-    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    sb = Sandbox.connect(sandbox_id, home=home_of(ctx))
     sb.pause()
     if as_json:
-        _emit_json(_info_json(sb.get_info()))
+        emit_json(_info_json(sb.get_info()))
 
 
 @cli.command(name="resume")
@@ -358,10 +291,10 @@ def pause_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
 @handle_errors
 def resume_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
     """Let a paused sandbox's processes run again."""
-    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    sb = Sandbox.connect(sandbox_id, home=home_of(ctx))
     sb.resume()
     if as_json:
-        _emit_json(_info_json(sb.get_info()))
+        emit_json(_info_json(sb.get_info()))
 
 
 @cli.command(name="rm")
@@ -372,11 +305,11 @@ def resume_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
 def remove(ctx: click.Context, sandbox_ids: tuple[str, ...], as_json: bool) -> None:
     """Destroy sandboxes: kill their processes and delete their workspaces."""
     for sandbox_id in sandbox_ids:
-        Sandbox.connect(sandbox_id, home=_home(ctx)).kill()
+        Sandbox.connect(sandbox_id, home=home_of(ctx)).kill()
         if not as_json:
             click.echo(f"removed {sandbox_id}", err=True)
     if as_json:
-        _emit_json({"removed": list(sandbox_ids)})
+        emit_json({"removed": list(sandbox_ids)})
 
 
 @cli.group()
@@ -392,10 +325,10 @@ def files() -> None:
 @handle_errors
 def files_read(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) -> None:
     """Print a file's content (raw bytes; with --json, as UTF-8 text)."""
-    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    sb = Sandbox.connect(sandbox_id, home=home_of(ctx))
     data = sb.files.read(path, format="bytes")
     if as_json:
-        _emit_json({"path": path, "size": len(data),
+        emit_json({"path": path, "size": len(data),
                     "content": data.decode("utf-8", errors="replace")})
     else:
         sys.stdout.buffer.write(data)
@@ -413,10 +346,10 @@ def files_read(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) ->
 def files_write(ctx: click.Context, sandbox_id: str, path: str, source: Any,
                 as_json: bool) -> None:
     """Write stdin (or --from FILE) to PATH, creating parent directories."""
-    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    sb = Sandbox.connect(sandbox_id, home=home_of(ctx))
     entry = sb.files.write(path, source.read())
     if as_json:
-        _emit_json(entry.to_dict())
+        emit_json(entry.to_dict())
     else:
         click.echo(f"wrote {entry.size} bytes to {entry.path}", err=True)
 
@@ -429,9 +362,9 @@ def files_write(ctx: click.Context, sandbox_id: str, path: str, source: Any,
 @handle_errors
 def files_ls(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) -> None:
     """List a directory."""
-    entries: list[FileEntry] = Sandbox.connect(sandbox_id, home=_home(ctx)).files.list(path)
+    entries: list[FileEntry] = Sandbox.connect(sandbox_id, home=home_of(ctx)).files.list(path)
     if as_json:
-        _emit_json([e.to_dict() for e in entries])
+        emit_json([e.to_dict() for e in entries])
         return
     for e in entries:
         suffix = "/" if e.type == "dir" else ("@" if e.type == "symlink" else "")
@@ -511,14 +444,14 @@ def network_(ctx: click.Context, sandbox_id: str, allow: tuple[str, ...], deny: 
 
     A change applies to the next connection, also from commands already running.
     """
-    sb = Sandbox.connect(sandbox_id, home=_home(ctx))
+    sb = Sandbox.connect(sandbox_id, home=home_of(ctx))
     if block:
         sb.network.block()
     elif allow or deny:
         sb.network.update(allow=allow, deny=deny)
     policy = sb.network.get()
     if as_json:
-        _emit_json(policy)
+        emit_json(policy)
     else:
         click.echo(f"mode  {policy.get('mode', 'none')}")
         for rule in policy.get("allow", []):
@@ -569,62 +502,6 @@ def metrics(ctx: click.Context) -> None:
     click.echo(render(get_manager(ctx.obj["settings"]).store), nl=False)
 
 
-@cli.group()
-def secrets() -> None:
-    """Register secrets on the host. Their values are redacted from every audit record."""
-
-
-@secrets.command(name="add")
-@click.argument("name")
-@click.option("--host", "hosts", multiple=True, metavar="HOST",
-              help="A host the value may be sent to (repeatable): api.example.com, *.example.com.")
-@json_option
-@click.pass_context
-@handle_errors
-def secrets_add(ctx: click.Context, name: str, hosts: tuple[str, ...], as_json: bool) -> None:
-    """Register NAME with its value read from stdin (never from the command line)."""
-    from .._control.manager import get_manager
-
-    value = sys.stdin.read().rstrip("\n")
-    info = get_manager(ctx.obj["settings"]).secrets.add(name, value, list(hosts))
-    if as_json:
-        _emit_json({"name": info.name, "hosts": list(info.hosts)})
-    else:
-        click.echo(f"registered {info.name}", err=True)
-
-
-@secrets.command(name="ls")
-@json_option
-@click.pass_context
-@handle_errors
-def secrets_ls(ctx: click.Context, as_json: bool) -> None:
-    """List secret names and hosts (never values)."""
-    from .._control.manager import get_manager
-
-    infos = get_manager(ctx.obj["settings"]).secrets.list()
-    if as_json:
-        _emit_json([{"name": i.name, "hosts": list(i.hosts), "created_at": i.created_at}
-                    for i in infos])
-        return
-    for info in infos:
-        click.echo(f"{info.name}\t{','.join(info.hosts) or '-'}")
-
-
-@secrets.command(name="rm")
-@click.argument("name")
-@json_option
-@click.pass_context
-@handle_errors
-def secrets_rm(ctx: click.Context, name: str, as_json: bool) -> None:
-    """Forget a secret."""
-    from .._control.manager import get_manager
-
-    if not get_manager(ctx.obj["settings"]).secrets.remove(name):
-        raise errors.UsageError(f"no secret named {name!r}; `corral secrets ls` lists them")
-    if as_json:
-        _emit_json({"removed": name})
-
-
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; beyond loopback, API keys are required.")
@@ -637,101 +514,6 @@ def serve(ctx: click.Context, host: str, port: int) -> None:
     from .._server.serve import serve as run_server
 
     run_server(get_manager(ctx.obj["settings"]), host=host, port=port)
-
-
-@cli.group()
-def tenants() -> None:
-    """Tenants of the HTTP service and their quotas."""
-
-
-@tenants.command(name="add")
-@click.argument("name")
-@click.option("--max-sandboxes", default=10, show_default=True, type=int)
-@click.option("--tier", "tiers", multiple=True, help="Allowed tier (repeatable; default small).")
-@click.option("--commands-per-minute", default=600, show_default=True, type=int)
-@json_option
-@click.pass_context
-@handle_errors
-def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[str, ...],
-                commands_per_minute: int, as_json: bool) -> None:
-    """Add (or update) a tenant."""
-    from .._control.manager import get_manager
-    from .._server.auth import TenantDirectory
-
-    tenant = TenantDirectory(get_manager(ctx.obj["settings"]).store).add_tenant(
-        name, max_sandboxes=max_sandboxes, tiers=list(tiers) or None,
-        commands_per_minute=commands_per_minute)
-    if as_json:
-        _emit_json({"name": tenant.name, "max_sandboxes": tenant.max_sandboxes,
-                    "tiers": list(tenant.tiers),
-                    "commands_per_minute": tenant.commands_per_minute})
-    else:
-        click.echo(f"tenant {tenant.name}: {tenant.max_sandboxes} sandboxes, tiers "
-                   f"{','.join(tenant.tiers)}, {tenant.commands_per_minute} commands/min",
-                   err=True)
-
-
-@tenants.command(name="ls")
-@json_option
-@click.pass_context
-@handle_errors
-def tenants_ls(ctx: click.Context, as_json: bool) -> None:
-    """List tenants."""
-    from .._control.manager import get_manager
-
-    rows = get_manager(ctx.obj["settings"]).store.tenants()
-    if as_json:
-        _emit_json(rows)
-        return
-    for row in rows:
-        click.echo(f"{row['name']}\t{row['max_sandboxes']}\t{','.join(row['tiers'])}\t"
-                   f"{row['commands_per_minute']}/min")
-
-
-@tenants.command(name="rm")
-@click.argument("name")
-@click.pass_context
-@handle_errors
-def tenants_rm(ctx: click.Context, name: str) -> None:
-    """Remove a tenant and revoke its keys."""
-    from .._control.manager import get_manager
-
-    if not get_manager(ctx.obj["settings"]).store.remove_tenant(name):
-        raise errors.UsageError(f"no tenant named {name!r}")
-
-
-@cli.group()
-def keys() -> None:
-    """API keys of the HTTP service (stored hashed; shown once)."""
-
-
-@keys.command(name="create")
-@click.argument("tenant")
-@json_option
-@click.pass_context
-@handle_errors
-def keys_create(ctx: click.Context, tenant: str, as_json: bool) -> None:
-    """Create a key for TENANT and print it (it cannot be shown again)."""
-    from .._control.manager import get_manager
-    from .._server.auth import TenantDirectory
-
-    key_id, key = TenantDirectory(get_manager(ctx.obj["settings"]).store).create_key(tenant)
-    if as_json:
-        _emit_json({"id": key_id, "tenant": tenant, "key": key})
-    else:
-        click.echo(key)
-
-
-@keys.command(name="revoke")
-@click.argument("key_id")
-@click.pass_context
-@handle_errors
-def keys_revoke(ctx: click.Context, key_id: str) -> None:
-    """Revoke a key by its id (the 12 hex digits after ck_)."""
-    from .._control.manager import get_manager
-
-    if not get_manager(ctx.obj["settings"]).store.revoke_key(key_id.removeprefix("ck_")[:12]):
-        raise errors.UsageError(f"no live key with id {key_id!r}")
 
 
 @cli.command()
@@ -748,7 +530,7 @@ def reap(ctx: click.Context, as_json: bool) -> None:
 
     removed = get_manager(ctx.obj["settings"]).recover()
     if as_json:
-        _emit_json({"removed": removed})
+        emit_json({"removed": removed})
     else:
         for item in removed:
             click.echo(f"removed {item}")
@@ -766,7 +548,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     checks = load_backend(ctx.obj["settings"]).check_host()
     ok = all(c.ok for c in checks)
     if as_json:
-        _emit_json({"ok": ok, "checks": [
+        emit_json({"ok": ok, "checks": [
             {"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix} for c in checks
         ]})
     else:
@@ -794,9 +576,9 @@ def demo(ctx: click.Context, as_json: bool) -> None:
     from .demo import run_demo
 
     console = Console(file=io.StringIO()) if as_json else Console()
-    summary = run_demo(home=_home(ctx), console=console)
+    summary = run_demo(home=home_of(ctx), console=console)
     if as_json:
-        _emit_json(summary)
+        emit_json(summary)
     contained = all(step.get("contained", True) for step in summary["steps"])
     sys.exit(0 if contained and summary["destroyed"] else EXIT_FAILED)
 
@@ -817,7 +599,12 @@ def mcp_(ctx: click.Context, transport: str, host: str, port: int) -> None:
     """
     from .._mcp import serve
 
-    serve(_home(ctx), "http" if transport == "http" else "stdio", host=host, port=port)
+    serve(home_of(ctx), "http" if transport == "http" else "stdio", host=host, port=port)
+
+
+cli.add_command(tenants)
+cli.add_command(keys)
+cli.add_command(secrets)
 
 
 def main() -> None:
