@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import ipaddress
 import json
+import logging
 import os
 import queue
 import threading
@@ -34,6 +35,8 @@ from .auth import Tenant, TenantDirectory
 from .terminal import serve_terminal
 
 __all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
 
 MAX_FILE_BODY = 64 * 1024 * 1024
 
@@ -135,6 +138,13 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
     @app.exception_handler(CorralError)
     async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
         return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse({"error": "internal_error",
+                             "message": "an internal error occurred; the server log has details"},
+                            status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

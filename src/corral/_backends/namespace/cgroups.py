@@ -73,11 +73,25 @@ def _mounts() -> list[tuple[str, str, list[str]]]:
     return found
 
 
+def _gone(exc: OSError) -> bool:
+    """A group removed under us: ENOENT, or ENODEV for an open or listed group being deleted."""
+    return exc.errno in (errno.ENOENT, errno.ENODEV)
+
+
+def _read_procs(path: Path) -> str:
+    try:
+        return _read(path)
+    except OSError as exc:
+        if _gone(exc):
+            return ""
+        raise
+
+
 def _wait_empty(procs_files: list[Path], deadline_s: float = 5.0) -> bool:
     end = time.monotonic() + deadline_s
     delay = 0.0005
     while time.monotonic() < end:
-        if all(not _read(p).strip() for p in procs_files if p.exists()):
+        if all(not _read_procs(p).strip() for p in procs_files):
             return True
         time.sleep(delay)
         delay = min(delay * 2, 0.02)
@@ -100,8 +114,7 @@ def _groups(path: Path) -> list[Path]:
 def _procs(path: Path) -> list[int]:
     pids: list[int] = []
     for group in _groups(path):
-        with contextlib.suppress(FileNotFoundError):
-            pids.extend(int(x) for x in _read(group / "cgroup.procs").split())
+        pids.extend(int(x) for x in _read_procs(group / "cgroup.procs").split())
     return pids
 
 
@@ -183,8 +196,10 @@ class CgroupV1:
     def kill(self, group: str) -> None:
         try:
             self._kill(group)
-        except FileNotFoundError:
-            pass  # the group went away under us: its processes are gone with it
+        except OSError as exc:
+            if not _gone(exc):
+                raise
+            # The group went away under us: its processes are gone with it.
 
     def _kill(self, group: str) -> None:
         freezer = self._path("freezer", group)
@@ -292,8 +307,10 @@ class CgroupV2:
             return
         try:
             _write(path / "cgroup.kill", "1")
-        except FileNotFoundError:
-            return  # already gone
+        except OSError as exc:
+            if _gone(exc):
+                return
+            raise
         if not _wait_empty([g / "cgroup.procs" for g in _groups(path)]):
             raise BackendError(f"processes of cgroup {group} survived cgroup.kill")
 
