@@ -153,7 +153,7 @@ class IsolationBackend(Protocol):
         """Kill everything and remove every trace of the sandbox's runtime."""
         ...
 
-    def sweep(self, live_ids: set[str]) -> list[str]:
+    def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[str]:
         """Remove leftovers not belonging to ``live_ids``; return what was removed."""
         ...
 

@@ -219,11 +219,15 @@ def follow(
     command: str | None = None,
     poll_s: float = 0.2,
     stop: Callable[[], bool] | None = None,
-) -> Iterator[AuditEvent]:
+    heartbeat_s: float | None = None,
+) -> Iterator[AuditEvent | None]:
     """Yield events as they are appended, from the start, until ``sandbox.destroyed``.
 
-    ``stop`` is an optional callable; when it returns True the generator ends.
+    ``stop`` is an optional callable; when it returns True the generator ends. With
+    ``heartbeat_s``, None is yielded after that long without events (so a consumer can notice
+    its client left).
     """
+    quiet_since = time.monotonic()
     match = _matcher(types, None, None, command)
     offset = 0
     pending = b""
@@ -244,7 +248,11 @@ def follow(
                 continue
             if match(event):
                 yield event
+                quiet_since = time.monotonic()
             finished = finished or event.type == "sandbox.destroyed"
         if finished or (stop is not None and stop()):
             return
+        if heartbeat_s is not None and time.monotonic() - quiet_since >= heartbeat_s:
+            quiet_since = time.monotonic()
+            yield None
         time.sleep(poll_s)

@@ -411,6 +411,8 @@ def replay(ctx: click.Context, sandbox_id: str, types: tuple[str, ...], since: s
         first: float | None = None
         try:
             for event in follow_log(path, types=wanted, command=command_id):
+                if event is None:
+                    continue
                 if (start is not None and event.ts < start) or (end is not None and event.ts > end):
                     continue
                 first = event.ts if first is None else first

@@ -39,7 +39,7 @@ from ..errors import (
     SandboxNotFound,
     UsageError,
 )
-from ..models import CommandResult, SandboxInfo
+from ..models import CommandResult, ResourceTier, SandboxInfo
 from .egress import EgressBroker, NetworkSpec, policy_from
 from .files import AuditedFiles
 from .processes import EmbeddedProcessAPI, ProcessTable
@@ -188,7 +188,7 @@ class Manager:
                 continue
             self.auditor.count("corral_reaper_actions", action="destroy_sandbox")
             removed.append(f"sandbox {info.id}")
-        swept = self.backend.sweep({i.id for i in self.store.list()})
+        swept = self.backend.sweep(lambda sandbox_id: self.store.get(sandbox_id) is not None)
         for item in swept:
             self.auditor.count("corral_reaper_actions", action=f"sweep_{item.split()[0]}")
             kind, _, group = item.partition(" ")
@@ -406,29 +406,9 @@ class Manager:
         stays open behind the ProcessIO given to ``on_start``. ``lifetime`` bounds the command
         by the sandbox's remaining lifetime instead of the tier's command timeout.
         """
-        command = _validate_command(cmd, cwd, envs, stdin)
-        if context is not None and not isinstance(context, Mapping):
-            raise UsageError(f"context must be a mapping, not {type(context).__name__}")
-        info = self.get(sandbox_id)
-        if info.state == "paused":
-            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to run commands")
-        self._ensure_recovered()
-        tier = get_tier(info.resources)
-        if lifetime:
-            limit = info.expires_at - time.time()
-        elif timeout is None:
-            limit = tier.command_timeout_s
-        else:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-                raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
-            if timeout > tier.command_timeout_s:
-                raise UsageError(
-                    f"timeout {timeout:g} s is over the {tier.name} tier's limit of "
-                    f"{tier.command_timeout_s:g} s; use resources='large' for longer commands"
-                )
-            limit = float(timeout)
-        if command.cwd != "/workspace":
-            self._check_cwd(info, command.cwd)
+        command, info, tier, limit = self._prepare(sandbox_id, cmd, timeout=timeout, envs=envs,
+                                                   cwd=cwd, stdin=stdin, context=context,
+                                                   lifetime=lifetime)
         if info.idle_timeout is not None:
             self.store.touch(sandbox_id)
         # A command never outlives its sandbox.
@@ -483,6 +463,44 @@ class Manager:
         logger.debug("ran %s in %s: exit %d", shlex.join(command.argv)[:200], sandbox_id,
                      outcome.exit_code)
         return result
+
+    def check_run(self, sandbox_id: str, cmd: str | Sequence[str], *,
+                  timeout: float | None = None, envs: Mapping[str, str] | None = None,
+                  cwd: str | None = None, stdin: str | bytes | None = None,
+                  context: Mapping[str, Any] | None = None) -> None:
+        """Raise what ``run`` would refuse, without running anything."""
+        self._prepare(sandbox_id, cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
+                      context=context, lifetime=False)
+
+    def _prepare(
+        self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None,
+        envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
+        context: Mapping[str, Any] | None, lifetime: bool,
+    ) -> tuple[_Command, SandboxInfo, ResourceTier, float]:
+        command = _validate_command(cmd, cwd, envs, stdin)
+        if context is not None and not isinstance(context, Mapping):
+            raise UsageError(f"context must be a mapping, not {type(context).__name__}")
+        info = self.get(sandbox_id)
+        if info.state == "paused":
+            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to run commands")
+        self._ensure_recovered()
+        tier = get_tier(info.resources)
+        if lifetime:
+            limit = info.expires_at - time.time()
+        elif timeout is None:
+            limit = tier.command_timeout_s
+        else:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+                raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            if timeout > tier.command_timeout_s:
+                raise UsageError(
+                    f"timeout {timeout:g} s is over the {tier.name} tier's limit of "
+                    f"{tier.command_timeout_s:g} s; use resources='large' for longer commands"
+                )
+            limit = float(timeout)
+        if command.cwd != "/workspace":
+            self._check_cwd(info, command.cwd)
+        return command, info, tier, limit
 
     def _check_cwd(self, info: SandboxInfo, cwd: str) -> None:
         files = WorkspaceFiles(self.backend.workspace_root(self._spec(info)), info.uid)

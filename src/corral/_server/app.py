@@ -16,7 +16,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request, WebSocket
@@ -24,12 +24,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._audit.log import follow as follow_log
 from .._audit.metrics import render
+from .._backends.namespace.template import TEMPLATES
 from .._control.manager import Manager
-from .._core.resources import get_tier
-from ..errors import CorralError, SandboxNotFound, TooLarge
+from .._core.resources import TIERS, get_tier
+from ..errors import (
+    CommandError,
+    CorralError,
+    PathRefused,
+    SandboxNotFound,
+    TooLarge,
+    UsageError,
+)
 from ..models import CommandResult, SandboxInfo
 from .auth import Tenant, TenantDirectory
 from .terminal import serve_terminal
@@ -42,7 +51,42 @@ MAX_FILE_BODY = 64 * 1024 * 1024
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON value of the wrong type is refused, never coerced ("5", true, "yes").
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ErrorOut(BaseModel):
+    """Every error: a stable code (the SDK raises the matching class) and a message."""
+
+    error: str
+    message: str
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorOut, "description": why} for status, why in [
+        (400, "Invalid input: bad command, path outside /workspace, unknown tier..."),
+        (401, "Missing, unknown or revoked API key."),
+        (403, "Refused by policy."),
+        (404, "No such sandbox, command, process or file (or not the caller's)."),
+        (409, "The sandbox is busy: being created, or paused."),
+        (413, "The body is over its size limit."),
+        (422, "The request does not match the schema."),
+        (429, "A tenant quota (sandboxes, tiers, commands per minute) or a sandbox limit."),
+        (500, "An internal error."),
+        (503, "The host cannot run sandboxes."),
+    ]
+}
+_NDJSON = {"application/x-ndjson": {"schema": {"type": "string"}}}
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_BINARY_BODY = {"requestBody": {"content": {"application/octet-stream": _BINARY}}}
+_NonEmpty = Annotated[str, Field(min_length=1)]
+_PathQuery = Annotated[str, Query(min_length=1, description="A path in /workspace.")]
+_Seconds = Annotated[float, Field(gt=0)]
+
+
+# The schema names the tiers and templates this server has (built from the same tables).
+Tier: Any = Literal[tuple(TIERS)]
+Template: Any = Literal[tuple(TEMPLATES)]
 
 
 class NetworkBody(_Strict):
@@ -51,10 +95,10 @@ class NetworkBody(_Strict):
 
 
 class CreateSandbox(_Strict):
-    template: str = "base"
-    resources: str = "small"
-    timeout: float | None = Field(default=None, description="Lifetime in seconds.")
-    idle_timeout: float | None = Field(
+    template: Template = "base"
+    resources: Tier = "small"
+    timeout: _Seconds | None = Field(default=None, description="Lifetime in seconds.")
+    idle_timeout: _Seconds | None = Field(
         default=None, description="Destroy after this many seconds without activity.")
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkBody | Literal["none"] = "none"
@@ -62,8 +106,9 @@ class CreateSandbox(_Strict):
 
 
 class RunCommand(_Strict):
-    cmd: str | list[str] = Field(description="A shell string (bash -c) or an argv list.")
-    timeout: float | None = None
+    cmd: _NonEmpty | Annotated[list[str], Field(min_length=1)] = Field(
+        description="A shell string (bash -c) or an argv list.")
+    timeout: _Seconds | None = None
     envs: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
     stdin: str | None = None
@@ -72,14 +117,14 @@ class RunCommand(_Strict):
 
 
 class StartProcess(_Strict):
-    cmd: str | list[str]
+    cmd: _NonEmpty | Annotated[list[str], Field(min_length=1)]
     envs: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
     context: dict[str, Any] | None = None
 
 
 class SetTimeout(_Strict):
-    timeout: float
+    timeout: _Seconds
 
 
 class SandboxOut(BaseModel):
@@ -129,7 +174,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
     """The API for ``manager``. Auth is required unless listening on loopback with no keys."""
     tenants = TenantDirectory(manager.store)
     loopback = _is_loopback(listen_host)
-    app = FastAPI(title="Corral", version="0.1.0",
+    app = FastAPI(title="Corral", version="0.1.0", responses=_ERRORS,
                   description="Sandboxes for AI agents: commands, files, network policy, audit.")
     app.state.manager = manager
     app.state.tenants = tenants
@@ -138,6 +183,14 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
     @app.exception_handler(CorralError)
     async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
         return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Raised by the framework itself (unparseable JSON, unknown route, wrong method).
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code, "http_error")
+        return JSONResponse({"error": code, "message": str(exc.detail)},
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -148,6 +201,12 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # Limits the embedded SDK refuses with a specific error are refused with the same one
+        # here, so both transports raise the same exception class.
+        same = _as_sdk_error(exc.errors())
+        if same is not None:
+            return JSONResponse({"error": same.code, "message": same.message},
+                                status_code=same.status)
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
                              for e in exc.errors())
         return JSONResponse({"error": "invalid_request", "message": problems}, status_code=422)
@@ -215,7 +274,9 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
         manager.kill_command(sandbox_id, command_id)
         return Response(status_code=204)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/commands", response_model=None)
+    @app.post("/v1/sandboxes/{sandbox_id}/commands", response_model=None,
+              responses={200: {"content": {"application/json": {}, **_NDJSON},
+                               "description": "The result, or NDJSON events with stream=true."}})
     def run_command(sandbox_id: str, body: RunCommand, who: TenantDep
                     ) -> dict[str, Any] | StreamingResponse:
         owned(sandbox_id, who)
@@ -225,6 +286,8 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
                                   "stdin": body.stdin, "context": body.context}
         if not body.stream:
             return _result(manager.run(sandbox_id, body.cmd, **kwargs))
+        # Refuse bad input with a status, before the 200 of a stream is sent.
+        manager.check_run(sandbox_id, body.cmd, **kwargs)
         return StreamingResponse(_stream(manager, sandbox_id, body.cmd, kwargs),
                                  media_type="application/x-ndjson")
 
@@ -248,7 +311,9 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
         owned(sandbox_id, who)
         return manager.processes.get(sandbox_id, process_id).to_dict()
 
-    @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}/output")
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}/output",
+             response_class=StreamingResponse,
+             responses={200: {"content": _NDJSON, "description": "Output events."}})
     def process_output(sandbox_id: str, process_id: str, who: TenantDep, offset: int = 0,
                        follow: bool = False, wait_s: float | None = None) -> StreamingResponse:
         """NDJSON ``{"offset", "stream", "data"}`` from ``offset``; ``follow`` streams until
@@ -263,7 +328,8 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/input", status_code=204)
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/input", status_code=204,
+              openapi_extra=_BINARY_BODY)
     async def process_input(sandbox_id: str, process_id: str, request: Request,
                             who: TenantDep) -> Response:
         data = await request.body()
@@ -296,14 +362,18 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
 
     # -- files --------------------------------------------------------------------------------
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files/content")
-    def read_file(sandbox_id: str, path: str, who: TenantDep) -> Response:
+    @app.get("/v1/sandboxes/{sandbox_id}/files/content", response_class=Response,
+             responses={200: {"content": {"application/octet-stream": _BINARY},
+                              "description": "The file's bytes."}})
+    def read_file(sandbox_id: str, path: _PathQuery,
+                  who: TenantDep) -> Response:
         owned(sandbox_id, who)
         return Response(manager.files(sandbox_id).read(path),
                         media_type="application/octet-stream")
 
-    @app.put("/v1/sandboxes/{sandbox_id}/files/content")
-    async def write_file(sandbox_id: str, path: str, request: Request, who: TenantDep
+    @app.put("/v1/sandboxes/{sandbox_id}/files/content", openapi_extra=_BINARY_BODY)
+    async def write_file(sandbox_id: str, path: Annotated[str, Query(min_length=1)],
+                         request: Request, who: TenantDep
                          ) -> dict[str, Any]:
         declared = int(request.headers.get("content-length") or 0)
         if declared > MAX_FILE_BODY:
@@ -327,22 +397,26 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
         return [e.to_dict() for e in manager.files(sandbox_id).list(path)]
 
     @app.get("/v1/sandboxes/{sandbox_id}/files/stat")
-    def stat_file(sandbox_id: str, path: str, who: TenantDep) -> dict[str, Any]:
+    def stat_file(sandbox_id: str, path: _PathQuery,
+                  who: TenantDep) -> dict[str, Any]:
         owned(sandbox_id, who)
         return manager.files(sandbox_id).stat(path).to_dict()
 
     @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204)
-    def remove_file(sandbox_id: str, path: str, who: TenantDep) -> Response:
+    def remove_file(sandbox_id: str, path: _PathQuery,
+                  who: TenantDep) -> Response:
         owned(sandbox_id, who)
         manager.files(sandbox_id).remove(path)
         return Response(status_code=204)
 
     @app.post("/v1/sandboxes/{sandbox_id}/files/rename")
-    def rename_file(sandbox_id: str, src: str, dst: str, who: TenantDep) -> dict[str, Any]:
+    def rename_file(sandbox_id: str, src: Annotated[str, Query(min_length=1)],
+                    dst: Annotated[str, Query(min_length=1)], who: TenantDep) -> dict[str, Any]:
         owned(sandbox_id, who)
         return manager.files(sandbox_id).rename(src, dst).to_dict()
 
-    @app.put("/v1/sandboxes/{sandbox_id}/archive")
+    @app.put("/v1/sandboxes/{sandbox_id}/archive", openapi_extra={"requestBody": {"content": {
+        "application/x-tar": _BINARY, "application/gzip": _BINARY}}})
     async def upload_tar(sandbox_id: str, request: Request, who: TenantDep,
                          path: str = "/workspace") -> dict[str, Any]:
         """Extract a tar (or tar.gz) streamed in the body under ``path``."""
@@ -369,7 +443,10 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
             os.close(write_end)
         return await job
 
-    @app.get("/v1/sandboxes/{sandbox_id}/archive")
+    @app.get("/v1/sandboxes/{sandbox_id}/archive", response_class=StreamingResponse,
+             responses={200: {"content": {"application/x-tar": _BINARY,
+                                          "application/gzip": _BINARY},
+                              "description": "The tree as tar (or tar.gz)."}})
     def download_tar(sandbox_id: str, who: TenantDep, path: str = "/workspace",
                      gzip: bool = False) -> StreamingResponse:
         """The tree under ``path`` as a tar stream."""
@@ -380,13 +457,15 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
                                  else "application/x-tar")
 
     @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir")
-    def make_dir(sandbox_id: str, path: str, who: TenantDep) -> dict[str, bool]:
+    def make_dir(sandbox_id: str, path: _PathQuery,
+                  who: TenantDep) -> dict[str, bool]:
         owned(sandbox_id, who)
         return {"created": manager.files(sandbox_id).make_dir(path)}
 
     # -- audit and metrics --------------------------------------------------------------------
 
-    @app.get("/v1/sandboxes/{sandbox_id}/audit")
+    @app.get("/v1/sandboxes/{sandbox_id}/audit", response_class=StreamingResponse,
+             responses={200: {"content": _NDJSON, "description": "One event per line."}})
     def audit(sandbox_id: str, who: TenantDep,
               type: Annotated[list[str] | None, Query()] = None,  # noqa: A002 - the query name
               since: float | None = None, until: float | None = None,
@@ -394,11 +473,17 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
         _check_trail_owner(manager, sandbox_id, who)
         if follow:
             path = manager.auditor.path(sandbox_id)
+            if not path.exists():
+                raise SandboxNotFound(f"no audit trail for {sandbox_id}")
 
             def live() -> Iterator[bytes]:
-                for event in follow_log(path, types=type, command=command):
-                    if (since is None or event.ts >= since) and (until is None
-                                                                  or event.ts <= until):
+                # Heartbeats (empty chunks) return control every second, so a client that went
+                # away frees its worker thread instead of holding it until the sandbox ends.
+                for event in follow_log(path, types=type, command=command, heartbeat_s=1.0):
+                    if event is None:
+                        yield b""
+                    elif (since is None or event.ts >= since) and (until is None
+                                                                   or event.ts <= until):
                         yield (event.model_dump_json() + "\n").encode()
 
             return StreamingResponse(live(), media_type="application/x-ndjson")
@@ -418,6 +503,30 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
         return {"status": "ok"}
 
     return app
+
+
+def _as_sdk_error(problems: Sequence[Any]) -> CorralError | None:
+    """The error the embedded control plane raises for the first schema problem, if any."""
+    if not problems:
+        return None
+    first = problems[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    field = loc[1] if len(loc) > 1 else ""
+    given = first.get("input")
+    if loc[:1] == ["body"] and field == "cmd":
+        if given in ("", []):
+            return CommandError("the command is empty; pass a shell string or an argv list")
+        return CommandError(f"invalid command: {first.get('msg')}")
+    if loc[:1] == ["body"] and field == "resources":
+        return UsageError(f"unknown resource tier {given!r}; choose one of: "
+                          f"{', '.join(sorted(TIERS))}")
+    if loc[:1] == ["body"] and field == "template":
+        return UsageError(f"unknown template {given!r}; available: {', '.join(TEMPLATES)}")
+    if loc[:1] == ["body"] and field in ("timeout", "idle_timeout"):
+        return UsageError(f"{field} must be a positive number of seconds, got {given!r}")
+    if loc[:1] == ["query"] and field in ("path", "src", "dst"):
+        return PathRefused(f"{field} must be a non-empty path in /workspace")
+    return None
 
 
 def _write_some(fd: int, data: memoryview) -> int:

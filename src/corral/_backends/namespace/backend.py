@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from ..._settings import Settings
@@ -190,23 +191,29 @@ class NamespaceBackend:
         netns.remove_netns(self._netns_path(spec.id))
         self._store.remove(spec.id)
 
-    def sweep(self, live_ids: set[str]) -> list[str]:
-        """Remove runtime pieces of unknown sandboxes and commands of dead owners."""
+    def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[str]:
+        """Remove runtime pieces of unknown sandboxes and commands of dead owners.
+
+        ``live_ids`` may be a callable asked just before each removal: a sandbox created while
+        the sweep runs must not lose its pieces to a list of ids read before it existed.
+        """
         self._ready()
+        is_live: Callable[[str], bool] = (
+            live_ids.__contains__ if isinstance(live_ids, set) else live_ids)
         removed: list[str] = []
         for sandbox_id in self._store.ids():
-            if sandbox_id not in live_ids:
+            if not is_live(sandbox_id):
                 self._store.remove(sandbox_id)
                 removed.append(f"workspace {sandbox_id}")
         run_dir = self._settings.run_dir
         prefix = f"{self._instance}-"
         if run_dir.exists():
             for entry in run_dir.iterdir():
-                if entry.name.startswith(prefix) and entry.name[len(prefix):] not in live_ids:
+                if entry.name.startswith(prefix) and not is_live(entry.name[len(prefix):]):
                     netns.remove_netns(entry)
                     removed.append(f"netns {entry.name}")
         for sandbox_id in self.cgroups.children(""):
-            if sandbox_id not in live_ids:
+            if not is_live(sandbox_id):
                 self.cgroups.kill(sandbox_id)
                 self.cgroups.remove(sandbox_id)
                 removed.append(f"cgroup {sandbox_id}")
