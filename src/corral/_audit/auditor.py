@@ -58,10 +58,15 @@ class Auditor:
         """More strings to redact (placeholders handed to sandboxes, for example)."""
         self._extra_literals.update(values)
 
-    def redactor(self) -> Redactor:
+    def redactor(self, sandbox_id: str | None = None) -> Redactor:
         # Read per use: another process may have registered a secret a moment ago.
-        return Redactor([*self._secrets.values(), *self._store.placeholders(),
-                         *self._extra_literals])
+        # Secret values: all of them (cached, re-read when the secret store changes). Placeholders:
+        # the sandbox's own, the only ones its commands can print.
+        placeholders: list[str] = []
+        if sandbox_id is not None:
+            info = self._store.get(sandbox_id)
+            placeholders = list(info.secrets.values()) if info is not None else []
+        return Redactor([*self._secrets.values(), *placeholders, *self._extra_literals])
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -69,12 +74,12 @@ class Auditor:
               command: str | None = None, sync: bool = False) -> None:
         if self.enabled:
             self._log(sandbox_id).append(
-                [Record(type_, self.redactor().data(data), command)], sync=sync)
+                [Record(type_, self.redactor(sandbox_id).data(data), command)], sync=sync)
 
     def command(self, sandbox_id: str, command_id: str | None = None) -> CommandRecorder | None:
         if not self.enabled:
             return None
-        return CommandRecorder(self._log(sandbox_id), self.redactor(),
+        return CommandRecorder(self._log(sandbox_id), self.redactor(sandbox_id),
                                command_id=command_id or new_command_id(),
                                output_limit_bytes=self.output_limit_bytes)
 

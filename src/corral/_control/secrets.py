@@ -38,6 +38,7 @@ class SecretStore:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
         self._lock = threading.Lock()
+        self._cache: tuple[int, builtins.list[str]] | None = None
         self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None,
                                    check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -73,6 +74,7 @@ class SecretStore:
             self._db.execute(
                 "INSERT OR REPLACE INTO secrets (name, value, hosts, created_at) "
                 "VALUES (?, ?, ?, ?)", (name, value, ",".join(clean_hosts), time.time()))
+            self._cache = None
         return SecretInfo(name=name, hosts=tuple(clean_hosts), created_at=time.time())
 
     def list(self) -> builtins.list[SecretInfo]:
@@ -85,6 +87,7 @@ class SecretStore:
     def remove(self, name: str) -> bool:
         with self._lock:
             cursor = self._db.execute("DELETE FROM secrets WHERE name = ?", (name,))
+            self._cache = None
         return cursor.rowcount > 0
 
     def value(self, name: str) -> str | None:
@@ -93,9 +96,17 @@ class SecretStore:
         return row[0] if row else None
 
     def values(self) -> builtins.list[str]:
-        """Every registered value: what the redactor must never let through."""
+        """Every registered value: what the redactor must never let through.
+
+        Cached: re-read only when SQLite's data_version says another connection changed the
+        file, or after our own writes (which clear the cache).
+        """
         with self._lock:
-            return [r[0] for r in self._db.execute("SELECT value FROM secrets")]
+            version = self._db.execute("PRAGMA data_version").fetchone()[0]
+            if self._cache is None or self._cache[0] != version:
+                values = [r[0] for r in self._db.execute("SELECT value FROM secrets")]
+                self._cache = (version, values)
+            return list(self._cache[1])
 
     def close(self) -> None:
         with self._lock:

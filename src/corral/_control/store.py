@@ -173,12 +173,6 @@ class Store:
             db.execute("UPDATE sandboxes SET network = ? WHERE id = ?",
                        (json.dumps(network), sandbox_id))
 
-    def placeholders(self) -> builtins.list[str]:
-        """Every secret placeholder handed to a live sandbox (for redaction)."""
-        with self._lock:
-            rows = self._db.execute("SELECT secrets FROM sandboxes").fetchall()
-        return [p for r in rows for p in json.loads(r[0]).values()]
-
     def delete(self, sandbox_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))

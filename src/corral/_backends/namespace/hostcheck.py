@@ -134,4 +134,6 @@ def check_host(settings: Settings) -> list[HostCheck]:
         _check_loop(),
         _check_tool("mkfs.ext4", "e2fsprogs"),
         _check_tool("mount", "mount"),
+        _check_tool("setpriv", "util-linux"),
+        _check_tool("setsid", "util-linux"),
     ]

@@ -162,6 +162,7 @@ class CommandLauncher:
         self.cgroups = cgroups
         self.spawner = netns.Spawner()
         self.setsid = shutil.which("setsid") or "setsid"
+        self.setpriv = shutil.which("setpriv") or "setpriv"
         # When a kill takes bwrap's outer process before the sandbox's init, the init is
         # re-parented; as a subreaper we get it (and reap it) instead of a host init that may
         # never reap (containers often run one that doesn't).
@@ -240,6 +241,11 @@ class CommandLauncher:
             fds=BwrapFds(info=info_w, block=block_r, seccomp=seccomp_fd),
             new_session=request.pty is None,
         )
+        # setpriv drops to the sandbox's uid and execs bwrap (same pid). Doing it here rather than
+        # with Popen(user=...) lets CPython use vfork: forking a large process (the service) to
+        # change uid costs milliseconds per command.
+        argv = [self.setpriv, f"--reuid={launch.uid}", f"--regid={launch.uid}",
+                "--clear-groups", "--", *argv]
         terminal: int | None = None
         stdio: dict[str, Any]
         if request.pty is not None:
@@ -261,9 +267,6 @@ class CommandLauncher:
                 argv,
                 env=dict(launch.env),
                 cwd="/",
-                user=launch.uid,
-                group=launch.uid,
-                extra_groups=[],
                 pass_fds=child_fds,
                 **stdio,
             )
