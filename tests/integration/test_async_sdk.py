@@ -8,7 +8,6 @@ import io
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,23 +19,8 @@ from corral import (
     SandboxNotFound,
     UsageError,
 )
-from corral._control.manager import Manager
-
-from .test_service import _Server
 
 pytestmark = pytest.mark.needs_root
-
-
-@pytest.fixture(scope="module")
-def server(manager: Manager) -> Iterator[_Server]:
-    with _Server(manager) as srv:
-        yield srv
-
-
-@pytest.fixture(params=["embedded", "remote"])
-def where(request: pytest.FixtureRequest, home: str, server: _Server) -> dict[str, str]:
-    """Keyword arguments that point the SDK at one transport or the other."""
-    return {"home": home} if request.param == "embedded" else {"url": server.url}
 
 
 def test_commands(where: dict[str, str]) -> None:

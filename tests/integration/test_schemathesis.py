@@ -40,7 +40,7 @@ from corral._settings import Settings
 from corral.errors import CorralError
 
 from ..conftest import managed
-from .test_service import _Server
+from .servers import Server as _Server
 
 pytestmark = pytest.mark.needs_root
 

@@ -8,7 +8,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from corral import (
     AuthError,
@@ -38,50 +36,10 @@ from corral._settings import Settings
 
 from ..conftest import managed
 from .hostprocs import host_procs_of_uid
+from .servers import Server as _Server
+from .servers import free_port as _free_port
 
 pytestmark = pytest.mark.needs_root
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Server:
-    """uvicorn in a thread, on loopback."""
-
-    def __init__(self, manager: Manager) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(manager), host="127.0.0.1", port=self.port,
-                                log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def server(manager: Manager) -> Iterator[_Server]:
-    with _Server(manager) as srv:
-        yield srv
-
-
-@pytest.fixture(params=["embedded", "remote"])
-def where(request: pytest.FixtureRequest, home: str, server: _Server) -> dict[str, str]:
-    """Keyword arguments that point the SDK at one transport or the other."""
-    return {"home": home} if request.param == "embedded" else {"url": server.url}
 
 
 # -- one behavioural suite, both transports ----------------------------------------------------
