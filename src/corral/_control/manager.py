@@ -166,6 +166,8 @@ class Manager:
         self.backend: IsolationBackend = load_backend(settings)
         self._recovered = False
         self._lock = threading.Lock()
+        self._destroying: set[str] = set()
+        self._destroying_lock = threading.Lock()
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -376,14 +378,24 @@ class Manager:
         self._destroy(info, reason="expired")
 
     def _destroy(self, info: SandboxInfo, *, reason: str) -> None:
-        # Mark first: a crash in the middle leaves a row that the next start finishes off.
-        self.store.set_state(info.id, "destroying")
-        self.backend.destroy(self._spec(info))
-        self.store.delete(info.id)
-        self.auditor.event(info.id, "sandbox.destroyed", {"reason": reason}, sync=True)
-        self.auditor.close_log(info.id)
-        self.auditor.count("corral_sandboxes_destroyed", reason=reason)
-        logger.info("destroyed sandbox %s (%s)", info.id, reason)
+        # One destroy per sandbox at a time in this process: the reaper finishing a
+        # "destroying" row must not race the request that is destroying it right now.
+        with self._destroying_lock:
+            if info.id in self._destroying:
+                return
+            self._destroying.add(info.id)
+        try:
+            # Mark first: a crash in the middle leaves a row that the next start finishes off.
+            self.store.set_state(info.id, "destroying")
+            self.backend.destroy(self._spec(info))
+            self.store.delete(info.id)
+            self.auditor.event(info.id, "sandbox.destroyed", {"reason": reason}, sync=True)
+            self.auditor.close_log(info.id)
+            self.auditor.count("corral_sandboxes_destroyed", reason=reason)
+            logger.info("destroyed sandbox %s (%s)", info.id, reason)
+        finally:
+            with self._destroying_lock:
+                self._destroying.discard(info.id)
 
     def _spec(self, info: SandboxInfo) -> SandboxSpec:
         return SandboxSpec(id=info.id, uid=info.uid, template=info.template,
