@@ -66,6 +66,22 @@ def to_relative(path: str) -> str:
     return rel
 
 
+def _temp_name() -> str:
+    return f".corral-tmp-{secrets.token_hex(6)}"
+
+
+@contextlib.contextmanager
+def _staged(dir_fd: int, tmp: str) -> Iterator[None]:
+    """Build an entry under a temporary name; if anything fails before it is renamed into
+    place, remove it, so a failed write leaves the old content and no litter."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
 def _display(rel: str) -> str:
     return WORKSPACE if rel == "." else f"{WORKSPACE}/{rel}"
 
@@ -291,15 +307,11 @@ class WorkspaceFiles:
         if not target or "\x00" in target or len(target.encode("utf-8", "surrogateescape")) > 4095:
             raise PathRefused(f"symlink target {target!r} for {_display(rel)} is not usable")
         with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
-            tmp = f".corral-tmp-{secrets.token_hex(6)}"
+            tmp = _temp_name()
             os.symlink(target, tmp, dir_fd=dir_fd)
-            try:
+            with _staged(dir_fd, tmp):
                 os.chown(tmp, self._uid, self._uid, dir_fd=dir_fd, follow_symlinks=False)
                 os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=dir_fd)
-                raise
             return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
 
     def _symlink_target(self, dir_fd: int, leaf: str, rel: str) -> str | None:
@@ -337,10 +349,10 @@ class WorkspaceFiles:
 
     def _replace(self, dir_fd: int, leaf: str, rel: str, chunks: Iterable[bytes], mode: int,
                  mtime: float | None = None) -> FileEntry:
-        tmp = f".corral-tmp-{secrets.token_hex(6)}"
+        tmp = _temp_name()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      mode & 0o777, dir_fd=dir_fd)
-        try:
+        with _staged(dir_fd, tmp):
             try:
                 os.fchown(fd, self._uid, self._uid)
                 for chunk in chunks:
@@ -352,10 +364,6 @@ class WorkspaceFiles:
             finally:
                 os.close(fd)
             os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
         return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
 
     def walk(self, path: str = WORKSPACE) -> Iterator[TreeItem]:
