@@ -527,3 +527,12 @@ def test_idle_sandboxes_are_reaped_busy_ones_are_not(where: dict[str, str], mana
         busy.kill()
         with contextlib.suppress(SandboxNotFound):
             idle.kill()
+
+
+def test_listening_beyond_loopback_needs_keys(manager: Manager) -> None:
+    from corral import ConfigError
+    from corral._server.serve import serve
+
+    assert manager.store.live_key_count() == 0
+    with pytest.raises(ConfigError, match="without API keys"):
+        serve(manager, host="0.0.0.0", port=_free_port())
