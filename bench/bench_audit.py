@@ -18,7 +18,6 @@ Prints one JSON document (progress on stderr) with p50/p95 and the added p50 in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_sandbox import log, machine_info, summarize, teardown  # noqa: E402
+from bench_sandbox import emit_report, log, machine_info, summarize, teardown  # noqa: E402
 
 from corral import Sandbox  # noqa: E402
 from corral._control import manager as manager_mod  # noqa: E402
@@ -113,11 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info("bwrap", cgroups, load_start),
         "cleanup": {"ok": not leftover, "leftovers": leftover},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0 if not leftover else 1
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":

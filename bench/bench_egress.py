@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_sandbox import log, machine_info, percentile, teardown  # noqa: E402
+from bench_sandbox import emit_report, log, machine_info, percentile, teardown  # noqa: E402
 from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
@@ -269,11 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info("bwrap", cgroups, load_start),
         "cleanup": {"ok": not leftover, "leftovers": leftover},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0 if not leftover else 1
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,16 @@ def machine_info(bwrap: str, backend_cgroups: str, load_start: float) -> dict[st
 # -- the bench ----------------------------------------------------------------------------------
 
 
+def emit_report(report: dict[str, Any], out: Path | None) -> int:
+    """Print the JSON report (and save it to ``out``); exit status 1 when clean-up left
+    anything behind."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    return 0 if report["cleanup"]["ok"] else 1
+
+
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -357,11 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "failures": bench.failures,
         "cleanup": {"ok": not left, "leftovers": left},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return 0 if not left else 1
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ sandboxes, cgroups, network namespaces, mounts, data directories) and checked fo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -41,7 +40,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_sandbox import log, machine_info, percentile, summarize, teardown  # noqa: E402
+from bench_sandbox import emit_report, log, machine_info, percentile, summarize, teardown  # noqa: E402
 
 from corral import Sandbox  # noqa: E402
 from corral._control import manager as manager_mod  # noqa: E402
@@ -440,11 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info("bwrap", cgroups, load_start),
         "cleanup": {"ok": not leftovers, "leftovers": leftovers},
     })
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return 0 if not leftovers else 1
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":
