@@ -46,6 +46,8 @@ def managed(settings: Settings) -> Iterator[Manager]:
     finally:
         for info in mgr.store.list():
             mgr._destroy(info, reason="cleanup")
+        for snap in mgr.list_snapshots():
+            mgr.delete_snapshot(snap.id)
         mgr.backend.sweep(set())
         mgr.backend.remove_instance()  # type: ignore[attr-defined]
         mgr.close()

@@ -28,11 +28,14 @@ from .errors import (
     SandboxError,
     SandboxExpired,
     SandboxNotFound,
+    SnapshotError,
+    SnapshotInUse,
+    SnapshotNotFound,
     TooLarge,
     TransportError,
     UsageError,
 )
-from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, Usage
+from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, SnapshotInfo, Usage
 
 __version__ = "0.1.0"
 
@@ -65,6 +68,10 @@ __all__ = [
     "SandboxExpired",
     "SandboxInfo",
     "SandboxNotFound",
+    "SnapshotError",
+    "SnapshotInUse",
+    "SnapshotInfo",
+    "SnapshotNotFound",
     "TooLarge",
     "TransportError",
     "Usage",

@@ -30,7 +30,8 @@ class Settings(BaseSettings):
         uid_start: first host uid handed to sandboxes. ``CORRAL_UID_START``.
         uid_count: how many uids the range holds; also the most sandboxes at once.
             Two Corral homes on one host must use ranges that do not overlap.
-        backend: the isolation tier. Only ``namespace`` exists so far.
+        backend: the default isolation tier (``namespace`` or ``gvisor``); each sandbox may
+            choose its own. ``CORRAL_BACKEND``.
         run_dir: where network namespaces are pinned (``ip netns`` sees them).
         audit: write the audit trail (``CORRAL_AUDIT=0`` turns it off; only for measuring).
         audit_output_bytes: command output kept in the audit trail, per stream and command.
@@ -51,7 +52,7 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=_default_home)
     uid_start: int = Field(default=1_900_000_000, ge=1000, le=_MAX_UID)
     uid_count: int = Field(default=65536, ge=1, le=1_000_000)
-    backend: Literal["namespace"] = "namespace"
+    backend: Literal["namespace", "gvisor"] = "namespace"
     run_dir: Path = Path("/run/netns")
     audit: bool = True
     audit_output_bytes: int = Field(default=256 * 1024, ge=0, le=64 * 1024 * 1024)

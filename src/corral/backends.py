@@ -33,9 +33,10 @@ __all__ = [
     "OutputCallback",
     "ProcessIO",
     "SandboxSpec",
+    "SealResult",
 ]
 
-BackendName = Literal["namespace"]
+BackendName = Literal["namespace", "gvisor"]
 OutputCallback = Callable[[str], None]
 
 
@@ -47,6 +48,8 @@ class SandboxSpec:
     uid: int
     template: str
     tier: ResourceTier
+    # Read-only workspace layers under the writable one, top first (snapshots and forks).
+    layers: tuple[str, ...] = ()
 
 
 class ProcessIO(Protocol):
@@ -101,6 +104,16 @@ class ExecOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class SealResult:
+    """What sealing a writable layer made: the sandbox's new lower chain (top first), the new
+    layer's size, and whether the chain was squashed into one layer to bound its depth."""
+
+    layers: tuple[str, ...]
+    bytes_used: int
+    squashed: bool
+
+
+@dataclass(frozen=True, slots=True)
 class HostCheck:
     """One line of ``corral doctor``: what was checked, whether it passed, how to fix it."""
 
@@ -135,6 +148,23 @@ class IsolationBackend(Protocol):
 
     def workspace_root(self, spec: SandboxSpec) -> Path:
         """Host path of the sandbox's ``/workspace``, mounted and ready for file operations."""
+        ...
+
+    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
+        """Make the writable workspace layer read-only layer ``layer_id`` and give the sandbox a
+        fresh writable layer on top (snapshots, forks). Nothing of the sandbox may be running."""
+        ...
+
+    def reset_workspace(self, spec: SandboxSpec) -> None:
+        """Drop the writable layer and start a fresh one on ``spec.layers`` (restore)."""
+        ...
+
+    def remove_layer(self, layer_id: str) -> None:
+        """Delete a layer nothing uses any more. Idempotent."""
+        ...
+
+    def layer_ids(self) -> list[str]:
+        """Every layer on disk (to find ones a crash left without a record)."""
         ...
 
     def pause(self, spec: SandboxSpec, paused: bool) -> None:

@@ -10,6 +10,9 @@ The tree::
     │   ├── SandboxNotFound
     │   ├── SandboxExpired     its TTL has passed; it has been destroyed
     │   └── SandboxBusy        being created or destroyed by someone else
+    ├── SnapshotError
+    │   ├── SnapshotNotFound
+    │   └── SnapshotInUse      sandboxes are built on it; it cannot be deleted
     ├── CommandError           a command could not be started (bad argv, cwd, env)
     ├── CommandNotFound        no such running command (kill)
     ├── FileError              a file operation failed
@@ -46,6 +49,9 @@ __all__ = [
     "SandboxError",
     "SandboxExpired",
     "SandboxNotFound",
+    "SnapshotError",
+    "SnapshotInUse",
+    "SnapshotNotFound",
     "TooLarge",
     "TransportError",
     "UsageError",
@@ -91,6 +97,21 @@ class SandboxExpired(SandboxNotFound):
 
 class SandboxBusy(SandboxError):
     code = "sandbox_busy"
+    status = 409
+
+
+class SnapshotError(CorralError):
+    code = "snapshot_error"
+    status = 400
+
+
+class SnapshotNotFound(SnapshotError):
+    code = "snapshot_not_found"
+    status = 404
+
+
+class SnapshotInUse(SnapshotError):
+    code = "snapshot_in_use"
     status = 409
 
 

@@ -122,6 +122,25 @@ class SandboxInfo:
     tenant: str = "local"
     idle_timeout: float | None = None  # destroyed after this long without commands or file use
     last_active: float = 0.0
+    isolation: str = "namespace"  # the isolation tier: "namespace" or "gvisor"
+    layer: str | None = None  # top read-only workspace layer (from a snapshot or fork), if any
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """A sealed, read-only state of a sandbox's workspace that sandboxes can start from."""
+
+    id: str
+    name: str | None
+    sandbox: str  # the sandbox it was taken from
+    template: str
+    created_at: float
+    size_bytes: int  # the bytes this snapshot's own layer adds
+    depth: int  # layers under a sandbox started from it
+    tenant: str = "local"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

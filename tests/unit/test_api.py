@@ -13,6 +13,7 @@ PUBLIC = [
     "ConfigError", "CorralError", "FileEntry", "FileError", "FileNotFound", "Files", "PathRefused",
     "PolicyError", "QuotaExceeded", "ResourceTier", "Sandbox", "SandboxBusy", "SandboxError",
     "SandboxExpired", "SandboxInfo", "SandboxNotFound", "Usage", "UsageError", "__version__",
+    "SnapshotError", "SnapshotInUse", "SnapshotInfo", "SnapshotNotFound",
 ]
 
 
@@ -31,7 +32,7 @@ def test_every_error_derives_from_the_root_and_has_a_unique_code() -> None:
     for cls in classes:
         assert issubclass(cls, errors.CorralError)
         assert cls.__name__.endswith(("Error", "NotFound", "Expired", "Busy", "Refused",
-                                      "Exceeded", "Unavailable", "TooLarge"))
+                                      "Exceeded", "Unavailable", "TooLarge", "InUse"))
         assert 400 <= cls.status < 600
         assert errors.error_class(cls.code) is cls  # the remote SDK raises the same class
         codes.add(cls.code)

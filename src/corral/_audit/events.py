@@ -22,6 +22,7 @@ EventType = Literal[
     "sandbox.resumed",
     "sandbox.expired",
     "sandbox.destroyed",
+    "sandbox.forked",
     "command.started",
     "command.output",
     "command.output_truncated",
@@ -36,6 +37,7 @@ EventType = Literal[
     "egress.decision",
     "snapshot.created",
     "snapshot.restored",
+    "snapshot.deleted",
     "audit.recovered",
 ]
 EVENT_TYPES: tuple[str, ...] = EventType.__args__  # type: ignore[attr-defined]

@@ -12,15 +12,17 @@ __all__ = ["BACKENDS", "load_backend"]
 
 BACKENDS: dict[BackendName, str] = {
     "namespace": "corral._backends.namespace:NamespaceBackend",
+    "gvisor": "corral._backends.gvisor:GvisorBackend",
 }
 
 
-def load_backend(settings: Settings) -> IsolationBackend:
-    """Import and build the backend named by ``settings.backend``."""
-    target = BACKENDS.get(settings.backend)
+def load_backend(settings: Settings, name: str | None = None) -> IsolationBackend:
+    """Import and build the backend ``name`` (default: ``settings.backend``)."""
+    name = settings.backend if name is None else name
+    target = BACKENDS.get(name)  # type: ignore[call-overload]
     if target is None:
         raise ConfigError(
-            f"unknown backend {settings.backend!r}; choose one of: {', '.join(BACKENDS)}"
+            f"unknown isolation tier {name!r}; choose one of: {', '.join(BACKENDS)}"
         )
     module_name, _, attr = target.partition(":")
     cls = getattr(importlib.import_module(module_name), attr)

@@ -30,6 +30,7 @@ from .common import (
     json_option,
     parse_pairs,
 )
+from .templates import templates
 
 __all__ = ["main"]
 
@@ -607,6 +608,7 @@ def mcp_(ctx: click.Context, transport: str, host: str, port: int) -> None:
 cli.add_command(tenants)
 cli.add_command(keys)
 cli.add_command(secrets)
+cli.add_command(templates)
 
 
 def main() -> None:

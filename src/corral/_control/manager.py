@@ -7,7 +7,10 @@ and enforces lifetimes: an expired sandbox is destroyed the next time anything l
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import re
@@ -22,7 +25,8 @@ from typing import Any, BinaryIO
 
 from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
-from .._backends import load_backend
+from .._backends import BACKENDS, load_backend
+from .._backends.namespace.template import require_template
 from .._core.resources import get_tier
 from .._settings import Settings
 from .._workspace.files import WorkspaceFiles, to_relative
@@ -37,9 +41,11 @@ from ..errors import (
     SandboxBusy,
     SandboxExpired,
     SandboxNotFound,
+    SnapshotInUse,
+    SnapshotNotFound,
     UsageError,
 )
-from ..models import CommandResult, ResourceTier, SandboxInfo
+from ..models import CommandResult, ResourceTier, SandboxInfo, SnapshotInfo
 from .egress import EgressBroker, NetworkSpec, policy_from
 from .files import AuditedFiles
 from .processes import EmbeddedProcessAPI, ProcessTable
@@ -56,11 +62,13 @@ _MAX_ENV_BYTES = 256 * 1024
 _MAX_ARGV_BYTES = 1024 * 1024
 _MAX_STDIN_BYTES = 64 * 1024 * 1024
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}$")
+_SNAPSHOT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+_MAX_FORKS = 64
 
 
-def _new_id() -> str:
+def _new_id(prefix: str = "sbx") -> str:
     alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
-    return "sbx_" + "".join(secrets.choice(alphabet) for _ in range(12))
+    return f"{prefix}_" + "".join(secrets.choice(alphabet) for _ in range(12))
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +171,9 @@ class Manager:
                                output_limit_bytes=settings.audit_output_bytes)
         self.egress = EgressBroker(settings, self.store, self.secrets, self.auditor)
         self.processes = ProcessTable(self)
-        self.backend: IsolationBackend = load_backend(settings)
+        self.backend: IsolationBackend = load_backend(settings)  # the default tier
+        self._backends: dict[str, IsolationBackend] = {self.backend.name: self.backend}
+        self._layers_lock = threading.RLock()
         self._recovered = False
         self._lock = threading.Lock()
         self._destroying: set[str] = set()
@@ -190,7 +200,15 @@ class Manager:
                 continue
             self.auditor.count("corral_reaper_actions", action="destroy_sandbox")
             removed.append(f"sandbox {info.id}")
-        swept = self.backend.sweep(lambda sandbox_id: self.store.get(sandbox_id) is not None)
+        # Every tier that has sandboxes sweeps its own leftovers; pieces shared by the tiers
+        # (workspaces, cgroups, netns) are only removed for ids the store does not know.
+        for name in {info.isolation for info in self.store.list()} - set(self._backends):
+            with contextlib.suppress(BackendUnavailable):
+                self.backend_for(name)
+        swept: list[str] = []
+        for backend in list(self._backends.values()):
+            swept += backend.sweep(lambda sandbox_id: self.store.get(sandbox_id) is not None)
+        removed += self._sweep_layers()
         for item in swept:
             self.auditor.count("corral_reaper_actions", action=f"sweep_{item.split()[0]}")
             kind, _, group = item.partition(" ")
@@ -205,6 +223,67 @@ class Manager:
         self._recovered = True
         return removed + swept
 
+    def _sweep_layers(self) -> list[str]:
+        """Delete layers nothing uses, and layer directories a crash left without a record."""
+        removed = [f"layer {layer}" for layer in self._gc_layers()]
+        known = self.store.layer_ids()
+        for layer in self.backend.layer_ids():
+            path = self.settings.home / "layers" / layer
+            # A seal in another process records its layer a moment after making it.
+            if layer not in known and _age(path) > 60:
+                self.backend.remove_layer(layer)
+                removed.append(f"layer {layer}")
+        return removed
+
+    def _gc_layers(self) -> list[str]:
+        with self._layers_lock:
+            unused = self.store.unused_layers()
+            for layer in unused:
+                self.backend.remove_layer(layer)
+        return unused
+
+    def backend_for(self, isolation: str) -> IsolationBackend:
+        """The backend of tier ``isolation``, loaded on first use."""
+        backend = self._backends.get(isolation)
+        if backend is None:
+            if isolation not in BACKENDS:
+                raise UsageError(f"unknown isolation tier {isolation!r}; choose one of: "
+                                 f"{', '.join(BACKENDS)}")
+            with self._lock:
+                backend = self._backends.get(isolation)
+                if backend is None:
+                    backend = self._backends[isolation] = load_backend(self.settings, isolation)
+        return backend
+
+    def _backend(self, info: SandboxInfo) -> IsolationBackend:
+        return self.backend_for(info.isolation)
+
+    @contextlib.contextmanager
+    def _workspace_lock(self, sandbox_id: str, *, exclusive: bool) -> Iterator[None]:
+        """Commands hold it shared; snapshot and restore exclusively (across processes too),
+        so no command starts on a workspace that is being sealed or replaced."""
+        locks = self.settings.home / "locks"
+        locks.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(locks / sandbox_id, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if not exclusive:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            else:
+                deadline = time.monotonic() + 2.0
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise SandboxBusy(
+                                f"commands are running in sandbox {sandbox_id}; wait for them "
+                                "(or kill them) and retry") from None
+                        time.sleep(0.02)
+            yield
+        finally:
+            os.close(fd)
+
     def _idle(self, info: SandboxInfo, now: float) -> bool:
         """Past its idle timeout with nothing running (no command, no background process)."""
         if info.idle_timeout is None or info.state != "running":
@@ -213,7 +292,7 @@ class Manager:
             return False
         if any(p.state != "exited" for p in self.processes.list(info.id)):
             return False
-        return not self.backend.busy(self._spec(info))
+        return not self._backend(info).busy(self._spec(info))
 
     def _ensure_recovered(self) -> None:
         if not self._recovered:
@@ -224,12 +303,27 @@ class Manager:
     # -- sandboxes ----------------------------------------------------------------------------
 
     def create(
-        self, *, template: str = "base", resources: str = "small", timeout: float | None = None,
+        self, *, template: str | None = None, resources: str = "small",
+        timeout: float | None = None,
         labels: Mapping[str, str] | None = None, network: NetworkSpec = None,
         secrets: Sequence[str] | None = None, tenant: str = "local",
         max_for_tenant: int | None = None, idle_timeout: float | None = None,
+        isolation: str | None = None, snapshot: str | None = None,
+        _layer: str | None = None, _event: Mapping[str, Any] | None = None,
     ) -> SandboxInfo:
+        """Create a sandbox; from ``snapshot`` (id or name), its workspace starts as the
+        snapshot's and its template defaults to the snapshot's."""
         tier = get_tier(resources)
+        isolation = self.settings.backend if isolation is None else isolation
+        if not isinstance(isolation, str):
+            raise UsageError(f"isolation must be a string, not {type(isolation).__name__}")
+        backend = self.backend_for(isolation)
+        layer = _layer
+        if snapshot is not None:
+            snap = self.get_snapshot(snapshot, tenant=tenant)
+            layer = self.store.snapshot_layer(snap.id)
+            template = snap.template if template is None else template
+        template = "base" if template is None else template
         policy = policy_from(network)
         if isinstance(secrets, str):
             raise UsageError("secrets takes a list of secret names, not a single string")
@@ -241,18 +335,16 @@ class Manager:
         ttl = tier.ttl_s if timeout is None else self._check_ttl(timeout, tier.max_ttl_s)
         clean_labels = self._check_labels(labels)
         self._ensure_recovered()
-        from .._backends.namespace.template import TEMPLATES
-
-        if template not in TEMPLATES:
-            raise UsageError(f"unknown template {template!r}; available: {', '.join(TEMPLATES)}")
+        require_template(template, self.settings.home / "templates")
         info = self.store.insert(
             sandbox_id=_new_id(), template=template, resources=resources, ttl_s=ttl,
             labels=clean_labels, uid_start=self.settings.uid_start,
             uid_count=self.settings.uid_count, network=policy.to_json(), secrets=placeholders,
             tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
+            isolation=isolation, layer=layer,
         )
         try:
-            self.backend.create(self._spec(info))
+            backend.create(self._spec(info))
         except BaseException:
             self.store.delete(info.id)
             raise
@@ -261,8 +353,10 @@ class Manager:
         self.auditor.event(info.id, "sandbox.created", {
             "template": template, "resources": resources, "uid": info.uid,
             "expires_at": info.expires_at, "labels": clean_labels, "limits": tier.to_dict(),
-            "backend": self.backend.name, "network": policy.to_json(),
+            "backend": backend.name, "isolation": isolation, "network": policy.to_json(),
             "secrets": sorted(placeholders), "tenant": tenant,
+            **({"snapshot": snapshot, "layer": layer} if snapshot is not None else {}),
+            **(_event or {}),
         })
         self.auditor.count("corral_sandboxes_created")
         logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
@@ -344,7 +438,7 @@ class Manager:
         info = self.get(sandbox_id)
         if info.state == "paused":
             return info
-        self.backend.pause(self._spec(info), True)
+        self._backend(info).pause(self._spec(info), True)
         self.store.set_state(sandbox_id, "paused")
         self.auditor.event(sandbox_id, "sandbox.paused", {})
         return self.get(sandbox_id)
@@ -353,7 +447,7 @@ class Manager:
         info = self.get(sandbox_id)
         if info.state != "paused":
             return info
-        self.backend.pause(self._spec(info), False)
+        self._backend(info).pause(self._spec(info), False)
         self.store.set_state(sandbox_id, "running")
         self.auditor.event(sandbox_id, "sandbox.resumed", {})
         return self.get(sandbox_id)
@@ -366,7 +460,7 @@ class Manager:
                               "commands")
         if not isinstance(command_id, str) or not re.match(r"^cmd_[0-9a-f]{12}$", command_id):
             raise CommandNotFound(f"{command_id!r} is not a command id")
-        if not self.backend.kill_command(self._spec(info), command_id):
+        if not self._backend(info).kill_command(self._spec(info), command_id):
             raise CommandNotFound(f"command {command_id} is not running in {sandbox_id}")
 
     def destroy(self, sandbox_id: str) -> None:
@@ -387,8 +481,11 @@ class Manager:
         try:
             # Mark first: a crash in the middle leaves a row that the next start finishes off.
             self.store.set_state(info.id, "destroying")
-            self.backend.destroy(self._spec(info))
+            self._backend(info).destroy(self._spec(info))
             self.store.delete(info.id)
+            (self.settings.home / "locks" / info.id).unlink(missing_ok=True)
+            if info.layer is not None:
+                self._gc_layers()
             self.auditor.event(info.id, "sandbox.destroyed", {"reason": reason}, sync=True)
             self.auditor.close_log(info.id)
             self.auditor.count("corral_sandboxes_destroyed", reason=reason)
@@ -399,7 +496,7 @@ class Manager:
 
     def _spec(self, info: SandboxInfo) -> SandboxSpec:
         return SandboxSpec(id=info.id, uid=info.uid, template=info.template,
-                           tier=get_tier(info.resources))
+                           tier=get_tier(info.resources), layers=self.store.layer_chain(info.layer))
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -429,7 +526,7 @@ class Manager:
         command_id = recorder.command_id if recorder else (command_id or new_command_id())
         with tracer.start_as_current_span("corral.command", attributes={
             "corral.sandbox.id": sandbox_id, "corral.command.id": command_id,
-            "corral.tier": tier.name, "corral.backend": self.backend.name,
+            "corral.tier": tier.name, "corral.backend": info.isolation,
         }) as span:
             if recorder is not None:
                 recorder.started(argv=command.argv, cwd=command.cwd, env=command.env,
@@ -437,11 +534,13 @@ class Manager:
             self.auditor.count("corral_commands_started")
             started = time.monotonic()
             spec = self._spec(info)
+            backend = self._backend(info)
             try:
-                with self.egress.for_command(self.backend, spec, network=info.network,
-                                             placeholders=info.secrets,
-                                             command_id=command_id) as egress_env:
-                    outcome = self.backend.exec(spec, ExecRequest(
+                with self._workspace_lock(sandbox_id, exclusive=False), \
+                        self.egress.for_command(backend, spec, network=info.network,
+                                                placeholders=info.secrets,
+                                                command_id=command_id) as egress_env:
+                    outcome = backend.exec(spec, ExecRequest(
                         command_id=command_id,
                         argv=command.argv, cwd=command.cwd, env={**command.env, **egress_env},
                         timeout_s=limit, stdin=command.stdin,
@@ -515,7 +614,7 @@ class Manager:
         return command, info, tier, limit
 
     def _check_cwd(self, info: SandboxInfo, cwd: str) -> None:
-        files = WorkspaceFiles(self.backend.workspace_root(self._spec(info)), info.uid)
+        files = WorkspaceFiles(self._backend(info).workspace_root(self._spec(info)), info.uid)
         try:
             entry = files.stat(cwd)
         except FileNotFound:
@@ -525,13 +624,146 @@ class Manager:
         if entry.type != "dir":
             raise CommandError(f"the working directory {cwd} is not a directory")
 
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def _seal(self, info: SandboxInfo) -> str:
+        """Seal the sandbox's writable layer into a new read-only layer; return its id."""
+        if info.state == "paused":
+            raise SandboxBusy(f"sandbox {info.id} is paused; resume() it first")
+        backend = self._backend(info)
+        with self._workspace_lock(info.id, exclusive=True):
+            spec = self._spec(info)
+            if backend.busy(spec) or any(p.state != "exited"
+                                         for p in self.processes.list(info.id)):
+                raise SandboxBusy(
+                    f"sandbox {info.id} has running commands or background processes; wait "
+                    "for them (or kill them) before taking a snapshot")
+            layer = _new_id("lyr")
+            result = backend.seal_workspace(spec, layer)
+            parent = result.layers[1] if len(result.layers) > 1 else None
+            self.store.add_layer(layer, parent=parent, bytes_used=result.bytes_used)
+            self.store.set_layer(info.id, layer)
+        if result.squashed:
+            self._gc_layers()
+        return layer
+
+    @staticmethod
+    def _check_snapshot_name(name: str | None) -> str | None:
+        if name is None:
+            return None
+        if not isinstance(name, str) or not _SNAPSHOT_NAME_RE.match(name) \
+                or re.match(r"^snap_[0-9a-z]{12}$", name):
+            raise UsageError(
+                f"invalid snapshot name {name!r}: 1-63 letters, digits, _ . - (starting with a "
+                "letter or digit), and not shaped like a snapshot id")
+        return name
+
+    def snapshot(self, sandbox_id: str, *, name: str | None = None,
+                 tenant: str | None = None) -> SnapshotInfo:
+        """Seal the workspace's current state as a snapshot (O(1) in its size)."""
+        name = self._check_snapshot_name(name)
+        info = self.get(sandbox_id, tenant=tenant)
+        if name is not None and self.store.snapshot(name, tenant=info.tenant) is not None:
+            raise UsageError(f"a snapshot named {name!r} already exists; choose another name or "
+                             f"remove it with `corral snapshots rm {name}`")
+        started = time.monotonic()
+        layer = self._seal(info)
+        snap = self.store.add_snapshot(_new_id("snap"), name=name, tenant=info.tenant,
+                                       layer=layer, template=info.template, sandbox=info.id)
+        self.auditor.event(info.id, "snapshot.created", {
+            "snapshot": snap.id, "name": name, "layer": layer, "depth": snap.depth,
+            "size_bytes": snap.size_bytes,
+            "duration_ms": round((time.monotonic() - started) * 1000, 3)})
+        self.auditor.count("corral_snapshots_created")
+        return snap
+
+    def fork(self, sandbox_id: str, count: int = 1, *,
+             tenant: str | None = None, max_for_tenant: int | None = None,
+             ) -> builtins.list[SandboxInfo]:
+        """``count`` new sandboxes, each starting from this one's current workspace (shared,
+        read-only layers; O(1) in the workspace's size) with its template, tier, isolation,
+        network policy, secrets and labels."""
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= _MAX_FORKS:
+            raise UsageError(f"count must be an integer from 1 to {_MAX_FORKS}, not {count!r}")
+        info = self.get(sandbox_id, tenant=tenant)
+        layer = self._seal(info)
+        children: list[SandboxInfo] = []
+        try:
+            for _ in range(count):
+                children.append(self.create(
+                    template=info.template, resources=info.resources, labels=info.labels,
+                    network=_network_spec(info.network), secrets=sorted(info.secrets),
+                    tenant=info.tenant, max_for_tenant=max_for_tenant,
+                    idle_timeout=info.idle_timeout, isolation=info.isolation, _layer=layer,
+                    _event={"forked_from": info.id, "layer": layer}))
+        except BaseException:
+            for child in children:
+                with contextlib.suppress(Exception):
+                    self._destroy(child, reason="fork failed")
+            raise
+        self.auditor.event(info.id, "sandbox.forked", {
+            "children": [c.id for c in children], "layer": layer})
+        return children
+
+    def restore(self, sandbox_id: str, snapshot: str, *,
+                tenant: str | None = None) -> SandboxInfo:
+        """Replace the workspace with ``snapshot``'s state, exactly; unsnapshotted changes go."""
+        info = self.get(sandbox_id, tenant=tenant)
+        if info.state == "paused":
+            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it first")
+        snap = self.get_snapshot(snapshot, tenant=info.tenant)
+        layer = self.store.snapshot_layer(snap.id)
+        backend = self._backend(info)
+        with self._workspace_lock(info.id, exclusive=True):
+            if backend.busy(self._spec(info)) or any(p.state != "exited"
+                                                     for p in self.processes.list(info.id)):
+                raise SandboxBusy(
+                    f"sandbox {info.id} has running commands or background processes; wait "
+                    "for them (or kill them) before restoring")
+            info = dataclasses.replace(info, layer=layer)
+            backend.reset_workspace(self._spec(info))
+            self.store.set_layer(info.id, layer)
+        self._gc_layers()
+        self.auditor.event(info.id, "snapshot.restored", {
+            "snapshot": snap.id, "name": snap.name, "layer": layer})
+        return self.get(sandbox_id)
+
+    def get_snapshot(self, ref: str, *, tenant: str | None = None) -> SnapshotInfo:
+        if not isinstance(ref, str) or not ref:
+            raise UsageError(f"a snapshot is named by its id or name, not {ref!r}")
+        snap = self.store.snapshot(ref, tenant=tenant)
+        if snap is None:
+            raise SnapshotNotFound(f"snapshot {ref!r} does not exist; `corral snapshots ls` "
+                                   "lists them")
+        return snap
+
+    def list_snapshots(self, *, tenant: str | None = None) -> builtins.list[SnapshotInfo]:
+        return self.store.snapshots(tenant=tenant)
+
+    def delete_snapshot(self, ref: str, *, tenant: str | None = None) -> None:
+        """Delete a snapshot no live sandbox is built on (refused while one is)."""
+        snap = self.get_snapshot(ref, tenant=tenant)
+        layer = self.store.snapshot_layer(snap.id)
+        with self._layers_lock:
+            users = [s.id for s in self.store.list() if layer in self.store.layer_chain(s.layer)]
+            if users:
+                shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more"
+                                                 if len(users) > 5 else "")
+                raise SnapshotInUse(
+                    f"snapshot {snap.name or snap.id} is in use: sandboxes {shown} are built on "
+                    "it; destroy them or restore them to another snapshot first")
+            self.store.delete_snapshot(snap.id)
+        self._gc_layers()
+        self.auditor.event(snap.sandbox, "snapshot.deleted", {
+            "snapshot": snap.id, "name": snap.name, "layer": layer})
+
     # -- files --------------------------------------------------------------------------------
 
     def files(self, sandbox_id: str) -> AuditedFiles:
         info = self.get(sandbox_id)
         if info.idle_timeout is not None:
             self.store.touch(sandbox_id)
-        root: Path = self.backend.workspace_root(self._spec(info))
+        root: Path = self._backend(info).workspace_root(self._spec(info))
         return AuditedFiles(WorkspaceFiles(root, info.uid), self.auditor, sandbox_id)
 
     def process_api(self) -> EmbeddedProcessAPI:
@@ -551,9 +783,24 @@ class Manager:
     def close(self) -> None:
         self.egress.close()
         self.auditor.close()
-        self.backend.close()
+        for backend in self._backends.values():
+            backend.close()
         self.store.close()
         self.secrets.close()
+
+
+def _network_spec(network: Mapping[str, Any]) -> NetworkSpec:
+    """A stored policy back in the form ``create`` takes."""
+    if not network or network.get("mode") == "none" and not network.get("deny"):
+        return "none"
+    return {"allow": list(network.get("allow") or []), "deny": list(network.get("deny") or [])}
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 _managers: dict[Path, Manager] = {}

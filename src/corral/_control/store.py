@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import QuotaExceeded
-from ..models import SandboxInfo
+from ..errors import QuotaExceeded, UsageError
+from ..models import SandboxInfo, SnapshotInfo
 
 __all__ = ["Store"]
 
@@ -32,6 +32,23 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     tenant TEXT NOT NULL DEFAULT 'local',
     idle_timeout REAL,
     last_active REAL
+);
+CREATE TABLE IF NOT EXISTS layers (
+    id TEXT PRIMARY KEY,
+    parent TEXT,
+    depth INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS snapshots (
+    id TEXT PRIMARY KEY,
+    name TEXT,
+    tenant TEXT NOT NULL,
+    layer TEXT NOT NULL,
+    template TEXT NOT NULL,
+    sandbox TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE (tenant, name)
 );
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
@@ -64,6 +81,15 @@ def _row_to_info(row: sqlite3.Row) -> SandboxInfo:
         network=json.loads(row["network"]), secrets=json.loads(row["secrets"]),
         tenant=row["tenant"], idle_timeout=row["idle_timeout"],
         last_active=row["last_active"] or row["created_at"],
+        isolation=row["isolation"], layer=row["layer"],
+    )
+
+
+def _row_to_snapshot(row: sqlite3.Row) -> SnapshotInfo:
+    return SnapshotInfo(
+        id=row["id"], name=row["name"], sandbox=row["sandbox"], template=row["template"],
+        created_at=row["created_at"], size_bytes=row["bytes"], depth=row["depth"],
+        tenant=row["tenant"],
     )
 
 
@@ -87,6 +113,11 @@ class Store:
         for column in ("idle_timeout", "last_active"):
             if column not in columns:
                 self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {column} REAL")
+        if "isolation" not in columns:
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN isolation TEXT NOT NULL "
+                             "DEFAULT 'namespace'")
+        if "layer" not in columns:
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN layer TEXT")
         path.chmod(0o600)
 
     @contextmanager
@@ -105,7 +136,8 @@ class Store:
         labels: dict[str, str], uid_start: int, uid_count: int,
         network: dict[str, object] | None = None, secrets: dict[str, str] | None = None,
         tenant: str = "local", max_for_tenant: int | None = None,
-        idle_timeout: float | None = None,
+        idle_timeout: float | None = None, isolation: str = "namespace",
+        layer: str | None = None,
     ) -> SandboxInfo:
         """Insert a sandbox in state ``creating`` with the lowest free uid of the range.
 
@@ -134,11 +166,11 @@ class Store:
                 )
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
-                "expires_at, labels, network, secrets, tenant, idle_timeout, last_active) "
-                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?)",
+                "expires_at, labels, network, secrets, tenant, idle_timeout, last_active, "
+                "isolation, layer) VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
                  json.dumps(network or {}), json.dumps(secrets or {}), tenant, idle_timeout,
-                 now),
+                 now, isolation, layer),
             )
         info = self.get(sandbox_id)
         assert info is not None
@@ -176,6 +208,100 @@ class Store:
     def delete(self, sandbox_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    # -- workspace layers and snapshots -----------------------------------------------------
+
+    def set_layer(self, sandbox_id: str, layer: str | None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET layer = ? WHERE id = ?", (layer, sandbox_id))
+
+    def add_layer(self, layer_id: str, *, parent: str | None, bytes_used: int) -> int:
+        """Record a sealed layer on top of ``parent``; return its depth (1 = no parent)."""
+        with self._tx() as db:
+            depth = 1
+            if parent is not None:
+                row = db.execute("SELECT depth FROM layers WHERE id = ?", (parent,)).fetchone()
+                depth = (row[0] if row else 0) + 1
+            db.execute("INSERT INTO layers (id, parent, depth, bytes, created_at) "
+                       "VALUES (?, ?, ?, ?, ?)", (layer_id, parent, depth, bytes_used, time.time()))
+        return depth
+
+    def layer_chain(self, top: str | None) -> tuple[str, ...]:
+        """``top`` and the layers under it, top first."""
+        chain: list[str] = []
+        with self._lock:
+            while top is not None and len(chain) < 10_000:
+                chain.append(top)
+                row = self._db.execute("SELECT parent FROM layers WHERE id = ?", (top,)).fetchone()
+                top = row[0] if row else None
+        return tuple(chain)
+
+    def layer_ids(self) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT id FROM layers")}
+
+    def unused_layers(self) -> builtins.list[str]:
+        """Delete and return layers no sandbox, snapshot or other layer stands on."""
+        removed: builtins.list[str] = []
+        with self._tx() as db:
+            while True:
+                rows = [r[0] for r in db.execute(
+                    "SELECT id FROM layers WHERE id NOT IN (SELECT layer FROM sandboxes WHERE "
+                    "layer IS NOT NULL) AND id NOT IN (SELECT layer FROM snapshots) AND id NOT "
+                    "IN (SELECT parent FROM layers WHERE parent IS NOT NULL)")]
+                if not rows:
+                    return removed
+                db.executemany("DELETE FROM layers WHERE id = ?", [(r,) for r in rows])
+                removed += rows
+
+    def add_snapshot(self, snapshot_id: str, *, name: str | None, tenant: str, layer: str,
+                     template: str, sandbox: str) -> SnapshotInfo:
+        """Record a snapshot. Raises ``UsageError`` if the tenant already has ``name``."""
+        try:
+            with self._tx() as db:
+                db.execute("INSERT INTO snapshots (id, name, tenant, layer, template, sandbox, "
+                           "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           (snapshot_id, name, tenant, layer, template, sandbox, time.time()))
+        except sqlite3.IntegrityError:
+            raise UsageError(f"a snapshot named {name!r} already exists; choose another name or "
+                             f"remove it with `corral snapshots rm {name}`") from None
+        info = self.snapshot(snapshot_id, tenant=tenant)
+        assert info is not None
+        return info
+
+    _SNAPSHOT_SELECT = ("SELECT s.*, l.depth AS depth, l.bytes AS bytes FROM snapshots s "
+                        "JOIN layers l ON l.id = s.layer")
+
+    def snapshot(self, ref: str, *, tenant: str | None) -> SnapshotInfo | None:
+        """A snapshot by id or name (of ``tenant``; any tenant when None)."""
+        query = self._SNAPSHOT_SELECT + " WHERE (s.id = ? OR s.name = ?)"
+        args: tuple[Any, ...] = (ref, ref)
+        if tenant is not None:
+            query += " AND s.tenant = ?"
+            args += (tenant,)
+        with self._lock:
+            row = self._db.execute(query + " ORDER BY s.id = ? DESC", (*args, ref)).fetchone()
+        return _row_to_snapshot(row) if row else None
+
+    def snapshots(self, *, tenant: str | None) -> builtins.list[SnapshotInfo]:
+        query = self._SNAPSHOT_SELECT
+        args: tuple[Any, ...] = ()
+        if tenant is not None:
+            query += " WHERE s.tenant = ?"
+            args = (tenant,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY s.created_at", args).fetchall()
+        return [_row_to_snapshot(r) for r in rows]
+
+    def snapshot_layer(self, snapshot_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT layer FROM snapshots WHERE id = ?",
+                                   (snapshot_id,)).fetchone()
+        return row[0] if row else None
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
 
     # -- tenants and API keys ---------------------------------------------------------------
 

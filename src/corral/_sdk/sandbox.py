@@ -20,11 +20,19 @@ from .._control.manager import Manager, get_manager
 from .._settings import Settings
 from ..backends import OutputCallback
 from ..errors import UsageError
-from ..models import CommandResult, FileEntry, SandboxInfo
+from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .remote import remote_manager
 
 __all__ = ["Audit", "Commands", "Files", "Network", "Process", "Processes", "Sandbox",
            "read_audit"]
+
+
+@overload
+def _snapshot_ref(snapshot: str | SnapshotInfo) -> str: ...
+@overload
+def _snapshot_ref(snapshot: str | SnapshotInfo | None) -> str | None: ...
+def _snapshot_ref(snapshot: str | SnapshotInfo | None) -> str | None:
+    return snapshot.id if isinstance(snapshot, SnapshotInfo) else snapshot
 
 
 def _manager(home: str | Path | None = None, url: str | None = None,
@@ -346,7 +354,7 @@ class Sandbox:
     @classmethod
     def create(
         cls,
-        template: str = "base",
+        template: str | None = None,
         *,
         resources: str = "small",
         timeout: float | None = None,
@@ -354,6 +362,8 @@ class Sandbox:
         network: str | Mapping[str, Sequence[str]] | None = None,
         secrets: Sequence[str] | None = None,
         idle_timeout: float | None = None,
+        isolation: str | None = None,
+        snapshot: str | SnapshotInfo | None = None,
         home: str | Path | None = None,
         url: str | None = None,
         api_key: str | None = None,
@@ -361,7 +371,9 @@ class Sandbox:
         """Create a sandbox.
 
         Args:
-            template: root filesystem; ``base`` is the host's system, read-only.
+            template: root filesystem; ``base`` (the default) is the host's system, read-only;
+                others are built with ``corral templates build``. From a snapshot, the
+                snapshot's template.
             resources: tier name, ``small`` or ``large`` (limits are in the README).
             timeout: lifetime in seconds (default: the tier's); it is destroyed after that.
             labels: free-form string labels, shown by ``Sandbox.list()``.
@@ -374,6 +386,10 @@ class Sandbox:
             idle_timeout: destroy it after this many seconds without a command or file
                 operation (and nothing running); enforced by the service's reaper and by
                 ``corral reap``.
+            isolation: the isolation tier, ``"namespace"`` (default) or ``"gvisor"`` (a
+                user-space kernel between the code and the host; ``corral doctor`` says which
+                tiers this host supports).
+            snapshot: start from this snapshot's workspace (a ``SnapshotInfo``, id or name).
             home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
             url: a Corral service to use (default ``CORRAL_URL``; embedded when unset).
             api_key: its API key (default ``CORRAL_API_KEY``).
@@ -385,8 +401,42 @@ class Sandbox:
         manager = _manager(home, url, api_key)
         info = manager.create(template=template, resources=resources, timeout=timeout,
                               labels=labels, network=network, secrets=secrets,
-                              idle_timeout=idle_timeout)
+                              idle_timeout=idle_timeout, isolation=isolation,
+                              snapshot=_snapshot_ref(snapshot))
         return cls(info, manager)
+
+    @classmethod
+    def list_snapshots(cls, *, home: str | Path | None = None, url: str | None = None,
+                       api_key: str | None = None) -> list[SnapshotInfo]:
+        """Every snapshot (of the data directory, or of your tenant on a service)."""
+        return _manager(home, url, api_key).list_snapshots()
+
+    @classmethod
+    def get_snapshot(cls, snapshot: str, *, home: str | Path | None = None,
+                     url: str | None = None, api_key: str | None = None) -> SnapshotInfo:
+        """A snapshot by id or name. Raises ``SnapshotNotFound``."""
+        return _manager(home, url, api_key).get_snapshot(snapshot)
+
+    @classmethod
+    def delete_snapshot(cls, snapshot: str | SnapshotInfo, *, home: str | Path | None = None,
+                        url: str | None = None, api_key: str | None = None) -> None:
+        """Delete a snapshot. Raises ``SnapshotInUse`` while a sandbox is built on it."""
+        _manager(home, url, api_key).delete_snapshot(_snapshot_ref(snapshot))
+
+    def snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Seal the workspace's current state as a snapshot, in O(1) of its size; the sandbox
+        goes on from there. Nothing may be running in it (``SandboxBusy`` otherwise)."""
+        return self._mgr.snapshot(self._live_id(), name=name)
+
+    def fork(self, n: int = 1) -> list[Sandbox]:
+        """``n`` new sandboxes starting from this one's workspace as it is now (sharing its
+        read-only layers), with its template, tier, isolation, network policy and secrets."""
+        return [Sandbox(info, self._mgr) for info in self._mgr.fork(self._live_id(), n)]
+
+    def restore(self, snapshot: str | SnapshotInfo) -> None:
+        """Put the workspace back exactly as it was in ``snapshot``; changes made since (and
+        not in a snapshot) are gone. Nothing may be running in it."""
+        self._info = self._mgr.restore(self._live_id(), _snapshot_ref(snapshot))
 
     @classmethod
     def connect(cls, sandbox_id: str, *, home: str | Path | None = None, url: str | None = None,

@@ -20,7 +20,7 @@ from . import netns
 from .cgroups import CgroupDriver, detect_cgroups
 from .hostcheck import check_host
 from .runner import CommandLauncher, Launch
-from .storage import WorkspaceStore
+from .storage import SealResult, WorkspaceStore
 from .template import BaseTemplate, load_template
 
 __all__ = ["NamespaceBackend"]
@@ -101,7 +101,7 @@ class NamespaceBackend:
             self.cgroups.create_sandbox(spec.id, spec.tier)
             self._ensured.add(spec.id)
             netns.create_netns(self._netns_path(spec.id))
-            self._store.create(spec.id, uid=spec.uid, size_bytes=spec.tier.disk_bytes)
+            self._store.create(spec)
         except BaseException:
             with contextlib.suppress(BackendError, OSError):
                 self.destroy(spec)
@@ -116,7 +116,7 @@ class NamespaceBackend:
         if spec.id not in self._ensured:
             self.cgroups.create_sandbox(spec.id, spec.tier)
             self._ensured.add(spec.id)
-        return self._store.ensure_mounted(spec.id)
+        return self._store.ensure_mounted(spec)
 
     def open_listener(self, spec: SandboxSpec) -> socket.socket:
         launcher = self._ready()
@@ -137,7 +137,7 @@ class NamespaceBackend:
 
     def workspace_root(self, spec: SandboxSpec) -> Path:
         self._ready()
-        return self._store.ensure_mounted(spec.id)
+        return self._store.ensure_mounted(spec)
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         launcher = self._ready()
@@ -163,6 +163,22 @@ class NamespaceBackend:
             workspace=workspace, tmp_bytes=spec.tier.tmp_bytes, group=group, request=request,
             env=env,
         ))
+
+    # -- workspace layers --------------------------------------------------------------------
+
+    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
+        self._ready()
+        return self._store.seal(spec, layer_id)
+
+    def reset_workspace(self, spec: SandboxSpec) -> None:
+        self._ready()
+        self._store.reset(spec)
+
+    def remove_layer(self, layer_id: str) -> None:
+        self._store.remove_layer(layer_id)
+
+    def layer_ids(self) -> list[str]:
+        return self._store.layer_ids()
 
     def pause(self, spec: SandboxSpec, paused: bool) -> None:
         self._ready()

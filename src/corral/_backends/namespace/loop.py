@@ -19,8 +19,10 @@ __all__ = ["mount_image"]
 _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A
 _LOOP_CLR_FD = 0x4C01
+_LO_FLAGS_READ_ONLY = 1
 _LO_FLAGS_AUTOCLEAR = 4
 _LOOP_MAJOR = 7
+_MS_RDONLY = 0x1
 _MS_NOSUID = 0x2
 _MS_NODEV = 0x4
 _MS_NOATIME = 0x400
@@ -54,7 +56,7 @@ def _device_node(number: int) -> str:
     return path
 
 
-def _attach(image_fd: int) -> tuple[int, str]:
+def _attach(image_fd: int, read_only: bool) -> tuple[int, str]:
     control = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     try:
         for _ in range(32):  # another process may grab the same free device first
@@ -62,7 +64,7 @@ def _attach(image_fd: int) -> tuple[int, str]:
             path = _device_node(number)
             dev_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             config = _LoopConfig(fd=image_fd)
-            config.info.lo_flags = _LO_FLAGS_AUTOCLEAR
+            config.info.lo_flags = _LO_FLAGS_AUTOCLEAR | (_LO_FLAGS_READ_ONLY if read_only else 0)
             try:
                 fcntl.ioctl(dev_fd, _LOOP_CONFIGURE, bytes(config))
             except OSError as exc:
@@ -76,15 +78,16 @@ def _attach(image_fd: int) -> tuple[int, str]:
     raise OSError(errno.EBUSY, "no free loop device after 32 tries")
 
 
-def mount_image(image: str, target: str) -> None:
+def mount_image(image: str, target: str, *, read_only: bool = False) -> None:
     """Mount the ext4 ``image`` on ``target`` (nodev, nosuid, noatime) through a loop device."""
-    image_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+    image_fd = os.open(image, (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC)
     try:
-        dev_fd, path = _attach(image_fd)
+        dev_fd, path = _attach(image_fd, read_only)
     finally:
         os.close(image_fd)
     try:
-        linux.mount(path, target, "ext4", _MS_NODEV | _MS_NOSUID | _MS_NOATIME)
+        linux.mount(path, target, "ext4",
+                    _MS_NODEV | _MS_NOSUID | _MS_NOATIME | (_MS_RDONLY if read_only else 0))
     except OSError:
         fcntl.ioctl(dev_fd, _LOOP_CLR_FD)
         raise

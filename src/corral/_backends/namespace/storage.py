@@ -1,49 +1,114 @@
-"""Workspace storage: one sparse ext4 image per sandbox, loop-mounted on the host.
+"""Workspace storage: read-only layers under one writable, size-limited layer, joined by overlayfs.
 
-Why an image and not a directory: the image's size is a hard disk limit that needs no quota
-support in the kernel (this project's development kernels have none), its inode count bounds file
-counts, and a separate filesystem means nothing in the workspace can be a hard link to a host file
-and no rename can move a path out of it. The image is sparse, so an empty 10 GiB workspace costs
-a few MiB. Mounts survive the Corral process; after a reboot ``ensure_mounted`` mounts it again.
+Each sandbox's writable layer is a sparse ext4 image, loop-mounted on the host. Why an image and
+not a directory: its size is a hard disk limit that needs no quota support in the kernel (this
+project's development kernels have none), its inode count bounds file counts, and a separate
+filesystem means nothing in the workspace can be a hard link to a host file and no rename can
+move a path out of it. The image is sparse, so an empty 10 GiB workspace costs a few MiB.
+
+Snapshots are O(1) in the workspace's size: sealing remounts the writable image read-only and
+moves it, as it is, into the layer store; the sandbox gets a fresh empty image on top. A layer is
+shared by every sandbox built on it, through one read-only mount. Files in a layer keep the host
+uid of the sandbox that wrote them; a sandbox running as another uid sees them through an
+idmapped bind (see ``_core.idmap``), so forks need no chown either.
+
+Host layout (``root`` is ``$CORRAL_HOME/sandboxes``, ``layers_root`` ``$CORRAL_HOME/layers``)::
+
+    sandboxes/<id>/upper.img          writable layer image (root-only)
+    sandboxes/<id>/priv/disk          its mount: upper/ (the sandbox's changes) and work/
+    sandboxes/<id>/priv/l<N>          idmapped binds of lower layers written by another uid
+    sandboxes/<id>/workspace          the overlay: what the sandbox sees as /workspace
+    layers/<layer>/layer.img, owner   a sealed layer image and the uid that wrote it
+    layers/<layer>/root               its read-only mount
+
+Mounts survive the Corral process; after a reboot ``ensure_mounted`` rebuilds all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..._core import linux
-from ...errors import BackendError, BackendUnavailable, QuotaExceeded
+from ..._core.idmap import bind_idmapped
+from ...backends import SandboxSpec, SealResult
+from ...errors import BackendError, BackendUnavailable, QuotaExceeded, SandboxBusy
 from . import loop
 
-__all__ = ["WorkspaceStore"]
-
-_MOUNT_OPTIONS = "loop,nodev,nosuid,noatime"
+__all__ = ["MAX_LAYERS", "SealResult", "WorkspaceStore"]
 
 logger = logging.getLogger(__name__)
+
+# Lookups walk every layer; past this depth a seal squashes the chain into one layer.
+MAX_LAYERS = 16
+_MS_RDONLY = 0x1
+_MS_REMOUNT = 0x20
+_MS_MOVE = 0x2000
+_MOUNT_OPTIONS = "loop,nodev,nosuid,noatime"
+_MIN_FREE = 64 * 1024 * 1024
 
 
 def _run(argv: list[str], what: str) -> None:
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     except FileNotFoundError as exc:
         raise BackendUnavailable(
             f"{argv[0]} is missing; install it with `apt-get install e2fsprogs mount`"
         ) from exc
     except subprocess.TimeoutExpired as exc:
-        raise BackendError(f"{what} timed out after 60 s") from exc
+        raise BackendError(f"{what} timed out") from exc
     if proc.returncode != 0:
         raise BackendError(f"{what} failed: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
-class WorkspaceStore:
-    """Creates, mounts, unmounts and removes per-sandbox workspace filesystems under ``root``."""
+def _is_mount(point: Path) -> bool:
+    try:
+        return os.path.ismount(point)
+    except OSError:
+        return False
 
-    def __init__(self, root: Path) -> None:
+
+def _umount(point: Path, *, lazy: bool = False) -> None:
+    if not _is_mount(point):
+        return
+    try:
+        linux.umount(str(point), linux.MNT_DETACH if lazy else 0)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            raise SandboxBusy(f"{point} is in use; stop what uses the workspace and retry") from exc
+        raise BackendError(f"cannot unmount {point}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class WorkspaceStore:
+    """Creates, mounts, seals, resets and removes layered workspaces. One per data directory."""
+
+    def __init__(self, root: Path, layers_root: Path | None = None) -> None:
         self.root = root
+        self.layers_root = layers_root or root.parent / "layers"
+        for path in (self.root, self.layers_root):
+            if any(c in str(path) for c in ",:\\\n"):
+                raise BackendUnavailable(
+                    f"the data directory path {path} holds a character overlayfs options cannot "
+                    "carry (, : \\ or newline); choose another CORRAL_HOME")
+
+    # -- paths -----------------------------------------------------------------------------
 
     def sandbox_dir(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id
@@ -52,83 +117,286 @@ class WorkspaceStore:
         return self.root / sandbox_id / "workspace"
 
     def _image(self, sandbox_id: str) -> Path:
-        return self.root / sandbox_id / "workspace.img"
+        return self.root / sandbox_id / "upper.img"
 
-    def create(self, sandbox_id: str, *, uid: int, size_bytes: int) -> Path:
-        """Make and mount a fresh workspace owned by ``uid``; return its host path."""
+    def _priv(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id / "priv"
+
+    def _disk(self, sandbox_id: str) -> Path:
+        return self._priv(sandbox_id) / "disk"
+
+    def _layer_dir(self, layer_id: str) -> Path:
+        return self.layers_root / layer_id
+
+    def _layer_mount(self, layer_id: str) -> Path:
+        return self.layers_root / layer_id / "root"
+
+    # -- create / mount ----------------------------------------------------------------------
+
+    def create(self, spec: SandboxSpec) -> Path:
+        """Make and mount a fresh workspace for ``spec`` (on its layers, if any)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o711)
-        base = self.sandbox_dir(sandbox_id)
+        base = self.sandbox_dir(spec.id)
         # Traversable (not listable) because bwrap, running as the sandbox's uid, must reach
-        # the mount point; the image beside it stays root-only.
+        # the mount point; the image and private mounts beside it stay root-only.
         base.mkdir()
         base.chmod(0o711)
-        image = self._image(sandbox_id)
+        self._priv(spec.id).mkdir(mode=0o700)
+        self.mount_point(spec.id).mkdir(mode=0o755)
+        self._new_upper(spec)
+        return self.ensure_mounted(spec)
+
+    def _new_upper(self, spec: SandboxSpec) -> None:
+        image = self._image(spec.id)
         free = shutil.disk_usage(self.root).free
-        if free < 64 * 1024 * 1024:
+        if free < _MIN_FREE:
             raise QuotaExceeded(
                 f"only {free // (1024 * 1024)} MiB free under {self.root}; free disk space "
-                "before creating more sandboxes"
-            )
+                "before creating more sandboxes")
         with open(image, "xb") as f:
-            f.truncate(size_bytes)
-        _run(
-            ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
-             "-E", f"lazy_itable_init=1,nodiscard,root_owner={uid}:{uid}", str(image)],
-            "formatting the workspace",
-        )
-        self.mount_point(sandbox_id).mkdir(mode=0o755)
-        self.ensure_mounted(sandbox_id)
-        return self.mount_point(sandbox_id)
+            f.truncate(spec.tier.disk_bytes)
+        _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
+              "-E", "lazy_itable_init=1,nodiscard", str(image)], "formatting the workspace")
 
     def is_mounted(self, sandbox_id: str) -> bool:
-        point = self.mount_point(sandbox_id)
-        try:
-            return os.stat(point).st_dev != os.stat(point.parent).st_dev
-        except FileNotFoundError:
-            return False
+        return _is_mount(self.mount_point(sandbox_id))
 
-    def ensure_mounted(self, sandbox_id: str) -> Path:
-        point = self.mount_point(sandbox_id)
-        if not self.is_mounted(sandbox_id):
-            image = self._image(sandbox_id)
-            if not image.exists():
-                raise BackendError(
-                    f"the workspace image of sandbox {sandbox_id} is missing ({image}); "
-                    f"remove the sandbox with `corral rm {sandbox_id}`"
-                )
-            try:
-                loop.mount_image(str(image), str(point))
-            except OSError as exc:
-                logger.debug("in-process loop mount failed (%s); using mount(8)", exc)
-                _run(["mount", "-o", _MOUNT_OPTIONS, str(image), str(point)],
-                     f"mounting the workspace of {sandbox_id}")
-            lost = point / "lost+found"
-            if lost.is_dir() and not any(lost.iterdir()):
-                lost.rmdir()
-            # Only the sandbox's own uid may enter: another sandbox's uid that somehow reached
-            # the host's mount table still finds nothing to read.
-            os.chmod(point, 0o700)
+    def ensure_mounted(self, spec: SandboxSpec) -> Path:
+        """The workspace's host path, mounting whatever a reboot or a seal left unmounted."""
+        point = self.mount_point(spec.id)
+        if _is_mount(point):
+            return point
+        if not self._image(spec.id).exists():
+            raise BackendError(
+                f"the workspace image of sandbox {spec.id} is missing ({self._image(spec.id)}); "
+                f"remove the sandbox with `corral rm {spec.id}`")
+        with _flock(self.sandbox_dir(spec.id) / ".lock"):
+            if not _is_mount(point):
+                self._mount(spec)
         return point
 
-    def unmount(self, sandbox_id: str) -> None:
-        if self.is_mounted(sandbox_id):
-            # Lazy: the sandbox's processes are already dead; detaching can't fail on a stray
-            # host shell sitting in the directory, and the loop device auto-clears.
+    def _mount_disk(self, image: Path, point: Path, *, read_only: bool) -> None:
+        try:
+            loop.mount_image(str(image), str(point), read_only=read_only)
+        except OSError as exc:
+            logger.debug("in-process loop mount failed (%s); using mount(8)", exc)
+            _run(["mount", "-o", _MOUNT_OPTIONS + (",ro" if read_only else ""), str(image),
+                  str(point)], f"mounting {image}")
+
+    def _ensure_layer(self, layer_id: str) -> tuple[Path, int]:
+        """Mount layer ``layer_id`` read-only if needed; return its mount and writer's uid."""
+        layer = self._layer_dir(layer_id)
+        try:
+            owner = int((layer / "owner").read_text())
+        except (OSError, ValueError) as exc:
+            raise BackendError(
+                f"workspace layer {layer_id} is missing or damaged ({layer}); the sandboxes and "
+                "snapshots built on it cannot be mounted") from exc
+        point = self._layer_mount(layer_id)
+        if not _is_mount(point):
+            with _flock(layer / ".lock"):
+                if not _is_mount(point):
+                    self._mount_disk(layer / "layer.img", point, read_only=True)
+        return point, owner
+
+    def _mount(self, spec: SandboxSpec) -> None:
+        disk = self._disk(spec.id)
+        disk.mkdir(mode=0o700, exist_ok=True)
+        if not _is_mount(disk):
+            self._mount_disk(self._image(spec.id), disk, read_only=False)
+        upper, work = disk / "upper", disk / "work"
+        if not upper.exists():
+            # The workspace root: only the sandbox's own uid may enter, so another sandbox's
+            # uid that somehow reached the host's mount table still finds nothing to read.
+            upper.mkdir(mode=0o700)
+            os.chown(upper, spec.uid, spec.uid)
+            lost = disk / "lost+found"
+            if lost.is_dir() and not any(lost.iterdir()):
+                lost.rmdir()
+        work.mkdir(mode=0o700, exist_ok=True)
+        lowers: list[str] = []
+        for index, layer_id in enumerate(spec.layers):
+            source, owner = self._ensure_layer(layer_id)
+            if owner != spec.uid:
+                bound = self._priv(spec.id) / f"l{index}"
+                bound.mkdir(mode=0o700, exist_ok=True)
+                if not _is_mount(bound):
+                    try:
+                        bind_idmapped(str(source), str(bound), on_disk=owner, shown_as=spec.uid)
+                    except OSError as exc:
+                        raise BackendUnavailable(
+                            f"cannot show layer {layer_id} to sandbox {spec.id}: {exc}. Forks "
+                            "and snapshots used by another sandbox need idmapped mounts "
+                            "(Linux 5.19+ with overlayfs on ext4); run `corral doctor`") from exc
+                source = bound
+            lowers.append(str(source / "upper"))
+        if not lowers:
+            # overlayfs wants a lower layer; an empty, root-owned one stands for "nothing below".
+            empty = self.layers_root / ".empty"
+            empty.mkdir(parents=True, exist_ok=True, mode=0o755)
+            lowers.append(str(empty))
+        options = (f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},"
+                   "redirect_dir=on,index=off,xino=off,metacopy=off,uuid=off")
+        try:
+            linux.mount("overlay", str(self.mount_point(spec.id)), "overlay",
+                        loop._MS_NODEV | loop._MS_NOSUID | loop._MS_NOATIME, options)
+        except OSError as exc:
+            raise BackendError(f"cannot mount the workspace of {spec.id}: {exc}") from exc
+
+    def _unmount_all(self, sandbox_id: str, *, lazy: bool) -> None:
+        """Unmount the overlay, the lower binds and the writable disk (in that order)."""
+        _umount(self.mount_point(sandbox_id), lazy=lazy)
+        priv = self._priv(sandbox_id)
+        if priv.is_dir():
+            for entry in sorted(priv.iterdir()):
+                if entry.name.startswith("l"):
+                    _umount(entry, lazy=lazy)
+                    with contextlib.suppress(OSError):
+                        entry.rmdir()
+        _umount(self._disk(sandbox_id), lazy=lazy)
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def seal(self, spec: SandboxSpec, layer_id: str) -> SealResult:
+        """Turn the writable layer into read-only layer ``layer_id`` and start a fresh one on
+        top. The caller makes sure nothing runs in the sandbox. O(1) in the workspace's size,
+        except when the chain is at ``MAX_LAYERS``: then the whole workspace is copied into one
+        squashed layer (O(size), once every ``MAX_LAYERS`` seals)."""
+        with _flock(self.sandbox_dir(spec.id) / ".lock"):
+            if not self.is_mounted(spec.id):
+                self._mount(spec)
+            layer = self._layer_dir(layer_id)
+            self.layers_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.layers_root, 0o700)
+            layer.mkdir(mode=0o700)
             try:
-                linux.umount(str(self.mount_point(sandbox_id)), linux.MNT_DETACH)
-            except OSError as exc:
-                raise BackendError(f"cannot unmount the workspace of {sandbox_id}: {exc}") from exc
+                if len(spec.layers) + 1 > MAX_LAYERS:
+                    used = self._squash_into(spec, layer)
+                    result = SealResult(layers=(layer_id,), bytes_used=used, squashed=True)
+                    self._unmount_all(spec.id, lazy=False)
+                    self._image(spec.id).unlink()
+                else:
+                    used = self._move_upper_into(spec, layer)
+                    result = SealResult(layers=(layer_id, *spec.layers), bytes_used=used,
+                                        squashed=False)
+                (layer / "owner").write_text(str(spec.uid))
+            except BaseException:
+                # Never lose the sandbox's changes: put its image back before dropping the layer.
+                with contextlib.suppress(OSError, BackendError):
+                    _umount(layer / "root", lazy=True)
+                sealed = layer / "layer.img"
+                if sealed.exists() and not self._image(spec.id).exists():
+                    os.rename(sealed, self._image(spec.id))
+                shutil.rmtree(layer, ignore_errors=True)
+                raise
+            self._new_upper(spec)
+            self._mount(_with_layers(spec, result.layers))
+        return result
+
+    def _move_upper_into(self, spec: SandboxSpec, layer: Path) -> int:
+        disk = self._disk(spec.id)
+        self._unmount_all_but_disk(spec.id)
+        stat = os.statvfs(disk)
+        used = (stat.f_blocks - stat.f_bfree) * stat.f_frsize
+        shutil.rmtree(disk / "work", ignore_errors=True)
+        try:
+            linux.mount("none", str(disk), None, _MS_REMOUNT | _MS_RDONLY | loop._MS_NODEV
+                        | loop._MS_NOSUID | loop._MS_NOATIME)
+        except OSError as exc:
+            raise BackendError(f"cannot seal the workspace of {spec.id}: {exc}") from exc
+        point = layer / "root"
+        point.mkdir(mode=0o755)
+        try:
+            # The image keeps its loop device and mount; only its mount point moves.
+            linux.mount(str(disk), str(point), None, _MS_MOVE)
+            moved = True
+        except OSError:
+            _umount(disk)  # a shared parent mount refuses moves: mount it again instead
+            moved = False
+        os.rename(self._image(spec.id), layer / "layer.img")
+        if not moved:
+            self._mount_disk(layer / "layer.img", point, read_only=True)
+        return used
+
+    def _unmount_all_but_disk(self, sandbox_id: str) -> None:
+        _umount(self.mount_point(sandbox_id))
+        priv = self._priv(sandbox_id)
+        for entry in sorted(priv.iterdir()):
+            if entry.name.startswith("l"):
+                _umount(entry)
+                entry.rmdir()
+
+    def _squash_into(self, spec: SandboxSpec, layer: Path) -> int:
+        """Copy the workspace as the sandbox sees it (all layers merged) into a new layer."""
+        image = layer / "layer.img"
+        with open(image, "xb") as f:
+            f.truncate(spec.tier.disk_bytes * (MAX_LAYERS + 1))  # sparse
+        _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
+              "-E", "lazy_itable_init=1,nodiscard", str(image)], "formatting a squashed layer")
+        point = layer / "root"
+        point.mkdir(mode=0o755)
+        self._mount_disk(image, point, read_only=False)
+        try:
+            _run(["cp", "-a", "--reflink=never", "--",
+                  f"{self.mount_point(spec.id)}/.", str(point / "upper")],
+                 "squashing the workspace layers")
+            stat = os.statvfs(point)
+            used = (stat.f_blocks - stat.f_bfree) * stat.f_frsize
+            linux.mount("none", str(point), None, _MS_REMOUNT | _MS_RDONLY | loop._MS_NODEV
+                        | loop._MS_NOSUID | loop._MS_NOATIME)
+        except BaseException:
+            _umount(point, lazy=True)
+            raise
+        return used
+
+    def reset(self, spec: SandboxSpec) -> None:
+        """Discard the writable layer and start a fresh one on ``spec.layers`` (restore)."""
+        with _flock(self.sandbox_dir(spec.id) / ".lock"):
+            self._unmount_all(spec.id, lazy=False)
+            self._image(spec.id).unlink(missing_ok=True)
+            self._new_upper(spec)
+            self._mount(spec)
+
+    def remove_layer(self, layer_id: str) -> None:
+        """Unmount and delete a layer no sandbox or snapshot uses any more. Idempotent."""
+        layer = self._layer_dir(layer_id)
+        if not layer.exists():
+            return
+        # Lazy: a sandbox being destroyed at the same moment may still hold it for a moment.
+        _umount(self._layer_mount(layer_id), lazy=True)
+        shutil.rmtree(layer)
+
+    def layer_ids(self) -> list[str]:
+        if not self.layers_root.exists():
+            return []
+        return sorted(p.name for p in self.layers_root.iterdir()
+                      if p.is_dir() and not p.name.startswith("."))
+
+    # -- removal ----------------------------------------------------------------------------
+
+    def unmount(self, sandbox_id: str) -> None:
+        # Lazy: the sandbox's processes are already dead; detaching can't fail on a stray
+        # host shell sitting in the directory, and the loop device auto-clears.
+        self._unmount_all(sandbox_id, lazy=True)
 
     def remove(self, sandbox_id: str) -> None:
-        """Unmount and delete everything of ``sandbox_id``. Idempotent."""
-        self.unmount(sandbox_id)
+        """Unmount and delete everything of ``sandbox_id`` (not its layers). Idempotent."""
         base = self.sandbox_dir(sandbox_id)
-        if base.exists():
-            if self.is_mounted(sandbox_id):
-                raise BackendError(f"workspace of {sandbox_id} is still mounted; not deleting it")
-            shutil.rmtree(base)
+        if not base.exists():
+            return
+        self.unmount(sandbox_id)
+        for point in (self.mount_point(sandbox_id), self._disk(sandbox_id)):
+            if _is_mount(point):
+                raise BackendError(f"{point} is still mounted; not deleting it")
+        shutil.rmtree(base)
 
     def ids(self) -> list[str]:
         if not self.root.exists():
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+
+def _with_layers(spec: SandboxSpec, layers: tuple[str, ...]) -> SandboxSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, layers=layers)

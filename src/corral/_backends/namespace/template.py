@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ...errors import UsageError
 
-__all__ = ["SANDBOX_GID", "SANDBOX_UID", "BaseTemplate", "TEMPLATES"]
+__all__ = ["SANDBOX_GID", "SANDBOX_UID", "TEMPLATES", "BaseTemplate", "load_template",
+           "require_template"]
 
 TEMPLATES = ("base",)
 SANDBOX_UID = 1000
@@ -101,6 +102,12 @@ def _copy_etc(dest: Path, stamp: str, extra_ca: bytes | None) -> None:
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
+
+
+def require_template(name: str, templates_dir: Path) -> None:
+    """Raise ``UsageError`` unless a sandbox can be created from template ``name`` now."""
+    if name not in TEMPLATES:
+        raise UsageError(f"unknown template {name!r}; available: {', '.join(TEMPLATES)}")
 
 
 def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = None) -> BaseTemplate:
