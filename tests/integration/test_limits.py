@@ -193,9 +193,8 @@ def test_filling_the_workspace_fails_with_enospc_and_rm_frees_it(
     size = int(r.stdout.split()[-1])
     assert SMALL_DISK // 2 < size <= SMALL_DISK, size
     # The host's disk holds at most the workspace's size for it.
-    image = Path(home) / "sandboxes" / sandbox.id / "workspace.img"
-    if image.exists():
-        assert image.stat().st_blocks * 512 <= SMALL_DISK + 4 * MiB
+    image = Path(home) / "sandboxes" / sandbox.id / "upper.img"
+    assert image.stat().st_blocks * 512 <= SMALL_DISK + 4 * MiB
     assert_host_and_sandbox_fine(sandbox)
     r = sandbox.commands.run("echo x > /workspace/small; echo rc=$?")
     assert "No space left on device" in r.stderr and "rc=1" in r.stdout, (r.stdout, r.stderr)

@@ -269,7 +269,7 @@ class Manager:
             if not exclusive:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             else:
-                deadline = time.monotonic() + 2.0
+                deadline = time.monotonic() + 1.0
                 while True:
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

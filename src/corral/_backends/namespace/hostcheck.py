@@ -6,6 +6,7 @@ import errno
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 from ..._core import linux
 from ..._settings import Settings
@@ -122,6 +123,43 @@ def _check_loop() -> HostCheck:
                      "load the loop module (modprobe loop); workspaces are loop-mounted images")
 
 
+def _check_overlay() -> HostCheck:
+    try:
+        with open("/proc/filesystems") as f:
+            known = f.read().split()
+    except OSError:
+        known = []
+    if "overlay" not in known:
+        subprocess.run(["modprobe", "overlay"], capture_output=True, check=False)
+        with open("/proc/filesystems") as f:
+            known = f.read().split()
+    if "overlay" in known:
+        return HostCheck("overlayfs", True, "workspaces stack snapshot layers with overlayfs")
+    return HostCheck("overlayfs", False, "the kernel has no overlay filesystem",
+                     "load it (modprobe overlay) or use a kernel with CONFIG_OVERLAY_FS")
+
+
+def _check_idmap(settings: Settings) -> HostCheck:
+    """Forks and shared snapshots show one uid's files as another's through idmapped mounts."""
+    if os.geteuid() != 0:
+        return HostCheck("idmapped mounts", False, "not checked (needs root)", "run as root")
+    import tempfile
+
+    from ..._core.idmap import idmap_supported
+
+    base = settings.home if settings.home.is_dir() else Path(tempfile.gettempdir())
+    try:
+        with tempfile.TemporaryDirectory(dir=base, prefix=".idmap-check-") as probe:
+            ok, detail = idmap_supported(probe)
+    except OSError as exc:
+        ok, detail = False, str(exc)
+    if ok:
+        return HostCheck("idmapped mounts", True, "forks share snapshot layers without copying")
+    return HostCheck("idmapped mounts", False, f"idmapped bind mounts fail: {detail}",
+                     "use Linux 5.19 or newer (forks and snapshots used by another sandbox "
+                     "need idmapped overlayfs layers)")
+
+
 def check_host(settings: Settings) -> list[HostCheck]:
     """Every check, in the order a fix is best applied. Never raises."""
     return [
@@ -132,8 +170,11 @@ def check_host(settings: Settings) -> list[HostCheck]:
         _check_cgroups(settings),
         _check_openat2(),
         _check_loop(),
+        _check_overlay(),
+        _check_idmap(settings),
         _check_tool("mkfs.ext4", "e2fsprogs"),
         _check_tool("mount", "mount"),
         _check_tool("setpriv", "util-linux"),
         _check_tool("setsid", "util-linux"),
+        _check_tool("unshare", "util-linux"),
     ]
