@@ -30,6 +30,7 @@ from .common import (
     json_option,
     parse_pairs,
 )
+from .snapshots import fork, restore, snapshot, snapshots, start_options
 from .templates import templates
 
 __all__ = ["main"]
@@ -161,11 +162,13 @@ def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[st
 @click.option("--resources", "-r", default="small", show_default=True,
               help="Resource tier: small or large.")
 @network_options
+@start_options
 @command_options
 @click.pass_context
 @handle_errors
 def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[str, ...],
-        secret_names: tuple[str, ...], timeout: float | None, env: tuple[str, ...],
+        secret_names: tuple[str, ...], isolation: str | None, snapshot_ref: str | None,
+        timeout: float | None, env: tuple[str, ...],
         cwd: str | None, forward_stdin: bool, context: tuple[str, ...], as_json: bool,
         command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
@@ -175,7 +178,8 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
     cmd = _command_from(command)
     variables = parse_pairs(env)
     with Sandbox.create(resources=resources, network=_network(allow, deny),
-                        secrets=list(secret_names), home=home_of(ctx)) as sb:
+                        secrets=list(secret_names), isolation=isolation,
+                        snapshot=snapshot_ref, home=home_of(ctx)) as sb:
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
                         forward_stdin=forward_stdin, as_json=as_json,
                         context=parse_pairs(context, "--context"))
@@ -188,17 +192,18 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
               help="Lifetime in seconds (default: the tier's); destroyed after that.")
 @click.option("--label", "-l", "labels", multiple=True, metavar="KEY=VALUE", help="Add a label.")
 @network_options
+@start_options
 @json_option
 @click.pass_context
 @handle_errors
 def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
            allow: tuple[str, ...], deny: tuple[str, ...], secret_names: tuple[str, ...],
-           as_json: bool) -> None:
+           isolation: str | None, snapshot_ref: str | None, as_json: bool) -> None:
     """Create a sandbox and print its id."""
     label_map = parse_pairs(labels, "--label")
     sb = Sandbox.create(resources=resources, timeout=ttl, labels=label_map,
                         network=_network(allow, deny), secrets=list(secret_names),
-                        home=home_of(ctx))
+                        isolation=isolation, snapshot=snapshot_ref, home=home_of(ctx))
     if as_json:
         emit_json(_info_json(sb.get_info()))
     else:
@@ -238,12 +243,13 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for column in ("ID", "TEMPLATE", "RESOURCES", "AGE", "EXPIRES IN", "LABELS"):
+    for column in ("ID", "TEMPLATE", "RESOURCES", "ISOLATION", "AGE", "EXPIRES IN", "LABELS"):
         table.add_column(column)
     now = time.time()
     for info in infos:
         labels = ",".join(f"{k}={v}" for k, v in info.labels.items())
-        table.add_row(info.id, info.template, info.resources, _duration(now - info.created_at),
+        table.add_row(info.id, info.template, info.resources, info.isolation,
+                      _duration(now - info.created_at),
                       _duration(info.expires_at - now), labels)
     Console().print(table)
 
@@ -609,6 +615,10 @@ cli.add_command(tenants)
 cli.add_command(keys)
 cli.add_command(secrets)
 cli.add_command(templates)
+cli.add_command(snapshot)
+cli.add_command(fork)
+cli.add_command(restore)
+cli.add_command(snapshots)
 
 
 def main() -> None:

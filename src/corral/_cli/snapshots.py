@@ -1,0 +1,185 @@
+"""Snapshot, fork and restore commands: ``corral snapshot``, ``corral fork``, ``corral restore``
+and ``corral snapshots ls|info|rm``.
+
+A thin layer over ``Sandbox``'s methods, so each works embedded and against ``--url`` /
+``CORRAL_URL`` alike. With ``--json``, a snapshot prints as ``{id, name, sandbox, template,
+created_at, size_bytes, depth, tenant}`` and a sandbox as ``corral info --json`` prints it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from .._backends import BACKENDS
+from .._sdk.sandbox import Sandbox
+from ..models import SnapshotInfo
+from .common import F, emit_json, handle_errors, home_of, json_option
+
+__all__ = ["fork", "restore", "snapshot", "snapshots", "start_options"]
+
+
+def start_options(fn: F) -> F:
+    """--isolation and --snapshot, shared by `run` and `create`."""
+    for decorator in reversed([
+        click.option("--isolation", type=click.Choice(list(BACKENDS)), default=None,
+                     help="Isolation tier (default: the configured one, namespace unless set); "
+                          "`corral doctor` says which this host supports."),
+        click.option("--snapshot", "snapshot_ref", default=None, metavar="REF",
+                     help="Start from this snapshot's workspace and template (id or name)."),
+    ]):
+        fn = decorator(fn)
+    return fn
+
+
+def _snapshot_json(snap: SnapshotInfo) -> dict[str, Any]:
+    return snap.to_dict()
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
+@click.command()
+@click.argument("sandbox_id")
+@click.option("--name", default=None, metavar="NAME",
+              help="Name it (letters, digits, _ . -; unique among your snapshots); refer to "
+                   "it by name or id later.")
+@json_option
+@click.pass_context
+@handle_errors
+def snapshot(ctx: click.Context, sandbox_id: str, name: str | None, as_json: bool) -> None:
+    """Save a sandbox's /workspace as it is now, and print the snapshot's id.
+
+    Instant whatever the workspace's size; the sandbox goes on from there. Nothing may be
+    running in it. Start sandboxes from it with `corral create --snapshot REF`, roll back with
+    `corral restore ID REF`.
+
+    \b
+    Example:
+      SNAP=$(corral snapshot $ID --name before-upgrade)
+    """
+    snap = Sandbox.connect(sandbox_id, home=home_of(ctx)).snapshot(name)
+    if as_json:
+        emit_json(_snapshot_json(snap))
+    else:
+        click.echo(snap.id)
+
+
+@click.command()
+@click.argument("sandbox_id")
+@click.option("--count", "-n", type=int, default=1, show_default=True,
+              help="How many sandboxes to make (1-64).")
+@json_option
+@click.pass_context
+@handle_errors
+def fork(ctx: click.Context, sandbox_id: str, count: int, as_json: bool) -> None:
+    """Make new sandboxes that start from this one's /workspace as it is now; print their ids.
+
+    Instant whatever the workspace's size (they share its read-only layers). Each gets the
+    original's template, tier, isolation, network policy, secrets and labels, and its own
+    lifetime. Nothing may be running in the original.
+
+    \b
+    Example:
+      for id in $(corral fork $ID -n 3); do corral exec $id -- ./try.sh & done
+    """
+    children = Sandbox.connect(sandbox_id, home=home_of(ctx)).fork(count)
+    if as_json:
+        emit_json([child.get_info().to_dict() for child in children])
+    else:
+        for child in children:
+            click.echo(child.id)
+
+
+@click.command()
+@click.argument("sandbox_id")
+@click.argument("snapshot_ref", metavar="SNAPSHOT")
+@json_option
+@click.pass_context
+@handle_errors
+def restore(ctx: click.Context, sandbox_id: str, snapshot_ref: str, as_json: bool) -> None:
+    """Put a sandbox's /workspace back exactly as it was in SNAPSHOT (its id or name).
+
+    Changes made since, and not saved in a snapshot, are gone. Nothing may be running in the
+    sandbox.
+    """
+    sb = Sandbox.connect(sandbox_id, home=home_of(ctx))
+    sb.restore(snapshot_ref)
+    if as_json:
+        emit_json(sb.get_info().to_dict())
+    else:
+        click.echo(f"restored {sandbox_id} to {snapshot_ref}", err=True)
+
+
+@click.group()
+def snapshots() -> None:
+    """List, inspect and delete snapshots (made with `corral snapshot`)."""
+
+
+@snapshots.command(name="ls")
+@json_option
+@click.pass_context
+@handle_errors
+def snapshots_ls(ctx: click.Context, as_json: bool) -> None:
+    """List snapshots (of the data directory, or of your tenant on a service)."""
+    snaps = Sandbox.list_snapshots(home=home_of(ctx))
+    if as_json:
+        emit_json([_snapshot_json(s) for s in snaps])
+        return
+    if not snaps:
+        click.echo("no snapshots", err=True)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None)
+    for column in ("ID", "NAME", "TEMPLATE", "FROM", "SIZE", "DEPTH", "CREATED"):
+        table.add_column(column)
+    for s in snaps:
+        table.add_row(s.id, s.name or "-", s.template, s.sandbox, _size(s.size_bytes),
+                      str(s.depth), time.strftime("%Y-%m-%d %H:%M", time.localtime(s.created_at)))
+    Console().print(table)
+
+
+@snapshots.command(name="info")
+@click.argument("snapshot_ref", metavar="SNAPSHOT")
+@json_option
+@click.pass_context
+@handle_errors
+def snapshots_info(ctx: click.Context, snapshot_ref: str, as_json: bool) -> None:
+    """Show one snapshot, by id or name."""
+    snap = Sandbox.get_snapshot(snapshot_ref, home=home_of(ctx))
+    if as_json:
+        emit_json(_snapshot_json(snap))
+    else:
+        for key, value in _snapshot_json(snap).items():
+            click.echo(f"{key:11} {value}")
+
+
+@snapshots.command(name="rm")
+@click.argument("snapshot_refs", nargs=-1, required=True, metavar="SNAPSHOT...")
+@json_option
+@click.pass_context
+@handle_errors
+def snapshots_rm(ctx: click.Context, snapshot_refs: tuple[str, ...], as_json: bool) -> None:
+    """Delete snapshots, by id or name.
+
+    Refused for a snapshot a live sandbox is built on (started from it, forked from it or
+    restored to it): destroy those sandboxes, or restore them to another snapshot, first.
+    """
+    for ref in snapshot_refs:
+        Sandbox.delete_snapshot(ref, home=home_of(ctx))
+        if not as_json:
+            click.echo(f"removed {ref}", err=True)
+    if as_json:
+        emit_json({"removed": list(snapshot_refs)})
