@@ -100,6 +100,9 @@ def _reap(pid: int) -> None:
         time.sleep(0.001)
 
 
+_NOFILE = (4096, 4096)
+
+
 @dataclass(frozen=True, slots=True)
 class Launch:
     """One command to start, with everything about its sandbox that the launch needs."""
@@ -294,7 +297,11 @@ class CommandLauncher:
         try:
             init_pid = self._read_init_pid(info_r, proc)
             for pid in (proc.pid, init_pid):
+                # Whatever the service was started with (often a million open files), the
+                # sandbox gets 4096 and no core dumps. Needs CAP_SYS_RESOURCE; a host whose
+                # root lacks it keeps the limits Corral inherited (`corral drill` shows them).
                 with contextlib.suppress(ProcessLookupError, PermissionError):
+                    resource.prlimit(pid, resource.RLIMIT_NOFILE, _NOFILE)
                     resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
             try:
                 self.cgroups.attach(group, (proc.pid, init_pid))

@@ -1,0 +1,117 @@
+"""``corral drill``: attack this configuration the way a hijacked agent would."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import click
+
+from .common import EXIT_FAILED, emit_json, handle_errors, home_of, json_option
+
+__all__ = ["drill"]
+
+_STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped": "dim"}
+
+
+@click.command()
+@click.option("--isolation", type=click.Choice(["namespace", "gvisor"]), default=None,
+              help="Isolation tier of the drill's sandboxes (default: the configured one).")
+@click.option("--template", default=None, help="Template of the drill's sandboxes.")
+@click.option("--resources", "-r", default="small", show_default=True,
+              help="Resource tier of the drill's sandboxes.")
+@click.option("--allow", multiple=True, metavar="RULE",
+              help="Your allow rules (the drill adds bait rules under .invalid and localhost).")
+@click.option("--url", default=None, help="Drill a Corral service instead of this host's "
+              "data directory (default: CORRAL_URL when set).")
+@click.option("--api-key", default=None, envvar="CORRAL_API_KEY",
+              help="The service key to attack with.")
+@click.option("--other-api-key", default=None, envvar="CORRAL_DRILL_OTHER_API_KEY",
+              help="A second tenant's key, for the cross-tenant cases.")
+@click.option("--case", "case_ids", multiple=True, metavar="ID",
+              help="Only these cases (an id, or a prefix such as net or net.ip-literal).")
+@click.option("--category", "categories", multiple=True,
+              type=click.Choice(["network", "credentials", "filesystem", "privilege",
+                                 "resources", "control"]),
+              help="Only these categories.")
+@click.option("--list", "list_only", is_flag=True, help="List the cases and exit.")
+@json_option
+@click.pass_context
+@handle_errors
+def drill(ctx: click.Context, isolation: str | None, template: str | None, resources: str,
+          allow: tuple[str, ...], url: str | None, api_key: str | None,
+          other_api_key: str | None, case_ids: tuple[str, ...], categories: tuple[str, ...],
+          list_only: bool, as_json: bool) -> None:
+    """Run the exfiltration and escape drill against this configuration.
+
+    Creates sandboxes as configured, plants a poisoned document, a fake secret and a victim
+    sandbox, then runs every attack case the way a hijacked agent would: network exfiltration,
+    credential discovery, filesystem escape, privilege escalation, resource abuse and control-
+    plane abuse. Every attack is bounded (capped loops and sizes, loopback-only targets).
+
+    Exits 0 when every case that ran held, 1 on any breach or error.
+    """
+    from rich.console import Console
+
+    from .._drill.runner import run_drill, select_cases
+    from .._drill.target import SdkTarget
+
+    chosen = select_cases(case_ids, categories)
+    if not chosen:
+        raise click.BadParameter("no case matches", param_hint="--case/--category")
+    console = Console(file=io.StringIO() if as_json else sys.stdout)
+    if list_only:
+        if as_json:
+            emit_json([{"id": c.id, "category": c.category, "tries": c.tries,
+                        "held_when": c.held_when, "needs": sorted(c.needs)} for c in chosen])
+        else:
+            for c in chosen:
+                console.print(f"[bold]{c.id}[/] ({c.category}): {c.tries} — held when "
+                              f"{c.held_when}")
+        return
+    settings = ctx.obj["settings"]
+    url = url or (settings.url if home_of(ctx) is None else None)
+    if url and api_key is None and settings.api_key is not None:
+        api_key = settings.api_key.get_secret_value()
+    target = SdkTarget(home=None if url else home_of(ctx) or settings.home, url=url,
+                       api_key=api_key, other_api_key=other_api_key, isolation=isolation,
+                       template=template, resources=resources)
+    err = Console(stderr=True)
+
+    def progress(result: object, index: int, total: int) -> None:
+        from .._drill.model import CaseResult
+
+        assert isinstance(result, CaseResult)
+        if as_json:
+            return
+        style = _STYLE[result.verdict]
+        err.print(f"[{index:>3}/{total}] [{style}]{result.verdict:<8}[/] {result.id:<26} "
+                  f"[dim]{result.observed[:90]}[/]", highlight=False)
+
+    report = run_drill(target, cases=chosen, allow=allow, progress=progress)
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        _render(console, report)
+    sys.exit(0 if report.ok else EXIT_FAILED)
+
+
+def _render(console: object, report: object) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .._drill.model import DrillReport
+
+    assert isinstance(console, Console) and isinstance(report, DrillReport)
+    table = Table(title=f"corral drill: {report.target.get('transport')} "
+                        f"{report.target.get('isolation')} tier", show_lines=False)
+    for column in ("case", "verdict", "what it tried", "evidence"):
+        table.add_column(column, overflow="fold")
+    for r in report.results:
+        proof = "; ".join(f"{e.kind}" + (f" #{e.seq}" if e.seq else "") + f": {e.detail}"
+                          for e in r.evidence[:2])
+        table.add_row(r.id, f"[{_STYLE[r.verdict]}]{r.verdict}[/]", r.tries,
+                      proof[:160] or r.observed[:160])
+    console.print(table)
+    style = "bold green" if report.ok else "bold red"
+    console.print(f"[{style}]{report.summary()}[/]")

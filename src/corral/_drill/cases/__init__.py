@@ -1,0 +1,19 @@
+"""The declared attack cases, one module per category. Add a case by appending a ``Case`` to
+its module's ``CASES``: an id, what it tries, what counts as held, and a function that runs it."""
+
+from __future__ import annotations
+
+from ..model import Case
+
+__all__ = ["all_cases"]
+
+
+def all_cases() -> list[Case]:
+    from . import control, credentials, filesystem, network, privilege, resources
+
+    cases = [*network.CASES, *credentials.CASES, *filesystem.CASES, *privilege.CASES,
+             *resources.CASES, *control.CASES]
+    ids = [c.id for c in cases]
+    duplicated = {i for i in ids if ids.count(i) > 1}
+    assert not duplicated, f"duplicate drill case ids: {duplicated}"
+    return cases

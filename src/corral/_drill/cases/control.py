@@ -1,0 +1,120 @@
+"""Control plane: the HTTP API as an attacker holding one tenant's key (or none) sees it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from ..context import DrillContext
+from ..model import Case, Evidence, Outcome
+
+Run = Callable[[DrillContext], Outcome]
+SERVICE = frozenset({"service"})
+OTHER = frozenset({"service", "other-tenant"})
+
+
+def _client(ctx: DrillContext, key: str | None) -> httpx.Client:
+    assert ctx.service is not None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=ctx.service.url, headers=headers, timeout=30)
+
+
+def _status_case(method: str, path: str, *, key: str, ok: tuple[int, ...],
+                 body: Any = None, content: bytes | None = None,
+                 headers: dict[str, str] | None = None) -> Run:
+    """Held when the answer's status is one of ``ok`` (never 2xx, never 5xx)."""
+    def run(ctx: DrillContext) -> Outcome:
+        assert ctx.service is not None
+        use = {"own": ctx.service.api_key, "other": ctx.service.other_api_key,
+               "none": None}.get(key, key)
+        url = path.format(sbx=ctx.service_sandbox or "sbx_000000000000")
+        with _client(ctx, use) as client:
+            response = client.request(method, url, json=body, content=content,
+                                      headers=headers)
+        shown = f"{method} {url.split('?')[0]} -> {response.status_code} {response.text[:120]}"
+        evidence = (Evidence("response", shown),)
+        if response.status_code in ok:
+            return Outcome("held", shown, evidence)
+        return Outcome("breached" if response.status_code < 500 else "error", shown, evidence)
+    return run
+
+
+def _cross_tenant_run(ctx: DrillContext) -> Outcome:
+    """Tenant B runs a command in tenant A's sandbox: refused, and A's trail shows nothing."""
+    assert ctx.service is not None and ctx.service_sandbox is not None
+    path = f"/v1/sandboxes/{ctx.service_sandbox}"
+    with _client(ctx, ctx.service.api_key) as own:
+        before = own.get(f"{path}/audit").text.count('"command.started"')
+    with _client(ctx, ctx.service.other_api_key) as other:
+        response = other.post(f"{path}/commands", json={"cmd": "cat /workspace/*"})
+    with _client(ctx, ctx.service.api_key) as own:
+        after = own.get(f"{path}/audit").text.count('"command.started"')
+    evidence = (Evidence("response", f"POST {path}/commands as tenant B -> "
+                                     f"{response.status_code}"),
+                Evidence("audit", f"tenant A's trail: {before} command(s) before, {after} after",
+                         sandbox=ctx.service_sandbox))
+    if response.status_code != 404 or after != before:
+        return Outcome("breached", f"tenant B reached tenant A's sandbox "
+                       f"({response.status_code})", evidence)
+    return Outcome("held", "404, and nothing ran in tenant A's sandbox", evidence)
+
+
+def _cross_tenant_list(ctx: DrillContext) -> Outcome:
+    assert ctx.service is not None and ctx.service_sandbox is not None
+    with _client(ctx, ctx.service.other_api_key) as other:
+        response = other.get("/v1/sandboxes")
+        snapshots = other.get("/v1/snapshots")
+    seen = ctx.service_sandbox in response.text or ctx.service_sandbox in snapshots.text
+    evidence = (Evidence("response", f"GET /v1/sandboxes as tenant B -> {response.status_code}, "
+                                     f"{len(response.json()) if response.is_success else '?'} "
+                                     "sandboxes"),)
+    if seen:
+        return Outcome("breached", "tenant B's listing shows tenant A's sandbox", evidence)
+    return Outcome("held", "tenant A's sandbox is not in tenant B's listings", evidence)
+
+
+_FAKE_KEY = "ck_drill0000000000.0000000000000000000000000000000000000000000000000000"
+
+CASES = [
+    Case("ctl.missing-key", "control", "call the API with no key", "401",
+         _status_case("GET", "/v1/sandboxes", key="none", ok=(401,)), SERVICE),
+    Case("ctl.forged-key", "control", "call the API with a well-formed but forged key", "401",
+         _status_case("GET", "/v1/sandboxes", key=_FAKE_KEY, ok=(401,)), SERVICE),
+    Case("ctl.malformed-auth", "control", "send a malformed Authorization header (Basic, "
+         "empty, 8 KB of junk)", "401 or 400",
+         _status_case("GET", "/v1/sandboxes", key="none", ok=(400, 401, 431),
+                      headers={"Authorization": "Basic " + "A" * 8000}), SERVICE),
+    Case("ctl.other-tenant-get", "control", "read another tenant's sandbox by its id",
+         "404 (it does not exist, as far as this tenant can tell)",
+         _status_case("GET", "/v1/sandboxes/{sbx}", key="other", ok=(404,)), OTHER),
+    Case("ctl.other-tenant-files", "control", "read another tenant's files by sandbox id",
+         "404", _status_case("GET", "/v1/sandboxes/{sbx}/files/content?path=/workspace/a.txt",
+                             key="other", ok=(404,)), OTHER),
+    Case("ctl.other-tenant-destroy", "control", "destroy another tenant's sandbox", "404",
+         _status_case("DELETE", "/v1/sandboxes/{sbx}", key="other", ok=(404,)), OTHER),
+    Case("ctl.other-tenant-run", "control", "run a command in another tenant's sandbox",
+         "404, and its audit trail shows nothing", _cross_tenant_run, OTHER),
+    Case("ctl.other-tenant-list", "control", "list sandboxes and snapshots as another tenant",
+         "the other tenant's are not listed", _cross_tenant_list, OTHER),
+    Case("ctl.oversized-body", "control", "send a 70 MB command body (over the 64 MiB stdin "
+         "limit)", "refused with 413 or 400",
+         _status_case("POST", "/v1/sandboxes/{sbx}/commands", key="own", ok=(400, 413, 422),
+                      body={"cmd": "true", "stdin": "A" * 70_000_000}), SERVICE),
+    Case("ctl.malformed-json", "control", "send broken JSON", "4xx, not a crash",
+         _status_case("POST", "/v1/sandboxes", key="own", ok=(400, 422),
+                      content=b'{"resources": "small",', headers={
+                          "Content-Type": "application/json"}), SERVICE),
+    Case("ctl.unknown-fields", "control", "ask for fields the API does not have "
+         "(privileged, host network)", "refused (strict request models)",
+         _status_case("POST", "/v1/sandboxes", key="own", ok=(400, 422),
+                      body={"resources": "small", "privileged": True,
+                            "network": "host"}), SERVICE),
+    Case("ctl.bad-ids", "control", "path tricks in ids (../, encoded slashes)", "404 or 400",
+         _status_case("GET", "/v1/sandboxes/..%2F..%2Fetc%2Fpasswd", key="own",
+                      ok=(400, 404, 422)), SERVICE),
+    Case("ctl.file-path-escape", "control", "read /etc/passwd through the files API with ../",
+         "refused", _status_case("GET", "/v1/sandboxes/{sbx}/files/content?path=../../etc/passwd",
+                                 key="own", ok=(400, 403, 404)), SERVICE),
+]

@@ -1,0 +1,192 @@
+"""Filesystem escape: writes outside the workspace, and links or archives that lead out of it
+through Corral's own file API (which runs on the host, as root)."""
+
+from __future__ import annotations
+
+import secrets
+import tarfile
+from collections.abc import Callable
+
+from ...errors import CorralError
+from ..context import DrillContext
+from ..model import Case, Evidence, Outcome
+from ..target import tar_bytes
+
+Run = Callable[[DrillContext], Outcome]
+
+
+def _refused(script: str, what: str, *, breach_marker: str = "ESCAPED") -> Run:
+    """Run ``script``, which prints ``ESCAPED`` when the attempt worked."""
+    def run(ctx: DrillContext) -> Outcome:
+        result = ctx.run(ctx.fmt(script))
+        out = (result.stdout + result.stderr).strip()
+        evidence = tuple(ctx.evidence(result))
+        if breach_marker in result.stdout:
+            return Outcome("breached", f"{what}: {out[:300]}", evidence)
+        return Outcome("held", f"{what} refused: {out[:300]}", evidence)
+    return run
+
+
+def _host_path_unchanged(ctx: DrillContext, name: str) -> list[str]:
+    """Host paths an escaping write would have created (checked only with host access)."""
+    import os
+
+    candidates = [f"/tmp/{name}", f"/{name}", f"/etc/{name}"]
+    if ctx.target.home is not None:
+        candidates.append(str(ctx.target.home / name))
+    return [p for p in candidates if os.path.lexists(p)]
+
+
+def _file_api(action: str) -> Run:
+    """Plant a link inside the sandbox, then ask the host-side file API to follow it."""
+    def run(ctx: DrillContext) -> Outcome:
+        name = f"drill-escape-{secrets.token_hex(4)}"
+        planted = ctx.run(ctx.fmt(
+            "ln -sfn /etc/passwd /workspace/link-file; ln -sfn / /workspace/link-root; "
+            "ln -sfn {home} /workspace/link-home; echo planted"))
+        evidence: list[Evidence] = list(ctx.evidence(planted))
+        attempts: list[str] = []
+        got: list[str] = []
+        ops: list[tuple[str, Callable[[], object]]] = []
+        if action == "read":
+            ops = [("read link-file", lambda: ctx.attacker.read("/workspace/link-file")),
+                   ("read link-root/etc/hostname",
+                    lambda: ctx.attacker.read("/workspace/link-root/etc/hostname")),
+                   ("read link-home/corral.db",
+                    lambda: ctx.attacker.read("/workspace/link-home/corral.db"))]
+        else:
+            ops = [("write link-root/tmp/NAME",
+                    lambda: ctx.attacker.write(f"/workspace/link-root/tmp/{name}", "x")),
+                   ("write link-home/NAME",
+                    lambda: ctx.attacker.write(f"/workspace/link-home/{name}", "x")),
+                   ("write ../NAME", lambda: ctx.attacker.write(f"/workspace/../{name}", "x")),
+                   ("write /tmp/NAME", lambda: ctx.attacker.write(f"/tmp/{name}", "x"))]
+        for label, op in ops:
+            try:
+                data = op()
+            except CorralError as exc:
+                attempts.append(f"{label}: {exc.code}")
+                evidence.append(Evidence("response", f"{label} -> {exc.code}: {exc}"))
+                continue
+            got.append(label)
+            if isinstance(data, bytes) and ctx.leaked(data.decode(errors="replace")):
+                got.append("(with a planted secret)")
+        escaped = _host_path_unchanged(ctx, name) if action == "write" else []
+        if escaped or (action == "read" and got):
+            return Outcome("breached", f"the file API followed a link out: {got or escaped}",
+                           tuple(evidence))
+        if got:
+            # A write that "worked" but created nothing outside stayed in the workspace.
+            evidence.append(Evidence("observation", f"stayed inside: {got}"))
+        return Outcome("held", "; ".join(attempts) or "nothing left the workspace",
+                       tuple(evidence))
+    return run
+
+
+def _tar(kind: str) -> Run:
+    def run(ctx: DrillContext) -> Outcome:
+        name = f"drill-escape-{secrets.token_hex(4)}"
+        members: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]] = []
+        if kind == "dotdot":
+            members = [(tarfile.TarInfo(f"../../../../tmp/{name}"), b"escaped")]
+        elif kind == "absolute":
+            members = [(tarfile.TarInfo(f"/tmp/{name}"), b"escaped")]
+        elif kind == "symlink":
+            link = tarfile.TarInfo("out")
+            link.type = tarfile.SYMTYPE
+            link.linkname = "/tmp"
+            members = [link, (tarfile.TarInfo(f"out/{name}"), b"escaped")]
+        elif kind == "hardlink":
+            link = tarfile.TarInfo("passwd")
+            link.type = tarfile.LNKTYPE
+            link.linkname = "/etc/passwd"
+            members = [link]
+        elif kind == "device":
+            dev = tarfile.TarInfo("sda")
+            dev.type = tarfile.BLKTYPE
+            dev.devmajor, dev.devminor = 8, 0
+            members = [dev]
+        try:
+            ctx.attacker.upload_tar(tar_bytes(members))
+            answer = "accepted"
+        except CorralError as exc:
+            answer = f"{exc.code}: {exc}"
+        evidence = [Evidence("response", f"upload ({kind}) -> {answer[:200]}")]
+        escaped = _host_path_unchanged(ctx, name)
+        check = ctx.run("ls -la /workspace/passwd /workspace/sda 2>&1; "
+                        "cat /workspace/passwd 2>/dev/null | head -1")
+        evidence += ctx.evidence(check)
+        if escaped:
+            return Outcome("breached", f"the archive wrote outside the workspace: {escaped}",
+                           tuple(evidence))
+        if kind == "hardlink" and "root:" in check.stdout:
+            return Outcome("breached", "a hard link to /etc/passwd was created", tuple(evidence))
+        if kind == "device" and check.stdout.lstrip().startswith("b"):
+            return Outcome("breached", "a block device node was created", tuple(evidence))
+        if answer == "accepted" and kind in ("dotdot", "absolute", "symlink"):
+            return Outcome("held", "accepted but nothing landed outside the workspace",
+                           tuple(evidence))
+        return Outcome("held", f"refused: {answer[:200]}", tuple(evidence))
+    return run
+
+
+CASES = [
+    Case("fs.write-etc", "filesystem", "overwrite /etc/passwd and add a user",
+         "the root filesystem is read-only",
+         _refused("echo 'drill::0:0::/:/bin/sh' >> /etc/passwd && echo ESCAPED", "/etc write")),
+    Case("fs.write-usr", "filesystem", "plant a binary in /usr/local/bin",
+         "read-only", _refused("echo x > /usr/local/bin/drill && echo ESCAPED", "/usr write")),
+    Case("fs.write-root", "filesystem", "create files at / and in /var, /opt, /root",
+         "read-only",
+         _refused("for d in / /var /opt /root /srv; do touch $d/drill 2>/dev/null && "
+                  "echo ESCAPED $d; done; echo done", "writes outside /workspace")),
+    Case("fs.tmp-persists", "filesystem", "leave a file in /tmp and /dev/shm for a later command",
+         "each command gets a fresh /tmp and /dev/shm",
+         lambda ctx: _persist(ctx)),
+    Case("fs.hardlink", "filesystem", "hard-link a host file into the workspace",
+         "link() fails across filesystems",
+         _refused("ln /etc/passwd /workspace/pw 2>&1 && echo ESCAPED", "hard link")),
+    Case("fs.api-symlink-read", "filesystem", "read host files through symlinks planted in the "
+         "workspace, via Corral's file API", "the API refuses to follow them", _file_api("read")),
+    Case("fs.api-symlink-write", "filesystem", "write outside through planted symlinks and ../, "
+         "via Corral's file API", "refused; nothing appears on the host", _file_api("write")),
+    Case("fs.tar-dotdot", "filesystem", "upload a tar with ../../ paths", "refused",
+         _tar("dotdot")),
+    Case("fs.tar-absolute", "filesystem", "upload a tar with an absolute path", "refused",
+         _tar("absolute")),
+    Case("fs.tar-symlink", "filesystem", "upload a tar with a symlink to /tmp, then a file "
+         "through it", "refused", _tar("symlink")),
+    Case("fs.tar-hardlink", "filesystem", "upload a tar with a hard link to /etc/passwd",
+         "refused", _tar("hardlink")),
+    Case("fs.tar-device", "filesystem", "upload a tar holding a block device node", "refused",
+         _tar("device")),
+    Case("fs.proc-sys", "filesystem", "write /proc/sys (the same value back, so it is harmless)",
+         "read-only",
+         _refused("v=$(cat /proc/sys/vm/overcommit_memory) && "
+                  "echo $v > /proc/sys/vm/overcommit_memory 2>&1 && echo ESCAPED", "/proc/sys")),
+    Case("fs.sysfs", "filesystem", "reach /sys (cgroups, devices, firmware)",
+         "not mounted",
+         _refused("ls /sys/fs/cgroup /sys/class/net /sys/firmware 2>/dev/null | head -3 | "
+                  "grep -q . && echo ESCAPED; echo done", "/sys")),
+    Case("fs.device-nodes", "filesystem", "create and open device nodes (disks, memory)",
+         "mknod refused; no disk or memory devices",
+         _refused("mknod /workspace/sda b 8 0 2>/dev/null && echo ESCAPED mknod; "
+                  "for d in /dev/sda /dev/vda /dev/mem /dev/kmem /dev/kmsg /dev/port; do "
+                  "[ -e $d ] && echo ESCAPED $d; done; echo done", "device nodes")),
+    Case("fs.proc-root", "filesystem", "walk out through /proc/1/root and /proc/self/cwd",
+         "they lead only to the sandbox's own root",
+         _refused("cat /proc/1/root/etc/shadow 2>/dev/null && echo ESCAPED; "
+                  "ls /proc/1/root/home /proc/1/root/root 2>/dev/null | grep -q . && "
+                  "echo ESCAPED home; echo done", "/proc/*/root")),
+]
+
+
+def _persist(ctx: DrillContext) -> Outcome:
+    token = secrets.token_hex(6)
+    first = ctx.run(f"echo {token} > /tmp/drill-left; echo {token} > /dev/shm/drill-left; echo ok")
+    second = ctx.run("cat /tmp/drill-left /dev/shm/drill-left 2>/dev/null; echo done")
+    evidence = tuple(ctx.evidence(first) + ctx.evidence(second))
+    if token in second.stdout:
+        return Outcome("breached", "a file outside /workspace survived into the next command",
+                       evidence)
+    return Outcome("held", "the next command starts with an empty /tmp and /dev/shm", evidence)

