@@ -30,6 +30,7 @@ from .common import (
     json_option,
     parse_pairs,
 )
+from .drill import drill
 from .snapshots import fork, restore, snapshot, snapshots, start_options
 from .templates import templates
 
@@ -615,6 +616,7 @@ cli.add_command(tenants)
 cli.add_command(keys)
 cli.add_command(secrets)
 cli.add_command(templates)
+cli.add_command(drill)
 cli.add_command(snapshot)
 cli.add_command(fork)
 cli.add_command(restore)
