@@ -81,6 +81,7 @@ class _Service:
         self.url = server.url
         self.manager = manager
         self._live: str | None = None
+        self._snapshot: str | None = None
 
     def live_id(self) -> str:
         """A running sandbox with time left, made again if the fuzzer destroyed or expired it."""
@@ -94,6 +95,19 @@ class _Service:
                 pass
         self._live = self.manager.create(timeout=600).id
         return self._live
+
+    def live_snapshot(self) -> str:
+        """A snapshot that exists, taken again if the fuzzer deleted it. Taken of a sandbox of
+        its own, which goes at once (the snapshot stays): the live sandbox may be busy."""
+        if self._snapshot is not None:
+            with contextlib.suppress(CorralError):
+                return self.manager.get_snapshot(self._snapshot).id
+        source = self.manager.create(timeout=60)
+        try:
+            self._snapshot = self.manager.snapshot(source.id).id
+        finally:
+            self.manager.destroy(source.id)
+        return self._snapshot
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +136,10 @@ def _bound(case: Any) -> None:
         if timeout is None or (isinstance(timeout, int | float) and not isinstance(timeout, bool)
                                and COMMAND_TIMEOUT_S < timeout <= 60):
             case.body["timeout"] = COMMAND_TIMEOUT_S
+    if case.operation.path.endswith("/fork") and isinstance(case.body, dict):
+        count = case.body.get("count")
+        if isinstance(count, int) and not isinstance(count, bool) and 2 < count <= 64:
+            case.body["count"] = 2  # each fork is a sandbox: valid but few
 
 
 def _valid_only_by_coercion(case: Any) -> bool:
@@ -151,6 +169,11 @@ def test_api_conforms_to_its_schema(case: Any, use_live: bool, service: _Service
     if use_live and isinstance(case.path_parameters, dict) and (
             "sandbox_id" in case.path_parameters):
         case.path_parameters["sandbox_id"] = service.live_id()
+    if use_live and isinstance(case.path_parameters, dict) and "ref" in case.path_parameters:
+        case.path_parameters["ref"] = service.live_snapshot()
+    if use_live and case.operation.path.endswith("/restore") and isinstance(case.body, dict) \
+            and isinstance(case.body.get("snapshot"), str) and case.body["snapshot"]:
+        case.body["snapshot"] = service.live_snapshot()  # only a valid ref: keep negatives
     _bound(case)
     excluded = list(SEMANTIC_CHECKS)
     if case.operation.label in STRING_ARRAY_QUERY_OPS or _valid_only_by_coercion(case):
@@ -162,6 +185,11 @@ def test_api_conforms_to_its_schema(case: Any, use_live: bool, service: _Service
         if case.operation.label == "POST /v1/sandboxes" and response.status_code == 201:
             with contextlib.suppress(CorralError):  # a tiny fuzzed lifetime may have ended it
                 service.manager.destroy(response.json()["id"])
+        if case.operation.label == "POST /v1/sandboxes/{sandbox_id}/fork" and (
+                response.status_code == 201):
+            for child in response.json():
+                with contextlib.suppress(CorralError):
+                    service.manager.destroy(child["id"])
 
 
 # -- bugs the fuzzer found once, pinned -----------------------------------------------------------
@@ -217,8 +245,15 @@ def _query_param(path: str, method: str, name: str) -> dict[str, Any]:
     (_component("CreateSandbox"), {"template": ""}),
     (_component("RunCommand"), {"cmd": ""}),
     (_query_param("/v1/sandboxes/{sandbox_id}/files/stat", "get", "path"), ""),
+    (_component("CreateSandbox"), {"isolation": "hypervisor"}),
+    (_component("CreateSandbox"), {"snapshot": ""}),
+    (_component("TakeSnapshot"), {"name": "bad name"}),
+    (_component("Fork"), {"count": 0}),
+    (_component("Fork"), {"count": 65}),
+    (_component("Restore"), {"snapshot": ""}),
 ], ids=["set-timeout-0", "create-timeout-negative", "create-unknown-tier",
-        "create-empty-template", "command-empty", "path-empty"])
+        "create-empty-template", "command-empty", "path-empty", "create-unknown-isolation",
+        "create-empty-snapshot", "snapshot-bad-name", "fork-0", "fork-65", "restore-empty"])
 def test_the_document_refuses_what_the_server_refuses(schema_: dict[str, Any],
                                                       refused: Any) -> None:
     assert not jsonschema_rs.is_valid(schema_, refused)

@@ -1,7 +1,8 @@
 """The MCP server behind ``corral mcp``: sandboxes as tools for any MCP client.
 
 Tools: ``create_sandbox``, ``run_command``, ``read_file``, ``write_file``, ``list_files``,
-``destroy_sandbox``. Every tool but ``create_sandbox`` takes an optional ``sandbox_id``.
+``upload_tar``, ``download_tar``, ``snapshot``, ``fork``, ``restore``, ``destroy_sandbox``. Every
+tool but ``create_sandbox`` takes an optional ``sandbox_id``.
 
 The session sandbox
     A call without ``sandbox_id`` uses the *session sandbox*: created on the session's first such
@@ -12,8 +13,11 @@ The session sandbox
     sessionless 2026-07-28 protocol over HTTP have no session to key on: they get a
     ``session_required`` error and must call ``create_sandbox`` and pass ``sandbox_id``.
 
-    Sandboxes made with ``create_sandbox`` belong to the session that made them and are destroyed
-    with it too (or, when there is no session, at server shutdown). Every sandbox still carries
+    Sandboxes made with ``create_sandbox`` or ``fork`` belong to the session that made them and
+    are destroyed with it too (or, when there is no session, at server shutdown). So do snapshots
+    made with ``snapshot``: they are deleted after the session's sandboxes, unless a sandbox from
+    elsewhere is built on one (snapshots have no TTL, and an agent left alone could fill the
+    disk with them otherwise). Every sandbox still carries
     its TTL: when the server is killed without a chance to clean up (SIGKILL, power loss), its
     sandboxes live at most until their TTL, after which any Corral process (or ``corral reap``)
     removes them.
@@ -49,7 +53,7 @@ from mcp_types import CallToolResult, TextContent, ToolAnnotations
 
 from .. import errors
 from .._sdk.sandbox import Sandbox
-from ..models import CommandResult, FileEntry
+from ..models import CommandResult, FileEntry, SnapshotInfo
 
 __all__ = ["OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "serve"]
 
@@ -90,6 +94,11 @@ def _entry(e: FileEntry) -> dict[str, Any]:
     return {"name": e.name, "path": e.path, "type": e.type, "size": e.size}
 
 
+def _snapshot(snap: SnapshotInfo) -> dict[str, Any]:
+    return {"snapshot_id": snap.id, "name": snap.name, "template": snap.template,
+            "size_bytes": snap.size_bytes, "depth": snap.depth}
+
+
 def _ok(data: dict[str, Any]) -> CallToolResult:
     return CallToolResult(content=[TextContent(type="text", text=json.dumps(data))],
                           structured_content=data)
@@ -104,6 +113,7 @@ def _error(code: str, message: str) -> CallToolResult:
 class _Session:
     sandbox: Sandbox | None = None
     owned: set[str] = field(default_factory=set)
+    snapshots: set[str] = field(default_factory=set)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     hooked: bool = False
 
@@ -116,6 +126,7 @@ class CorralMCP:
         self.transport = transport
         self._sessions: dict[str, _Session] = {}
         self._unowned: set[str] = set()  # made by sessionless clients: destroyed at shutdown
+        self._unowned_snapshots: set[str] = set()  # likewise, deleted at shutdown
         self._closed = False
 
     # --- sessions -------------------------------------------------------------------------
@@ -151,6 +162,7 @@ class CorralMCP:
         if session is not None:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._destroy_ids, set(session.owned))
+                await anyio.to_thread.run_sync(self._delete_snapshots, set(session.snapshots))
 
     def _destroy_ids(self, ids: set[str]) -> None:
         for sandbox_id in sorted(ids):
@@ -161,17 +173,34 @@ class CorralMCP:
             except Exception:  # keep destroying the others
                 log.exception("could not destroy sandbox %s", sandbox_id)
 
+    def _delete_snapshots(self, ids: set[str]) -> None:
+        """Delete snapshots; run after their session's sandboxes are gone."""
+        for snapshot_id in sorted(ids):
+            try:
+                Sandbox.delete_snapshot(snapshot_id, home=self.home)
+            except errors.SnapshotNotFound:
+                pass
+            except errors.SnapshotInUse:
+                # A sandbox made from it outside the session (a CLI user, another client):
+                # deleting it is theirs to decide, `corral snapshots rm` once they are done.
+                log.info("kept snapshot %s: a sandbox outside the session uses it", snapshot_id)
+            except Exception:  # keep deleting the others
+                log.exception("could not delete snapshot %s", snapshot_id)
+
     async def shutdown(self) -> None:
         """Destroy every sandbox a session made; run when the server stops."""
         self._closed = True
-        ids = set(self._unowned)
+        ids, snapshots = set(self._unowned), set(self._unowned_snapshots)
         for session in self._sessions.values():
             ids |= session.owned
+            snapshots |= session.snapshots
         self._sessions.clear()
         self._unowned.clear()
-        if ids:
+        self._unowned_snapshots.clear()
+        if ids or snapshots:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._destroy_ids, ids)
+                await anyio.to_thread.run_sync(self._delete_snapshots, snapshots)
 
     async def sandbox(self, ctx: Context[Any, Any] | None, sandbox_id: str | None) -> Sandbox:
         """The named sandbox, or the session sandbox (created on first use)."""
@@ -199,6 +228,18 @@ class CorralMCP:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(sb.kill)
             raise errors.UsageError("the MCP server is shutting down")
+
+    def _own(self, ctx: Context[Any, Any] | None, *, sandboxes: tuple[str, ...] = (),
+             snapshots: tuple[str, ...] = ()) -> None:
+        """Record what a tool made, so it goes with the calling session (or at shutdown)."""
+        key = self._session_key(ctx)
+        if key is None:
+            self._unowned.update(sandboxes)
+            self._unowned_snapshots.update(snapshots)
+        else:
+            session = self._session(ctx, key)
+            session.owned.update(sandboxes)
+            session.snapshots.update(snapshots)
 
     def _forget(self, sandbox_id: str) -> None:
         self._unowned.discard(sandbox_id)
@@ -229,21 +270,18 @@ class CorralMCP:
 
     async def create_sandbox(
         self, ctx: Context[Any, Any] | None, resources: str, timeout_s: float | None,
-        allow: list[str], labels: dict[str, str],
+        allow: list[str], labels: dict[str, str], isolation: str | None = None,
+        snapshot: str | None = None,
     ) -> dict[str, Any]:
         network: dict[str, list[str]] | str = {"allow": list(allow)} if allow else "none"
         sb = await anyio.to_thread.run_sync(lambda: Sandbox.create(
             resources=resources, timeout=timeout_s, labels=labels, network=network,
-            home=self.home))
+            isolation=isolation, snapshot=snapshot, home=self.home))
         await self._check_open(sb)
-        key = self._session_key(ctx)
-        if key is None:
-            self._unowned.add(sb.id)
-        else:
-            self._session(ctx, key).owned.add(sb.id)
+        self._own(ctx, sandboxes=(sb.id,))
         info = sb.get_info()
         return {"sandbox_id": sb.id, "resources": info.resources, "expires_at": info.expires_at,
-                "network": info.network, "labels": info.labels}
+                "network": info.network, "labels": info.labels, "isolation": info.isolation}
 
     async def run_command(
         self, ctx: Context[Any, Any] | None, command: str, sandbox_id: str | None,
@@ -319,6 +357,34 @@ class CorralMCP:
         return {"sandbox_id": sb.id, "path": path, "format": "tar.gz" if gzip else "tar",
                 "size": len(data), "archive_base64": base64.b64encode(data).decode()}
 
+    async def snapshot(self, ctx: Context[Any, Any] | None, name: str | None,
+                       sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        snap = await anyio.to_thread.run_sync(lambda: sb.snapshot(name))
+        if self._closed:  # taken while the server shut down: gone at once, as in _check_open
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._delete_snapshots, {snap.id})
+            raise errors.UsageError("the MCP server is shutting down")
+        self._own(ctx, snapshots=(snap.id,))
+        return {"sandbox_id": sb.id, **_snapshot(snap)}
+
+    async def fork(self, ctx: Context[Any, Any] | None, count: int,
+                   sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        children = await anyio.to_thread.run_sync(lambda: sb.fork(count))
+        if self._closed:  # made while the server shut down: gone at once, as in _check_open
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._destroy_ids, {c.id for c in children})
+            raise errors.UsageError("the MCP server is shutting down")
+        self._own(ctx, sandboxes=tuple(c.id for c in children))
+        return {"sandbox_id": sb.id, "forks": [c.id for c in children]}
+
+    async def restore(self, ctx: Context[Any, Any] | None, snapshot: str,
+                      sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        await anyio.to_thread.run_sync(lambda: sb.restore(snapshot))
+        return {"sandbox_id": sb.id, "snapshot": snapshot, "restored": True}
+
     async def destroy_sandbox(self, ctx: Context[Any, Any] | None,
                               sandbox_id: str | None) -> dict[str, Any]:
         if sandbox_id is None:
@@ -360,14 +426,17 @@ def build_server(home: Path | None, transport: Transport) -> tuple[MCPServer[Any
     async def create_sandbox(
         ctx: Context[Any, Any], resources: str = "small", timeout_s: float | None = None,
         allow: list[str] | None = None, labels: dict[str, str] | None = None,
+        isolation: str | None = None, snapshot: str | None = None,
     ) -> CallToolResult:
         """Create a sandbox and return its sandbox_id (pass it to the other tools).
 
         resources: tier, "small" or "large". timeout_s: lifetime in seconds (default: the
         tier's). allow: hosts it may reach over HTTP(S) ("pypi.org", "*.github.com"); empty
-        means no network. It is destroyed with this MCP session, or by destroy_sandbox."""
+        means no network. isolation: "namespace" (default) or "gvisor" (a user-space kernel in
+        between, where the host supports it). snapshot: start from this snapshot's files (its
+        snapshot_id or name). It is destroyed with this MCP session, or by destroy_sandbox."""
         return await state.guarded(ctx, "", lambda: state.create_sandbox(
-            ctx, resources, timeout_s, allow or [], labels or {}))
+            ctx, resources, timeout_s, allow or [], labels or {}, isolation, snapshot))
 
     @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
     async def run_command(
@@ -418,6 +487,37 @@ def build_server(home: Path | None, transport: Transport) -> tuple[MCPServer[Any
         """The tree under path as a base64 tar (gzip by default)."""
         return await state.guarded(ctx, sandbox_id,
                                    lambda: state.download(ctx, path, gzip, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
+    async def snapshot(ctx: Context[Any, Any], name: str | None = None,
+                       sandbox_id: str | None = None) -> CallToolResult:
+        """Save the sandbox's /workspace as it is now (default: this session's sandbox), to go
+        back to with restore or to start new sandboxes from; instant whatever its size.
+
+        name: optional, unique among snapshots (letters, digits, _ . -). Nothing may be running
+        in the sandbox (sandbox_busy otherwise). Snapshots are deleted with this MCP session."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.snapshot(ctx, name, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
+    async def fork(ctx: Context[Any, Any], count: int = 1,
+                   sandbox_id: str | None = None) -> CallToolResult:
+        """Make count (1-64) new sandboxes, each starting with a copy of this sandbox's
+        /workspace as it is now (default: this session's sandbox), to try several approaches
+        side by side. Returns their sandbox_ids ("forks"); pass one as sandbox_id to the other
+        tools. They are destroyed with this MCP session, or by destroy_sandbox."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.fork(ctx, count, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True,
+                                          open_world_hint=False))
+    async def restore(ctx: Context[Any, Any], snapshot: str,
+                      sandbox_id: str | None = None) -> CallToolResult:
+        """Put the sandbox's /workspace back exactly as it was in a snapshot (its snapshot_id
+        or name); changes since then that are in no snapshot are lost. Nothing may be running
+        in the sandbox."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.restore(ctx, snapshot, sandbox_id))
 
     @mcp.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True,
                                           open_world_hint=False))

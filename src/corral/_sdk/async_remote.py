@@ -9,6 +9,7 @@ closes it with ``aclose()``.
 
 from __future__ import annotations
 
+import builtins
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -19,7 +20,7 @@ import httpx
 
 from .._audit.log import AuditTrail
 from ..errors import TransportError
-from ..models import CommandResult, FileEntry, SandboxInfo
+from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .remote import (
     _NO_RESULT,
     _audit_params,
@@ -30,6 +31,8 @@ from .remote import (
     _info,
     _network_body,
     _run_body,
+    _snapshot,
+    _snapshot_path,
     _stream_event,
     _unreachable,
 )
@@ -105,10 +108,17 @@ class AsyncRemoteManager:
     """Talks to ``corral serve`` at ``url`` from one event loop. Close it with ``aclose()``."""
 
     def __init__(self, url: str, api_key: str | None = None, *, timeout_s: float = 30.0) -> None:
+        self._args = (url, api_key, timeout_s)
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         # No read timeout: a command may legitimately print nothing for minutes.
         self._client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers,
                                          timeout=httpx.Timeout(timeout_s, read=None))
+
+    def sibling(self) -> AsyncRemoteManager:
+        """Another manager for the same service and key, with its own connection (for the
+        sandboxes of a fork, which each close their own)."""
+        url, api_key, timeout_s = self._args
+        return AsyncRemoteManager(url, api_key, timeout_s=timeout_s)
 
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -130,11 +140,14 @@ class AsyncRemoteManager:
 
     # -- sandboxes ----------------------------------------------------------------------------
 
-    async def create(self, *, template: str = "base", resources: str = "small",
+    async def create(self, *, template: str | None = None, resources: str = "small",
                      timeout: float | None = None, labels: Mapping[str, str] | None = None,
-                     network: Any = None, secrets: Sequence[str] | None = None) -> SandboxInfo:
+                     network: Any = None, secrets: Sequence[str] | None = None,
+                     idle_timeout: float | None = None, isolation: str | None = None,
+                     snapshot: str | None = None) -> SandboxInfo:
         body = _create_body(template=template, resources=resources, timeout=timeout,
-                            labels=labels, network=network, secrets=secrets)
+                            labels=labels, network=network, secrets=secrets,
+                            idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot)
         return _info((await self.request("POST", "/v1/sandboxes", json=body)).json())
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -164,6 +177,32 @@ class AsyncRemoteManager:
 
     async def kill_command(self, sandbox_id: str, command_id: str) -> None:
         await self.request("POST", f"/v1/sandboxes/{sandbox_id}/commands/{command_id}/kill")
+
+    # -- snapshots (scoped to the API key's tenant by the service) -------------------------
+
+    async def snapshot(self, sandbox_id: str, *, name: str | None = None) -> SnapshotInfo:
+        response = await self.request("POST", f"/v1/sandboxes/{sandbox_id}/snapshots",
+                                      json={"name": name})
+        return _snapshot(response.json())
+
+    async def fork(self, sandbox_id: str, count: int = 1) -> builtins.list[SandboxInfo]:
+        response = await self.request("POST", f"/v1/sandboxes/{sandbox_id}/fork",
+                                      json={"count": count})
+        return [_info(d) for d in response.json()]
+
+    async def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
+        response = await self.request("POST", f"/v1/sandboxes/{sandbox_id}/restore",
+                                      json={"snapshot": snapshot})
+        return _info(response.json())
+
+    async def get_snapshot(self, ref: str) -> SnapshotInfo:
+        return _snapshot((await self.request("GET", _snapshot_path(ref))).json())
+
+    async def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+        return [_snapshot(d) for d in (await self.request("GET", "/v1/snapshots")).json()]
+
+    async def delete_snapshot(self, ref: str) -> None:
+        await self.request("DELETE", _snapshot_path(ref))
 
     def files(self, sandbox_id: str) -> AsyncRemoteFiles:
         return AsyncRemoteFiles(self, sandbox_id)

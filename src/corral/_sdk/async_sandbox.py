@@ -14,6 +14,7 @@ it works inside loops that are already running. Nothing here calls ``asyncio.run
 
 from __future__ import annotations
 
+import builtins
 import enum
 import functools
 import io
@@ -34,8 +35,9 @@ from .._control.manager import Manager, get_manager
 from .._settings import Settings
 from ..backends import OutputCallback
 from ..errors import SandboxNotFound, UsageError
-from ..models import CommandResult, FileEntry, SandboxInfo
+from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .async_remote import AsyncOutputCallback, AsyncRemoteManager, deliver
+from .sandbox import _snapshot_ref
 
 __all__ = ["AsyncAudit", "AsyncCommands", "AsyncFiles", "AsyncNetwork", "AsyncSandbox"]
 
@@ -60,9 +62,13 @@ class _Transport(Protocol):
     """What ``AsyncSandbox`` needs. Errors are Corral's own classes in both implementations;
     ``aclose()`` releases the transport's resources, never a sandbox."""
 
-    async def create(self, *, template: str, resources: str, timeout: float | None,
+    async def create(self, *, template: str | None, resources: str, timeout: float | None,
                      labels: Mapping[str, str] | None, network: Any,
-                     secrets: Sequence[str] | None) -> SandboxInfo: ...
+                     secrets: Sequence[str] | None, idle_timeout: float | None,
+                     isolation: str | None, snapshot: str | None) -> SandboxInfo: ...
+    def sibling(self) -> _Transport:
+        """The same target over a connection of its own (each sandbox closes its own)."""
+        ...
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
     async def list(self) -> list[SandboxInfo]: ...
     async def destroy(self, sandbox_id: str) -> None: ...
@@ -71,6 +77,12 @@ class _Transport(Protocol):
     async def pause(self, sandbox_id: str) -> SandboxInfo: ...
     async def resume(self, sandbox_id: str) -> SandboxInfo: ...
     async def kill_command(self, sandbox_id: str, command_id: str) -> None: ...
+    async def snapshot(self, sandbox_id: str, *, name: str | None = None) -> SnapshotInfo: ...
+    async def fork(self, sandbox_id: str, count: int = 1) -> builtins.list[SandboxInfo]: ...
+    async def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo: ...
+    async def get_snapshot(self, ref: str) -> SnapshotInfo: ...
+    async def list_snapshots(self) -> builtins.list[SnapshotInfo]: ...
+    async def delete_snapshot(self, ref: str) -> None: ...
     def files(self, sandbox_id: str) -> _Files: ...
     async def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]: ...
     def download(self, sandbox_id: str, path: str, *, gzip: bool = False
@@ -149,12 +161,17 @@ class _EmbeddedTransport:
     def __init__(self, manager: Manager) -> None:
         self._m = manager
 
-    async def create(self, *, template: str, resources: str, timeout: float | None,
+    async def create(self, *, template: str | None, resources: str, timeout: float | None,
                      labels: Mapping[str, str] | None, network: Any,
-                     secrets: Sequence[str] | None) -> SandboxInfo:
+                     secrets: Sequence[str] | None, idle_timeout: float | None,
+                     isolation: str | None, snapshot: str | None) -> SandboxInfo:
         return await _in_thread(self._m.create, template=template, resources=resources,
                                 timeout=timeout, labels=labels, network=network,
-                                secrets=secrets)
+                                secrets=secrets, idle_timeout=idle_timeout,
+                                isolation=isolation, snapshot=snapshot)
+
+    def sibling(self) -> _EmbeddedTransport:
+        return _EmbeddedTransport(self._m)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return await _in_thread(self._m.get, sandbox_id)
@@ -179,6 +196,24 @@ class _EmbeddedTransport:
 
     async def kill_command(self, sandbox_id: str, command_id: str) -> None:
         await _in_thread(self._m.kill_command, sandbox_id, command_id)
+
+    async def snapshot(self, sandbox_id: str, *, name: str | None = None) -> SnapshotInfo:
+        return await _in_thread(self._m.snapshot, sandbox_id, name=name)
+
+    async def fork(self, sandbox_id: str, count: int = 1) -> builtins.list[SandboxInfo]:
+        return await _in_thread(self._m.fork, sandbox_id, count)
+
+    async def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
+        return await _in_thread(self._m.restore, sandbox_id, snapshot)
+
+    async def get_snapshot(self, ref: str) -> SnapshotInfo:
+        return await _in_thread(self._m.get_snapshot, ref)
+
+    async def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+        return await _in_thread(self._m.list_snapshots)
+
+    async def delete_snapshot(self, ref: str) -> None:
+        await _in_thread(self._m.delete_snapshot, ref)
 
     def files(self, sandbox_id: str) -> _ThreadedFiles:
         return _ThreadedFiles(self._m, sandbox_id)
@@ -441,21 +476,29 @@ class AsyncSandbox:
     @classmethod
     async def create(
         cls,
-        template: str = "base",
+        template: str | None = None,
         *,
         resources: str = "small",
         timeout: float | None = None,
         labels: Mapping[str, str] | None = None,
         network: str | Mapping[str, Sequence[str]] | None = None,
         secrets: Sequence[str] | None = None,
+        idle_timeout: float | None = None,
+        isolation: str | None = None,
+        snapshot: str | SnapshotInfo | None = None,
         home: str | Path | None = None,
         url: str | None = None,
         api_key: str | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox; the arguments are ``Sandbox.create``'s.
 
+        ``isolation`` is the tier, ``"namespace"`` (default) or ``"gvisor"``; ``snapshot`` (a
+        ``SnapshotInfo``, id or name) starts it from that snapshot's workspace, and then
+        ``template`` defaults to the snapshot's.
+
         Raises:
-            UsageError: unknown template or tier, bad timeout or labels.
+            UsageError: unknown template, tier or isolation tier, bad timeout or labels.
+            SnapshotNotFound: no such snapshot (or not yours, on a service).
             BackendUnavailable: the host lacks something the sandbox needs.
             TransportError: the service at ``url`` cannot be reached.
         """
@@ -463,11 +506,64 @@ class AsyncSandbox:
         try:
             info = await transport.create(template=template, resources=resources,
                                           timeout=timeout, labels=labels, network=network,
-                                          secrets=secrets)
+                                          secrets=secrets, idle_timeout=idle_timeout,
+                                          isolation=isolation,
+                                          snapshot=_snapshot_ref(snapshot))
         except BaseException:
             await transport.aclose()
             raise
         return cls(info, transport)
+
+    @classmethod
+    async def list_snapshots(cls, *, home: str | Path | None = None, url: str | None = None,
+                             api_key: str | None = None) -> builtins.list[SnapshotInfo]:
+        """Every snapshot (of the data directory, or of your tenant on a service)."""
+        transport = await _open(home, url, api_key)
+        try:
+            return await transport.list_snapshots()
+        finally:
+            await transport.aclose()
+
+    @classmethod
+    async def get_snapshot(cls, snapshot: str, *, home: str | Path | None = None,
+                           url: str | None = None, api_key: str | None = None) -> SnapshotInfo:
+        """A snapshot by id or name. Raises ``SnapshotNotFound``."""
+        transport = await _open(home, url, api_key)
+        try:
+            return await transport.get_snapshot(snapshot)
+        finally:
+            await transport.aclose()
+
+    @classmethod
+    async def delete_snapshot(cls, snapshot: str | SnapshotInfo, *,
+                              home: str | Path | None = None, url: str | None = None,
+                              api_key: str | None = None) -> None:
+        """Delete a snapshot. Raises ``SnapshotInUse`` while a sandbox is built on it."""
+        transport = await _open(home, url, api_key)
+        try:
+            await transport.delete_snapshot(_snapshot_ref(snapshot))
+        finally:
+            await transport.aclose()
+
+    async def snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Seal the workspace's current state as a snapshot, in O(1) of its size; the sandbox
+        goes on from there. Nothing may be running in it (``SandboxBusy`` otherwise)."""
+        return await self._transport().snapshot(self._live_id(), name=name)
+
+    async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
+        """``n`` new sandboxes starting from this one's workspace as it is now (sharing its
+        read-only layers), with its template, tier, isolation, network policy and secrets.
+
+        Each has a connection of its own: ``async with`` it, or ``kill()`` and ``aclose()``
+        each, as for a sandbox from ``create()``."""
+        transport = self._transport()
+        infos = await transport.fork(self._live_id(), n)
+        return [AsyncSandbox(info, transport.sibling()) for info in infos]
+
+    async def restore(self, snapshot: str | SnapshotInfo) -> None:
+        """Put the workspace back exactly as it was in ``snapshot``; changes made since (and
+        not in a snapshot) are gone. Nothing may be running in it."""
+        self._info = await self._transport().restore(self._live_id(), _snapshot_ref(snapshot))
 
     @classmethod
     async def connect(cls, sandbox_id: str, *, home: str | Path | None = None,

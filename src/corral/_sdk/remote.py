@@ -1,25 +1,28 @@
 """The remote transport: the same calls the SDK makes on the embedded manager, over HTTP.
 
 ``Sandbox`` is written against a small duck-typed surface (create, get, list, destroy,
-set_timeout, set_network, run, files, auditor.trail); ``RemoteManager`` implements it with httpx.
+set_timeout, set_network, run, files, auditor.trail, snapshot, fork, restore and the snapshot
+calls); ``RemoteManager`` implements it with httpx.
 Server errors come back as the same exception classes (from their wire ``code``).
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, BinaryIO
+from urllib.parse import quote
 
 import httpx
 
 from .._audit.events import AuditEvent
 from .._audit.log import AuditTrail
 from ..backends import OutputCallback
-from ..errors import CorralError, TransportError, UsageError, error_class
-from ..models import CommandResult, FileEntry, SandboxInfo, Usage
+from ..errors import CorralError, SnapshotNotFound, TransportError, UsageError, error_class
+from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo, Usage
 
 __all__ = ["RemoteManager", "remote_manager"]
 
@@ -31,6 +34,17 @@ def _info(data: Mapping[str, Any]) -> SandboxInfo:
         uid=-1,  # host uids are the operator's business, not the API's
         labels=dict(data.get("labels", {})), network=dict(data.get("network", {})),
         secrets={name: "" for name in data.get("secrets", [])},
+        idle_timeout=data.get("idle_timeout"),
+        # An older server sends neither: it only has the one (namespace) tier and no layers.
+        isolation=data.get("isolation", "namespace"), layer=data.get("layer"),
+    )
+
+
+def _snapshot(data: Mapping[str, Any]) -> SnapshotInfo:
+    return SnapshotInfo(
+        id=data["id"], name=data.get("name"), sandbox=data["sandbox"],
+        template=data["template"], created_at=data["created_at"],
+        size_bytes=data["size_bytes"], depth=data["depth"],
     )
 
 
@@ -66,13 +80,31 @@ def _unreachable(base_url: httpx.URL, exc: httpx.HTTPError) -> TransportError:
                           "CORRAL_URL and that `corral serve` runs")
 
 
-def _create_body(*, template: str, resources: str, timeout: float | None,
+def _create_body(*, template: str | None, resources: str, timeout: float | None,
                  labels: Mapping[str, str] | None, network: Any,
-                 secrets: Sequence[str] | None,
-                 idle_timeout: float | None = None) -> dict[str, Any]:
-    return {"template": template, "resources": resources, "timeout": timeout,
-            "labels": dict(labels or {}), "network": network or "none",
-            "secrets": list(secrets or []), "idle_timeout": idle_timeout}
+                 secrets: Sequence[str] | None, idle_timeout: float | None = None,
+                 isolation: str | None = None, snapshot: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"resources": resources, "timeout": timeout,
+                            "labels": dict(labels or {}), "network": network or "none",
+                            "secrets": list(secrets or []), "idle_timeout": idle_timeout}
+    # Sent only when chosen, so a plain create still works against a server that predates them
+    # (it refuses unknown fields); the server picks the defaults (base, or the snapshot's).
+    for key, value in (("template", template), ("isolation", isolation),
+                       ("snapshot", snapshot)):
+        if value is not None:
+            body[key] = value
+    return body
+
+
+def _snapshot_path(ref: str) -> str:
+    """``/v1/snapshots/{ref}``, answering here what the control plane would for refs that
+    cannot be one path segment (the URL would name another route)."""
+    if not isinstance(ref, str) or not ref:
+        raise UsageError(f"a snapshot is named by its id or name, not {ref!r}")
+    if "/" in ref or ref in (".", ".."):  # no id or name has these
+        raise SnapshotNotFound(f"snapshot {ref!r} does not exist; `corral snapshots ls` "
+                               "lists them")
+    return f"/v1/snapshots/{quote(ref, safe='')}"
 
 
 def _network_body(network: Any) -> dict[str, Any]:
@@ -250,13 +282,14 @@ class RemoteManager:
 
     # -- sandboxes ----------------------------------------------------------------------------
 
-    def create(self, *, template: str = "base", resources: str = "small",
+    def create(self, *, template: str | None = None, resources: str = "small",
                timeout: float | None = None, labels: Mapping[str, str] | None = None,
                network: Any = None, secrets: Sequence[str] | None = None,
-               idle_timeout: float | None = None) -> SandboxInfo:
+               idle_timeout: float | None = None, isolation: str | None = None,
+               snapshot: str | None = None) -> SandboxInfo:
         body = _create_body(template=template, resources=resources, timeout=timeout,
                             labels=labels, network=network, secrets=secrets,
-                            idle_timeout=idle_timeout)
+                            idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot)
         return _info(self.request("POST", "/v1/sandboxes", json=body).json())
 
     def get(self, sandbox_id: str) -> SandboxInfo:
@@ -284,6 +317,33 @@ class RemoteManager:
 
     def kill_command(self, sandbox_id: str, command_id: str) -> None:
         self.request("POST", f"/v1/sandboxes/{sandbox_id}/commands/{command_id}/kill")
+
+    # -- snapshots ----------------------------------------------------------------------------
+    # The service scopes these to the API key's tenant, so unlike the Manager's they take no
+    # ``tenant``: another tenant's sandboxes and snapshots answer SandboxNotFound and
+    # SnapshotNotFound.
+
+    def snapshot(self, sandbox_id: str, *, name: str | None = None) -> SnapshotInfo:
+        return _snapshot(self.request("POST", f"/v1/sandboxes/{sandbox_id}/snapshots",
+                                      json={"name": name}).json())
+
+    def fork(self, sandbox_id: str, count: int = 1) -> builtins.list[SandboxInfo]:
+        response = self.request("POST", f"/v1/sandboxes/{sandbox_id}/fork",
+                                json={"count": count})
+        return [_info(d) for d in response.json()]
+
+    def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
+        return _info(self.request("POST", f"/v1/sandboxes/{sandbox_id}/restore",
+                                  json={"snapshot": snapshot}).json())
+
+    def get_snapshot(self, ref: str) -> SnapshotInfo:
+        return _snapshot(self.request("GET", _snapshot_path(ref)).json())
+
+    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+        return [_snapshot(d) for d in self.request("GET", "/v1/snapshots").json()]
+
+    def delete_snapshot(self, ref: str) -> None:
+        self.request("DELETE", _snapshot_path(ref))
 
     def files(self, sandbox_id: str) -> RemoteFiles:
         return RemoteFiles(self, sandbox_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -19,7 +20,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Query, Request, WebSocket
+from fastapi import Body, Depends, FastAPI, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,8 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._audit.log import follow as follow_log
 from .._audit.metrics import render
+from .._backends import BACKENDS
 from .._backends.namespace.template import TEMPLATES
-from .._control.manager import Manager
+from .._control.manager import _MAX_FORKS, Manager
 from .._core.resources import TIERS, get_tier
 from ..errors import (
     CommandError,
@@ -39,7 +41,7 @@ from ..errors import (
     TooLarge,
     UsageError,
 )
-from ..models import CommandResult, SandboxInfo
+from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .auth import Tenant, TenantDirectory
 from .terminal import serve_terminal
 
@@ -67,8 +69,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "Invalid input: bad command, path outside /workspace, unknown tier..."),
         (401, "Missing, unknown or revoked API key."),
         (403, "Refused by policy."),
-        (404, "No such sandbox, command, process or file (or not the caller's)."),
-        (409, "The sandbox is busy: being created, or paused."),
+        (404, "No such sandbox, snapshot, command, process or file (or not the caller's)."),
+        (409, "The sandbox is busy (being created, paused, or running something during a "
+              "snapshot or restore), or the snapshot is in use."),
         (413, "The body is over its size limit."),
         (422, "The request does not match the schema."),
         (429, "A tenant quota (sandboxes, tiers, commands per minute) or a sandbox limit."),
@@ -82,11 +85,19 @@ _BINARY_BODY = {"requestBody": {"content": {"application/octet-stream": _BINARY}
 _NonEmpty = Annotated[str, Field(min_length=1)]
 _PathQuery = Annotated[str, Query(min_length=1, description="A path in /workspace.")]
 _Seconds = Annotated[float, Field(gt=0)]
+_SnapshotRef = Annotated[str, Field(min_length=1, description="A snapshot's id or name.")]
+# The control plane's own rule (it also refuses names shaped like a snapshot id, with a 400).
+_SnapshotName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")]
 
 
 # The schema names the tiers and templates this server has (built from the same tables).
 Tier: Any = Literal[tuple(TIERS)]
 Template: Any = Literal[tuple(TEMPLATES)]
+# Only tiers whose backend this build has: a named tier that is missing would fail on import.
+# A tier that is here but that the host cannot run (no runsc, say) answers 503.
+ISOLATION_TIERS = tuple(name for name, target in BACKENDS.items()
+                        if importlib.util.find_spec(target.partition(":")[0]) is not None)
+Isolation: Any = Literal[ISOLATION_TIERS]
 
 
 class NetworkBody(_Strict):
@@ -95,7 +106,9 @@ class NetworkBody(_Strict):
 
 
 class CreateSandbox(_Strict):
-    template: Template = "base"
+    template: Template | None = Field(
+        default=None, description="Root filesystem: base, or the snapshot's when starting "
+                                  "from one.")
     resources: Tier = "small"
     timeout: _Seconds | None = Field(default=None, description="Lifetime in seconds.")
     idle_timeout: _Seconds | None = Field(
@@ -103,6 +116,30 @@ class CreateSandbox(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     network: NetworkBody | Literal["none"] = "none"
     secrets: list[str] = Field(default_factory=list)
+    isolation: Isolation | None = Field(
+        default=None, description="Isolation tier (default: the server's); `corral doctor` "
+                                  "says which this host supports.")
+    snapshot: _SnapshotRef | None = Field(
+        default=None, description="Start from this snapshot's workspace (id or name).")
+
+
+class TakeSnapshot(_Strict):
+    name: _SnapshotName | None = Field(
+        default=None, description="A name unique among your snapshots (default: none).")
+
+
+class Fork(_Strict):
+    count: int = Field(default=1, ge=1, le=_MAX_FORKS, description="How many sandboxes.")
+
+
+class Restore(_Strict):
+    snapshot: _SnapshotRef
+
+
+# A POST without a body takes one unnamed snapshot, or makes one fork (the models are immutable
+# in use, so one shared default each is safe).
+_NO_BODY_SNAPSHOT = TakeSnapshot()
+_NO_BODY_FORK = Fork()
 
 
 class RunCommand(_Strict):
@@ -138,13 +175,32 @@ class SandboxOut(BaseModel):
     network: dict[str, Any]
     secrets: list[str]
     idle_timeout: float | None = None
+    isolation: str = Field(description="The isolation tier it runs on.")
+    layer: str | None = Field(
+        default=None, description="The top read-only layer of its workspace (from a snapshot, "
+                                  "fork or restore); null for a fresh workspace.")
 
     @classmethod
     def of(cls, info: SandboxInfo) -> SandboxOut:
         return cls(id=info.id, template=info.template, resources=info.resources,
                    state=info.state, created_at=info.created_at, expires_at=info.expires_at,
                    labels=info.labels, network=info.network, secrets=sorted(info.secrets),
-                   idle_timeout=info.idle_timeout)
+                   idle_timeout=info.idle_timeout, isolation=info.isolation, layer=info.layer)
+
+
+class SnapshotOut(BaseModel):
+    id: str
+    name: str | None
+    sandbox: str = Field(description="The sandbox it was taken from.")
+    template: str
+    created_at: float
+    size_bytes: int = Field(description="Bytes its own layer adds.")
+    depth: int = Field(description="Layers under a sandbox started from it.")
+
+    @classmethod
+    def of(cls, snap: SnapshotInfo) -> SnapshotOut:
+        return cls(id=snap.id, name=snap.name, sandbox=snap.sandbox, template=snap.template,
+                   created_at=snap.created_at, size_bytes=snap.size_bytes, depth=snap.depth)
 
 
 def _result(result: CommandResult) -> dict[str, Any]:
@@ -211,8 +267,15 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
                              for e in exc.errors())
         return JSONResponse({"error": "invalid_request", "message": problems}, status_code=422)
 
+    def scope(who: Tenant) -> str | None:
+        """The tenant to scope control-plane calls to; None (everything) for local use."""
+        return None if who.name == "local" else who.name
+
+    def quota(who: Tenant) -> int | None:
+        return None if who.name == "local" else who.max_sandboxes
+
     def owned(sandbox_id: str, who: Tenant) -> SandboxInfo:
-        return manager.get(sandbox_id, tenant=None if who.name == "local" else who.name)
+        return manager.get(sandbox_id, tenant=scope(who))
 
     # -- sandboxes ----------------------------------------------------------------------------
 
@@ -221,11 +284,12 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
         get_tier(body.resources)  # an unknown tier is a usage error, not a quota one
         tenants.check_tier(who, body.resources)
         network = body.network if isinstance(body.network, str) else body.network.model_dump()
+        # The snapshot is looked up among this tenant's own, so another's answers 404.
         info = manager.create(template=body.template, resources=body.resources,
                               timeout=body.timeout, labels=body.labels, network=network,
                               secrets=body.secrets, tenant=who.name,
-                              idle_timeout=body.idle_timeout,
-                              max_for_tenant=None if who.name == "local" else who.max_sandboxes)
+                              idle_timeout=body.idle_timeout, max_for_tenant=quota(who),
+                              isolation=body.isolation, snapshot=body.snapshot)
         return SandboxOut.of(info)
 
     @app.get("/v1/sandboxes", response_model=list[SandboxOut])
@@ -265,6 +329,44 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
     def resume(sandbox_id: str, who: TenantDep) -> SandboxOut:
         owned(sandbox_id, who)
         return SandboxOut.of(manager.resume(sandbox_id))
+
+    # -- snapshots, forks, restore ------------------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshots", status_code=201,
+              response_model=SnapshotOut)
+    def take_snapshot(sandbox_id: str, who: TenantDep,
+                      body: Annotated[TakeSnapshot, Body()] = _NO_BODY_SNAPSHOT) -> SnapshotOut:
+        """Seal the workspace's current state as a snapshot (409 while anything runs in it)."""
+        return SnapshotOut.of(manager.snapshot(sandbox_id, name=body.name, tenant=scope(who)))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201,
+              response_model=list[SandboxOut])
+    def fork(sandbox_id: str, who: TenantDep,
+             body: Annotated[Fork, Body()] = _NO_BODY_FORK) -> list[SandboxOut]:
+        """``count`` new sandboxes starting from this one's workspace as it is now; they count
+        against the tenant's sandbox quota (all or none are made)."""
+        children = manager.fork(sandbox_id, body.count, tenant=scope(who),
+                                max_for_tenant=quota(who))
+        return [SandboxOut.of(c) for c in children]
+
+    @app.post("/v1/sandboxes/{sandbox_id}/restore", response_model=SandboxOut)
+    def restore(sandbox_id: str, body: Restore, who: TenantDep) -> SandboxOut:
+        """Put the workspace back exactly as it was in the snapshot (409 while anything runs)."""
+        return SandboxOut.of(manager.restore(sandbox_id, body.snapshot, tenant=scope(who)))
+
+    @app.get("/v1/snapshots", response_model=list[SnapshotOut])
+    def list_snapshots(who: TenantDep) -> list[SnapshotOut]:
+        return [SnapshotOut.of(s) for s in manager.list_snapshots(tenant=scope(who))]
+
+    @app.get("/v1/snapshots/{ref}", response_model=SnapshotOut)
+    def get_snapshot(ref: str, who: TenantDep) -> SnapshotOut:
+        return SnapshotOut.of(manager.get_snapshot(ref, tenant=scope(who)))
+
+    @app.delete("/v1/snapshots/{ref}", status_code=204)
+    def delete_snapshot(ref: str, who: TenantDep) -> Response:
+        """Delete a snapshot; refused (409) while a sandbox is built on it."""
+        manager.delete_snapshot(ref, tenant=scope(who))
+        return Response(status_code=204)
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -524,6 +626,18 @@ def _as_sdk_error(problems: Sequence[Any]) -> CorralError | None:
         return UsageError(f"unknown template {given!r}; available: {', '.join(TEMPLATES)}")
     if loc[:1] == ["body"] and field in ("timeout", "idle_timeout"):
         return UsageError(f"{field} must be a positive number of seconds, got {given!r}")
+    if loc[:1] == ["body"] and field == "isolation":
+        return UsageError(f"unknown isolation tier {given!r}; choose one of: "
+                          f"{', '.join(ISOLATION_TIERS)}")
+    if loc[:1] == ["body"] and field == "snapshot":
+        return UsageError(f"a snapshot is named by its id or name, not {given!r}")
+    if loc[:1] == ["body"] and field == "count":
+        return UsageError(f"count must be an integer from 1 to {_MAX_FORKS}, not {given!r}")
+    if loc[:1] == ["body"] and field == "name":
+        try:  # the control plane's own check, so the message is the embedded SDK's
+            Manager._check_snapshot_name(given)
+        except UsageError as exc:
+            return exc
     if loc[:1] == ["query"] and field in ("path", "src", "dst"):
         return PathRefused(f"{field} must be a non-empty path in /workspace")
     return None
