@@ -1,10 +1,224 @@
-"""``corral templates build|ls|rm``: workspace root filesystems built from Debian packages."""
+"""``corral templates build|ls|rm``: sandbox root filesystems built from Debian packages.
+
+They act on the local data directory (``--home`` / ``CORRAL_HOME``) and need root to build.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
 import click
+from rich.console import Console
+
+from .. import errors
+from .._templates import (
+    BUILTIN_SPECS,
+    BuiltTemplate,
+    TemplateSpec,
+    build_template,
+    check_name,
+    list_builds,
+    load_spec_file,
+    remove_builds,
+)
+from .common import emit_json, handle_errors, json_option
+
+__all__ = ["templates"]
+
+EXIT_INTERRUPTED = 130
 
 
 @click.group()
 def templates() -> None:
-    """Build, list and remove sandbox templates."""
+    """Build, list and remove sandbox templates.
+
+    \b
+    base     the host's own system, read-only (always there)
+    python   python3, pip, venv, git, curl, build-essential
+    node     nodejs, npm
+    Others from a spec file: corral templates build --file spec.toml
+
+    \b
+    A spec file (TOML or JSON):
+      name = "tools"
+      packages = ["python3", "jq"]
+      setup = ["python3 -m compileall -q /usr/lib/python3"]
+      [[files]]
+      path = "/etc/pip.conf"
+      content = "[global]\\nno-index = true\\n"
+    """
+
+
+def _spec_from(name: str | None, spec_file: Path | None) -> TemplateSpec:
+    if spec_file is not None:
+        return load_spec_file(spec_file, name=name)
+    if name is None:
+        raise errors.UsageError("name a template to build (built-in: "
+                                f"{', '.join(BUILTIN_SPECS)}) or pass --file SPEC.toml")
+    if name in BUILTIN_SPECS:
+        return BUILTIN_SPECS[name]
+    check_name(name)
+    raise errors.UsageError(f"there is no built-in template {name!r} (built-in: "
+                            f"{', '.join(BUILTIN_SPECS)}); describe it in a spec file and run "
+                            f"`corral templates build {name} --file SPEC.toml`")
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the builder stops mmdebstrap and removes its files."""
+    def raise_interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Progress:
+    """mmdebstrap's phase lines (``I:``, ``W:``) printed as they come; on a terminal, every
+    other line (apt downloads, dpkg unpacking, setup output) as a one-line live status."""
+
+    def __init__(self, console: Console, *, live: bool) -> None:
+        self._console = console
+        self._status = console.status("starting") if live and console.is_terminal else None
+
+    def __enter__(self) -> _Progress:
+        if self._status is not None:
+            self._status.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.stop()
+
+    def __call__(self, line: str) -> None:
+        if line.startswith(("I: ", "W: ", "E: ")):
+            self._console.print(line, markup=False, highlight=False, soft_wrap=True)
+        elif self._status is not None and line.strip():
+            self._status.update(line.strip()[: max(20, self._console.width - 4)])
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB"
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).isoformat(sep=" ", timespec="seconds")
+
+
+@templates.command(name="build")
+@click.argument("name", required=False)
+@click.option("--file", "-f", "spec_file", type=click.Path(path_type=Path, dir_okay=False),
+              default=None, help="Build from a spec file (.toml or .json); NAME overrides its "
+                                 "name.")
+@json_option
+@click.pass_context
+@handle_errors
+def build(ctx: click.Context, name: str | None, spec_file: Path | None, as_json: bool) -> None:
+    """Build template NAME (python, node) or one from --file; reuses an existing build of the
+    same spec."""
+    spec = _spec_from(name, spec_file)
+    templates_dir: Path = ctx.obj["settings"].home / "templates"
+    try:
+        console = Console(stderr=True)
+        with _terminate_as_interrupt(), _Progress(console, live=not as_json) as progress:
+            result = build_template(spec, templates_dir,
+                                    on_progress=None if as_json else progress)
+    except KeyboardInterrupt:
+        message = f"building template {spec.name!r} was interrupted; nothing was kept"
+        if as_json:  # like every other error: JSON on stderr
+            click.echo(json.dumps({"code": "interrupted", "message": message}), err=True)
+        else:
+            click.secho(f"corral: {message}", err=True, fg="red")
+        sys.exit(EXIT_INTERRUPTED)
+    built = result.template
+    if as_json:
+        emit_json({**built.to_dict(), "cached": result.cached,
+                   "duration_s": round(result.duration_s, 3)})
+    elif result.cached:
+        click.echo(f"{built.name}: already built as {built.path.name} on "
+                   f"{_when(built.built_at)} ({_mib(built.size_bytes)}); cached, nothing run")
+    else:
+        click.echo(f"{built.name}: built {built.path.name} in {result.duration_s:.1f} s "
+                   f"({_mib(built.size_bytes)}, {built.installed_packages} packages)")
+
+
+def _row(build: BuiltTemplate) -> dict[str, Any]:
+    return {"kind": "built", **build.to_dict()}
+
+
+@templates.command(name="ls")
+@json_option
+@click.pass_context
+@handle_errors
+def ls(ctx: click.Context, as_json: bool) -> None:
+    """List templates: base and every build (the current one of each name is marked *)."""
+    builds = list_builds(ctx.obj["settings"].home / "templates")
+    if as_json:
+        base: dict[str, Any] = {
+            "kind": "host", "name": "base", "hash": None, "path": "/", "built_at": None,
+            "build_s": None, "size_bytes": None, "packages": [], "installed_packages": None,
+            "current": True}
+        emit_json([base, *(_row(b) for b in builds)])
+        return
+    click.echo(f"{'NAME':<12} {'HASH':<17} {'SIZE':>9}  {'BUILT':<19}  PACKAGES")
+    click.echo(f"{'base':<12} {'-':<17} {'-':>9}  {'-':<19}  (the host's system)")
+    for b in builds:
+        mark = "*" if b.current else " "
+        click.echo(f"{b.name:<12} {b.hash + mark:<17} {_mib(b.size_bytes):>9}  "
+                   f"{_when(b.built_at):<19}  {' '.join(b.packages)}")
+    missing = [n for n in BUILTIN_SPECS if not any(b.name == n for b in builds)]
+    if missing:
+        click.echo(f"not built yet: {', '.join(missing)} "
+                   f"(corral templates build {missing[0]})", err=True)
+
+
+def _sandboxes_using(home: Path, name: str) -> list[str]:
+    db = home / "corral.db"
+    if not db.exists():
+        return []
+    from .._control.store import Store
+
+    store = Store(db)
+    try:
+        return [info.id for info in store.list() if info.template == name]
+    finally:
+        store.close()
+
+
+@templates.command(name="rm")
+@click.argument("name")
+@json_option
+@click.pass_context
+@handle_errors
+def rm(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Remove every build of template NAME (refused while a sandbox uses it)."""
+    if name == "base":
+        raise errors.UsageError("template 'base' is the host's own system and cannot be removed")
+    check_name(name)
+    home: Path = ctx.obj["settings"].home
+    users = _sandboxes_using(home, name)
+    if users:
+        shown = ", ".join(users[:5]) + (", ..." if len(users) > 5 else "")
+        raise errors.UsageError(
+            f"template {name!r} is used by {len(users)} sandbox(es) ({shown}); destroy them "
+            "first (`corral rm ID`)")
+    removed = remove_builds(home / "templates", name)
+    if not removed:
+        raise errors.UsageError(f"template {name!r} is not built here; nothing to remove "
+                                "(`corral templates ls` lists what is)")
+    if as_json:
+        emit_json({"removed": [b.to_dict() for b in removed]})
+    else:
+        for b in removed:
+            click.echo(f"removed {b.path.name} ({_mib(b.size_bytes)})")

@@ -1,27 +1,46 @@
-"""The ``base`` template: the host's system directories, read-only, with a curated ``/etc``.
+"""Templates as sandbox roots: system directories bound read-only plus a curated ``/etc``.
 
-``/etc`` is an allowlist copied once into the data directory rather than the host's own ``/etc``
-with holes punched in it: a host secret we did not think of (a key under ``/etc/ssl/private``, a
-token in ``/etc/environment``, ssh host keys) then stays out by default.
+``base`` is the host's own system. Its ``/etc`` is an allowlist copied once into the data
+directory rather than the host's own ``/etc`` with holes punched in it: a host secret we did not
+think of (a key under ``/etc/ssl/private``, a token in ``/etc/environment``, ssh host keys) then
+stays out by default.
+
+Every other template is a root filesystem built from Debian packages (``corral._templates``).
+Its system directories come from the built root, and its ``/etc`` is the built root's own (which
+we made, so it holds nothing of the host's) minus password hashes and keys.
+
+Both get Corral's ``passwd``, ``group``, ``hosts``, ``hostname`` and ``resolv.conf``, and the
+egress gateway's CA appended to the system bundle. A curated ``/etc`` lives in a directory named
+after what went into it, so a new CA makes a new directory instead of rewriting one that running
+sandboxes have bound.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import hashlib
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..._templates.builtin import BUILTIN_SPECS
+from ..._templates.catalog import BuiltTemplate, current_build, list_builds
+from ..._templates.spec import check_name
 from ...errors import UsageError
 
 __all__ = ["SANDBOX_GID", "SANDBOX_UID", "TEMPLATES", "BaseTemplate", "load_template",
            "require_template"]
 
-TEMPLATES = ("base",)
+# The names a sandbox may ask for without a spec file: the host system and the built-in specs
+# (these still have to be built once, see require_template). Any built name works too.
+TEMPLATES = ("base", *BUILTIN_SPECS)
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
-_VERSION = "3"
+_VERSION = "4"
 
 # Entries of the host /etc a userland needs; nothing that identifies or authenticates the host.
 _ETC_ALLOW = (
@@ -32,6 +51,11 @@ _ETC_ALLOW = (
     "ssl", "terminfo", "timezone", "vim", "xattr.conf",
 )
 _ETC_DENY_INSIDE = {"ssl/private"}
+# Left out of a built root's /etc: password hashes, keys, and what Corral writes itself.
+_BUILT_ETC_DENY = (
+    "shadow", "shadow-", "gshadow", "gshadow-", "passwd-", "group-", "subuid", "subuid-",
+    "subgid", "subgid-", ".pwd.lock", "security/opasswd", "ssl/private", "ssh/ssh_host_*",
+)
 
 _PASSWD = (
     "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
@@ -41,13 +65,15 @@ _PASSWD = (
 _GROUP = f"root:x:0:\nuser:x:{SANDBOX_GID}:\nnogroup:x:65534:\n"
 _HOSTS = "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
-# Top-level host paths bound read-only. On merged-/usr systems most are symlinks into /usr and
-# are recreated as symlinks.
 # Kernel memory, key and timer details a sandbox has no use for (Docker masks the same ones).
 _MASKED_PROC = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/kallsyms",
                 "/proc/sched_debug")
 
+# Top-level paths bound read-only. On merged-/usr systems most are symlinks into /usr and are
+# recreated as symlinks.
 _SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# A built root is ours, so its /opt and /var (dpkg's database: `dpkg -l` works) come along.
+_BUILT_EXTRA_DIRS = ("opt", "var")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +83,12 @@ class BaseTemplate:
     etc: Path
     system: tuple[tuple[str, str, str], ...]  # (kind, source, dest); kind is "bind" or "symlink"
     masked_proc: tuple[str, ...] = ()  # /proc files hidden behind /dev/null
+    # The whole built root filesystem (None for ``base``, whose root is the host's). Its /etc is
+    # the unedited build: sandboxes must get ``etc`` instead.
+    root: Path | None = None
 
 
-def _copy_etc(dest: Path, stamp: str, extra_ca: bytes | None) -> None:
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+def _copy_host_etc(tmp: Path) -> None:
     for name in _ETC_ALLOW:
         src = Path("/etc") / name
         if not os.path.lexists(src):
@@ -80,6 +106,24 @@ def _copy_etc(dest: Path, stamp: str, extra_ca: bytes | None) -> None:
             )
         elif src.is_file():
             shutil.copy2(src, target)
+
+
+def _copy_built_etc(source: Path) -> Callable[[Path], None]:
+    def copy(tmp: Path) -> None:
+        def ignore(directory: str, names: list[str]) -> list[str]:
+            rel = os.path.relpath(directory, source)
+            return [n for n in names
+                    if any(fnmatch.fnmatchcase(os.path.normpath(os.path.join(rel, n)), pattern)
+                           for pattern in _BUILT_ETC_DENY)]
+
+        shutil.copytree(source, tmp, symlinks=True, ignore=ignore, dirs_exist_ok=True)
+
+    return copy
+
+
+def _add_corral_files(tmp: Path, extra_ca: bytes | None) -> None:
+    for name in ("passwd", "group", "hosts", "hostname", "resolv.conf"):
+        (tmp / name).unlink(missing_ok=True)  # may be a symlink into the built root
     (tmp / "passwd").write_text(_PASSWD)
     (tmp / "group").write_text(_GROUP)
     (tmp / "hosts").write_text(_HOSTS)
@@ -87,7 +131,7 @@ def _copy_etc(dest: Path, stamp: str, extra_ca: bytes | None) -> None:
     (tmp / "resolv.conf").write_text("# no resolver: the sandbox has no network\n")
     if extra_ca:
         # The egress gateway's CA, trusted inside for the hosts it intercepts.
-        (tmp / "corral").mkdir()
+        (tmp / "corral").mkdir(exist_ok=True)
         (tmp / "corral" / "egress-ca.pem").write_bytes(extra_ca)
         bundle = tmp / "ssl" / "certs" / "ca-certificates.crt"
         if bundle.is_file() and not bundle.is_symlink():
@@ -96,39 +140,97 @@ def _copy_etc(dest: Path, stamp: str, extra_ca: bytes | None) -> None:
             bundle.parent.mkdir(parents=True, exist_ok=True)
             bundle.unlink(missing_ok=True)
             bundle.write_bytes(extra_ca)
-    (tmp / ".corral-template").write_text(stamp)
     for path in [tmp, *tmp.rglob("*")]:
         if not path.is_symlink():
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
+            # Readable by every sandbox uid; nothing secret is left in here.
+            executable = path.is_dir() or path.stat().st_mode & 0o111
+            os.chmod(path, 0o755 if executable else 0o644)
 
 
-def require_template(name: str, templates_dir: Path) -> None:
-    """Raise ``UsageError`` unless a sandbox can be created from template ``name`` now."""
-    if name not in TEMPLATES:
-        raise UsageError(f"unknown template {name!r}; available: {', '.join(TEMPLATES)}")
+def _curated_etc(parent: Path, fill: Callable[[Path], None], extra_ca: bytes | None) -> Path:
+    """``parent/etc.<digest>``, made once by ``fill`` plus Corral's files.
 
-
-def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = None) -> BaseTemplate:
-    """Return the template ``name``, building its ``/etc`` on first use.
-
-    Raises:
-        UsageError: unknown template.
+    Made in a private directory and renamed into place, so concurrent first uses (a CLI and a
+    server) cannot see or break each other's half-made copy; the loser discards its own.
     """
-    if name not in TEMPLATES:
-        raise UsageError(f"unknown template {name!r}; available: {', '.join(TEMPLATES)}")
-    etc = templates_dir / name / "etc"
-    stamp_file = etc / ".corral-template"
-    stamp = _VERSION + (f":{hashlib.sha256(extra_ca).hexdigest()[:16]}" if extra_ca else "")
-    if not stamp_file.exists() or stamp_file.read_text() != stamp:
-        _copy_etc(etc, stamp, extra_ca)
+    stamp = _VERSION + (f":{hashlib.sha256(extra_ca).hexdigest()}" if extra_ca else "")
+    dest = parent / f"etc.{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
+    if dest.is_dir():
+        return dest
+    tmp = Path(tempfile.mkdtemp(prefix=".etc-", dir=parent))
+    try:
+        fill(tmp)
+        _add_corral_files(tmp, extra_ca)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not dest.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _system_of(root: Path, names: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
     system = []
-    for entry in _SYSTEM_DIRS:
-        src = Path("/") / entry
+    for entry in names:
+        src = root / entry
         if src.is_symlink():
             system.append(("symlink", os.readlink(src), f"/{entry}"))
         elif src.is_dir():
             system.append(("bind", str(src), f"/{entry}"))
+    return tuple(system)
+
+
+def _not_built(name: str, templates_dir: Path) -> UsageError:
+    if name in BUILTIN_SPECS:
+        return UsageError(
+            f"template {name!r} is not built on this host yet; build it once with "
+            f"`corral templates build {name}`, then create the sandbox again")
+    built: list[str] = []
+    with contextlib.suppress(OSError):
+        built = sorted({b.name for b in list_builds(templates_dir)})
+    available = ", ".join(["base", *built]) if built else "base"
+    return UsageError(
+        f"unknown template {name!r}; available here: {available}. Build one with "
+        f"`corral templates build {' | '.join(BUILTIN_SPECS)}` or from a spec with "
+        "`corral templates build --file SPEC.toml`")
+
+
+def _current(name: str, templates_dir: Path) -> BuiltTemplate:
+    try:
+        check_name(name)
+    except UsageError:
+        raise _not_built(name, templates_dir) from None
+    build = current_build(templates_dir, name)
+    if build is None:
+        raise _not_built(name, templates_dir)
+    return build
+
+
+def require_template(name: str, templates_dir: Path) -> None:
+    """Raise ``UsageError`` unless a sandbox can be created from template ``name`` now."""
+    if name != "base":
+        _current(name, templates_dir)
+
+
+def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = None) -> BaseTemplate:
+    """Return the template ``name``, making its curated ``/etc`` on first use.
+
+    Raises:
+        UsageError: unknown template, or one not built on this host.
+    """
     masked = tuple(p for p in _MASKED_PROC if os.path.exists(p))
-    return BaseTemplate(etc=etc, system=tuple(system), masked_proc=masked)
+    if name == "base":
+        (templates_dir / "base").mkdir(parents=True, exist_ok=True, mode=0o755)
+        etc = _curated_etc(templates_dir / "base", _copy_host_etc, extra_ca)
+        return BaseTemplate(etc=etc, system=_system_of(Path("/"), _SYSTEM_DIRS),
+                            masked_proc=masked)
+    build = _current(name, templates_dir)
+    try:
+        etc = _curated_etc(build.path, _copy_built_etc(build.root / "etc"), extra_ca)
+    except FileNotFoundError:
+        # Removed (`corral templates rm`) while we looked; never recreate its directory.
+        raise _not_built(name, templates_dir) from None
+    return BaseTemplate(etc=etc, system=_system_of(build.root, _SYSTEM_DIRS + _BUILT_EXTRA_DIRS),
+                        masked_proc=masked, root=build.root)
