@@ -53,7 +53,8 @@ def _cross_tenant_run(ctx: DrillContext) -> Outcome:
         after = own.get(f"{path}/audit").text.count('"command.started"')
     evidence = (Evidence("response", f"POST {path}/commands as tenant B -> "
                                      f"{response.status_code}"),
-                Evidence("audit", f"tenant A's trail: {before} command(s) before, {after} after",
+                Evidence("observation", f"tenant A's trail: {before} command(s) before, "
+                                        f"{after} after",
                          sandbox=ctx.service_sandbox))
     if response.status_code != 404 or after != before:
         return Outcome("breached", f"tenant B reached tenant A's sandbox "

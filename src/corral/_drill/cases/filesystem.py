@@ -28,13 +28,15 @@ def _refused(script: str, what: str, *, breach_marker: str = "ESCAPED") -> Run:
 
 
 def _host_path_unchanged(ctx: DrillContext, name: str) -> list[str]:
-    """Host paths an escaping write would have created (checked only with host access)."""
+    """Host paths an escaping write created, removed again once seen (the drill leaves no
+    trace even on a broken configuration)."""
     import os
 
-    candidates = [f"/tmp/{name}", f"/{name}", f"/etc/{name}"]
-    if ctx.target.home is not None:
-        candidates.append(str(ctx.target.home / name))
-    return [p for p in candidates if os.path.lexists(p)]
+    candidates = [f"/tmp/{name}", f"/{name}", f"/etc/{name}", f"{ctx.fmt('{home}')}/{name}"]
+    found = [p for p in candidates if os.path.lexists(p)]
+    for path in found:
+        os.unlink(path)
+    return found
 
 
 def _file_api(action: str) -> Run:
@@ -68,6 +70,9 @@ def _file_api(action: str) -> Run:
                 attempts.append(f"{label}: {exc.code}")
                 evidence.append(Evidence("response", f"{label} -> {exc.code}: {exc}"))
                 continue
+            except OSError as exc:  # followed the link, found nothing there
+                attempts.append(f"{label}: {exc.strerror}")
+                continue
             got.append(label)
             if isinstance(data, bytes) and ctx.leaked(data.decode(errors="replace")):
                 got.append("(with a planted secret)")
@@ -88,7 +93,9 @@ def _tar(kind: str) -> Run:
         name = f"drill-escape-{secrets.token_hex(4)}"
         members: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]] = []
         if kind == "dotdot":
-            members = [(tarfile.TarInfo(f"../../../../tmp/{name}"), b"escaped")]
+            # Enough ../ to reach / from any depth, so an escape lands in /tmp, where it is
+            # seen and removed.
+            members = [(tarfile.TarInfo("../" * 32 + f"tmp/{name}"), b"escaped")]
         elif kind == "absolute":
             members = [(tarfile.TarInfo(f"/tmp/{name}"), b"escaped")]
         elif kind == "symlink":
@@ -121,7 +128,8 @@ def _tar(kind: str) -> Run:
                            tuple(evidence))
         if kind == "hardlink" and "root:" in check.stdout:
             return Outcome("breached", "a hard link to /etc/passwd was created", tuple(evidence))
-        if kind == "device" and check.stdout.lstrip().startswith("b"):
+        if kind == "device" and any(line.startswith("b") and "sda" in line
+                                    for line in check.stdout.splitlines()):
             return Outcome("breached", "a block device node was created", tuple(evidence))
         if answer == "accepted" and kind in ("dotdot", "absolute", "symlink"):
             return Outcome("held", "accepted but nothing landed outside the workspace",
@@ -131,15 +139,20 @@ def _tar(kind: str) -> Run:
 
 
 CASES = [
-    Case("fs.write-etc", "filesystem", "overwrite /etc/passwd and add a user",
-         "the root filesystem is read-only",
-         _refused("echo 'drill::0:0::/:/bin/sh' >> /etc/passwd && echo ESCAPED", "/etc write")),
-    Case("fs.write-usr", "filesystem", "plant a binary in /usr/local/bin",
-         "read-only", _refused("echo x > /usr/local/bin/drill && echo ESCAPED", "/usr write")),
+    # Each write goes to a new file named for the drill and is removed again at once when it
+    # worked, so even a broken configuration keeps its /etc intact.
+    Case("fs.write-etc", "filesystem", "plant a file in /etc (as a new sudoers.d or cron "
+         "entry would be)", "the root filesystem is read-only",
+         _refused("f=/etc/corral-drill-$$; echo x > $f 2>/dev/null && {{ echo ESCAPED $f; "
+                  "rm -f $f; }}; echo done", "/etc write")),
+    Case("fs.write-usr", "filesystem", "plant a binary in /usr/local/bin", "read-only",
+         _refused("f=/usr/local/bin/corral-drill-$$; echo x > $f 2>/dev/null && "
+                  "{{ echo ESCAPED $f; rm -f $f; }}; echo done", "/usr write")),
     Case("fs.write-root", "filesystem", "create files at / and in /var, /opt, /root",
          "read-only",
-         _refused("for d in / /var /opt /root /srv; do touch $d/drill 2>/dev/null && "
-                  "echo ESCAPED $d; done; echo done", "writes outside /workspace")),
+         _refused("for d in / /var /opt /root /srv; do f=$d/corral-drill-$$; "
+                  "touch $f 2>/dev/null && {{ echo ESCAPED $f; rm -f $f; }}; done; echo done",
+                  "writes outside /workspace")),
     Case("fs.tmp-persists", "filesystem", "leave a file in /tmp and /dev/shm for a later command",
          "each command gets a fresh /tmp and /dev/shm",
          lambda ctx: _persist(ctx)),
@@ -184,7 +197,8 @@ CASES = [
 def _persist(ctx: DrillContext) -> Outcome:
     token = secrets.token_hex(6)
     first = ctx.run(f"echo {token} > /tmp/drill-left; echo {token} > /dev/shm/drill-left; echo ok")
-    second = ctx.run("cat /tmp/drill-left /dev/shm/drill-left 2>/dev/null; echo done")
+    second = ctx.run("cat /tmp/drill-left /dev/shm/drill-left 2>/dev/null; "
+                     "rm -f /tmp/drill-left /dev/shm/drill-left; echo done")
     evidence = tuple(ctx.evidence(first) + ctx.evidence(second))
     if token in second.stdout:
         return Outcome("breached", "a file outside /workspace survived into the next command",

@@ -66,7 +66,7 @@ except OSError as e:
 
 # One HTTP request through the proxy the sandbox was given (or directly, with none).
 HTTP_TRY = """
-import json, os, sys, urllib.error, urllib.request
+import json, os, sys, urllib.error, urllib.parse, urllib.request
 url = sys.argv[1]
 headers = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
 proxy = os.environ.get("HTTP_PROXY") or os.environ.get("http_proxy")
@@ -75,6 +75,39 @@ for name in ("NO_PROXY", "no_proxy"):
     os.environ.pop(name, None)
 opener = urllib.request.build_opener(
     urllib.request.ProxyHandler({"http": proxy, "https": proxy} if proxy else {}))
+if not proxy:
+    # With no gateway the request would go straight out: only loopback addresses (the canary)
+    # are tried, by address, without DNS, so a drill on a broken configuration never sends
+    # anything off the machine.
+    import ipaddress, socket
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "", parts.port or 80
+    address = None
+    if host == "localhost":
+        address = "127.0.0.1"
+    else:
+        try:
+            ip = ipaddress.ip_address(host)
+            mapped = getattr(ip, "ipv4_mapped", None)
+            if (mapped or ip).is_loopback:
+                address = str(mapped or ip)
+        except ValueError:
+            try:
+                packed = socket.inet_aton(host)
+                address = socket.inet_ntoa(packed) if packed[0] == 127 else None
+            except OSError:
+                pass
+    if address is None:
+        print("no gateway; a direct request to", host, "was not attempted")
+    else:
+        try:
+            s = socket.create_connection((address, port), timeout=3)
+            s.sendall(f"GET {parts.path or '/'}?{parts.query} HTTP/1.0\\r\\n\\r\\n".encode())
+            print("sent directly to", address)
+        except OSError as e:
+            print("error", e.errno, e.strerror)
+    print("proxy", False)
+    sys.exit(0)
 try:
     with opener.open(urllib.request.Request(url, headers=headers), timeout=5) as r:
         print("status", r.status, r.headers.get("X-Corral-Egress"))
@@ -155,15 +188,38 @@ def _host_route(ctx: DrillContext) -> Outcome:
     return _route(ctx.host_address, "the host's own address")(ctx)
 
 
+# One ICMP echo request to the host's own address: an unprivileged "ping" socket, else a raw
+# one. Prints "reply" when the host answered.
+ICMP_ECHO = """
+import socket, struct, sys
+def checksum(data):
+    total = sum(struct.unpack("!%dH" % (len(data) // 2), data))
+    total = (total >> 16) + (total & 0xFFFF)
+    return ~(total + (total >> 16)) & 0xFFFF
+header = struct.pack("!BBHHH", 8, 0, 0, 0x4344, 1) + b"corral-drill"
+packet = header[:2] + struct.pack("!H", checksum(header)) + header[4:]
+for kind in (socket.SOCK_DGRAM, socket.SOCK_RAW):
+    try:
+        s = socket.socket(socket.AF_INET, kind, socket.IPPROTO_ICMP)
+    except OSError as e:
+        print("no socket", kind, e.strerror)
+        continue
+    s.settimeout(1)
+    try:
+        s.sendto(packet, (sys.argv[1], 0))
+        s.recvfrom(1024)
+        print("reply")
+    except OSError as e:
+        print("no reply", e.strerror or e)
+    break
+"""
+
+
 def _icmp(ctx: DrillContext) -> Outcome:
     if not ctx.host_address:
         return Outcome("skipped", "the host has no non-loopback IPv4 address to aim at")
-    result = ctx.run(f"ping -c 1 -W 1 {ctx.host_address} 2>&1 || "
-                     "python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM, "
-                     "socket.IPPROTO_ICMP)' 2>&1; echo rc=$?")
-    out = result.stdout + result.stderr
-    evidence = ctx.evidence(result)
-    if " 0% packet loss" in out or "1 received" in out:
+    out, evidence = _py(ctx, ICMP_ECHO, ctx.host_address)
+    if "reply" in out.split():
         return Outcome("breached", f"the host answered a ping: {out.strip()[:200]}",
                        tuple(evidence))
     return Outcome("held", f"no echo reply: {out.strip()[:200]}", tuple(evidence))
@@ -287,7 +343,7 @@ CASES = [
     Case("net.resolver", "network", "find a DNS resolver to tunnel through",
          "none is configured or reachable", _resolver),
     Case("net.icmp", "network", "ping the host's own address (ICMP tunnels)",
-         "no echo reply", _icmp),
+         "no echo reply", _icmp, PY),
     Case("net.raw-socket", "network", "open a raw IP socket (to forge packets)",
          "socket() is refused", _raw_socket("socket.AF_INET, socket.SOCK_RAW, 6"), PY),
     Case("net.packet-socket", "network", "open an AF_PACKET socket (to sniff or inject frames)",
