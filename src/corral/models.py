@@ -12,6 +12,7 @@ __all__ = [
     "ResourceTier",
     "SandboxInfo",
     "SandboxState",
+    "SnapshotInfo",
     "Usage",
 ]
 

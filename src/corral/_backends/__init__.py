@@ -6,7 +6,7 @@ import importlib
 
 from .._settings import Settings
 from ..backends import BackendName, IsolationBackend
-from ..errors import ConfigError
+from ..errors import BackendUnavailable, ConfigError
 
 __all__ = ["BACKENDS", "load_backend"]
 
@@ -25,6 +25,10 @@ def load_backend(settings: Settings, name: str | None = None) -> IsolationBacken
             f"unknown isolation tier {name!r}; choose one of: {', '.join(BACKENDS)}"
         )
     module_name, _, attr = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), attr)
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the {name} isolation tier is not available in this installation: {exc}") from exc
     backend: IsolationBackend = cls(settings)
     return backend

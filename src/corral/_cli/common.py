@@ -23,7 +23,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _exit_code_for(exc: errors.CorralError) -> int:
-    if isinstance(exc, errors.SandboxNotFound | errors.FileNotFound):
+    if isinstance(exc, errors.SandboxNotFound | errors.FileNotFound | errors.SnapshotNotFound):
         return EXIT_NOT_FOUND
     if isinstance(exc, errors.BackendUnavailable):
         return EXIT_UNAVAILABLE

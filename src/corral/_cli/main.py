@@ -168,8 +168,8 @@ def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[st
 @click.pass_context
 @handle_errors
 def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[str, ...],
-        secret_names: tuple[str, ...], isolation: str | None, snapshot_ref: str | None,
-        timeout: float | None, env: tuple[str, ...],
+        secret_names: tuple[str, ...], template: str | None, isolation: str | None,
+        snapshot_ref: str | None, timeout: float | None, env: tuple[str, ...],
         cwd: str | None, forward_stdin: bool, context: tuple[str, ...], as_json: bool,
         command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
@@ -178,7 +178,7 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
     """
     cmd = _command_from(command)
     variables = parse_pairs(env)
-    with Sandbox.create(resources=resources, network=_network(allow, deny),
+    with Sandbox.create(template, resources=resources, network=_network(allow, deny),
                         secrets=list(secret_names), isolation=isolation,
                         snapshot=snapshot_ref, home=home_of(ctx)) as sb:
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
@@ -199,10 +199,11 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
 @handle_errors
 def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
            allow: tuple[str, ...], deny: tuple[str, ...], secret_names: tuple[str, ...],
-           isolation: str | None, snapshot_ref: str | None, as_json: bool) -> None:
+           template: str | None, isolation: str | None, snapshot_ref: str | None,
+           as_json: bool) -> None:
     """Create a sandbox and print its id."""
     label_map = parse_pairs(labels, "--label")
-    sb = Sandbox.create(resources=resources, timeout=ttl, labels=label_map,
+    sb = Sandbox.create(template, resources=resources, timeout=ttl, labels=label_map,
                         network=_network(allow, deny), secrets=list(secret_names),
                         isolation=isolation, snapshot=snapshot_ref, home=home_of(ctx))
     if as_json:
@@ -552,22 +553,47 @@ def reap(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 @handle_errors
 def doctor(ctx: click.Context, as_json: bool) -> None:
-    """Check that this host can run sandboxes safely, and say how to fix what is missing."""
-    from .._backends import load_backend
+    """Check which isolation tiers this host can run safely, and say how to fix what is missing.
 
-    checks = load_backend(ctx.obj["settings"]).check_host()
-    ok = all(c.ok for c in checks)
+    Exits 0 when the default tier (``CORRAL_BACKEND``) can run; the other tiers are reported,
+    with their reasons, either way. ``--json``: ``{ok, default, checks, tiers: {name:
+    {supported, checks}}}``, where ``checks`` are the default tier's.
+    """
+    from .._backends import BACKENDS, load_backend
+    from ..backends import HostCheck
+    from ..errors import CorralError
+
+    settings = ctx.obj["settings"]
+    tiers: dict[str, list[HostCheck]] = {}
+    for tier in BACKENDS:
+        try:
+            tiers[tier] = load_backend(settings, tier).check_host()
+        except CorralError as exc:  # a tier that cannot even load is reported, not fatal
+            tiers[tier] = [HostCheck(tier, False, exc.message, "see the message")]
+    supported = {name: all(c.ok for c in checks) for name, checks in tiers.items()}
+    ok = supported[settings.backend]
+
+    def lines(checks: list[HostCheck]) -> list[dict[str, Any]]:
+        return [{"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix} for c in checks]
+
     if as_json:
-        emit_json({"ok": ok, "checks": [
-            {"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix} for c in checks
-        ]})
+        emit_json({"ok": ok, "default": settings.backend, "checks": lines(tiers[settings.backend]),
+                   "tiers": {name: {"supported": supported[name], "checks": lines(checks)}
+                             for name, checks in tiers.items()}})
     else:
-        for c in checks:
-            mark = click.style("ok  ", fg="green") if c.ok else click.style("FAIL", fg="red")
-            click.echo(f"{mark} {c.name:16} {c.detail}")
-            if not c.ok:
-                click.echo(f"     {'':16} fix: {c.fix}")
-        click.echo("this host can run Corral sandboxes" if ok else
+        for name, checks in tiers.items():
+            verdict = (click.style("supported", fg="green") if supported[name]
+                       else click.style("NOT supported", fg="red"))
+            default = " (default)" if name == settings.backend else ""
+            click.echo(f"{name} tier{default}: {verdict}")
+            for c in checks:
+                mark = click.style("ok  ", fg="green") if c.ok else click.style("FAIL", fg="red")
+                click.echo(f"  {mark} {c.name:16} {c.detail}")
+                if not c.ok:
+                    click.echo(f"       {'':16} fix: {c.fix}")
+        usable = [name for name, good in supported.items() if good]
+        click.echo(f"this host can run Corral sandboxes with isolation: {', '.join(usable)}"
+                   if usable else
                    "this host cannot run Corral sandboxes safely; fix the FAIL lines above",
                    err=True)
     sys.exit(0 if ok else EXIT_UNAVAILABLE)

@@ -62,7 +62,7 @@ _MAX_ENV_BYTES = 256 * 1024
 _MAX_ARGV_BYTES = 1024 * 1024
 _MAX_STDIN_BYTES = 64 * 1024 * 1024
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}$")
-_SNAPSHOT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+_SNAPSHOT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}")
 _MAX_FORKS = 64
 
 
@@ -651,7 +651,7 @@ class Manager:
     def _check_snapshot_name(name: str | None) -> str | None:
         if name is None:
             return None
-        if not isinstance(name, str) or not _SNAPSHOT_NAME_RE.match(name) \
+        if not isinstance(name, str) or not _SNAPSHOT_NAME_RE.fullmatch(name) \
                 or re.match(r"^snap_[0-9a-z]{12}$", name):
             raise UsageError(
                 f"invalid snapshot name {name!r}: 1-63 letters, digits, _ . - (starting with a "

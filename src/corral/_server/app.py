@@ -30,7 +30,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .._audit.log import follow as follow_log
 from .._audit.metrics import render
 from .._backends import BACKENDS
-from .._backends.namespace.template import TEMPLATES
 from .._control.manager import _MAX_FORKS, Manager
 from .._core.resources import TIERS, get_tier
 from ..errors import (
@@ -92,7 +91,8 @@ _SnapshotName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}
 
 # The schema names the tiers and templates this server has (built from the same tables).
 Tier: Any = Literal[tuple(TIERS)]
-Template: Any = Literal[tuple(TEMPLATES)]
+# Templates are built on the host at any time: the name's shape here, its existence at create.
+Template = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,39}$")]
 # Only tiers whose backend this build has: a named tier that is missing would fail on import.
 # A tier that is here but that the host cannot run (no runsc, say) answers 503.
 ISOLATION_TIERS = tuple(name for name, target in BACKENDS.items()
@@ -623,7 +623,8 @@ def _as_sdk_error(problems: Sequence[Any]) -> CorralError | None:
         return UsageError(f"unknown resource tier {given!r}; choose one of: "
                           f"{', '.join(sorted(TIERS))}")
     if loc[:1] == ["body"] and field == "template":
-        return UsageError(f"unknown template {given!r}; available: {', '.join(TEMPLATES)}")
+        return UsageError(f"unknown template {given!r}: template names are lowercase letters, "
+                          "digits, - and _; `corral templates ls` lists the built ones")
     if loc[:1] == ["body"] and field in ("timeout", "idle_timeout"):
         return UsageError(f"{field} must be a positive number of seconds, got {given!r}")
     if loc[:1] == ["body"] and field == "isolation":

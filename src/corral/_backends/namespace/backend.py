@@ -88,11 +88,23 @@ class NamespaceBackend:
 
     def _template(self, name: str) -> BaseTemplate:
         template = self._templates.get(name)
+        if template is not None and not self._still_current(name, template):
+            template = None  # rebuilt or removed since this process loaded it
         if template is None:
             ca = self._settings.home / "egress" / "ca.pem"
             template = self._templates[name] = load_template(
                 name, self._templates_dir, extra_ca=ca.read_bytes() if ca.exists() else None)
         return template
+
+    def _still_current(self, name: str, template: BaseTemplate) -> bool:
+        """One readlink and one stat: a long-running service picks up a rebuilt template."""
+        if template.root is None:
+            return template.etc.is_dir()
+        try:
+            pointer = os.readlink(self._templates_dir / f"{name}.current")
+        except OSError:
+            return False
+        return template.root.parent.name == pointer and template.etc.is_dir()
 
     def create(self, spec: SandboxSpec) -> None:
         self._ready()
