@@ -1,4 +1,5 @@
-"""Fixtures for tests that run the same behaviour against both transports."""
+"""Fixtures for tests that run the same behaviour against both transports or both isolation
+tiers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from corral._control.manager import Manager
+from corral._settings import Settings
 
 from .servers import Server
 
@@ -22,3 +24,21 @@ def server(manager: Manager) -> Iterator[Server]:
 def where(request: pytest.FixtureRequest, home: str, server: Server) -> dict[str, str]:
     """Keyword arguments that point the SDK at one transport or the other."""
     return {"home": home} if request.param == "embedded" else {"url": server.url}
+
+
+@pytest.fixture(scope="session")
+def gvisor_problems(settings: Settings) -> list[str]:
+    """Why this host cannot run the gVisor tier (empty when it can), from its own host check."""
+    from corral._backends.gvisor import GvisorBackend
+
+    return [f"{c.name}: {c.detail} (fix: {c.fix})"
+            for c in GvisorBackend(settings).check_host() if not c.ok]
+
+
+@pytest.fixture(params=["namespace", "gvisor"])
+def isolation(request: pytest.FixtureRequest, gvisor_problems: list[str]) -> str:
+    """Each isolation tier in turn. Where the host cannot run gVisor, its cases are skipped with
+    the host check's reasons; `corral doctor` says the same."""
+    if request.param == "gvisor" and gvisor_problems:
+        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    return str(request.param)

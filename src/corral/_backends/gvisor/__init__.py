@@ -1,0 +1,5 @@
+"""The gVisor isolation tier."""
+
+from .backend import GvisorBackend
+
+__all__ = ["GvisorBackend"]

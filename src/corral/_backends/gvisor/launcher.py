@@ -1,0 +1,375 @@
+"""Runs one command as its own gVisor sandbox: bundle, spawn in its cgroup, stream, limit, reap.
+
+Ordering that makes the limits hold: runsc is started through ``sh``, which waits on a FIFO until
+we have moved it into the command's cgroup and only then execs runsc. Everything runsc starts
+(gofer, Sentry, systrap stubs) descends from it, so it is in the cgroup from its first
+instruction; a timeout, ``kill_command`` or ``destroy`` kills the whole group at once.
+
+``setpriv --pdeathsig KILL`` (inherited across the execs) kills runsc when the thread that
+spawned it exits; the spawner thread lives as long as Corral, and runsc's attached sandbox dies
+with runsc, so no sandbox outlives the process that ran it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..._audit.tracing import tracer
+from ..._core import linux
+from ...backends import ExecOutcome, ExecRequest
+from ...errors import BackendError, CommandError
+from ...models import Usage
+from ..namespace import netns
+from ..namespace.cgroups import CgroupDriver, CgroupUsage
+from ..namespace.runner import _ProcessIO, _set_size, _Stream
+from .bundle import runtime_uid, write_config
+from .runsc import Runsc
+
+__all__ = ["GvisorLauncher", "Launch", "reap_orphans"]
+
+_READ_CHUNK = 65536
+_SETUP_TIMEOUT_S = 10.0
+_TIMEOUT_EXIT_CODE = 124
+_KILLED_EXIT_CODE = 128 + 9
+# runsc's own failures exit 128 (a command's own 128 is told apart by runsc's log).
+_RUNSC_FAILED = 128
+# Waits on a FIFO until the parent has placed it in the cgroup; the FIFO closed without a line
+# (set-up failed) makes `read` fail and the shell exit without starting anything.
+_SHIM = 'read -r _ < "$1" && shift && exec "$@"'
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One command to start, with the pieces of its sandbox the launch needs."""
+
+    uid: int
+    netns_path: Path
+    group: str
+    container_id: str
+    bundle: Path
+    config: Mapping[str, Any]
+    request: ExecRequest
+
+
+class GvisorLauncher:
+    """Starts commands for one backend: the runsc binary, the cgroup driver, the spawner."""
+
+    def __init__(self, runsc: Runsc, cgroups: CgroupDriver) -> None:
+        self.runsc = runsc
+        self.cgroups = cgroups
+        self.spawner = netns.Spawner()
+        self.setsid = shutil.which("setsid") or "setsid"
+        self.setpriv = shutil.which("setpriv") or "setpriv"
+        self.sh = shutil.which("sh") or "/bin/sh"
+        # runsc returns (or is killed) before its gofer and Sentry are gone; they are re-parented
+        # to us, as bwrap's init is in the namespace tier, and reaped by `reap_orphans`
+        # instead of being left as zombies to a host init that may never reap them.
+        linux.set_child_subreaper()
+
+    def run(self, launch: Launch) -> ExecOutcome:
+        self.cgroups.create_command(launch.group)
+        try:
+            write_config(launch.bundle, launch.config)
+            return self._run_in_group(launch)
+        finally:
+            with contextlib.suppress(BackendError):
+                self.cgroups.kill(launch.group)
+            reap_orphans(runtime_uid(launch.uid))
+            self.cgroups.remove(launch.group)
+            self.runsc.remove_state(launch.container_id)
+            shutil.rmtree(launch.bundle, ignore_errors=True)
+
+    def _run_in_group(self, launch: Launch) -> ExecOutcome:
+        started = time.monotonic()
+        with tracer.start_as_current_span("corral.process.start"):
+            proc, release = self._start(launch)
+        try:
+            return self._follow(launch, proc, started)
+        finally:
+            os.close(release)
+
+    def _follow(self, launch: Launch, proc: subprocess.Popen[bytes],
+                started: float) -> ExecOutcome:
+        request, group = launch.request, launch.group
+        terminal: int | None = getattr(proc, "terminal", None)
+        if request.on_start is not None and (request.interactive or terminal is not None):
+            try:
+                request.on_start(_ProcessIO(proc, terminal))
+            except BaseException:
+                self._abort(proc, launch)
+                raise
+        with tracer.start_as_current_span("corral.process.run"):
+            try:
+                streams, timed_out = _pump(proc, request, started)
+            except BaseException:
+                self._abort(proc, launch)
+                raise
+            if timed_out:
+                self.cgroups.kill(group)
+            try:
+                returncode = proc.wait(timeout=_SETUP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.cgroups.kill(group)
+                returncode = proc.wait()
+        wall = time.monotonic() - started
+        with tracer.start_as_current_span("corral.process.reap"):
+            self.cgroups.kill(group)
+            try:
+                usage = self.cgroups.usage(group)
+            except FileNotFoundError:  # the sandbox was destroyed under the command
+                usage = CgroupUsage(cpu_s=0.0, peak_memory_bytes=0, oom_killed=False)
+        stdout, stderr = streams
+        if timed_out:
+            exit_code = _TIMEOUT_EXIT_CODE
+        elif returncode < 0:
+            exit_code = 128 - returncode  # runsc itself killed (kill_command, destroy)
+        elif returncode == _RUNSC_FAILED and (failure := self.runsc.error_of(launch.bundle)):
+            if usage.oom_killed:
+                # The OOM killer took the Sentry: the command died of memory, not of runsc.
+                exit_code = _KILLED_EXIT_CODE
+            elif (not_started := _exec_failure(failure, request.argv[0])) is not None:
+                # A program that cannot be run is the command's result, as in a shell. runsc
+                # has said why on the command's stderr (which is its own) unless it could not.
+                exit_code, message = not_started
+                if failure not in "".join(stderr.parts):
+                    stderr.feed(message.encode())
+            else:
+                raise _failure(failure, request.cwd)
+        else:
+            exit_code = returncode
+        return ExecOutcome(
+            exit_code=exit_code,
+            stdout=stdout.finish(),
+            stderr=stderr.finish(),
+            timed_out=timed_out,
+            usage=Usage(wall_s=wall, cpu_s=usage.cpu_s,
+                        peak_memory_bytes=usage.peak_memory_bytes, oom_killed=usage.oom_killed),
+            stdout_truncated=stdout.dropped,
+            stderr_truncated=stderr.dropped,
+        )
+
+    def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
+        """Start runsc held by the shim, place it in the command's cgroup, then release it.
+
+        Returns the process and our end of the release FIFO, which must stay open until the
+        command ends (closing it before the shim has read would drop the byte)."""
+        request = launch.request
+        fifo = launch.bundle / "release"
+        os.mkfifo(fifo, 0o600)
+        # Read-write: opening never blocks, and the shim's read-only open does not either.
+        release = os.open(fifo, os.O_RDWR | os.O_CLOEXEC)
+        argv = [self.setpriv, "--pdeathsig", "KILL", "--", self.sh, "-c", _SHIM, "sh", str(fifo),
+                *self.runsc.run_argv(bundle=launch.bundle, container_id=launch.container_id)]
+        terminal: int | None = None
+        stdio: dict[str, Any]
+        if request.pty is not None:
+            terminal, slave = os.openpty()
+            _set_size(terminal, *request.pty)
+            # A session whose controlling terminal is the PTY: runsc forwards what the terminal
+            # sends it (Ctrl-C, SIGWINCH) to the foreground process group inside, and the
+            # sandbox's init gets the terminal as its own controlling terminal.
+            argv = [self.setsid, "--ctty", *argv]
+            stdio = {"stdin": slave, "stdout": slave, "stderr": slave,
+                     "start_new_session": False}
+        else:
+            wants_stdin = request.stdin is not None or request.interactive
+            stdio = {"stdin": subprocess.PIPE if wants_stdin else subprocess.DEVNULL,
+                     "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
+                     "start_new_session": True}
+
+        def spawn() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(argv, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                                    cwd="/", **stdio)
+
+        try:
+            proc = self.spawner.run(launch.netns_path, spawn)
+        except OSError as exc:
+            os.close(release)
+            if terminal is not None:
+                os.close(terminal)
+                os.close(stdio["stdin"])
+            raise BackendError(f"cannot start runsc: {exc}") from exc
+        if terminal is not None:
+            os.close(stdio["stdin"])  # the child holds the PTY's other end now
+            proc.terminal = terminal  # type: ignore[attr-defined]
+        try:
+            try:
+                self.cgroups.attach(launch.group, (proc.pid,))
+            except ProcessLookupError:
+                raise BackendError("the gVisor sandbox could not be set up: runsc's launcher "
+                                   f"exited with status {proc.wait()}") from None
+            os.write(release, b"go\n")
+        except BaseException:
+            os.close(release)
+            self._abort(proc, launch)
+            raise
+        return proc, release
+
+    def _abort(self, proc: subprocess.Popen[bytes], launch: Launch) -> None:
+        terminal = getattr(proc, "terminal", None)
+        if terminal is not None:
+            with contextlib.suppress(OSError):
+                os.close(terminal)
+        with contextlib.suppress(BackendError):
+            self.cgroups.kill(launch.group)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=_SETUP_TIMEOUT_S)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+def reap_orphans(uid: int, deadline_s: float = 2.0) -> None:
+    """Reap the gVisor processes that runsc left to us: it returns once the command is
+    over, before its gofer and Sentry (and the Sentry's stubs) have gone, and they are
+    re-parented to us, the subreaper. Only processes of the sandbox's runtime uid whose
+    parent we are: other children belong to ``subprocess``, and a concurrent command's
+    gVisor processes still have their own runsc as parent."""
+    me = os.getpid()
+    end = time.monotonic() + deadline_s
+    while True:
+        ours = [(pid, state) for pid, ppid, state in _procs_of_uid(uid) if ppid == me]
+        if not ours or time.monotonic() > end:
+            return
+        for pid, state in ours:
+            if state == "Z":
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.001)
+
+
+def _procs_of_uid(uid: int) -> list[tuple[int, int, str]]:
+    """(pid, ppid, state) of host processes whose real uid is ``uid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry}")
+            if st.st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        found.append((int(entry), int(fields[1]), fields[0]))
+    return found
+
+
+def _exec_failure(message: str, program: str) -> tuple[int, str] | None:
+    """(exit code, stderr line) when runsc says the program itself could not be started:
+    127 when it does not exist, 126 when it is not executable (the shell's codes)."""
+    marker = f"failed to load {program}: "
+    if marker not in message:
+        return None
+    reason = message.split(marker, 1)[1].strip()
+    code = 127 if "no such file" in reason.lower() else 126
+    return code, f"corral: cannot run {program}: {reason}\n"
+
+
+def _failure(message: str, cwd: str) -> Exception:
+    """runsc's own error, as the error a caller can act on."""
+    lowered = message.lower()
+    if "chdir" in lowered or "working directory" in lowered or f'"{cwd}"' in message:
+        return CommandError(f"cannot enter the working directory {cwd}: {message}")
+    return BackendError(f"the gVisor sandbox failed: {message}")
+
+
+def _pump(
+    proc: subprocess.Popen[bytes], request: ExecRequest, started: float
+) -> tuple[tuple[_Stream, _Stream], bool]:
+    """Feed stdin, read stdout and stderr (or the terminal) until they close or time runs out;
+    True on timeout."""
+    out = _Stream("stdout", request.output_limit_bytes, request.on_stdout)
+    err = _Stream("stderr", request.output_limit_bytes, request.on_stderr)
+    deadline = started + request.timeout_s
+    terminal: int | None = getattr(proc, "terminal", None)
+    if terminal is not None:
+        try:
+            return (out, err), _pump_terminal(terminal, out, deadline)
+        finally:
+            os.close(terminal)
+    assert proc.stdout is not None and proc.stderr is not None
+    pending = memoryview(request.stdin or b"")
+    timed_out = False
+    with selectors.DefaultSelector() as sel:
+        handlers: dict[int, Callable[[], None]] = {}
+
+        def reader(fd: int, stream: _Stream) -> Callable[[], None]:
+            def handle() -> None:
+                chunk = os.read(fd, _READ_CHUNK)
+                if chunk:
+                    stream.feed(chunk)
+                else:
+                    sel.unregister(fd)
+                    del handlers[fd]
+            return handle
+
+        for pipe, stream in ((proc.stdout, out), (proc.stderr, err)):
+            sel.register(pipe.fileno(), selectors.EVENT_READ)
+            handlers[pipe.fileno()] = reader(pipe.fileno(), stream)
+        stdin = proc.stdin
+        if stdin is not None and not request.interactive:
+            stdin_fd = stdin.fileno()
+            os.set_blocking(stdin_fd, False)
+
+            def write_stdin() -> None:
+                nonlocal pending
+                try:
+                    pending = pending[os.write(stdin_fd, pending[:_READ_CHUNK]):]
+                except BrokenPipeError:
+                    pending = memoryview(b"")
+                if not pending:
+                    sel.unregister(stdin_fd)
+                    del handlers[stdin_fd]
+                    stdin.close()
+
+            if pending:
+                sel.register(stdin_fd, selectors.EVENT_WRITE)
+                handlers[stdin_fd] = write_stdin
+            else:
+                stdin.close()
+        outputs = (proc.stdout.fileno(), proc.stderr.fileno())
+        while any(fd in handlers for fd in outputs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(remaining):
+                handler = handlers.get(key.fd)
+                if handler is not None:
+                    handler()
+    for stream_pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if stream_pipe is not None and not stream_pipe.closed:
+            with contextlib.suppress(OSError):
+                stream_pipe.close()
+    return (out, err), timed_out
+
+
+def _pump_terminal(terminal: int, out: _Stream, deadline: float) -> bool:
+    """Read the PTY until every process holding it is gone; True on timeout."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(terminal, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return True
+            if not sel.select(remaining):
+                continue
+            try:
+                chunk = os.read(terminal, _READ_CHUNK)
+            except OSError:  # EIO: the last holder of the terminal closed it
+                return False
+            if not chunk:
+                return False
+            out.feed(chunk)
