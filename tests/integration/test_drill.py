@@ -38,11 +38,16 @@ REPO = Path(__file__).resolve().parents[2]
 CORRAL = str(REPO / ".venv" / "bin" / "corral")
 
 
-@pytest.fixture(scope="module")
-def embedded_report(settings: Settings, manager: object) -> DrillReport:
-    return run_drill(SdkTarget(home=settings.home))
+@pytest.fixture(scope="module", params=["namespace", "gvisor"])
+def embedded_report(request: pytest.FixtureRequest, settings: Settings, manager: object,
+                    gvisor_problems: list[str]) -> DrillReport:
+    """The whole drill on the default configuration of each tier this host can run."""
+    if request.param == "gvisor" and gvisor_problems:
+        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    return run_drill(SdkTarget(home=settings.home, isolation=str(request.param)))
 
 
+@pytest.mark.timeout(300)
 def test_the_drill_holds_on_the_default_configuration(embedded_report: DrillReport) -> None:
     report = embedded_report
     not_held = [(r.id, r.verdict, r.observed) for r in report.results if r.verdict != "held"]

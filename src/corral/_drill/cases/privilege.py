@@ -111,8 +111,11 @@ CASES = [
                 "capabilities")),
     Case("priv.no-new-privs", "privilege", "gain privileges through exec (setuid binaries, "
          "file capabilities)", "no_new_privs is set",
-         _shell("grep -q '^NoNewPrivs:[[:space:]]*1' /proc/self/status || echo ESCALATED "
-                "no_new_privs unset; echo checked", "no_new_privs")),
+         # prctl first: gVisor's /proc/self/status has no NoNewPrivs line.
+         _shell("v=$(python3 -c 'import ctypes; print(ctypes.CDLL(None).prctl(39, 0, 0, 0, 0))' "
+                "2>/dev/null || sed -n 's/^NoNewPrivs:[[:space:]]*//p' /proc/self/status); "
+                "[ \"$v\" = 1 ] || echo ESCALATED no_new_privs is \"$v\"; echo checked",
+                "no_new_privs")),
     Case("priv.setuid", "privilege", "become root with su, sudo or any setuid-root binary",
          "nothing runs as root",
          _shell("for b in su sudo pkexec newgrp; do command -v $b >/dev/null && "
