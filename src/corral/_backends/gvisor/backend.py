@@ -37,26 +37,22 @@ runsc 20240729, other test suites running alongside; ``bench/bench_gvisor.py`` r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
-import secrets
 import shutil
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from ..._settings import Settings
-from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec, SealResult
+from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
 from ...errors import BackendError, BackendUnavailable, CommandError, ConfigError
 from ...models import ResourceTier
-from ..namespace import netns
-from ..namespace.cgroups import CgroupDriver, detect_cgroups
-from ..namespace.storage import WorkspaceStore
-from ..namespace.template import BaseTemplate, load_template
+from ..host import HostBackedBackend
+from ..namespace.cgroups import detect_cgroups
+from ..namespace.template import BaseTemplate
 from .bundle import build_config, ensure_rootfs, runtime_uid
 from .hostcheck import check_host, gvisor_dir
 from .launcher import GvisorLauncher, Launch
@@ -70,21 +66,6 @@ logger = logging.getLogger(__name__)
 # (measured: ~35 for `sleep`). Inside, RLIMIT_NPROC holds the command to the tier's pids; the
 # host cgroup only has to keep a runaway gVisor from the host, never starve a Sentry of threads.
 _RUNTIME_TASKS = 64
-
-
-def _proc_start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _owner_alive(pid: str, start_time: str) -> bool:
-    try:
-        return _proc_start_time(int(pid)) == start_time
-    except ValueError:
-        return False
 
 
 def _check_traversable(home: Path) -> None:
@@ -110,28 +91,19 @@ def _container_id(sandbox_id: str, group_name: str) -> str:
     return f"{sandbox_id}.{hashlib.sha256(group_name.encode()).hexdigest()[:12]}"
 
 
-class GvisorBackend:
+class GvisorBackend(HostBackedBackend):
     """See the module docstring. One instance per process and data directory."""
 
     name: BackendName = "gvisor"
 
     def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._instance = f"corral-{settings.instance}"
-        self._store = WorkspaceStore(settings.home / "sandboxes")
-        self._templates_dir = settings.home / "templates"
+        super().__init__(settings)
         self._dir = gvisor_dir(settings)
         self._bundles = self._dir / "bundles"
-        self._cgroups: CgroupDriver | None = None
         self._runsc: Runsc | None = None
-        self._templates: dict[str, BaseTemplate] = {}
         self._rootfs: dict[tuple[tuple[str, str, str], ...], Path] = {}
-        # Sandboxes whose cgroup this process has already set up (the hot path skips the writes).
-        self._ensured: set[str] = set()
         self._launcher: GvisorLauncher | None = None
         self._lock = threading.Lock()
-        # Command cgroups carry the owner's pid and start time, as in the namespace tier.
-        self._owner = f"{os.getpid()}.{_proc_start_time(os.getpid())}"
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -157,26 +129,10 @@ class GvisorBackend:
                 self._runsc = Runsc(path, self._dir / "state")
                 self._runsc.prepare()
                 self._bundles.mkdir(parents=True, exist_ok=True, mode=0o700)
-                self._cgroups = detect_cgroups(self._instance)
-                self._launcher = GvisorLauncher(self._runsc, self._cgroups)
+                cgroups = detect_cgroups(self._instance)
+                self._attach_cgroups(cgroups)
+                self._launcher = GvisorLauncher(self._runsc, cgroups)
         return self._launcher
-
-    @property
-    def cgroups(self) -> CgroupDriver:
-        self._ready()
-        assert self._cgroups is not None
-        return self._cgroups
-
-    def _netns_path(self, sandbox_id: str) -> Path:
-        return self._settings.run_dir / f"{self._instance}-{sandbox_id}"
-
-    def _template(self, name: str) -> BaseTemplate:
-        template = self._templates.get(name)
-        if template is None:
-            ca = self._settings.home / "egress" / "ca.pem"
-            template = self._templates[name] = load_template(
-                name, self._templates_dir, extra_ca=ca.read_bytes() if ca.exists() else None)
-        return template
 
     def _rootfs_for(self, template: BaseTemplate) -> Path:
         rootfs = self._rootfs.get(template.system)
@@ -186,6 +142,9 @@ class GvisorBackend:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def _limits(self, tier: ResourceTier) -> ResourceTier:
+        return _host_limits(tier)
+
     def create(self, spec: SandboxSpec) -> None:
         self._ready()
         try:
@@ -193,71 +152,16 @@ class GvisorBackend:
         except ValueError as exc:
             raise BackendError(str(exc)) from exc
         self._rootfs_for(self._template(spec.template))
-        try:
-            self.cgroups.create_sandbox(spec.id, _host_limits(spec.tier))
-            self._ensured.add(spec.id)
-            netns.create_netns(self._netns_path(spec.id))
-            self._store.create(spec)
-        except BaseException:
-            with contextlib.suppress(BackendError, OSError):
-                self.destroy(spec)
-            raise
-
-    def _ensure_runtime(self, spec: SandboxSpec) -> Path:
-        """Rebuild what a reboot or crash removed (netns pin, cgroup, mount)."""
-        path = self._netns_path(spec.id)
-        if not netns.is_pinned(path):
-            path.unlink(missing_ok=True)
-            netns.create_netns(path)
-        if spec.id not in self._ensured:
-            self.cgroups.create_sandbox(spec.id, _host_limits(spec.tier))
-            self._ensured.add(spec.id)
-        return self._store.ensure_mounted(spec)
-
-    def open_listener(self, spec: SandboxSpec) -> socket.socket:
-        """A listener in the sandbox's network namespace: with ``--network=host``, gVisor's
-        sockets are that namespace's sockets, so commands reach it at ``127.0.0.1:<port>``."""
-        launcher = self._ready()
-        self._ensure_runtime(spec)
-
-        def bind() -> socket.socket:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.bind(("127.0.0.1", 0))
-                sock.listen(128)
-                sock.setblocking(False)
-            except BaseException:
-                sock.close()
-                raise
-            return sock
-
-        return launcher.spawner.run(self._netns_path(spec.id), bind)
-
-    def workspace_root(self, spec: SandboxSpec) -> Path:
-        self._ready()
-        return self._store.ensure_mounted(spec)
+        self._create_host_pieces(spec)
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         launcher = self._ready()
         workspace = self._ensure_runtime(spec)
         template = self._template(spec.template)
         rootfs = self._rootfs_for(template)
-        # The group's name carries the owner (to tell crash leftovers from live neighbours) and
-        # the command id (so a sweep can say which command was interrupted).
-        group_name = f"c.{self._owner}.{request.command_id or secrets.token_hex(4)}"
+        group_name = self._group_name(request)
         container_id = _container_id(spec.id, group_name)
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
-            "HOME": "/workspace",
-            "USER": "user",
-            "LOGNAME": "user",
-            "SHELL": "/bin/bash",
-            "LANG": "C.UTF-8",
-            "TERM": "dumb",
-            "TMPDIR": "/tmp",
-            "CORRAL_SANDBOX_ID": spec.id,
-            **request.env,
-        }
+        env = self._command_env(spec, request)
         if any("\0" in item for pair in env.items() for item in pair):
             raise CommandError("environment names and values may not contain NUL bytes")
         # runsc creates a missing working directory (as the runtime uid); the control plane has
@@ -274,54 +178,13 @@ class GvisorBackend:
             request=request,
         ))
 
-    # -- workspace layers --------------------------------------------------------------------
+    # -- the tier's own leftovers --------------------------------------------------------------
 
-    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
-        self._ready()
-        return self._store.seal(spec, layer_id)
-
-    def reset_workspace(self, spec: SandboxSpec) -> None:
-        self._ready()
-        self._store.reset(spec)
-
-    def remove_layer(self, layer_id: str) -> None:
-        self._store.remove_layer(layer_id)
-
-    def layer_ids(self) -> list[str]:
-        return self._store.layer_ids()
-
-    # -- running commands --------------------------------------------------------------------
-
-    def pause(self, spec: SandboxSpec, paused: bool) -> None:
-        """Freeze every process of every running command (runsc, gofer, Sentry, stubs) with
-        the cgroup freezer: gVisor's kernel stops with its processes, mid-instruction."""
-        self._ready()
-        self._ensure_runtime(spec)
-        self.cgroups.freeze(spec.id, paused)
-
-    def busy(self, spec: SandboxSpec) -> bool:
-        self._ready()
-        return bool(self.cgroups.children(spec.id))
-
-    def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
-        self._ready()
-        for name in self.cgroups.children(spec.id):
-            if name.endswith(f".{command_id}"):
-                self.cgroups.kill(f"{spec.id}/{name}")
-                return True
-        return False
-
-    def destroy(self, spec: SandboxSpec) -> None:
-        self._ready()
-        assert self._runsc is not None
-        self._ensured.discard(spec.id)
-        with contextlib.suppress(BackendError, OSError):
-            self.cgroups.freeze(spec.id, False)  # a frozen process cannot die
-        self.cgroups.kill(spec.id)
-        self.cgroups.remove(spec.id)
+    def _destroy_extra(self, spec: SandboxSpec) -> None:
         self._remove_runsc_leftovers(lambda sandbox_id: sandbox_id != spec.id)
-        netns.remove_netns(self._netns_path(spec.id))
-        self._store.remove(spec.id)
+
+    def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[str]:
+        return self._remove_runsc_leftovers(is_live)
 
     def _remove_runsc_leftovers(self, is_live: Callable[[str], bool]) -> list[str]:
         """runsc state files and bundles of commands that no longer run."""
@@ -352,52 +215,3 @@ class GvisorBackend:
             shutil.rmtree(self._bundles / container_id, ignore_errors=True)
             removed.append(f"runsc {container_id}")
         return removed
-
-    def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[str]:
-        """Remove runtime pieces of unknown sandboxes, commands of dead owners and runsc state
-        of commands that no longer run.
-
-        ``live_ids`` may be a callable asked just before each removal: a sandbox created while
-        the sweep runs must not lose its pieces to a list of ids read before it existed.
-        """
-        self._ready()
-        is_live: Callable[[str], bool] = (
-            live_ids.__contains__ if isinstance(live_ids, set) else live_ids)
-        removed: list[str] = []
-        for sandbox_id in self._store.ids():
-            if not is_live(sandbox_id):
-                self._store.remove(sandbox_id)
-                removed.append(f"workspace {sandbox_id}")
-        run_dir = self._settings.run_dir
-        prefix = f"{self._instance}-"
-        if run_dir.exists():
-            for entry in run_dir.iterdir():
-                if entry.name.startswith(prefix) and not is_live(entry.name[len(prefix):]):
-                    netns.remove_netns(entry)
-                    removed.append(f"netns {entry.name}")
-        for sandbox_id in self.cgroups.children(""):
-            if not is_live(sandbox_id):
-                self.cgroups.kill(sandbox_id)
-                self.cgroups.remove(sandbox_id)
-                removed.append(f"cgroup {sandbox_id}")
-                continue
-            for command in self.cgroups.children(sandbox_id):
-                owner = command.split(".")
-                if len(owner) >= 3 and _owner_alive(owner[1], owner[2]):
-                    continue
-                group = f"{sandbox_id}/{command}"
-                self.cgroups.kill(group)
-                self.cgroups.remove(group)
-                removed.append(f"command {group}")
-        removed += self._remove_runsc_leftovers(is_live)
-        if removed:
-            logger.info("swept %d leftovers: %s", len(removed), ", ".join(removed))
-        return removed
-
-    def close(self) -> None:
-        pass
-
-    def remove_instance(self) -> None:
-        """Remove this data directory's empty top-level cgroups (tests and uninstall)."""
-        if self._cgroups is not None and not self._cgroups.children(""):
-            self._cgroups.remove("")

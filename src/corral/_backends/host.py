@@ -1,0 +1,286 @@
+"""What every tier gives a sandbox on the host, built, rebuilt and swept the same way.
+
+A sandbox's network namespace (only ``lo``), its cgroup, its layered workspace and its template
+do not depend on how commands run, so the namespace and gVisor tiers share them: one class,
+``HostBackedBackend``, owns those pieces and implements the parts of the backend protocol that
+only touch them. A tier subclasses it and adds what is its own: host checks, starting commands,
+and (through the ``_limits``/``_destroy_extra``/``_sweep_extra`` hooks) its own leftovers.
+Both tiers lay pieces out under the same names, so either one's sweep recognises the other's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from .._settings import Settings
+from ..backends import ExecRequest, SandboxSpec, SealResult
+from ..errors import BackendError
+from ..models import ResourceTier
+from .namespace import netns
+from .namespace.cgroups import CgroupDriver
+from .namespace.storage import WorkspaceStore
+from .namespace.template import BaseTemplate, load_template
+
+__all__ = ["HostBackedBackend", "owner_alive", "proc_start_time"]
+
+logger = logging.getLogger(__name__)
+
+
+def proc_start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_alive(pid: str, start_time: str) -> bool:
+    try:
+        return proc_start_time(int(pid)) == start_time
+    except ValueError:
+        return False
+
+
+class _Spawner(Protocol):
+    def run(self, netns_path: Path, fn: Callable[[], socket.socket]) -> socket.socket: ...
+
+
+class HostBackedBackend:
+    """The shared half of a tier. Subclasses call ``_attach_cgroups`` from ``_ready`` and
+    implement ``_ready`` (returning anything with a ``spawner``), ``check_host`` and ``exec``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._instance = f"corral-{settings.instance}"
+        self._store = WorkspaceStore(settings.home / "sandboxes")
+        self._templates_dir = settings.home / "templates"
+        self._cgroups: CgroupDriver | None = None
+        self._templates: dict[str, BaseTemplate] = {}
+        # Sandboxes whose cgroup this process has already set up (the hot path skips the writes).
+        self._ensured: set[str] = set()
+        # Command cgroups carry the owner's pid and start time, so a later process can tell a
+        # crashed owner's leftovers from a live neighbour's commands.
+        self._owner = f"{os.getpid()}.{proc_start_time(os.getpid())}"
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def _ready(self) -> object:
+        raise NotImplementedError
+
+    def _spawner(self) -> _Spawner:
+        spawner: _Spawner = self._ready().spawner  # type: ignore[attr-defined]
+        return spawner
+
+    def _limits(self, tier: ResourceTier) -> ResourceTier:
+        """The sandbox cgroup's limits for ``tier`` (a tier may need room for its runtime)."""
+        return tier
+
+    def _destroy_extra(self, spec: SandboxSpec) -> None:
+        """Remove the tier's own pieces of ``spec`` (after its processes are dead)."""
+
+    def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[str]:
+        """Remove the tier's own leftovers of sandboxes that are not live."""
+        return []
+
+    # -- shared pieces ------------------------------------------------------------------------
+
+    def _attach_cgroups(self, cgroups: CgroupDriver) -> None:
+        self._cgroups = cgroups
+
+    @property
+    def cgroups(self) -> CgroupDriver:
+        self._ready()
+        assert self._cgroups is not None
+        return self._cgroups
+
+    def _netns_path(self, sandbox_id: str) -> Path:
+        return self._settings.run_dir / f"{self._instance}-{sandbox_id}"
+
+    def _template(self, name: str) -> BaseTemplate:
+        template = self._templates.get(name)
+        if template is not None and not self._still_current(name, template):
+            template = None  # rebuilt or removed since this process loaded it
+        if template is None:
+            ca = self._settings.home / "egress" / "ca.pem"
+            template = self._templates[name] = load_template(
+                name, self._templates_dir, extra_ca=ca.read_bytes() if ca.exists() else None)
+        return template
+
+    def _still_current(self, name: str, template: BaseTemplate) -> bool:
+        """One readlink and one stat: a long-running service picks up a rebuilt template."""
+        if template.root is None:
+            return template.etc.is_dir()
+        try:
+            pointer = os.readlink(self._templates_dir / f"{name}.current")
+        except OSError:
+            return False
+        return template.root.parent.name == pointer and template.etc.is_dir()
+
+    def _group_name(self, request: ExecRequest) -> str:
+        # The group's name carries the owner (to tell crash leftovers from live neighbours) and
+        # the command id (so a sweep can say which command was interrupted).
+        return f"c.{self._owner}.{request.command_id or secrets.token_hex(4)}"
+
+    @staticmethod
+    def _command_env(spec: SandboxSpec, request: ExecRequest) -> dict[str, str]:
+        """The whole environment of a command: built from scratch, never the host's."""
+        return {
+            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
+            "HOME": "/workspace",
+            "USER": "user",
+            "LOGNAME": "user",
+            "SHELL": "/bin/bash",
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "TMPDIR": "/tmp",
+            "CORRAL_SANDBOX_ID": spec.id,
+            **request.env,
+        }
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _create_host_pieces(self, spec: SandboxSpec) -> None:
+        self._ready()
+        self._template(spec.template)
+        try:
+            self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
+            self._ensured.add(spec.id)
+            netns.create_netns(self._netns_path(spec.id))
+            self._store.create(spec)
+        except BaseException:
+            with contextlib.suppress(BackendError, OSError):
+                self.destroy(spec)
+            raise
+
+    def _ensure_runtime(self, spec: SandboxSpec) -> Path:
+        """Rebuild what a reboot or crash removed (netns pin, cgroup, mount)."""
+        path = self._netns_path(spec.id)
+        if not netns.is_pinned(path):
+            path.unlink(missing_ok=True)
+            netns.create_netns(path)
+        if spec.id not in self._ensured:
+            self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
+            self._ensured.add(spec.id)
+        return self._store.ensure_mounted(spec)
+
+    def open_listener(self, spec: SandboxSpec) -> socket.socket:
+        spawner = self._spawner()
+        self._ensure_runtime(spec)
+
+        def bind() -> socket.socket:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind(("127.0.0.1", 0))
+                sock.listen(128)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+        return spawner.run(self._netns_path(spec.id), bind)
+
+    def workspace_root(self, spec: SandboxSpec) -> Path:
+        self._ready()
+        return self._store.ensure_mounted(spec)
+
+    # -- workspace layers ---------------------------------------------------------------------
+
+    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
+        self._ready()
+        return self._store.seal(spec, layer_id)
+
+    def reset_workspace(self, spec: SandboxSpec) -> None:
+        self._ready()
+        self._store.reset(spec)
+
+    def remove_layer(self, layer_id: str) -> None:
+        self._store.remove_layer(layer_id)
+
+    def layer_ids(self) -> list[str]:
+        return self._store.layer_ids()
+
+    # -- running commands ---------------------------------------------------------------------
+
+    def pause(self, spec: SandboxSpec, paused: bool) -> None:
+        self._ready()
+        self._ensure_runtime(spec)
+        self.cgroups.freeze(spec.id, paused)
+
+    def busy(self, spec: SandboxSpec) -> bool:
+        self._ready()
+        return bool(self.cgroups.children(spec.id))
+
+    def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
+        self._ready()
+        for name in self.cgroups.children(spec.id):
+            if name.endswith(f".{command_id}"):
+                self.cgroups.kill(f"{spec.id}/{name}")
+                return True
+        return False
+
+    def destroy(self, spec: SandboxSpec) -> None:
+        self._ready()
+        self._ensured.discard(spec.id)
+        with contextlib.suppress(BackendError, OSError):
+            self.cgroups.freeze(spec.id, False)  # a frozen process cannot die
+        self.cgroups.kill(spec.id)
+        self.cgroups.remove(spec.id)
+        self._destroy_extra(spec)
+        netns.remove_netns(self._netns_path(spec.id))
+        self._store.remove(spec.id)
+
+    def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[str]:
+        """Remove runtime pieces of unknown sandboxes and commands of dead owners.
+
+        ``live_ids`` may be a callable asked just before each removal: a sandbox created while
+        the sweep runs must not lose its pieces to a list of ids read before it existed.
+        """
+        self._ready()
+        is_live: Callable[[str], bool] = (
+            live_ids.__contains__ if isinstance(live_ids, set) else live_ids)
+        removed: list[str] = []
+        for sandbox_id in self._store.ids():
+            if not is_live(sandbox_id):
+                self._store.remove(sandbox_id)
+                removed.append(f"workspace {sandbox_id}")
+        run_dir = self._settings.run_dir
+        prefix = f"{self._instance}-"
+        if run_dir.exists():
+            for entry in run_dir.iterdir():
+                if entry.name.startswith(prefix) and not is_live(entry.name[len(prefix):]):
+                    netns.remove_netns(entry)
+                    removed.append(f"netns {entry.name}")
+        for sandbox_id in self.cgroups.children(""):
+            if not is_live(sandbox_id):
+                self.cgroups.kill(sandbox_id)
+                self.cgroups.remove(sandbox_id)
+                removed.append(f"cgroup {sandbox_id}")
+                continue
+            for command in self.cgroups.children(sandbox_id):
+                owner = command.split(".")
+                if len(owner) >= 3 and owner_alive(owner[1], owner[2]):
+                    continue
+                group = f"{sandbox_id}/{command}"
+                self.cgroups.kill(group)
+                self.cgroups.remove(group)
+                removed.append(f"command {group}")
+        removed += self._sweep_extra(is_live)
+        if removed:
+            logger.info("swept %d leftovers: %s", len(removed), ", ".join(removed))
+        return removed
+
+    def close(self) -> None:
+        pass
+
+    def remove_instance(self) -> None:
+        """Remove this data directory's empty top-level cgroups (tests and uninstall)."""
+        if self._cgroups is not None and not self._cgroups.children(""):
+            self._cgroups.remove("")
