@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,12 @@ from ...errors import BackendError, CommandError
 from ...models import Usage
 from ..namespace import netns
 from ..namespace.cgroups import CgroupDriver, CgroupUsage
-from ..namespace.runner import _ProcessIO, _set_size, _Stream
+from ..process_io import ProcessHandle, pump, set_terminal_size
 from .bundle import runtime_uid, write_config
 from .runsc import Runsc
 
 __all__ = ["GvisorLauncher", "Launch", "reap_orphans"]
 
-_READ_CHUNK = 65536
 _SETUP_TIMEOUT_S = 10.0
 _TIMEOUT_EXIT_CODE = 124
 _KILLED_EXIT_CODE = 128 + 9
@@ -103,13 +101,13 @@ class GvisorLauncher:
         terminal: int | None = getattr(proc, "terminal", None)
         if request.on_start is not None and (request.interactive or terminal is not None):
             try:
-                request.on_start(_ProcessIO(proc, terminal))
+                request.on_start(ProcessHandle(proc, terminal))
             except BaseException:
                 self._abort(proc, launch)
                 raise
         with tracer.start_as_current_span("corral.process.run"):
             try:
-                streams, timed_out = _pump(proc, request, started)
+                streams, timed_out = pump(proc, request, started)
             except BaseException:
                 self._abort(proc, launch)
                 raise
@@ -173,7 +171,7 @@ class GvisorLauncher:
         stdio: dict[str, Any]
         if request.pty is not None:
             terminal, slave = os.openpty()
-            _set_size(terminal, *request.pty)
+            set_terminal_size(terminal, *request.pty)
             # A session whose controlling terminal is the PTY: runsc forwards what the terminal
             # sends it (Ctrl-C, SIGWINCH) to the foreground process group inside, and the
             # sandbox's init gets the terminal as its own controlling terminal.
@@ -283,93 +281,3 @@ def _failure(message: str, cwd: str) -> Exception:
     if "chdir" in lowered or "working directory" in lowered or f'"{cwd}"' in message:
         return CommandError(f"cannot enter the working directory {cwd}: {message}")
     return BackendError(f"the gVisor sandbox failed: {message}")
-
-
-def _pump(
-    proc: subprocess.Popen[bytes], request: ExecRequest, started: float
-) -> tuple[tuple[_Stream, _Stream], bool]:
-    """Feed stdin, read stdout and stderr (or the terminal) until they close or time runs out;
-    True on timeout."""
-    out = _Stream("stdout", request.output_limit_bytes, request.on_stdout)
-    err = _Stream("stderr", request.output_limit_bytes, request.on_stderr)
-    deadline = started + request.timeout_s
-    terminal: int | None = getattr(proc, "terminal", None)
-    if terminal is not None:
-        try:
-            return (out, err), _pump_terminal(terminal, out, deadline)
-        finally:
-            os.close(terminal)
-    assert proc.stdout is not None and proc.stderr is not None
-    pending = memoryview(request.stdin or b"")
-    timed_out = False
-    with selectors.DefaultSelector() as sel:
-        handlers: dict[int, Callable[[], None]] = {}
-
-        def reader(fd: int, stream: _Stream) -> Callable[[], None]:
-            def handle() -> None:
-                chunk = os.read(fd, _READ_CHUNK)
-                if chunk:
-                    stream.feed(chunk)
-                else:
-                    sel.unregister(fd)
-                    del handlers[fd]
-            return handle
-
-        for pipe, stream in ((proc.stdout, out), (proc.stderr, err)):
-            sel.register(pipe.fileno(), selectors.EVENT_READ)
-            handlers[pipe.fileno()] = reader(pipe.fileno(), stream)
-        stdin = proc.stdin
-        if stdin is not None and not request.interactive:
-            stdin_fd = stdin.fileno()
-            os.set_blocking(stdin_fd, False)
-
-            def write_stdin() -> None:
-                nonlocal pending
-                try:
-                    pending = pending[os.write(stdin_fd, pending[:_READ_CHUNK]):]
-                except BrokenPipeError:
-                    pending = memoryview(b"")
-                if not pending:
-                    sel.unregister(stdin_fd)
-                    del handlers[stdin_fd]
-                    stdin.close()
-
-            if pending:
-                sel.register(stdin_fd, selectors.EVENT_WRITE)
-                handlers[stdin_fd] = write_stdin
-            else:
-                stdin.close()
-        outputs = (proc.stdout.fileno(), proc.stderr.fileno())
-        while any(fd in handlers for fd in outputs):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(remaining):
-                handler = handlers.get(key.fd)
-                if handler is not None:
-                    handler()
-    for stream_pipe in (proc.stdin, proc.stdout, proc.stderr):
-        if stream_pipe is not None and not stream_pipe.closed:
-            with contextlib.suppress(OSError):
-                stream_pipe.close()
-    return (out, err), timed_out
-
-
-def _pump_terminal(terminal: int, out: _Stream, deadline: float) -> bool:
-    """Read the PTY until every process holding it is gone; True on timeout."""
-    with selectors.DefaultSelector() as sel:
-        sel.register(terminal, selectors.EVENT_READ)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return True
-            if not sel.select(remaining):
-                continue
-            try:
-                chunk = os.read(terminal, _READ_CHUNK)
-            except OSError:  # EIO: the last holder of the terminal closed it
-                return False
-            if not chunk:
-                return False
-            out.feed(chunk)

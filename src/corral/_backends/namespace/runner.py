@@ -8,29 +8,25 @@ outside the cgroup, even for a microsecond.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
-import fcntl
 import json
 import os
 import resource
 import selectors
 import shutil
-import struct
 import subprocess
-import termios
-import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..._audit.tracing import tracer
 from ..._core import linux
-from ...backends import ExecOutcome, ExecRequest, OutputCallback
+from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from ...models import Usage
+from ..process_io import ProcessHandle, pump, set_terminal_size
 from . import netns, seccomp
 from .bwrap import BwrapFds, build_argv
 from .cgroups import CgroupDriver
@@ -38,51 +34,8 @@ from .template import BaseTemplate
 
 __all__ = ["CommandLauncher", "Launch"]
 
-_READ_CHUNK = 65536
 _SETUP_TIMEOUT_S = 10.0
 _TIMEOUT_EXIT_CODE = 124
-
-
-@dataclass
-class _Stream:
-    """One output stream: decode incrementally, keep up to ``limit`` bytes, count the rest."""
-
-    name: str
-    limit: int
-    callback: OutputCallback | None
-    kept: int = 0
-    dropped: int = 0
-    parts: list[str] = field(default_factory=list)
-    decoder: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
-    )
-
-    def feed(self, data: bytes) -> None:
-        room = self.limit - self.kept
-        if room <= 0:
-            self.dropped += len(data)
-            return
-        if len(data) > room:
-            self.dropped += len(data) - room
-            data = data[:room]
-        self.kept += len(data)
-        self._emit(self.decoder.decode(data))
-
-    def finish(self) -> str:
-        self._emit(self.decoder.decode(b"", final=True))
-        text = "".join(self.parts)
-        if self.dropped:
-            text += (
-                f"\n[corral: {self.name} truncated: {self.dropped} more bytes dropped; "
-                f"{self.limit} bytes are kept per stream]\n"
-            )
-        return text
-
-    def _emit(self, text: str) -> None:
-        if text:
-            self.parts.append(text)
-            if self.callback is not None:
-                self.callback(text)
 
 
 def _reap(pid: int) -> None:
@@ -117,46 +70,6 @@ class Launch:
     env: Mapping[str, str]
 
 
-def _set_size(terminal: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-
-class _ProcessIO:
-    """Stdin (or the terminal) of a running interactive command; safe from any thread."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], terminal: int | None) -> None:
-        self._proc = proc
-        self._terminal = terminal
-        self._lock = threading.Lock()
-
-    def write(self, data: bytes) -> None:
-        with self._lock:
-            try:
-                if self._terminal is not None:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(self._terminal, view):]
-                elif self._proc.stdin is not None and not self._proc.stdin.closed:
-                    self._proc.stdin.write(data)
-                    self._proc.stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                pass  # the command has ended or closed its input
-
-    def close_stdin(self) -> None:
-        with self._lock:
-            if self._terminal is not None:
-                with contextlib.suppress(OSError):
-                    os.write(self._terminal, b"\x04")  # Ctrl-D: end of input on a terminal
-            elif self._proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self._proc.stdin.close()
-
-    def resize(self, rows: int, cols: int) -> None:
-        if self._terminal is not None:
-            with contextlib.suppress(OSError):
-                _set_size(self._terminal, rows, cols)
-
-
 class CommandLauncher:
     """Starts commands for one backend: the bwrap binary, the cgroup driver, the spawner thread."""
 
@@ -188,13 +101,13 @@ class CommandLauncher:
         terminal: int | None = getattr(proc, "terminal", None)
         if request.on_start is not None and (request.interactive or terminal is not None):
             try:
-                request.on_start(_ProcessIO(proc, terminal))
+                request.on_start(ProcessHandle(proc, terminal))
             except BaseException:
                 self._abort(proc, group, init_pid)
                 raise
         with tracer.start_as_current_span("corral.process.run"):
             try:
-                streams, timed_out = self._pump(proc, request, started)
+                streams, timed_out = pump(proc, request, started)
             except BaseException:
                 self._abort(proc, group, init_pid)
                 raise
@@ -253,7 +166,7 @@ class CommandLauncher:
         stdio: dict[str, Any]
         if request.pty is not None:
             terminal, slave = os.openpty()
-            _set_size(terminal, *request.pty)
+            set_terminal_size(terminal, *request.pty)
             # setsid --ctty: a new session whose controlling terminal is the PTY, so Ctrl-C
             # and window-size changes reach the command (it execs bwrap: the pid stays).
             argv = [self.setsid, "--ctty", *argv]
@@ -365,90 +278,3 @@ class CommandLauncher:
             _, err = proc.communicate()
         message = err.decode(errors="replace").strip().removeprefix("bwrap: ")
         return message or f"bwrap exited with status {proc.returncode}"
-
-    def _pump(
-        self, proc: subprocess.Popen[bytes], request: ExecRequest, started: float
-    ) -> tuple[tuple[_Stream, _Stream], bool]:
-        out = _Stream("stdout", request.output_limit_bytes, request.on_stdout)
-        err = _Stream("stderr", request.output_limit_bytes, request.on_stderr)
-        deadline = started + request.timeout_s
-        terminal: int | None = getattr(proc, "terminal", None)
-        if terminal is not None:
-            try:
-                return (out, err), self._pump_terminal(terminal, out, deadline)
-            finally:
-                os.close(terminal)
-        assert proc.stdout is not None and proc.stderr is not None
-        pending = memoryview(request.stdin or b"")
-        with selectors.DefaultSelector() as sel:
-            handlers: dict[int, Callable[[], None]] = {}
-
-            def reader(fd: int, stream: _Stream) -> Callable[[], None]:
-                def handle() -> None:
-                    chunk = os.read(fd, _READ_CHUNK)
-                    if chunk:
-                        stream.feed(chunk)
-                    else:
-                        sel.unregister(fd)
-                        del handlers[fd]
-                return handle
-
-            for pipe, stream in ((proc.stdout, out), (proc.stderr, err)):
-                fd = pipe.fileno()
-                sel.register(fd, selectors.EVENT_READ)
-                handlers[fd] = reader(fd, stream)
-            if proc.stdin is not None and not request.interactive:
-                stdin_fd = proc.stdin.fileno()
-                os.set_blocking(stdin_fd, False)
-
-                def write_stdin() -> None:
-                    nonlocal pending
-                    try:
-                        written = os.write(stdin_fd, pending[:_READ_CHUNK])
-                        pending = pending[written:]
-                    except BrokenPipeError:
-                        pending = memoryview(b"")
-                    if not pending:
-                        sel.unregister(stdin_fd)
-                        del handlers[stdin_fd]
-                        proc.stdin.close()  # type: ignore[union-attr]
-
-                if pending:
-                    sel.register(stdin_fd, selectors.EVENT_WRITE)
-                    handlers[stdin_fd] = write_stdin
-                else:
-                    proc.stdin.close()
-            timed_out = False
-            while any(fd in handlers for fd in (proc.stdout.fileno(), proc.stderr.fileno())):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                for key, _ in sel.select(remaining):
-                    handler = handlers.get(key.fd)
-                    if handler is not None:
-                        handler()
-        for stream_pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if stream_pipe is not None and not stream_pipe.closed:
-                with contextlib.suppress(OSError):
-                    stream_pipe.close()
-        return (out, err), timed_out
-
-    @staticmethod
-    def _pump_terminal(terminal: int, out: _Stream, deadline: float) -> bool:
-        """Read the PTY until every process holding it is gone; True on timeout."""
-        with selectors.DefaultSelector() as sel:
-            sel.register(terminal, selectors.EVENT_READ)
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return True
-                if not sel.select(remaining):
-                    continue
-                try:
-                    chunk = os.read(terminal, _READ_CHUNK)
-                except OSError:  # EIO: the last holder of the terminal closed it
-                    return False
-                if not chunk:
-                    return False
-                out.feed(chunk)
