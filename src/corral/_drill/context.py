@@ -4,7 +4,6 @@ the canaries, the planted secrets, and helpers that turn a command into evidence
 from __future__ import annotations
 
 import contextlib
-import secrets as _secrets
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -128,9 +127,6 @@ class DrillContext:
             planted.append(self.host_secret_value)
         return [s for s in planted if any(s in t for t in texts)]
 
-    @staticmethod
-    def new_token(prefix: str) -> str:
-        return f"{prefix}-{_secrets.token_hex(8)}"
 
 
 class _Watch:

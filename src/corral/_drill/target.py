@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import tarfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -189,11 +189,3 @@ class SdkTarget:
             with contextlib.suppress(Exception):
                 sb.kill()
         self._made.clear()
-
-
-@contextlib.contextmanager
-def closing(target: DrillTarget) -> Iterator[DrillTarget]:
-    try:
-        yield target
-    finally:
-        target.close()

@@ -4,7 +4,6 @@ a private network namespace per sandbox and a per-sandbox host uid.
 
 from __future__ import annotations
 
-import logging
 import shutil
 
 from ..._settings import Settings
@@ -16,8 +15,6 @@ from .hostcheck import check_host
 from .runner import CommandLauncher, Launch
 
 __all__ = ["NamespaceBackend"]
-
-logger = logging.getLogger(__name__)
 
 
 class NamespaceBackend(HostBackedBackend):
