@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_sandbox import (  # noqa: E402
     emit_report,
-    leftovers,
     log,
     machine_info,
     percentile,
     summarize,
+    teardown,
 )
 
 from corral import Sandbox  # noqa: E402
@@ -235,23 +235,6 @@ def gvisor_leftovers(settings: Settings) -> list[str]:
     return found
 
 
-def teardown(settings: Settings) -> list[str]:
-    mgr = manager_mod._managers.get(settings.home)
-    if mgr is not None:
-        try:
-            for info in mgr.store.list():
-                mgr._destroy(info, reason="cleanup")
-            for backend in list(mgr._backends.values()):
-                backend.sweep(set())
-            mgr.backend.remove_instance()  # type: ignore[attr-defined]
-        finally:
-            mgr.close()
-            manager_mod._managers.pop(settings.home, None)
-    left = leftovers(settings) + gvisor_leftovers(settings)
-    shutil.rmtree(settings.home, ignore_errors=True)
-    return left
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=30, help="measured runs per series")
@@ -287,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bench.close()
         bare.close()
-        left = teardown(settings)
+        left = teardown(settings, gvisor_leftovers)
     if left:
         log("bench: leftovers after clean-up:\n  " + "\n  ".join(left))
 

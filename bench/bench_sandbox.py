@@ -280,18 +280,24 @@ def leftovers(settings: Settings) -> list[str]:
     return found
 
 
-def teardown(settings: Settings) -> list[str]:
+def teardown(settings: Settings,
+             extra_leftovers: Callable[[Settings], list[str]] | None = None) -> list[str]:
+    """Destroy every sandbox and snapshot of ``settings``' data directory, sweep every tier
+    it used, and return what is still left behind (``extra_leftovers`` adds a tier's own)."""
     mgr = manager_mod._managers.get(settings.home)
     if mgr is not None:
         try:
             for info in mgr.store.list():
                 mgr._destroy(info, reason="cleanup")
-            mgr.backend.sweep(set())
+            for snap in mgr.list_snapshots():
+                mgr.delete_snapshot(snap.id)
+            for backend in list(mgr._backends.values()):
+                backend.sweep(set())
             mgr.backend.remove_instance()  # type: ignore[attr-defined]
         finally:
             mgr.close()
             manager_mod._managers.pop(settings.home, None)
-    left = leftovers(settings)
+    left = leftovers(settings) + (extra_leftovers(settings) if extra_leftovers else [])
     shutil.rmtree(settings.home, ignore_errors=True)
     return left
 

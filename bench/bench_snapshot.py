@@ -116,12 +116,6 @@ def main(argv: list[str] | None = None) -> int:
             log(f"size {size} MB")
             results.append(bench_size(str(settings.home), size, args.runs))
     finally:
-        mgr = manager_mod._managers.get(settings.home)
-        if mgr is not None:
-            for info in mgr.store.list():
-                mgr._destroy(info, reason="cleanup")
-            for snap in mgr.list_snapshots():
-                mgr.delete_snapshot(snap.id)
         leftover += teardown(settings)
     worst = {k: max(r[k]["p50_ms"] for r in results) for k in ("snapshot", "fork")}
     report = {
