@@ -290,9 +290,12 @@ class Manager:
             return False
         if now - info.last_active < info.idle_timeout:
             return False
-        if any(p.state != "exited" for p in self.processes.list(info.id)):
-            return False
-        return not self._backend(info).busy(self._spec(info))
+        return not self._running(info)
+
+    def _running(self, info: SandboxInfo) -> bool:
+        """True while a background process or any command (from any process) runs."""
+        return (any(p.state != "exited" for p in self.processes.list(info.id))
+                or self._backend(info).busy(self._spec(info)))
 
     def _ensure_recovered(self) -> None:
         if not self._recovered:
@@ -632,14 +635,12 @@ class Manager:
             raise SandboxBusy(f"sandbox {info.id} is paused; resume() it first")
         backend = self._backend(info)
         with self._workspace_lock(info.id, exclusive=True):
-            spec = self._spec(info)
-            if backend.busy(spec) or any(p.state != "exited"
-                                         for p in self.processes.list(info.id)):
+            if self._running(info):
                 raise SandboxBusy(
                     f"sandbox {info.id} has running commands or background processes; wait "
                     "for them (or kill them) before taking a snapshot")
             layer = _new_id("lyr")
-            result = backend.seal_workspace(spec, layer)
+            result = backend.seal_workspace(self._spec(info), layer)
             parent = result.layers[1] if len(result.layers) > 1 else None
             self.store.add_layer(layer, parent=parent, bytes_used=result.bytes_used)
             self.store.set_layer(info.id, layer)
@@ -715,8 +716,7 @@ class Manager:
         layer = self.store.snapshot_layer(snap.id)
         backend = self._backend(info)
         with self._workspace_lock(info.id, exclusive=True):
-            if backend.busy(self._spec(info)) or any(p.state != "exited"
-                                                     for p in self.processes.list(info.id)):
+            if self._running(info):
                 raise SandboxBusy(
                     f"sandbox {info.id} has running commands or background processes; wait "
                     "for them (or kill them) before restoring")

@@ -31,8 +31,9 @@ else:
     print("ALLOWED reached the kernel:", err, os.strerror(err))
 """
 
-def _shell(script: str, what: str) -> Run:
-    """``script`` prints ESCALATED when the attempt gained something."""
+def _shell(script: str | list[str], what: str) -> Run:
+    """``script`` (a shell string or an argv) prints ESCALATED when the attempt gained
+    something."""
     def run(ctx: DrillContext) -> Outcome:
         result = ctx.run(script)
         out = (result.stdout + result.stderr).strip()
@@ -84,23 +85,6 @@ os.waitpid(pid, 0)
 print("ESCALATED attached" if res == 0 else f"refused {err} {os.strerror(err)}")
 """
 
-def _tiocsti(ctx: DrillContext) -> Outcome:
-    result = ctx.run(["python3", "-c", TIOCSTI])
-    out = (result.stdout + result.stderr).strip()
-    evidence = tuple(ctx.evidence(result))
-    if "ESCALATED" in result.stdout:
-        return Outcome("breached", out[:200], evidence)
-    return Outcome("held", out[:200] or f"exit {result.exit_code}", evidence)
-
-
-def _ptrace(ctx: DrillContext) -> Outcome:
-    result = ctx.run(["python3", "-c", PTRACE])
-    out = (result.stdout + result.stderr).strip()
-    evidence = tuple(ctx.evidence(result))
-    if "ESCALATED" in result.stdout:
-        return Outcome("breached", out[:200], evidence)
-    return Outcome("held", out[:200] or f"exit {result.exit_code}", evidence)
-
 
 CASES = [
     Case("priv.capabilities", "privilege", "look for any capability in the effective, permitted "
@@ -138,7 +122,7 @@ CASES = [
     Case("priv.chroot", "privilege", "chroot (the classic way out of a chroot)", "refused",
          _syscall(161, 0, what="chroot(NULL)"), PY),
     Case("priv.ptrace", "privilege", "ptrace-attach to a process (even its own child)",
-         "refused", _ptrace, PY),
+         "refused", _shell(["python3", "-c", PTRACE], "ptrace"), PY),
     Case("priv.io-uring", "privilege", "io_uring_setup (a frequent kernel exploit surface)",
          "refused", _syscall(425, 1, 0, what="io_uring_setup"), PY),
     Case("priv.bpf", "privilege", "bpf(BPF_PROG_LOAD)-class calls", "refused",
@@ -148,7 +132,7 @@ CASES = [
     Case("priv.keyctl", "privilege", "keyctl: read the session keyring shared with the host "
          "user", "refused", _syscall(250, 0, -3, 0, what="keyctl(GET_KEYRING_ID)"), PY),
     Case("priv.tiocsti", "privilege", "TIOCSTI: type commands into a terminal", "refused",
-         _tiocsti, PY),
+         _shell(["python3", "-c", TIOCSTI], "TIOCSTI"), PY),
     Case("priv.kernel-module", "privilege", "load a kernel module", "refused",
          _syscall(313, -1, 0, 0, what="finit_module"), PY),
     Case("priv.userfaultfd", "privilege", "userfaultfd (used to win kernel races)", "refused",
