@@ -5,6 +5,9 @@ The tree::
     CorralError
     ├── ConfigError            settings or host configuration is wrong
     ├── AuthError              missing, unknown or revoked API key (HTTP service)
+    ├── RequestRefused         the request itself is refused before it is served
+    │   ├── HostRefused        a Host header the service does not answer to (DNS rebinding)
+    │   └── OriginRefused      a browser Origin that may not drive the service (CSRF, WebSocket)
     ├── UsageError             the caller misused an object (also a RuntimeError)
     ├── SandboxError
     │   ├── SandboxNotFound
@@ -21,6 +24,7 @@ The tree::
     ├── BackendError           the isolation backend failed
     │   └── BackendUnavailable a kernel feature or host tool is missing
     ├── PolicyError
+    │   ├── CeilingExceeded    beyond what the operator lets this tenant ever ask for
     │   └── QuotaExceeded      a tenant or sandbox limit: no free uid, too many sandboxes, ...
     │       └── TooLarge       a request body or file over its size limit
     └── TransportError         the remote SDK could not reach the service
@@ -36,15 +40,19 @@ __all__ = [
     "AuthError",
     "BackendError",
     "BackendUnavailable",
+    "CeilingExceeded",
     "CommandError",
     "CommandNotFound",
     "ConfigError",
     "CorralError",
     "FileError",
     "FileNotFound",
+    "HostRefused",
+    "OriginRefused",
     "PathRefused",
     "PolicyError",
     "QuotaExceeded",
+    "RequestRefused",
     "SandboxBusy",
     "SandboxError",
     "SandboxExpired",
@@ -155,6 +163,15 @@ class PolicyError(CorralError):
     status = 403
 
 
+class CeilingExceeded(PolicyError):
+    """A policy (host, template, tier, secret, lifetime, resources) beyond the operator's ceiling
+    for the tenant; the message names the ceiling. Asking again does not help: the operator must
+    raise it."""
+
+    code = "ceiling_exceeded"
+    status = 403
+
+
 class QuotaExceeded(PolicyError):
     code = "quota_exceeded"
     status = 429
@@ -168,6 +185,21 @@ class TooLarge(QuotaExceeded):
 class AuthError(CorralError):
     code = "unauthorized"
     status = 401
+
+
+class RequestRefused(CorralError):
+    code = "request_refused"
+    status = 400
+
+
+class HostRefused(RequestRefused):
+    code = "host_refused"
+    status = 421
+
+
+class OriginRefused(RequestRefused):
+    code = "origin_refused"
+    status = 403
 
 
 class TransportError(CorralError):

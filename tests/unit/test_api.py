@@ -14,6 +14,7 @@ PUBLIC = [
     "PolicyError", "QuotaExceeded", "ResourceTier", "Sandbox", "SandboxBusy", "SandboxError",
     "SandboxExpired", "SandboxInfo", "SandboxNotFound", "Usage", "UsageError", "__version__",
     "SnapshotError", "SnapshotInUse", "SnapshotInfo", "SnapshotNotFound",
+    "CeilingExceeded", "HostRefused", "OriginRefused", "RequestRefused",
 ]
 
 
