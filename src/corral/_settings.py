@@ -45,6 +45,14 @@ class Settings(BaseSettings):
         url: a Corral service (``corral serve``) to use instead of running sandboxes in this
             process. ``CORRAL_URL``.
         api_key: the key for ``url``. ``CORRAL_API_KEY``.
+        ceiling_hosts: operator ceiling, the server default for every caller without its own
+            (the local/keyless tenant, the embedded SDK, the CLI, MCP): comma-separated
+            allow-rule patterns a sandbox's allowlist must fall within (``*.pypi.org``,
+            ``api.example.com:8443``); unset = no bound, empty = no network at all.
+            ``CORRAL_CEILING_HOSTS``. Likewise ``ceiling_templates``, ``ceiling_isolation``,
+            ``ceiling_resources`` and ``ceiling_secrets`` (comma-separated names) and
+            ``ceiling_max_lifetime_s`` (seconds). A tenant's own ceiling
+            (``corral tenants set``) replaces a field it sets.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -61,6 +69,12 @@ class Settings(BaseSettings):
     egress_upstream_ca: Path | None = None
     url: str | None = None
     api_key: SecretStr | None = None
+    ceiling_hosts: str | None = None
+    ceiling_templates: str | None = None
+    ceiling_isolation: str | None = None
+    ceiling_resources: str | None = None
+    ceiling_secrets: str | None = None
+    ceiling_max_lifetime_s: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

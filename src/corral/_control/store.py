@@ -7,7 +7,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS tenants (
     max_sandboxes INTEGER NOT NULL,
     tiers TEXT NOT NULL,
     commands_per_minute INTEGER NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    ceiling TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
@@ -118,6 +119,9 @@ class Store:
                              "DEFAULT 'namespace'")
         if "layer" not in columns:
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN layer TEXT")
+        if "ceiling" not in {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}:
+            # A store made before ceilings: its tenants keep today's rules (no ceiling).
+            self._db.execute("ALTER TABLE tenants ADD COLUMN ceiling TEXT NOT NULL DEFAULT '{}'")
         path.chmod(0o600)
 
     @contextmanager
@@ -306,19 +310,20 @@ class Store:
     # -- tenants and API keys ---------------------------------------------------------------
 
     def add_tenant(self, name: str, *, max_sandboxes: int, tiers: Sequence[str],
-                   commands_per_minute: int) -> None:
+                   commands_per_minute: int, ceiling: Mapping[str, Any] | None = None) -> None:
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO tenants (name, max_sandboxes, tiers, "
-                       "commands_per_minute, created_at) VALUES (?, ?, ?, ?, ?)",
+                       "commands_per_minute, created_at, ceiling) VALUES (?, ?, ?, ?, ?, ?)",
                        (name, max_sandboxes, json.dumps(list(tiers)), commands_per_minute,
-                        time.time()))
+                        time.time(), json.dumps(dict(ceiling or {}))))
 
     def tenants(self) -> builtins.list[dict[str, Any]]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM tenants ORDER BY name").fetchall()
         return [{"name": r["name"], "max_sandboxes": r["max_sandboxes"],
                  "tiers": json.loads(r["tiers"]), "commands_per_minute": r["commands_per_minute"],
-                 "created_at": r["created_at"]} for r in rows]
+                 "created_at": r["created_at"], "ceiling": json.loads(r["ceiling"])}
+                for r in rows]
 
     def tenant(self, name: str) -> dict[str, Any] | None:
         return next((t for t in self.tenants() if t["name"] == name), None)

@@ -1,0 +1,320 @@
+"""Tenants: who the caller is, what it may ask for (its ceiling) and how fast (its quotas).
+
+The control plane enforces all of it, so the HTTP service, MCP, the SDK and the CLI get the
+same rules. A *ceiling* is the operator's bound on the policy a caller may give a sandbox: the
+hosts its allowlist may name, its template, isolation and resource tiers, the secrets it may
+bind and its longest lifetime. The caller is untrusted too (a steered model writes the create
+call as easily as the code), so a ceiling is checked on every way a policy comes into being:
+create, create-from-snapshot, fork, restore and a policy change after create.
+
+A field that is ``None`` sets no bound of its own; the server default (``CORRAL_CEILING_*``)
+then applies (see ``Ceiling.over``). ``()`` allows nothing: ``hosts=()`` means no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import re
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._core.resources import TIERS
+from .._egress.policy import DEFAULT_PORTS, NetworkPolicy, Rule
+from .._settings import Settings
+from ..errors import AuthError, CeilingExceeded, QuotaExceeded, UsageError
+from .store import Store
+
+__all__ = ["LOCAL_TENANT", "Ceiling", "CommandWindows", "Tenant", "TenantDirectory", "check",
+           "covers", "new_key"]
+
+LOCAL_TENANT = "local"
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_KEY_RE = re.compile(r"^ck_([0-9a-f]{12})_([A-Za-z0-9_-]{20,100})$")
+_FIELDS = ("hosts", "templates", "isolation", "resources", "secrets", "max_lifetime_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Ceiling:
+    """The most a caller may ask for; ``None`` = no bound here, ``()`` = nothing allowed."""
+
+    hosts: tuple[str, ...] | None = None  # allow-rule patterns (exact or *.suffix, :port)
+    templates: tuple[str, ...] | None = None
+    isolation: tuple[str, ...] | None = None  # "namespace", "gvisor"
+    resources: tuple[str, ...] | None = None  # "small", "large"
+    secrets: tuple[str, ...] | None = None
+    max_lifetime_s: int | None = None
+
+    @classmethod
+    def build(cls, *, hosts: Iterable[str] | None = None,
+              templates: Iterable[str] | None = None, isolation: Iterable[str] | None = None,
+              resources: Iterable[str] | None = None, secrets: Iterable[str] | None = None,
+              max_lifetime_s: int | None = None) -> Ceiling:
+        """A validated ceiling: host patterns parse as allow rules (normalised), tiers exist."""
+
+        def names(what: str, values: Iterable[str] | None) -> tuple[str, ...] | None:
+            if values is None:
+                return None
+            if isinstance(values, str):
+                raise UsageError(f"the {what} ceiling takes a list of names, not a string")
+            out = tuple(dict.fromkeys(v.strip() for v in values if v.strip()))
+            return out
+
+        rules = names("hosts", hosts)
+        if rules is not None:
+            rules = tuple(str(Rule.parse(r)) for r in rules)
+        tiers = names("resources", resources)
+        unknown = [t for t in tiers or () if t not in TIERS]
+        if unknown:
+            raise UsageError(f"unknown resource tiers {unknown} in the ceiling; choose from "
+                             f"{sorted(TIERS)}")
+        if max_lifetime_s is not None and (isinstance(max_lifetime_s, bool)
+                                           or not isinstance(max_lifetime_s, int)
+                                           or max_lifetime_s < 1):
+            raise UsageError(f"the max lifetime ceiling must be a positive number of seconds, "
+                             f"not {max_lifetime_s!r}")
+        return cls(hosts=rules, templates=names("templates", templates),
+                   isolation=names("isolation", isolation), resources=tiers,
+                   secrets=names("secrets", secrets), max_lifetime_s=max_lifetime_s)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Ceiling:
+        """The server default: ``CORRAL_CEILING_*`` (comma-separated; unset = no bound)."""
+
+        def split(text: str | None) -> list[str] | None:
+            return None if text is None else [p for p in text.split(",") if p.strip()]
+
+        return cls.build(hosts=split(settings.ceiling_hosts),
+                         templates=split(settings.ceiling_templates),
+                         isolation=split(settings.ceiling_isolation),
+                         resources=split(settings.ceiling_resources),
+                         secrets=split(settings.ceiling_secrets),
+                         max_lifetime_s=settings.ceiling_max_lifetime_s)
+
+    def over(self, default: Ceiling) -> Ceiling:
+        """This ceiling, with ``default``'s bound wherever this one sets none."""
+        return Ceiling(**{name: getattr(default, name) if getattr(self, name) is None
+                          else getattr(self, name) for name in _FIELDS})
+
+    @property
+    def is_empty(self) -> bool:
+        return all(getattr(self, name) is None for name in _FIELDS)
+
+    def to_json(self) -> dict[str, Any]:
+        """Only the fields that bound something (stable keys for ``corral tenants ls --json``)."""
+        out: dict[str, Any] = {}
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> Ceiling:
+        data = data or {}
+        return cls.build(**{name: data.get(name) for name in _FIELDS})
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A caller: its sandbox and command quotas, its tiers and its ceiling."""
+
+    name: str
+    max_sandboxes: int
+    tiers: tuple[str, ...]
+    commands_per_minute: int
+    ceiling: Ceiling = field(default_factory=Ceiling)
+
+    @property
+    def is_local(self) -> bool:
+        """The operator on this host (keyless service, embedded SDK, CLI): no quotas."""
+        return self.name == LOCAL_TENANT
+
+
+def local_tenant(ceiling: Ceiling | None = None) -> Tenant:
+    """The operator's tenant; the server default ceiling applies unless ``ceiling`` is given."""
+    return Tenant(LOCAL_TENANT, max_sandboxes=10_000, tiers=tuple(TIERS),
+                  commands_per_minute=1_000_000, ceiling=ceiling or Ceiling())
+
+
+def covers(pattern: Rule, requested: Rule) -> bool:
+    """True when every (host, port) ``requested`` allows, ``pattern`` allows too.
+
+    ``*.example.com`` covers ``a.example.com`` and ``*.a.example.com`` (never the apex); an
+    exact name covers only itself; a pattern's port restricts the port (no port = 80 and 443).
+    """
+    if pattern.port is None:
+        if requested.port is not None and requested.port not in DEFAULT_PORTS:
+            return False
+    elif requested.port != pattern.port:
+        return False
+    if pattern.host.startswith("*."):
+        return requested.host.endswith(pattern.host[1:])
+    return requested.host == pattern.host
+
+
+def _refuse(kind: str, asked: str, allowed: Sequence[str], who: str) -> CeilingExceeded:
+    shown = ", ".join(allowed) if allowed else "none"
+    return CeilingExceeded(
+        f"the {kind} ceiling of tenant {who!r} does not allow {asked} (allowed: {shown}); "
+        "the operator can raise it with `corral tenants set` or CORRAL_CEILING_*")
+
+
+def check(ceiling: Ceiling, *, tenant: str = LOCAL_TENANT, template: str | None = None,
+          isolation: str | None = None, resources: str | None = None,
+          network: NetworkPolicy | None = None, secrets: Iterable[str] | None = None,
+          lifetime_s: float | None = None) -> None:
+    """Raise ``CeilingExceeded`` (naming the ceiling) for anything asked beyond ``ceiling``."""
+    if template is not None and ceiling.templates is not None \
+            and template not in ceiling.templates:
+        raise _refuse("template", f"template {template!r}", ceiling.templates, tenant)
+    if isolation is not None and ceiling.isolation is not None \
+            and isolation not in ceiling.isolation:
+        raise _refuse("isolation", f"the {isolation!r} isolation tier", ceiling.isolation,
+                      tenant)
+    if resources is not None and ceiling.resources is not None \
+            and resources not in ceiling.resources:
+        raise _refuse("resources", f"the {resources!r} resource tier", ceiling.resources,
+                      tenant)
+    if network is not None and ceiling.hosts is not None:
+        patterns = [Rule.parse(p) for p in ceiling.hosts]
+        for rule in network.allow:
+            if not any(covers(p, rule) for p in patterns):
+                raise _refuse("hosts", f"allow rule {str(rule)!r}", ceiling.hosts, tenant)
+    if ceiling.secrets is not None:
+        for name in secrets or ():
+            if name not in ceiling.secrets:
+                raise _refuse("secrets", f"secret {name!r}", ceiling.secrets, tenant)
+    if lifetime_s is not None and ceiling.max_lifetime_s is not None \
+            and lifetime_s > ceiling.max_lifetime_s + 1e-6:
+        raise CeilingExceeded(
+            f"the max lifetime ceiling of tenant {tenant!r} is {ceiling.max_lifetime_s} s; "
+            f"a lifetime of {lifetime_s:.0f} s is over it (pass a shorter timeout, or the "
+            "operator raises it with `corral tenants set --max-lifetime` or "
+            "CORRAL_CEILING_MAX_LIFETIME_S)")
+
+
+class CommandWindows:
+    """Sliding one-minute windows of code starts per tenant (commands, processes, terminals)."""
+
+    def __init__(self) -> None:
+        self._windows: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def count(self, tenant: Tenant) -> None:
+        """Count one start; refuse it past the tenant's rate. The local tenant is not counted."""
+        if tenant.is_local:
+            return
+        now = time.monotonic()
+        with self._lock:
+            window = self._windows.setdefault(tenant.name, deque())
+            while window and window[0] < now - 60:
+                window.popleft()
+            if len(window) >= tenant.commands_per_minute:
+                wait = 60 - (now - window[0])
+                raise QuotaExceeded(
+                    f"tenant {tenant.name!r} reached {tenant.commands_per_minute} commands per "
+                    f"minute (commands, background processes and terminals count alike); "
+                    f"retry in {wait:.0f} s")
+            window.append(now)
+
+
+def _digest(secret: str) -> str:
+    # Keys are 192 random bits: a plain SHA-256 is enough (no password-style stretching needed).
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_key() -> tuple[str, str, str]:
+    """(key id, full key to hand out once, digest to store)."""
+    key_id = secrets.token_hex(6)
+    secret = secrets.token_urlsafe(24)
+    return key_id, f"ck_{key_id}_{secret}", _digest(secret)
+
+
+def _tenant_of(row: Mapping[str, Any]) -> Tenant:
+    return Tenant(row["name"], row["max_sandboxes"], tuple(row["tiers"]),
+                  row["commands_per_minute"], Ceiling.from_json(row.get("ceiling")))
+
+
+class TenantDirectory:
+    """Tenants and their keys in the store; looks a request's key up."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    # -- administration (CLI) -----------------------------------------------------------------
+
+    def add_tenant(self, name: str, *, max_sandboxes: int = 10, tiers: list[str] | None = None,
+                   commands_per_minute: int = 600, ceiling: Ceiling | None = None) -> Tenant:
+        """Add or replace a tenant (its keys stay valid)."""
+        if not _NAME_RE.match(name or "") or name == LOCAL_TENANT:
+            raise UsageError(f"invalid tenant name {name!r}: lower-case letters, digits, - and _"
+                             f" (and not {LOCAL_TENANT!r}, which is reserved)")
+        chosen = tiers or ["small"]
+        unknown = [t for t in chosen if t not in TIERS]
+        if unknown:
+            raise UsageError(f"unknown tiers {unknown}; choose from {sorted(TIERS)}")
+        if max_sandboxes < 1 or commands_per_minute < 1:
+            raise UsageError("quotas must be at least 1")
+        ceiling = ceiling or Ceiling()
+        self._store.add_tenant(name, max_sandboxes=max_sandboxes, tiers=chosen,
+                               commands_per_minute=commands_per_minute,
+                               ceiling=ceiling.to_json())
+        return Tenant(name, max_sandboxes, tuple(chosen), commands_per_minute, ceiling)
+
+    def get(self, name: str) -> Tenant:
+        row = self._store.tenant(name)
+        if row is None:
+            raise UsageError(f"no tenant named {name!r}; `corral tenants ls` lists them")
+        return _tenant_of(row)
+
+    def set_tenant(self, name: str, *, max_sandboxes: int | None = None,
+                   tiers: list[str] | None = None, commands_per_minute: int | None = None,
+                   ceiling: Mapping[str, Any] | None = None) -> Tenant:
+        """Change some of a tenant's settings; ``ceiling`` holds only the fields to change."""
+        old = self.get(name)
+        merged = dataclasses.replace(old.ceiling, **dict(ceiling or {}))
+        return self.add_tenant(
+            name, max_sandboxes=old.max_sandboxes if max_sandboxes is None else max_sandboxes,
+            tiers=list(old.tiers) if tiers is None else tiers,
+            commands_per_minute=(old.commands_per_minute if commands_per_minute is None
+                                 else commands_per_minute),
+            ceiling=Ceiling.from_json(merged.to_json()))
+
+    def tenants(self) -> list[Tenant]:
+        return [_tenant_of(row) for row in self._store.tenants()]
+
+    def create_key(self, tenant: str) -> tuple[str, str]:
+        """(key id, the key itself). The key is shown once; only its hash is kept."""
+        if self._store.tenant(tenant) is None:
+            raise UsageError(f"no tenant named {tenant!r}; add it with `corral tenants add`")
+        key_id, key, digest = new_key()
+        self._store.add_key(key_id, tenant, digest)
+        return key_id, key
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def authenticate(self, header: str | None, *, auth_required: bool) -> Tenant:
+        """The tenant of a ``Bearer`` key; the local tenant (no quotas) when auth is off."""
+        if not header:
+            if not auth_required:
+                return local_tenant()
+            raise AuthError("an API key is required: send `Authorization: Bearer ck_...` "
+                            "(create one with `corral keys create TENANT`)")
+        scheme, _, token = header.partition(" ")
+        match = _KEY_RE.match(token.strip()) if scheme.lower() == "bearer" else None
+        if match is None:
+            raise AuthError("malformed Authorization header; expected `Bearer ck_<id>_<secret>`")
+        found = self._store.key(match.group(1))
+        if found is None or not hmac.compare_digest(found[1], _digest(match.group(2))):
+            raise AuthError("unknown or revoked API key")
+        row = self._store.tenant(found[0])
+        if row is None:
+            raise AuthError("the key's tenant no longer exists")
+        return _tenant_of(row)
