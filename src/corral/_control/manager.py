@@ -38,6 +38,7 @@ from ..errors import (
     ConfigError,
     FileError,
     FileNotFound,
+    QuotaExceeded,
     SandboxBusy,
     SandboxExpired,
     SandboxNotFound,
@@ -51,6 +52,8 @@ from .files import AuditedFiles
 from .processes import EmbeddedProcessAPI, ProcessTable
 from .secrets import SecretStore
 from .store import Store
+from .tenants import Ceiling, CommandWindows, Tenant
+from .tenants import check as check_ceiling
 
 __all__ = ["Manager", "get_manager"]
 
@@ -178,6 +181,9 @@ class Manager:
         self._lock = threading.Lock()
         self._destroying: set[str] = set()
         self._destroying_lock = threading.Lock()
+        # The operator's default ceiling (CORRAL_CEILING_*), for callers without their own.
+        self.ceiling = Ceiling.from_settings(settings)
+        self.starts = CommandWindows()
 
     # -- start-up -----------------------------------------------------------------------------
 
@@ -303,24 +309,60 @@ class Manager:
                 if not self._recovered:
                     self.recover()
 
+    # -- tenants: ceilings and quotas ---------------------------------------------------------
+
+    def ceiling_for(self, caller: Tenant | None) -> Ceiling:
+        """The caller's ceiling, the server default filling the fields it leaves open."""
+        return self.ceiling if caller is None else caller.ceiling.over(self.ceiling)
+
+    def admit(self, caller: Tenant | None) -> None:
+        """Count one start of code (command, background process, terminal) against the
+        caller's commands-per-minute; the one quota path every surface goes through."""
+        if caller is not None:
+            self.starts.count(caller)
+
+    def _check_policy(self, info: SandboxInfo, caller: Tenant | None) -> None:
+        """Refuse to carry an existing sandbox's policy on (fork, restore) beyond the ceiling
+        the caller has now: it may have been created under a wider one."""
+        check_ceiling(self.ceiling_for(caller), tenant=caller.name if caller else info.tenant,
+                      template=info.template, isolation=info.isolation,
+                      resources=info.resources, network=policy_from(_network_spec(info.network)),
+                      secrets=sorted(info.secrets))
+
     # -- sandboxes ----------------------------------------------------------------------------
 
     def create(
         self, *, template: str | None = None, resources: str = "small",
         timeout: float | None = None,
         labels: Mapping[str, str] | None = None, network: NetworkSpec = None,
-        secrets: Sequence[str] | None = None, tenant: str = "local",
+        secrets: Sequence[str] | None = None, tenant: str | None = None,
         max_for_tenant: int | None = None, idle_timeout: float | None = None,
         isolation: str | None = None, snapshot: str | None = None,
+        caller: Tenant | None = None,
         _layer: str | None = None, _event: Mapping[str, Any] | None = None,
     ) -> SandboxInfo:
         """Create a sandbox; from ``snapshot`` (id or name), its workspace starts as the
-        snapshot's and its template defaults to the snapshot's."""
+        snapshot's and its template defaults to the snapshot's.
+
+        ``caller`` is who asks (default: the operator): its tiers and sandbox quota apply,
+        and its ceiling (over the server default) bounds template, isolation, tier, hosts,
+        secrets and lifetime (``CeilingExceeded`` beyond it). ``tenant`` is the owner
+        (default: the caller)."""
         tier = get_tier(resources)
+        if tenant is None:
+            tenant = caller.name if caller is not None else "local"
+        if caller is not None and not caller.is_local:
+            if max_for_tenant is None:
+                max_for_tenant = caller.max_sandboxes
+            if resources not in caller.tiers:
+                raise QuotaExceeded(f"tenant {caller.name!r} may not use the {resources!r} tier "
+                                    f"(allowed: {', '.join(caller.tiers)})")
         isolation = self.settings.backend if isolation is None else isolation
         if not isinstance(isolation, str):
             raise UsageError(f"isolation must be a string, not {type(isolation).__name__}")
-        backend = self.backend_for(isolation)
+        if isolation not in BACKENDS:
+            raise UsageError(f"unknown isolation tier {isolation!r}; choose one of: "
+                             f"{', '.join(BACKENDS)}")
         layer = _layer
         if snapshot is not None:
             snap = self.get_snapshot(snapshot, tenant=tenant)
@@ -335,7 +377,14 @@ class Manager:
             idle_timeout = self._check_ttl(idle_timeout, tier.max_ttl_s)
         if not isinstance(template, str):
             raise UsageError(f"template must be a string, not {type(template).__name__}")
+        ceiling = self.ceiling_for(caller)
         ttl = tier.ttl_s if timeout is None else self._check_ttl(timeout, tier.max_ttl_s)
+        if timeout is None and ceiling.max_lifetime_s is not None:
+            ttl = min(ttl, float(ceiling.max_lifetime_s))  # the default fits the ceiling
+        check_ceiling(ceiling, tenant=caller.name if caller else tenant, template=template,
+                      isolation=isolation, resources=resources, network=policy,
+                      secrets=secrets or (), lifetime_s=ttl)
+        backend = self.backend_for(isolation)
         clean_labels = self._check_labels(labels)
         self._ensure_recovered()
         require_template(template, self.settings.home / "templates")
@@ -420,18 +469,26 @@ class Manager:
                 live.append(info)
         return live
 
-    def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+    def set_timeout(self, sandbox_id: str, timeout: float, *,
+                    caller: Tenant | None = None) -> SandboxInfo:
         info = self.get(sandbox_id)
         ttl = self._check_ttl(timeout, get_tier(info.resources).max_ttl_s)
+        # The ceiling bounds the whole life, so extending again and again cannot pass it.
+        check_ceiling(self.ceiling_for(caller), tenant=caller.name if caller else info.tenant,
+                      lifetime_s=time.time() + ttl - info.created_at)
         self.store.set_expiry(sandbox_id, time.time() + ttl)
         info = self.get(sandbox_id)
         self.auditor.event(sandbox_id, "sandbox.timeout_changed", {"expires_at": info.expires_at})
         return info
 
-    def set_network(self, sandbox_id: str, network: NetworkSpec) -> SandboxInfo:
-        """Replace the sandbox's network policy; the next connection sees it."""
+    def set_network(self, sandbox_id: str, network: NetworkSpec, *,
+                    caller: Tenant | None = None) -> SandboxInfo:
+        """Replace the sandbox's network policy; the next connection sees it. The allow rules
+        must fall within the caller's hosts ceiling."""
         policy = policy_from(network)
-        self.get(sandbox_id)
+        info = self.get(sandbox_id)
+        check_ceiling(self.ceiling_for(caller), tenant=caller.name if caller else info.tenant,
+                      network=policy)
         self.store.set_network(sandbox_id, policy.to_json())
         self.auditor.event(sandbox_id, "sandbox.policy_changed", {"network": policy.to_json()})
         return self.get(sandbox_id)
@@ -510,17 +567,18 @@ class Manager:
         on_stderr: OutputCallback | None = None, context: Mapping[str, Any] | None = None,
         interactive: bool = False, pty: tuple[int, int] | None = None,
         on_start: Callable[[ProcessIO], None] | None = None, lifetime: bool = False,
-        command_id: str | None = None,
+        command_id: str | None = None, caller: Tenant | None = None,
     ) -> CommandResult:
         """Run a command to completion.
 
         ``interactive``/``pty``/``on_start`` are for background processes and terminals: stdin
         stays open behind the ProcessIO given to ``on_start``. ``lifetime`` bounds the command
-        by the sandbox's remaining lifetime instead of the tier's command timeout.
+        by the sandbox's remaining lifetime instead of the tier's command timeout. With
+        ``caller``, the start counts against its commands per minute (``admit``).
         """
         command, info, tier, limit = self._prepare(sandbox_id, cmd, timeout=timeout, envs=envs,
                                                    cwd=cwd, stdin=stdin, context=context,
-                                                   lifetime=lifetime)
+                                                   lifetime=lifetime, caller=caller)
         if info.idle_timeout is not None:
             self.store.touch(sandbox_id)
         # A command never outlives its sandbox.
@@ -581,15 +639,17 @@ class Manager:
     def check_run(self, sandbox_id: str, cmd: str | Sequence[str], *,
                   timeout: float | None = None, envs: Mapping[str, str] | None = None,
                   cwd: str | None = None, stdin: str | bytes | None = None,
-                  context: Mapping[str, Any] | None = None) -> None:
-        """Raise what ``run`` would refuse, without running anything."""
+                  context: Mapping[str, Any] | None = None,
+                  caller: Tenant | None = None) -> None:
+        """Raise what ``run`` would refuse, without running anything. With ``caller`` the
+        start is counted here (admitted), so the ``run`` that follows must not pass it again."""
         self._prepare(sandbox_id, cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
-                      context=context, lifetime=False)
+                      context=context, lifetime=False, caller=caller)
 
     def _prepare(
         self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None,
         envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
-        context: Mapping[str, Any] | None, lifetime: bool,
+        context: Mapping[str, Any] | None, lifetime: bool, caller: Tenant | None = None,
     ) -> tuple[_Command, SandboxInfo, ResourceTier, float]:
         command = _validate_command(cmd, cwd, envs, stdin)
         if context is not None and not isinstance(context, Mapping):
@@ -614,6 +674,7 @@ class Manager:
             limit = float(timeout)
         if command.cwd != "/workspace":
             self._check_cwd(info, command.cwd)
+        self.admit(caller)  # last: a refused command does not use up the quota
         return command, info, tier, limit
 
     def _check_cwd(self, info: SandboxInfo, cwd: str) -> None:
@@ -680,13 +741,18 @@ class Manager:
 
     def fork(self, sandbox_id: str, count: int = 1, *,
              tenant: str | None = None, max_for_tenant: int | None = None,
+             caller: Tenant | None = None,
              ) -> builtins.list[SandboxInfo]:
         """``count`` new sandboxes, each starting from this one's current workspace (shared,
         read-only layers; O(1) in the workspace's size) with its template, tier, isolation,
-        network policy, secrets and labels."""
+        network policy, secrets and labels, all within the caller's ceiling (and quota)."""
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= _MAX_FORKS:
             raise UsageError(f"count must be an integer from 1 to {_MAX_FORKS}, not {count!r}")
+        if caller is not None and not caller.is_local:
+            tenant = caller.name if tenant is None else tenant
+            max_for_tenant = caller.max_sandboxes if max_for_tenant is None else max_for_tenant
         info = self.get(sandbox_id, tenant=tenant)
+        self._check_policy(info, caller)  # before sealing: a refused fork changes nothing
         layer = self._seal(info)
         children: list[SandboxInfo] = []
         try:
@@ -696,6 +762,7 @@ class Manager:
                     network=_network_spec(info.network), secrets=sorted(info.secrets),
                     tenant=info.tenant, max_for_tenant=max_for_tenant,
                     idle_timeout=info.idle_timeout, isolation=info.isolation, _layer=layer,
+                    caller=caller,
                     _event={"forked_from": info.id, "layer": layer}))
         except BaseException:
             for child in children:
@@ -707,9 +774,13 @@ class Manager:
         return children
 
     def restore(self, sandbox_id: str, snapshot: str, *,
-                tenant: str | None = None) -> SandboxInfo:
-        """Replace the workspace with ``snapshot``'s state, exactly; unsnapshotted changes go."""
+                tenant: str | None = None, caller: Tenant | None = None) -> SandboxInfo:
+        """Replace the workspace with ``snapshot``'s state, exactly; unsnapshotted changes go.
+        The sandbox's policy must still be within the caller's ceiling."""
+        if caller is not None and not caller.is_local and tenant is None:
+            tenant = caller.name
         info = self.get(sandbox_id, tenant=tenant)
+        self._check_policy(info, caller)
         if info.state == "paused":
             raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it first")
         snap = self.get_snapshot(snapshot, tenant=info.tenant)

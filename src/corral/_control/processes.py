@@ -23,6 +23,7 @@ from ..models import CommandResult
 
 if TYPE_CHECKING:
     from .manager import Manager
+    from .tenants import Tenant
 
 __all__ = ["BackgroundProcess", "EmbeddedProcessAPI", "ProcessTable"]
 
@@ -133,8 +134,12 @@ class ProcessTable:
 
     def start(self, sandbox_id: str, cmd: str | Sequence[str], *,
               envs: Mapping[str, str] | None = None, cwd: str | None = None,
-              context: Mapping[str, Any] | None = None) -> BackgroundProcess:
+              context: Mapping[str, Any] | None = None,
+              caller: Tenant | None = None) -> BackgroundProcess:
+        """Start ``cmd`` in the background; with ``caller``, it counts against its commands
+        per minute like any command (counted here, before the thread starts)."""
         info = self._manager.get(sandbox_id)
+        self._manager.admit(caller)
         argv = [cmd] if isinstance(cmd, str) else list(cmd)
         process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=info.id,
                                     command_id=new_command_id(), argv=argv,

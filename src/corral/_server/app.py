@@ -271,9 +271,6 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
         """The tenant to scope control-plane calls to; None (everything) for local use."""
         return None if who.name == "local" else who.name
 
-    def quota(who: Tenant) -> int | None:
-        return None if who.name == "local" else who.max_sandboxes
-
     def owned(sandbox_id: str, who: Tenant) -> SandboxInfo:
         return manager.get(sandbox_id, tenant=scope(who))
 
@@ -281,14 +278,12 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
 
     @app.post("/v1/sandboxes", status_code=201, response_model=SandboxOut)
     def create_sandbox(body: CreateSandbox, who: TenantDep) -> SandboxOut:
-        get_tier(body.resources)  # an unknown tier is a usage error, not a quota one
-        tenants.check_tier(who, body.resources)
         network = body.network if isinstance(body.network, str) else body.network.model_dump()
         # The snapshot is looked up among this tenant's own, so another's answers 404.
         info = manager.create(template=body.template, resources=body.resources,
                               timeout=body.timeout, labels=body.labels, network=network,
-                              secrets=body.secrets, tenant=who.name,
-                              idle_timeout=body.idle_timeout, max_for_tenant=quota(who),
+                              secrets=body.secrets, caller=who,
+                              idle_timeout=body.idle_timeout,
                               isolation=body.isolation, snapshot=body.snapshot)
         return SandboxOut.of(info)
 
@@ -313,12 +308,12 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=SandboxOut)
     def set_timeout(sandbox_id: str, body: SetTimeout, who: TenantDep) -> SandboxOut:
         owned(sandbox_id, who)
-        return SandboxOut.of(manager.set_timeout(sandbox_id, body.timeout))
+        return SandboxOut.of(manager.set_timeout(sandbox_id, body.timeout, caller=who))
 
     @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxOut)
     def set_network(sandbox_id: str, body: NetworkBody, who: TenantDep) -> SandboxOut:
         owned(sandbox_id, who)
-        return SandboxOut.of(manager.set_network(sandbox_id, body.model_dump()))
+        return SandboxOut.of(manager.set_network(sandbox_id, body.model_dump(), caller=who))
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxOut)
     def pause(sandbox_id: str, who: TenantDep) -> SandboxOut:
@@ -345,14 +340,14 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
              body: Annotated[Fork, Body()] = _NO_BODY_FORK) -> list[SandboxOut]:
         """``count`` new sandboxes starting from this one's workspace as it is now; they count
         against the tenant's sandbox quota (all or none are made)."""
-        children = manager.fork(sandbox_id, body.count, tenant=scope(who),
-                                max_for_tenant=quota(who))
+        children = manager.fork(sandbox_id, body.count, tenant=scope(who), caller=who)
         return [SandboxOut.of(c) for c in children]
 
     @app.post("/v1/sandboxes/{sandbox_id}/restore", response_model=SandboxOut)
     def restore(sandbox_id: str, body: Restore, who: TenantDep) -> SandboxOut:
         """Put the workspace back exactly as it was in the snapshot (409 while anything runs)."""
-        return SandboxOut.of(manager.restore(sandbox_id, body.snapshot, tenant=scope(who)))
+        return SandboxOut.of(manager.restore(sandbox_id, body.snapshot, tenant=scope(who),
+                                             caller=who))
 
     @app.get("/v1/snapshots", response_model=list[SnapshotOut])
     def list_snapshots(who: TenantDep) -> list[SnapshotOut]:
@@ -382,14 +377,13 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
     def run_command(sandbox_id: str, body: RunCommand, who: TenantDep
                     ) -> dict[str, Any] | StreamingResponse:
         owned(sandbox_id, who)
-        if who.name != "local":
-            tenants.count_command(who)
         kwargs: dict[str, Any] = {"timeout": body.timeout, "envs": body.envs, "cwd": body.cwd,
                                   "stdin": body.stdin, "context": body.context}
         if not body.stream:
-            return _result(manager.run(sandbox_id, body.cmd, **kwargs))
-        # Refuse bad input with a status, before the 200 of a stream is sent.
-        manager.check_run(sandbox_id, body.cmd, **kwargs)
+            return _result(manager.run(sandbox_id, body.cmd, caller=who, **kwargs))
+        # Refuse bad input (and a spent quota) with a status, before the 200 of a stream is
+        # sent; check_run counts the start, so the streamed run does not count it again.
+        manager.check_run(sandbox_id, body.cmd, caller=who, **kwargs)
         return StreamingResponse(_stream(manager, sandbox_id, body.cmd, kwargs),
                                  media_type="application/x-ndjson")
 
@@ -398,10 +392,8 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/processes", status_code=201)
     def start_process(sandbox_id: str, body: StartProcess, who: TenantDep) -> dict[str, Any]:
         owned(sandbox_id, who)
-        if who.name != "local":
-            tenants.count_command(who)
         return manager.processes.start(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd,
-                                       context=body.context).to_dict()
+                                       context=body.context, caller=who).to_dict()
 
     @app.get("/v1/sandboxes/{sandbox_id}/processes")
     def list_processes(sandbox_id: str, who: TenantDep) -> list[dict[str, Any]]:

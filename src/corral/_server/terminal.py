@@ -36,6 +36,15 @@ async def serve_terminal(websocket: WebSocket, manager: Manager, sandbox_id: str
         await websocket.close(code=4400, reason="rows and cols must be 1..1000")
         return
     await websocket.accept()
+    try:
+        # A terminal is a start of code like any command: the same quota, counted before a
+        # shell runs. Refused after the accept, so the client reads why (not a bare 403).
+        manager.admit(who)
+    except CorralError as exc:
+        await websocket.send_text(json.dumps({"type": "error", "error": exc.code,
+                                              "message": exc.message}))
+        await websocket.close(code=4000 + min(exc.status, 999), reason=exc.message[:120])
+        return
     loop = asyncio.get_running_loop()
     output: asyncio.Queue[bytes | dict[str, Any]] = asyncio.Queue()
     ready = threading.Event()
