@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
 from .. import errors
+from .._control.tenants import Ceiling, Tenant, TenantDirectory
 from .common import emit_json, handle_errors, json_option
 
 __all__ = ["keys", "secrets", "tenants"]
@@ -14,34 +16,136 @@ __all__ = ["keys", "secrets", "tenants"]
 
 @click.group()
 def tenants() -> None:
-    """Tenants of the HTTP service and their quotas."""
+    """Tenants of the HTTP service: their quotas and their ceilings.
+
+    A ceiling is the most a tenant's callers may ask for (a steered model writes the create
+    call as easily as the code): the hosts an allowlist may name, the templates, isolation
+    and resource tiers, the secrets and the longest lifetime. Anything beyond is refused
+    (403 ceiling_exceeded). Where a tenant sets no bound, the server default applies
+    (CORRAL_CEILING_HOSTS, _TEMPLATES, _ISOLATION, _RESOURCES, _SECRETS, _MAX_LIFETIME_S).
+    """
+
+
+def _ceiling_options(fn: Any) -> Any:
+    options = [
+        click.option("--allow-host", "hosts", multiple=True, metavar="PATTERN",
+                     help="Ceiling: an allow rule its sandboxes' allowlists must fall within "
+                          "(repeatable): api.example.com, *.example.com, host:8443."),
+        click.option("--no-network", is_flag=True,
+                     help="Ceiling: its sandboxes may allow no host at all."),
+        click.option("--template", "templates", multiple=True, metavar="NAME",
+                     help="Ceiling: a template its sandboxes may use (repeatable)."),
+        click.option("--isolation", "isolation", multiple=True,
+                     type=click.Choice(["namespace", "gvisor"]),
+                     help="Ceiling: an isolation tier its sandboxes may use (repeatable)."),
+        click.option("--resources", "resources", multiple=True, metavar="TIER",
+                     help="Ceiling: a resource tier its sandboxes may use (repeatable)."),
+        click.option("--secret", "secrets", multiple=True, metavar="NAME",
+                     help="Ceiling: a secret its sandboxes may bind (repeatable)."),
+        click.option("--max-lifetime", "max_lifetime", type=int, metavar="SECONDS",
+                     help="Ceiling: the longest lifetime (TTL) of its sandboxes."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _ceiling_fields(hosts: tuple[str, ...], no_network: bool, templates: tuple[str, ...],
+                    isolation: tuple[str, ...], resources: tuple[str, ...],
+                    secrets: tuple[str, ...], max_lifetime: int | None) -> dict[str, Any]:
+    """Only the ceiling fields given on the command line."""
+    if no_network and hosts:
+        raise errors.UsageError("--no-network and --allow-host contradict each other; give one")
+    fields: dict[str, Any] = {}
+    if no_network or hosts:
+        fields["hosts"] = hosts
+    for name, values in (("templates", templates), ("isolation", isolation),
+                         ("resources", resources), ("secrets", secrets)):
+        if values:
+            fields[name] = values
+    if max_lifetime is not None:
+        fields["max_lifetime_s"] = max_lifetime
+    return fields
+
+
+def _tenant_json(tenant: Tenant) -> dict[str, Any]:
+    return {"name": tenant.name, "max_sandboxes": tenant.max_sandboxes,
+            "tiers": list(tenant.tiers), "commands_per_minute": tenant.commands_per_minute,
+            "ceiling": tenant.ceiling.to_json()}
+
+
+def _ceiling_text(ceiling: Ceiling) -> str:
+    parts = [f"{name}={','.join(value) if isinstance(value, list) else value}"
+             for name, value in ceiling.to_json().items()]
+    return " ".join(p if not p.endswith("=") else p + "(none)" for p in parts) or "-"
+
+
+def _show(tenant: Tenant, as_json: bool) -> None:
+    if as_json:
+        emit_json(_tenant_json(tenant))
+    else:
+        click.echo(f"tenant {tenant.name}: {tenant.max_sandboxes} sandboxes, tiers "
+                   f"{','.join(tenant.tiers)}, {tenant.commands_per_minute} commands/min, "
+                   f"ceiling {_ceiling_text(tenant.ceiling)}", err=True)
 
 
 @tenants.command(name="add")
 @click.argument("name")
 @click.option("--max-sandboxes", default=10, show_default=True, type=int)
 @click.option("--tier", "tiers", multiple=True, help="Allowed tier (repeatable; default small).")
-@click.option("--commands-per-minute", default=600, show_default=True, type=int)
+@click.option("--commands-per-minute", default=600, show_default=True, type=int,
+              help="Starts of code per minute: commands, background processes, terminals.")
+@_ceiling_options
 @json_option
 @click.pass_context
 @handle_errors
 def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[str, ...],
-                commands_per_minute: int, as_json: bool) -> None:
-    """Add (or update) a tenant."""
+                commands_per_minute: int, hosts: tuple[str, ...], no_network: bool,
+                templates: tuple[str, ...], isolation: tuple[str, ...],
+                resources: tuple[str, ...], secrets: tuple[str, ...],
+                max_lifetime: int | None, as_json: bool) -> None:
+    """Add (or replace) a tenant; ceiling options not given set no bound of its own."""
     from .._control.manager import get_manager
-    from .._server.auth import TenantDirectory
 
+    fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
+                             max_lifetime)
     tenant = TenantDirectory(get_manager(ctx.obj["settings"]).store).add_tenant(
         name, max_sandboxes=max_sandboxes, tiers=list(tiers) or None,
-        commands_per_minute=commands_per_minute)
-    if as_json:
-        emit_json({"name": tenant.name, "max_sandboxes": tenant.max_sandboxes,
-                    "tiers": list(tenant.tiers),
-                    "commands_per_minute": tenant.commands_per_minute})
-    else:
-        click.echo(f"tenant {tenant.name}: {tenant.max_sandboxes} sandboxes, tiers "
-                   f"{','.join(tenant.tiers)}, {tenant.commands_per_minute} commands/min",
-                   err=True)
+        commands_per_minute=commands_per_minute, ceiling=Ceiling.build(**fields))
+    _show(tenant, as_json)
+
+
+@tenants.command(name="set")
+@click.argument("name")
+@click.option("--max-sandboxes", type=int)
+@click.option("--tier", "tiers", multiple=True, help="Allowed tier (repeatable; replaces).")
+@click.option("--commands-per-minute", type=int)
+@_ceiling_options
+@click.option("--clear-ceiling", is_flag=True,
+              help="Drop the tenant's own ceiling first (the server default applies).")
+@json_option
+@click.pass_context
+@handle_errors
+def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
+                tiers: tuple[str, ...], commands_per_minute: int | None,
+                hosts: tuple[str, ...], no_network: bool, templates: tuple[str, ...],
+                isolation: tuple[str, ...], resources: tuple[str, ...],
+                secrets: tuple[str, ...], max_lifetime: int | None, clear_ceiling: bool,
+                as_json: bool) -> None:
+    """Change a tenant: only what is given changes (each ceiling option replaces that field)."""
+    from .._control.manager import get_manager
+
+    directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
+    fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
+                             max_lifetime)
+    if clear_ceiling:
+        old = directory.get(name)
+        directory.add_tenant(name, max_sandboxes=old.max_sandboxes, tiers=list(old.tiers),
+                             commands_per_minute=old.commands_per_minute)
+    tenant = directory.set_tenant(name, max_sandboxes=max_sandboxes, tiers=list(tiers) or None,
+                                  commands_per_minute=commands_per_minute,
+                                  ceiling=Ceiling.build(**fields).to_json())
+    _show(tenant, as_json)
 
 
 @tenants.command(name="ls")
@@ -49,16 +153,20 @@ def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[
 @click.pass_context
 @handle_errors
 def tenants_ls(ctx: click.Context, as_json: bool) -> None:
-    """List tenants."""
+    """List tenants: name, sandboxes, tiers, commands/min and ceiling ("-" = none of its own).
+
+    --json: a list of {name, max_sandboxes, tiers, commands_per_minute, ceiling}, where ceiling
+    holds only the fields it bounds (hosts, templates, isolation, resources, secrets: lists;
+    max_lifetime_s: seconds)."""
     from .._control.manager import get_manager
 
-    rows = get_manager(ctx.obj["settings"]).store.tenants()
+    found = TenantDirectory(get_manager(ctx.obj["settings"]).store).tenants()
     if as_json:
-        emit_json(rows)
+        emit_json([_tenant_json(t) for t in found])
         return
-    for row in rows:
-        click.echo(f"{row['name']}\t{row['max_sandboxes']}\t{','.join(row['tiers'])}\t"
-                   f"{row['commands_per_minute']}/min")
+    for t in found:
+        click.echo(f"{t.name}\t{t.max_sandboxes}\t{','.join(t.tiers)}\t"
+                   f"{t.commands_per_minute}/min\t{_ceiling_text(t.ceiling)}")
 
 
 @tenants.command(name="rm")
@@ -86,7 +194,6 @@ def keys() -> None:
 def keys_create(ctx: click.Context, tenant: str, as_json: bool) -> None:
     """Create a key for TENANT and print it (it cannot be shown again)."""
     from .._control.manager import get_manager
-    from .._server.auth import TenantDirectory
 
     key_id, key = TenantDirectory(get_manager(ctx.obj["settings"]).store).create_key(tenant)
     if as_json:
