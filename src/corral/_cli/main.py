@@ -625,17 +625,36 @@ def demo(ctx: click.Context, as_json: bool) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="HTTP address; the endpoint has no authentication, keep it on loopback.")
 @click.option("--port", type=int, default=8765, show_default=True, help="HTTP port.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="PATTERN",
+              help="Let the model allow this host in a sandbox's allowlist (repeatable): "
+                   "pypi.org, *.github.com, host:8443. Default: no network at all.")
+@click.option("--template", "templates", multiple=True, metavar="NAME",
+              help="Let the model use this template besides base (repeatable).")
+@click.option("--secret", "secrets", multiple=True, metavar="NAME",
+              help="Let the model bind this secret (repeatable). Default: none.")
+@click.option("--max-lifetime", type=int, metavar="SECONDS",
+              help="The longest lifetime the model may give a sandbox.")
 @click.pass_context
 @handle_errors
-def mcp_(ctx: click.Context, transport: str, host: str, port: int) -> None:
+def mcp_(ctx: click.Context, transport: str, host: str, port: int,
+         allow_hosts: tuple[str, ...], templates: tuple[str, ...], secrets: tuple[str, ...],
+         max_lifetime: int | None) -> None:
     """Serve sandboxes as tools over the Model Context Protocol (MCP).
 
     Calls without a sandbox_id share one sandbox per MCP session, destroyed when the session
     ends (or at its TTL if the server is killed).
-    """
-    from .._mcp import serve
 
-    serve(home_of(ctx), "http" if transport == "http" else "stdio", host=host, port=port)
+    The model is the caller here, and a prompt injection can write its tool calls, so what it
+    may ask for has a ceiling of its own: no network, the base template and no secrets unless
+    widened with --allow-host, --template and --secret (CORRAL_CEILING_* still bound the rest).
+    Beyond it a tool call fails with ceiling_exceeded; unknown arguments are refused.
+    """
+    from .._mcp import mcp_ceiling, serve
+
+    ceiling = mcp_ceiling(hosts=allow_hosts, templates=templates, secrets=secrets,
+                          max_lifetime_s=max_lifetime)
+    serve(home_of(ctx), "http" if transport == "http" else "stdio", host=host, port=port,
+          ceiling=ceiling)
 
 
 cli.add_command(tenants)

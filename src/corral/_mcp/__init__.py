@@ -6,6 +6,14 @@ mcp 2.x). See ``server.py`` for the tools and the per-session sandbox rules.
 
 from __future__ import annotations
 
-from .server import OUTPUT_CAP_BYTES, CorralMCP, build_server, serve
+from .server import (
+    DEFAULT_CEILING,
+    OUTPUT_CAP_BYTES,
+    CorralMCP,
+    build_server,
+    mcp_ceiling,
+    serve,
+)
 
-__all__ = ["OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "serve"]
+__all__ = ["DEFAULT_CEILING", "OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "mcp_ceiling",
+           "serve"]

@@ -25,6 +25,13 @@ The session sandbox
     A ``sandbox_id`` may name any live sandbox of the data directory, as with the CLI: ids are
     unguessable (``sbx_`` + 12 random characters) and act as capabilities.
 
+The model is the caller
+    Whatever a tool's arguments ask for, an injected model may have written, so the server
+    applies a ceiling of its own, tighter than the operator's: by default no network, the
+    ``base`` template and no secrets (``CeilingExceeded`` beyond). The operator widens it when
+    starting the server (``corral mcp --allow-host pypi.org --template python``). A tool call
+    with an argument the tool does not take is refused, never ignored.
+
 Errors
     A Corral error becomes a tool error result (``isError``) whose text is ``code: message`` and
     whose structured content is ``{"code": ..., "message": ...}``; no tracebacks reach the client.
@@ -50,12 +57,17 @@ import anyio
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from .. import errors
-from .._sdk.sandbox import Sandbox
-from ..models import CommandResult, FileEntry, SnapshotInfo
+from .._control.manager import Manager
+from .._control.tenants import Ceiling, check, local_tenant
+from .._egress.policy import NetworkPolicy
+from .._sdk.sandbox import Sandbox, _manager
+from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 
-__all__ = ["OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "serve"]
+__all__ = ["DEFAULT_CEILING", "OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "mcp_ceiling",
+           "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +81,16 @@ ARCHIVE_CAP_BYTES = 16 * 1024 * 1024  # base64 in a JSON-RPC message: keep it mo
 Transport = Literal["stdio", "http"]
 
 _SESSION_LABELS = {"origin": "corral-mcp"}
+
+DEFAULT_CEILING = Ceiling(hosts=(), templates=("base",), secrets=())
+"""What a model may ask for over MCP unless the operator widens it: no network, ``base``."""
+
+
+def mcp_ceiling(*, hosts: tuple[str, ...] = (), templates: tuple[str, ...] = (),
+                secrets: tuple[str, ...] = (), max_lifetime_s: int | None = None) -> Ceiling:
+    """``DEFAULT_CEILING`` widened by what the operator names (``base`` stays allowed)."""
+    return Ceiling.build(hosts=hosts, templates=("base", *templates), secrets=secrets,
+                         max_lifetime_s=max_lifetime_s)
 
 
 class SessionRequired(errors.UsageError):
@@ -121,9 +143,14 @@ class _Session:
 class CorralMCP:
     """The server's state: which sandboxes belong to which MCP session."""
 
-    def __init__(self, home: Path | None, transport: Transport) -> None:
+    def __init__(self, home: Path | None, transport: Transport,
+                 ceiling: Ceiling = DEFAULT_CEILING) -> None:
         self.home = home
         self.transport = transport
+        self.ceiling = ceiling
+        # The operator's tenant, bounded by the MCP ceiling (the server default fills in the
+        # fields it leaves open): the control plane enforces it like any tenant's.
+        self.caller = local_tenant(ceiling)
         self._sessions: dict[str, _Session] = {}
         self._unowned: set[str] = set()  # made by sessionless clients: destroyed at shutdown
         self._unowned_snapshots: set[str] = set()  # likewise, deleted at shutdown
@@ -216,11 +243,36 @@ class CorralMCP:
         async with session.lock:
             if session.sandbox is None:
                 sb = await anyio.to_thread.run_sync(
-                    lambda: Sandbox.create(labels=_SESSION_LABELS, home=self.home))
+                    lambda: self._create(labels=_SESSION_LABELS))
                 await self._check_open(sb)
                 session.sandbox = sb
                 session.owned.add(sb.id)
             return session.sandbox
+
+    def _create(self, **kwargs: Any) -> Sandbox:
+        """A sandbox made on the caller's behalf, within the MCP ceiling."""
+        manager = _manager(self.home)
+        if isinstance(manager, Manager):
+            return Sandbox(manager.create(caller=self.caller, **kwargs), manager)
+        # A remote service enforces its own tenant's ceiling; this one is applied first.
+        network = kwargs.get("network")
+        check(self.ceiling, template=kwargs.get("template"),
+              isolation=kwargs.get("isolation"), resources=kwargs.get("resources"),
+              lifetime_s=kwargs.get("timeout"),
+              network=NetworkPolicy.build(network["allow"]) if isinstance(network, dict)
+              else None)
+        return Sandbox(manager.create(**kwargs), manager)
+
+    def _fork(self, sb: Sandbox, count: int) -> list[SandboxInfo]:
+        if isinstance(sb._mgr, Manager):
+            return sb._mgr.fork(sb.id, count, caller=self.caller)
+        return [c.get_info() for c in sb.fork(count)]
+
+    def _restore(self, sb: Sandbox, snapshot: str) -> None:
+        if isinstance(sb._mgr, Manager):
+            sb._mgr.restore(sb.id, snapshot, caller=self.caller)
+        else:
+            sb.restore(snapshot)
 
     async def _check_open(self, sb: Sandbox) -> None:
         """A sandbox created while the server shut down is destroyed at once."""
@@ -271,17 +323,18 @@ class CorralMCP:
     async def create_sandbox(
         self, ctx: Context[Any, Any] | None, resources: str, timeout_s: float | None,
         allow: list[str], labels: dict[str, str], isolation: str | None = None,
-        snapshot: str | None = None,
+        snapshot: str | None = None, template: str | None = None,
     ) -> dict[str, Any]:
         network: dict[str, list[str]] | str = {"allow": list(allow)} if allow else "none"
-        sb = await anyio.to_thread.run_sync(lambda: Sandbox.create(
-            resources=resources, timeout=timeout_s, labels=labels, network=network,
-            isolation=isolation, snapshot=snapshot, home=self.home))
+        sb = await anyio.to_thread.run_sync(lambda: self._create(
+            template=template, resources=resources, timeout=timeout_s, labels=labels,
+            network=network, isolation=isolation, snapshot=snapshot))
         await self._check_open(sb)
         self._own(ctx, sandboxes=(sb.id,))
         info = sb.get_info()
-        return {"sandbox_id": sb.id, "resources": info.resources, "expires_at": info.expires_at,
-                "network": info.network, "labels": info.labels, "isolation": info.isolation}
+        return {"sandbox_id": sb.id, "template": info.template, "resources": info.resources,
+                "expires_at": info.expires_at, "network": info.network, "labels": info.labels,
+                "isolation": info.isolation}
 
     async def run_command(
         self, ctx: Context[Any, Any] | None, command: str, sandbox_id: str | None,
@@ -371,7 +424,7 @@ class CorralMCP:
     async def fork(self, ctx: Context[Any, Any] | None, count: int,
                    sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        children = await anyio.to_thread.run_sync(lambda: sb.fork(count))
+        children = await anyio.to_thread.run_sync(lambda: self._fork(sb, count))
         if self._closed:  # made while the server shut down: gone at once, as in _check_open
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._destroy_ids, {c.id for c in children})
@@ -382,7 +435,7 @@ class CorralMCP:
     async def restore(self, ctx: Context[Any, Any] | None, snapshot: str,
                       sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        await anyio.to_thread.run_sync(lambda: sb.restore(snapshot))
+        await anyio.to_thread.run_sync(lambda: self._restore(sb, snapshot))
         return {"sandbox_id": sb.id, "snapshot": snapshot, "restored": True}
 
     async def destroy_sandbox(self, ctx: Context[Any, Any] | None,
@@ -406,9 +459,40 @@ sandbox_id share one sandbox per MCP session, created on first use and destroyed
 session ends. Output is capped at 64 KiB per stream; a non-zero exit code is a normal result."""
 
 
-def build_server(home: Path | None, transport: Transport) -> tuple[MCPServer[Any], CorralMCP]:
-    """The MCP server with Corral's tools, and the state behind them."""
-    state = CorralMCP(home, transport)
+def _refuser(tool: str, taken: list[str]) -> Callable[[Any], Any]:
+    def refuse_unknown(data: Any) -> Any:
+        unknown = sorted(set(data) - set(taken)) if isinstance(data, dict) else []
+        if unknown:
+            raise ValueError(
+                f"unknown argument{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(repr(u) for u in unknown)} for {tool}; it takes: "
+                f"{', '.join(taken) or 'nothing'}")
+        return data
+
+    return refuse_unknown
+
+
+def _forbid_unknown_arguments(mcp: MCPServer[Any]) -> None:
+    """Make every tool refuse arguments it does not take (the SDK ignores them otherwise, so
+    a misspelt or invented field would silently do the default). The schema says so too."""
+    for tool in mcp._tool_manager.list_tools():
+        base: type[BaseModel] = tool.fn_metadata.arg_model
+        taken = sorted(f.alias or n for n, f in base.model_fields.items())
+        strict = type(base.__name__, (base,), {
+            "__module__": base.__module__,
+            "model_config": ConfigDict(**{**base.model_config, "extra": "forbid"}),
+            # Before validation, so the message names the field and lists the right ones.
+            "_refuse_unknown": model_validator(mode="before")(_refuser(tool.name, taken)),
+        })
+        tool.fn_metadata.arg_model = strict
+        tool.parameters["additionalProperties"] = False
+
+
+def build_server(home: Path | None, transport: Transport,
+                 ceiling: Ceiling = DEFAULT_CEILING) -> tuple[MCPServer[Any], CorralMCP]:
+    """The MCP server with Corral's tools, and the state behind them; ``ceiling`` bounds
+    what the tools may ask for (default: ``DEFAULT_CEILING``)."""
+    state = CorralMCP(home, transport, ceiling)
 
     @asynccontextmanager
     async def lifespan(_: MCPServer[Any]) -> AsyncIterator[None]:
@@ -427,16 +511,21 @@ def build_server(home: Path | None, transport: Transport) -> tuple[MCPServer[Any
         ctx: Context[Any, Any], resources: str = "small", timeout_s: float | None = None,
         allow: list[str] | None = None, labels: dict[str, str] | None = None,
         isolation: str | None = None, snapshot: str | None = None,
+        template: str | None = None,
     ) -> CallToolResult:
         """Create a sandbox and return its sandbox_id (pass it to the other tools).
 
-        resources: tier, "small" or "large". timeout_s: lifetime in seconds (default: the
-        tier's). allow: hosts it may reach over HTTP(S) ("pypi.org", "*.github.com"); empty
-        means no network. isolation: "namespace" (default) or "gvisor" (a user-space kernel in
-        between, where the host supports it). snapshot: start from this snapshot's files (its
-        snapshot_id or name). It is destroyed with this MCP session, or by destroy_sandbox."""
+        template: root filesystem, "base" (default; from a snapshot, the snapshot's) or one
+        the operator allows. resources: tier, "small" or "large". timeout_s: lifetime in
+        seconds (default: the tier's). allow: hosts it may reach over HTTP(S) ("pypi.org",
+        "*.github.com"); empty means no network. isolation: "namespace" (default) or "gvisor"
+        (a user-space kernel in between, where the host supports it). snapshot: start from
+        this snapshot's files (its snapshot_id or name). Hosts and templates beyond what the
+        operator allowed are refused (ceiling_exceeded). It is destroyed with this MCP
+        session, or by destroy_sandbox."""
         return await state.guarded(ctx, "", lambda: state.create_sandbox(
-            ctx, resources, timeout_s, allow or [], labels or {}, isolation, snapshot))
+            ctx, resources, timeout_s, allow or [], labels or {}, isolation, snapshot,
+            template))
 
     @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
     async def run_command(
@@ -527,6 +616,7 @@ def build_server(home: Path | None, transport: Transport) -> tuple[MCPServer[Any
         return await state.guarded(ctx, sandbox_id,
                                    lambda: state.destroy_sandbox(ctx, sandbox_id))
 
+    _forbid_unknown_arguments(mcp)
     return mcp, state
 
 
@@ -559,9 +649,9 @@ async def _serve_http(mcp: MCPServer[Any], host: str, port: int) -> None:
 
 
 def serve(home: Path | None, transport: Transport, host: str = "127.0.0.1",
-          port: int = 8765) -> None:
+          port: int = 8765, ceiling: Ceiling = DEFAULT_CEILING) -> None:
     """Run the server until the client leaves (stdio) or a signal arrives."""
-    mcp, state = build_server(home, transport)
+    mcp, state = build_server(home, transport, ceiling)
     if transport == "stdio":
         anyio.run(_serve_stdio, mcp, state)
         return
