@@ -103,6 +103,34 @@ def _live(mgr: Manager, tenant: str) -> set[str]:
     return {i.id for i in mgr.list(tenant=tenant)}
 
 
+# -- the rule: which allow rules a ceiling pattern covers ----------------------------------------
+
+
+@pytest.mark.parametrize(("pattern", "requested", "covered"), [
+    ("*.example.com", "a.example.com", True),
+    ("*.example.com", "*.a.example.com", True),
+    ("*.example.com", "*.example.com", True),
+    ("*.example.com", "example.com", False),  # a wildcard never covers the apex
+    ("*.example.com", "badexample.com", False),
+    ("example.com", "example.com", True),
+    ("example.com", "a.example.com", False),  # an exact name covers only itself
+    ("example.com", "*.example.com", False),
+    ("example.com", "example.com:443", True),  # no port = 80 and 443
+    ("example.com", "example.com:8443", False),
+    ("example.com:8443", "example.com:8443", True),
+    ("example.com:8443", "example.com", False),  # the port in the ceiling restricts
+    ("*.example.com:8443", "a.example.com:8443", True),
+    ("*.example.com:8443", "a.example.com:443", False),
+    ("Example.COM.", "example.com", True),  # both normalised the same way
+])
+def test_a_ceiling_pattern_covers_allow_rules(pattern: str, requested: str,
+                                              covered: bool) -> None:
+    from corral._control.tenants import covers
+    from corral._egress.policy import Rule
+
+    assert covers(Rule.parse(pattern), Rule.parse(requested)) is covered
+
+
 # -- create: remote SDK and raw HTTP -------------------------------------------------------------
 
 
@@ -455,3 +483,31 @@ def test_mcp_operator_widens_its_ceiling_explicitly(settings: Settings, home: st
                     assert _mcp_data(python)["template"] == "python"
 
     anyio.run(main)
+
+
+# -- the store: a database from before ceilings ---------------------------------------------------
+
+
+def test_a_store_from_before_ceilings_is_migrated(tmp_path: Path) -> None:
+    import sqlite3
+
+    from corral._control.store import Store
+
+    db = tmp_path / "corral.db"
+    with sqlite3.connect(db) as old:  # the tenants table as it was, with one tenant in it
+        old.execute("CREATE TABLE tenants (name TEXT PRIMARY KEY, max_sandboxes INTEGER NOT "
+                    "NULL, tiers TEXT NOT NULL, commands_per_minute INTEGER NOT NULL, "
+                    "created_at REAL NOT NULL)")
+        old.execute("INSERT INTO tenants VALUES ('before', 3, '[\"small\"]', 5, 0)")
+    old.close()
+    store = Store(db)
+    try:
+        directory = TenantDirectory(store)
+        (tenant,) = directory.tenants()
+        assert (tenant.name, tenant.commands_per_minute) == ("before", 5)
+        assert tenant.ceiling.is_empty  # no ceiling: today's rules
+        changed = directory.set_tenant("before", ceiling={"hosts": ("*.pypi.org",)})
+        assert changed.ceiling.hosts == ("*.pypi.org",) and changed.max_sandboxes == 3
+        assert directory.get("before").ceiling.hosts == ("*.pypi.org",)
+    finally:
+        store.close()

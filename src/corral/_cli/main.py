@@ -646,7 +646,8 @@ def mcp_(ctx: click.Context, transport: str, host: str, port: int,
 
     The model is the caller here, and a prompt injection can write its tool calls, so what it
     may ask for has a ceiling of its own: no network, the base template and no secrets unless
-    widened with --allow-host, --template and --secret (CORRAL_CEILING_* still bound the rest).
+    widened with --allow-host, --template and --secret (these replace CORRAL_CEILING_HOSTS,
+    _TEMPLATES and _SECRETS here; the other CORRAL_CEILING_* fields still apply).
     Beyond it a tool call fails with ceiling_exceeded; unknown arguments are refused.
     """
     from .._mcp import mcp_ceiling, serve

@@ -32,7 +32,7 @@ from ..errors import AuthError, CeilingExceeded, QuotaExceeded, UsageError
 from .store import Store
 
 __all__ = ["LOCAL_TENANT", "Ceiling", "CommandWindows", "Tenant", "TenantDirectory", "check",
-           "covers", "new_key"]
+           "covers", "local_tenant", "new_key"]
 
 LOCAL_TENANT = "local"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
