@@ -67,13 +67,15 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorOut, "description": why} for status, why in [
         (400, "Invalid input: bad command, path outside /workspace, unknown tier..."),
         (401, "Missing, unknown or revoked API key."),
-        (403, "Refused by policy."),
+        (403, "Refused by policy, or beyond the tenant's ceiling (ceiling_exceeded: hosts, "
+              "templates, tiers, secrets, lifetime)."),
         (404, "No such sandbox, snapshot, command, process or file (or not the caller's)."),
         (409, "The sandbox is busy (being created, paused, or running something during a "
               "snapshot or restore), or the snapshot is in use."),
         (413, "The body is over its size limit."),
         (422, "The request does not match the schema."),
-        (429, "A tenant quota (sandboxes, tiers, commands per minute) or a sandbox limit."),
+        (429, "A tenant quota (sandboxes, tiers, commands per minute: commands, background "
+              "processes and terminals alike) or a sandbox limit."),
         (500, "An internal error."),
         (503, "The host cannot run sandboxes."),
     ]
