@@ -85,6 +85,9 @@ def drill(ctx: click.Context, isolation: str | None, template: str | None, resou
     url = url or (settings.url if home_of(ctx) is None else None)
     if url and api_key is None and settings.api_key is not None:
         api_key = settings.api_key.get_secret_value()
+    # An empty variable means "not given" (a test or a shell exporting VAR="").
+    ceiling_api_key, quota_api_key = ceiling_api_key or None, quota_api_key or None
+    upstream_host = upstream_host or None
     target = SdkTarget(home=None if url else home_of(ctx) or settings.home, url=url,
                        api_key=api_key, other_api_key=other_api_key,
                        ceiling_api_key=ceiling_api_key, quota_api_key=quota_api_key,

@@ -437,8 +437,13 @@ def _terminal(ctx: DrillContext, sandbox: str, key: str | None,
         with connect(url, additional_headers=headers, origin=origin,  # type: ignore[arg-type]
                      open_timeout=10, close_timeout=2) as ws:
             frame = ws.recv(timeout=5)
+            # End the shell and wait (5 s at most) for it to finish, so the sandbox is not
+            # deleted under a terminal that is still winding down.
             with contextlib.suppress(WebSocketException, TimeoutError):
                 ws.send(json.dumps({"type": "input", "data": "exit\n"}))
+                end = time.monotonic() + 5
+                while time.monotonic() < end:
+                    ws.recv(timeout=max(0.1, end - time.monotonic()))
             shown = frame[:60] if isinstance(frame, str) else frame[:60].decode(
                 errors="replace")
             return True, f"a shell answered: {shown!r}"
