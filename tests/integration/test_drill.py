@@ -4,6 +4,7 @@ sandbox at all (a runner that exists only here)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -24,7 +25,9 @@ from corral import read_audit
 from corral._audit.events import AuditEvent
 from corral._drill.model import DrillReport
 from corral._drill.runner import run_drill, select_cases
+from corral._drill.service import CEILING_SECRET, UPSTREAM_HOST, drill_ceiling
 from corral._drill.target import SdkTarget, ServiceAccess
+from corral._drill.upstream import UPSTREAM_ADDRESS
 from corral._server.auth import TenantDirectory
 from corral._settings import Settings
 from corral.models import CommandResult, Usage
@@ -55,7 +58,7 @@ def test_the_drill_holds_on_the_default_configuration(embedded_report: DrillRepo
     assert report.ok
     assert len(report.results) >= 50
     assert {r.category for r in report.results} == {
-        "network", "credentials", "filesystem", "privilege", "resources", "control"}
+        "network", "credentials", "filesystem", "privilege", "resources", "control", "caller"}
 
 
 def test_every_held_case_cites_evidence_that_is_in_the_trail(
@@ -97,27 +100,55 @@ def test_the_cli_drill_json_and_exit_code(home: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def service() -> Iterator[ServiceAccess]:
-    """A service with two tenants on its own data directory (keys would turn on auth for the
-    session's shared server)."""
+def service() -> Iterator[tuple[ServiceAccess, dict[str, str]]]:
+    """A service with tenants of its own on its own data directory (keys would turn on auth
+    for the session's shared server): two ordinary ones, one with a small commands-per-minute
+    quota, one held to the drill's ceiling (where ceilings exist), and the drill's upstream
+    name pinned to its loopback address, which is allowed as an operator CIDR."""
     home = Path(tempfile.mkdtemp(prefix="corral-test-drill-svc-"))
     start = 2_140_000_000 + random.randrange(0, 1000) * 1000
-    with managed(Settings(home=home, uid_start=start, uid_count=1000)) as manager:
+    settings = Settings(home=home, uid_start=start, uid_count=1000,
+                        egress_allow_cidrs=f"{UPSTREAM_ADDRESS}/32",
+                        egress_hosts={UPSTREAM_HOST: [UPSTREAM_ADDRESS]})
+    with managed(settings) as manager:
         tenants = TenantDirectory(manager.store)
         keys = []
         for name in ("team-a", "team-b"):
             tenants.add_tenant(name, max_sandboxes=20)
             keys.append(tenants.create_key(name)[1])
+        # Each tier's drill spends this tenant's quota: one tenant per tier.
+        quota_keys = {}
+        for tier in ("namespace", "gvisor"):
+            tenants.add_tenant(f"team-q-{tier}", max_sandboxes=2, commands_per_minute=2)
+            quota_keys[tier] = tenants.create_key(f"team-q-{tier}")[1]
+        ceiling_key = None
+        with contextlib.suppress(ImportError):
+            ceiling = drill_ceiling()
+            tenants.add_tenant("team-c", max_sandboxes=4,
+                               ceiling=ceiling)  # type: ignore[call-arg,unused-ignore]
+            ceiling_key = tenants.create_key("team-c")[1]
+            manager.secrets.add(CEILING_SECRET, "drill-ceiling-value", ["allowed.drill.invalid"])
         with Server(manager) as server:
-            yield ServiceAccess(server.url, keys[0], keys[1])
+            yield ServiceAccess(server.url, keys[0], keys[1], ceiling_api_key=ceiling_key,
+                                upstream_host=UPSTREAM_HOST), quota_keys
     shutil.rmtree(home, ignore_errors=True)
 
 
-def test_the_drill_holds_over_the_service(service: ServiceAccess) -> None:
-    proc = subprocess.run([CORRAL, "drill", "--url", service.url, "--json"],
-                          env={**os.environ, "CORRAL_API_KEY": service.api_key or "",
-                               "CORRAL_DRILL_OTHER_API_KEY": service.other_api_key or ""},
-                          capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("isolation", ["namespace", "gvisor"])
+def test_the_drill_holds_over_the_service(
+    service: tuple[ServiceAccess, dict[str, str]], isolation: str, gvisor_problems: list[str]
+) -> None:
+    if isolation == "gvisor" and gvisor_problems:
+        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    access, quota_keys = service
+    proc = subprocess.run([CORRAL, "drill", "--url", access.url, "--isolation", isolation,
+                           "--json"],
+                          env={**os.environ, "CORRAL_API_KEY": access.api_key or "",
+                               "CORRAL_DRILL_OTHER_API_KEY": access.other_api_key or "",
+                               "CORRAL_DRILL_CEILING_API_KEY": access.ceiling_api_key or "",
+                               "CORRAL_DRILL_QUOTA_API_KEY": quota_keys[isolation],
+                               "CORRAL_DRILL_UPSTREAM_HOST": access.upstream_host or ""},
+                          capture_output=True, text=True, timeout=900)
     report = json.loads(proc.stdout)
     not_held = [(r["id"], r["verdict"], r["observed"]) for r in report["results"]
                 if r["verdict"] not in ("held", "skipped")]
@@ -127,7 +158,9 @@ def test_the_drill_holds_over_the_service(service: ServiceAccess) -> None:
     # Host-side planting needs the host; everything else ran, cross-tenant cases included.
     skipped = {r["id"] for r in report["results"] if r["verdict"] == "skipped"}
     assert skipped == {"net.secret-wrong-host"}
-    assert {r["id"] for r in report["results"]} >= {"ctl.other-tenant-run", "ctl.forged-key"}
+    assert {r["id"] for r in report["results"]} >= {"ctl.other-tenant-run", "ctl.forged-key",
+                                                    "caller.env-ld-preload-http",
+                                                    "caller.gateway-cl-te"}
 
 
 # -- a runner with no sandbox: the drill must catch it -----------------------------------------
@@ -185,6 +218,7 @@ class HostRunner:
 
     def write(self, path: str, data: str | bytes) -> None:
         target = self._path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.encode() if isinstance(data, str) else data)
 
     def read(self, path: str) -> bytes:
@@ -283,6 +317,11 @@ MUST_BREACH = {
     "priv.userfaultfd",
     "res.fork-bomb", "res.thread-bomb", "res.memory-bomb", "res.disk-fill",
     "res.inode-bomb", "res.output-flood", "res.lingering",
+    # The payload runs in the runner's own host processes: the canary and the host marker see
+    # it. (The impossible-entry cases fail inside subprocess, an error rather than a breach;
+    # the service cases are skipped here.)
+    "caller.env-ld-preload", "caller.env-ld-audit", "caller.env-ld-library-path",
+    "caller.env-interpreters",
 }
 
 
@@ -323,3 +362,7 @@ def test_case_selection() -> None:
     assert {c.category for c in select_cases(categories=["network"])} == {"network"}
     assert [c.id for c in select_cases(["fs.tar-dotdot"])] == ["fs.tar-dotdot"]
     assert len(select_cases(["net.ip"])) == 7
+    caller = select_cases(categories=["caller"])
+    assert {c.category for c in caller} == {"caller"} and len(caller) >= 20
+    assert {c.id for c in caller} >= {"caller.env-ld-preload", "caller.body-unauthenticated",
+                                      "caller.gateway-cl-te", "caller.quota-terminals"}

@@ -28,11 +28,19 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
               help="The service key to attack with.")
 @click.option("--other-api-key", default=None, envvar="CORRAL_DRILL_OTHER_API_KEY",
               help="A second tenant's key, for the cross-tenant cases.")
+@click.option("--ceiling-api-key", default=None, envvar="CORRAL_DRILL_CEILING_API_KEY",
+              help="A key of a tenant held to the drill's ceiling (the caller cases; see "
+              "corral._drill.service.drill_ceiling).")
+@click.option("--quota-api-key", default=None, envvar="CORRAL_DRILL_QUOTA_API_KEY",
+              help="A key of a tenant with a small commands-per-minute quota.")
+@click.option("--upstream-host", default=None, envvar="CORRAL_DRILL_UPSTREAM_HOST",
+              help="A name the service pins to 127.0.0.2 (an allowed operator CIDR), for the "
+              "gateway framing cases.")
 @click.option("--case", "case_ids", multiple=True, metavar="ID",
               help="Only these cases (an id, or a prefix such as net or net.ip-literal).")
 @click.option("--category", "categories", multiple=True,
               type=click.Choice(["network", "credentials", "filesystem", "privilege",
-                                 "resources", "control"]),
+                                 "resources", "control", "caller"]),
               help="Only these categories.")
 @click.option("--list", "list_only", is_flag=True, help="List the cases and exit.")
 @json_option
@@ -40,14 +48,18 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
 @handle_errors
 def drill(ctx: click.Context, isolation: str | None, template: str | None, resources: str,
           allow: tuple[str, ...], url: str | None, api_key: str | None,
-          other_api_key: str | None, case_ids: tuple[str, ...], categories: tuple[str, ...],
+          other_api_key: str | None, ceiling_api_key: str | None,
+          quota_api_key: str | None, upstream_host: str | None, case_ids: tuple[str, ...],
+          categories: tuple[str, ...],
           list_only: bool, as_json: bool) -> None:
     """Run the exfiltration and escape drill against this configuration.
 
     Creates sandboxes as configured, plants a poisoned document, a fake secret and a victim
     sandbox, then runs every attack case the way a hijacked agent would: network exfiltration,
-    credential discovery, filesystem escape, privilege escalation, resource abuse and control-
-    plane abuse. Every attack is bounded (capped loops and sizes, loopback-only targets).
+    credential discovery, filesystem escape, privilege escalation, resource abuse, control-
+    plane abuse, and a hostile caller (env injection, oversized bodies, gateway framing,
+    ceilings, quotas, Host and Origin). Every attack is bounded (capped loops and sizes,
+    loopback-only targets).
 
     Exits 0 when every case that ran held, 1 on any breach or error.
     """
@@ -73,8 +85,13 @@ def drill(ctx: click.Context, isolation: str | None, template: str | None, resou
     url = url or (settings.url if home_of(ctx) is None else None)
     if url and api_key is None and settings.api_key is not None:
         api_key = settings.api_key.get_secret_value()
+    # An empty variable means "not given" (a test or a shell exporting VAR="").
+    ceiling_api_key, quota_api_key = ceiling_api_key or None, quota_api_key or None
+    upstream_host = upstream_host or None
     target = SdkTarget(home=None if url else home_of(ctx) or settings.home, url=url,
-                       api_key=api_key, other_api_key=other_api_key, isolation=isolation,
+                       api_key=api_key, other_api_key=other_api_key,
+                       ceiling_api_key=ceiling_api_key, quota_api_key=quota_api_key,
+                       upstream_host=upstream_host, isolation=isolation,
                        template=template, resources=resources)
     err = Console(stderr=True)
 

@@ -11,9 +11,10 @@ if TYPE_CHECKING:
     from .context import DrillContext
 
 Verdict = Literal["held", "breached", "error", "skipped"]
-Category = Literal["network", "credentials", "filesystem", "privilege", "resources", "control"]
+Category = Literal["network", "credentials", "filesystem", "privilege", "resources", "control",
+                   "caller"]
 CATEGORIES: tuple[Category, ...] = (
-    "network", "credentials", "filesystem", "privilege", "resources", "control")
+    "network", "credentials", "filesystem", "privilege", "resources", "control", "caller")
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,6 +144,8 @@ def run_drill(target: DrillTarget, *, cases: Sequence[Case] | None = None,
             capabilities |= {"python3"}
         if ctx.service is not None:
             capabilities |= {"service"}
+            if ctx.service_sandbox:
+                capabilities |= {"service-sandbox"}
             if ctx.service.other_api_key and ctx.service_sandbox:
                 capabilities |= {"other-tenant"}
         for index, case in enumerate(chosen, 1):

@@ -25,6 +25,14 @@ class ServiceAccess:
     url: str
     api_key: str | None
     other_api_key: str | None = None
+    # For the caller cases: a tenant held to ``caller.DRILL_CEILING``, a tenant with a small
+    # commands-per-minute quota, a name the operator pinned to the drill's upstream address
+    # (``caller.UPSTREAM_ADDRESS``, allowed as an operator CIDR), and the service's data
+    # directory when the drill can see it (to know a workspace's host path).
+    ceiling_api_key: str | None = None
+    quota_api_key: str | None = None
+    upstream_host: str | None = None
+    home: Path | None = None
 
 
 class DrillSandbox(Protocol):
@@ -129,15 +137,18 @@ class SdkTarget:
 
     def __init__(self, *, home: Path | None = None, url: str | None = None,
                  api_key: str | None = None, other_api_key: str | None = None,
-                 isolation: str | None = None, template: str | None = None,
-                 resources: str = "small") -> None:
+                 ceiling_api_key: str | None = None, quota_api_key: str | None = None,
+                 upstream_host: str | None = None, isolation: str | None = None,
+                 template: str | None = None, resources: str = "small") -> None:
         self._home = home
         self._url = url
         self._api_key = api_key
         self._isolation = isolation
         self._template = template
         self._resources = resources
-        self._service = ServiceAccess(url, api_key, other_api_key) if url else None
+        self._service = ServiceAccess(
+            url, api_key, other_api_key, ceiling_api_key=ceiling_api_key,
+            quota_api_key=quota_api_key, upstream_host=upstream_host) if url else None
         self._made: list[_SdkSandbox] = []
 
     @property
