@@ -4,7 +4,6 @@ sandbox at all (a runner that exists only here)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -23,6 +22,7 @@ from click.testing import CliRunner
 
 from corral import read_audit
 from corral._audit.events import AuditEvent
+from corral._core.resources import TIERS
 from corral._drill.model import DrillReport
 from corral._drill.runner import run_drill, select_cases
 from corral._drill.service import CEILING_SECRET, UPSTREAM_HOST, drill_ceiling
@@ -121,13 +121,11 @@ def service() -> Iterator[tuple[ServiceAccess, dict[str, str]]]:
         for tier in ("namespace", "gvisor"):
             tenants.add_tenant(f"team-q-{tier}", max_sandboxes=2, commands_per_minute=2)
             quota_keys[tier] = tenants.create_key(f"team-q-{tier}")[1]
-        ceiling_key = None
-        with contextlib.suppress(ImportError):
-            ceiling = drill_ceiling()
-            tenants.add_tenant("team-c", max_sandboxes=4,
-                               ceiling=ceiling)  # type: ignore[call-arg,unused-ignore]
-            ceiling_key = tenants.create_key("team-c")[1]
-            manager.secrets.add(CEILING_SECRET, "drill-ceiling-value", ["allowed.drill.invalid"])
+        # Its quota allows every resource tier, so only the ceiling can refuse `large`.
+        tenants.add_tenant("team-c", max_sandboxes=4, tiers=sorted(TIERS),
+                           ceiling=drill_ceiling())
+        ceiling_key = tenants.create_key("team-c")[1]
+        manager.secrets.add(CEILING_SECRET, "drill-ceiling-value", ["allowed.drill.invalid"])
         with Server(manager) as server:
             yield ServiceAccess(server.url, keys[0], keys[1], ceiling_api_key=ceiling_key,
                                 upstream_host=UPSTREAM_HOST), quota_keys

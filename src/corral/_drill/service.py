@@ -16,8 +16,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+from .._control.tenants import Ceiling
+from .._core.resources import TIERS
 from .._settings import Settings
 from .context import BAIT_ALLOWED
 from .target import ServiceAccess
@@ -32,11 +33,9 @@ UPSTREAM_HOST = "upstream.drill.invalid"
 CEILING_SECRET = "CORRAL_DRILL_CEILING_SECRET"
 
 
-def drill_ceiling() -> Any:
+def drill_ceiling() -> Ceiling:
     """The ceiling the caller cases try to get beyond: one bait host, ``base``, the namespace
-    tier, ``small``, no secrets, an hour. Raises ImportError where ceilings do not exist yet."""
-    from .._control.tenants import Ceiling  # type: ignore[import-not-found,unused-ignore]
-
+    tier, ``small``, no secrets, an hour."""
     return Ceiling(hosts=(BAIT_ALLOWED,), templates=("base",), isolation=("namespace",),
                    resources=("small",), secrets=(), max_lifetime_s=3600)
 
@@ -69,16 +68,11 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
             keys.append(tenants.create_key(name)[1])
         tenants.add_tenant("drill-q", max_sandboxes=2, commands_per_minute=2)
         quota_key = tenants.create_key("drill-q")[1]
-        ceiling_key: str | None = None
-        try:
-            ceiling = drill_ceiling()
-        except ImportError:
-            ceiling = None  # the ceiling cases say so
-        if ceiling is not None:
-            tenants.add_tenant("drill-c", max_sandboxes=4,  # type: ignore[call-arg,unused-ignore]
-                               ceiling=ceiling)
-            ceiling_key = tenants.create_key("drill-c")[1]
-            manager.secrets.add(CEILING_SECRET, "drill-ceiling-value", [BAIT_ALLOWED])
+        # Its quota allows every resource tier, so only the ceiling can refuse `large`.
+        tenants.add_tenant("drill-c", max_sandboxes=4, tiers=sorted(TIERS),
+                           ceiling=drill_ceiling())
+        ceiling_key = tenants.create_key("drill-c")[1]
+        manager.secrets.add(CEILING_SECRET, "drill-ceiling-value", [BAIT_ALLOWED])
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = int(probe.getsockname()[1])
