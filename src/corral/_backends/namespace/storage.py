@@ -40,6 +40,7 @@ from pathlib import Path
 
 from ..._core import linux
 from ..._core.idmap import bind_idmapped
+from ..._core.privileged import privileged_env
 from ...backends import SandboxSpec, SealResult
 from ...errors import BackendError, BackendUnavailable, QuotaExceeded, SandboxBusy
 from . import loop
@@ -59,7 +60,8 @@ _MIN_FREE = 64 * 1024 * 1024
 
 def _run(argv: list[str], what: str) -> None:
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                              env=privileged_env(), stdin=subprocess.DEVNULL)
     except FileNotFoundError as exc:
         raise BackendUnavailable(
             f"{argv[0]} is missing; install it with `apt-get install e2fsprogs mount`"
