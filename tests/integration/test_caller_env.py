@@ -140,16 +140,20 @@ def test_pid1_shows_no_host_data_directory(sandbox: Sandbox, settings: Settings,
                                            isolation: str) -> None:
     """``/proc/1`` inside is the sandbox's init (bwrap's, in the namespace tier): neither its
     command line nor its environment carries the host's data directory, template or
-    workspace paths."""
+    workspace paths; nor does the workspace's line in ``mountinfo`` (overlayfs options)."""
     probe = textwrap.dedent("""
         import sys
         for name in ("cmdline", "environ"):
             with open(f"/proc/1/{name}", "rb") as f:
                 sys.stdout.write(f"{name}=" + f.read().replace(b"\\0", b" ").decode() + "\\n")
+        for line in open("/proc/self/mountinfo"):
+            if line.split()[4] == "/workspace":
+                sys.stdout.write("workspace=" + line)
     """)
     result = sandbox.commands.run(["python3", "-c", probe], envs={"CALLER_VALUE": "kept"},
                                   timeout=30)
     assert result.exit_code == 0, result.stderr
+    assert "workspace=" in result.stdout, result.stdout
     home = str(settings.home)
     assert home not in result.stdout, result.stdout
     assert "/sandboxes/" not in result.stdout and "/templates/" not in result.stdout

@@ -239,13 +239,25 @@ class WorkspaceStore:
             empty = self.layers_root / ".empty"
             empty.mkdir(parents=True, exist_ok=True, mode=0o755)
             lowers.append(str(empty))
-        options = (f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},"
-                   "redirect_dir=on,index=off,xino=off,metacopy=off,uuid=off")
+        # The layers are named by descriptor: overlayfs shows its options as given in every
+        # mountinfo, the sandbox's own included, and "/proc/self/fd/N" tells it nothing of the
+        # host's data directory, sandbox directories or layer ids.
+        fds: list[int] = []
         try:
+            def by_fd(path: Path | str) -> str:
+                fds.append(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+                return f"/proc/self/fd/{fds[-1]}"
+
+            options = (f"lowerdir={':'.join(by_fd(lower) for lower in lowers)},"
+                       f"upperdir={by_fd(upper)},workdir={by_fd(work)},"
+                       "redirect_dir=on,index=off,xino=off,metacopy=off,uuid=off")
             linux.mount("overlay", str(self.mount_point(spec.id)), "overlay",
                         loop._MS_NODEV | loop._MS_NOSUID | loop._MS_NOATIME, options)
         except OSError as exc:
             raise BackendError(f"cannot mount the workspace of {spec.id}: {exc}") from exc
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _unmount_all(self, sandbox_id: str, *, lazy: bool) -> None:
         """Unmount the overlay, the lower binds and the writable disk (in that order)."""
