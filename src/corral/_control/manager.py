@@ -116,8 +116,9 @@ def _validate_command(
     for key, value in (envs or {}).items():
         if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
             # Empty, '=' or NUL cannot be one environment entry (NAME=value).
-            raise CommandError(f"invalid environment variable name {key!r}; names are letters, "
-                               "digits and '_', not starting with a digit")
+            shown = key[:64] + "..." if isinstance(key, str) and len(key) > 64 else key
+            raise CommandError(f"invalid environment variable name {shown!r}; names are "
+                               "letters, digits and '_', not starting with a digit")
         if not isinstance(value, str):
             raise CommandError(f"environment variable {key} must be a string")
         if "\x00" in value:
