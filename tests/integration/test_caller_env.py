@@ -220,6 +220,25 @@ def test_one_argument_over_128_kib_names_that_limit(where: dict[str, str]) -> No
         sb.kill()
 
 
+def test_bwraps_own_e2big_inside_is_still_the_clear_error(
+    home: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the check up front, the kernel's refusal comes from bwrap's execvp inside the
+    sandbox (the environment is applied there); it must still be a CommandError naming the
+    limits, not bwrap's message as the command's result."""
+    from corral._backends.namespace import runner
+
+    monkeypatch.setattr(runner, "check_exec_size", lambda *_a, **_k: None)
+    sb = Sandbox.create(home=home)
+    try:
+        with pytest.raises(CommandError) as caught:
+            sb.commands.run("true", envs={"BIG": "y" * (200 * 1024)})
+        message = str(caught.value)
+        assert "MAX_ARG_STRLEN" in message and "bwrap" not in message, message
+    finally:
+        sb.kill()
+
+
 def test_argv_and_environment_over_arg_max_names_that_limit(where: dict[str, str]) -> None:
     """Many short arguments: under every per-string limit, over ARG_MAX once the kernel counts
     one pointer for each (a quarter of the stack limit, 2 MiB by default)."""
