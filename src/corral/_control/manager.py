@@ -105,6 +105,12 @@ def _validate_command(
         )
     if any("\x00" in a for a in argv):
         raise CommandError("the command contains a NUL byte")
+    try:
+        for a in argv:
+            a.encode()
+    except UnicodeEncodeError:
+        raise CommandError("the command is not valid Unicode text (a lone surrogate); pass "
+                           "UTF-8 text") from None
     if sum(len(a.encode()) + 1 for a in argv) > _MAX_ARGV_BYTES:
         raise CommandError(f"the command is longer than {_MAX_ARGV_BYTES} bytes; pass data "
                            "through stdin or a file instead")
@@ -112,11 +118,20 @@ def _validate_command(
     total = 0
     for key, value in (envs or {}).items():
         if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
-            raise CommandError(f"invalid environment variable name {key!r}")
+            # Empty, '=' or NUL cannot be one environment entry (NAME=value).
+            shown = key[:64] + "..." if isinstance(key, str) and len(key) > 64 else key
+            raise CommandError(f"invalid environment variable name {shown!r}; names are "
+                               "letters, digits and '_', not starting with a digit")
         if not isinstance(value, str):
             raise CommandError(f"environment variable {key} must be a string")
         if "\x00" in value:
-            raise CommandError(f"environment variable {key} contains a NUL byte")
+            raise CommandError(f"environment variable {key} contains a NUL byte, which no "
+                               "environment entry can hold; remove it")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise CommandError(f"environment variable {key} is not valid Unicode text (a lone "
+                               "surrogate); pass UTF-8 text") from None
         total += len(key) + len(value.encode()) + 2
         env[key] = value
     if total > _MAX_ENV_BYTES:

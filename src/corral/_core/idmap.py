@@ -19,6 +19,8 @@ import platform
 import subprocess
 import threading
 
+from .privileged import privileged_env
+
 __all__ = ["bind_idmapped", "idmap_supported"]
 
 _SYS = {"x86_64": (428, 429, 442), "aarch64": (428, 429, 442)}
@@ -78,7 +80,7 @@ def _make_userns(on_disk: int, shown_as: int) -> int:
     # The child reports once it is inside its new namespace, then waits for us to finish.
     proc = subprocess.Popen(
         ["unshare", "--user", "--", "sh", "-c", "echo; read _"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=privileged_env())
     try:
         assert proc.stdout is not None and proc.stdin is not None
         if not proc.stdout.readline():

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .._core.privileged import privileged_env
 from ..errors import BackendError, BackendUnavailable
 from .catalog import (
     METADATA,
@@ -53,6 +54,8 @@ _DPKG_OPTIONS = (
 _SETUP_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
               "HOME=/root", "LANG=C.UTF-8", "DEBIAN_FRONTEND=noninteractive")
 _STOP_GRACE_S = 30.0
+_PROXY_VARIABLES = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                    "NO_PROXY")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +127,10 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 def _run(argv: list[str], spec: TemplateSpec, progress: Progress) -> None:
     tail: collections.deque[str] = collections.deque(maxlen=15)
     apt_errors: list[str] = []
-    env = {**os.environ, "LC_ALL": "C.UTF-8"}
+    # Corral's fixed environment, not the service's: mmdebstrap runs as root. Only the
+    # operator's proxy settings (Corral's own environment, never a caller's) pass through, so
+    # a build behind a proxy still reaches the mirror.
+    env = {**privileged_env(inherit=_PROXY_VARIABLES), "LC_ALL": "C.UTF-8"}
     # Our own process group, so an interrupt reaches every process of the build; the parent
     # death signal stops mmdebstrap if this process is killed outright.
     proc = subprocess.Popen(

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import HostCheck
 from ..namespace import hostcheck as namespace_hostcheck
@@ -82,7 +83,8 @@ def probe_sandbox(runsc_path: str) -> str | None:
         write_config(bundle, config)
         proc = subprocess.run(runsc.run_argv(bundle=bundle, container_id=container_id,
                                              network="none"),
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+                              env=privileged_env())
         if proc.returncode != 0:
             detail = Runsc.error_of(bundle) or proc.stderr.decode(errors="replace").strip()
             return f"exit {proc.returncode}: {detail or 'no message'}"

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..._audit.tracing import tracer
 from ..._core import linux
+from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from ...models import Usage
@@ -185,8 +186,9 @@ class GvisorLauncher:
                      "start_new_session": True}
 
         def spawn() -> subprocess.Popen[bytes]:
-            return subprocess.Popen(argv, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                                    cwd="/", **stdio)
+            # The command's environment is in the bundle's config.json (data runsc hands to
+            # gVisor's kernel); runsc, setpriv and the shim get Corral's fixed one.
+            return subprocess.Popen(argv, env=privileged_env(), cwd="/", **stdio)
 
         try:
             proc = self.spawner.run(launch.netns_path, spawn)

@@ -29,6 +29,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..._core.privileged import privileged_env
+
 __all__ = ["MIN_VERSION", "Runsc", "find_runsc", "runsc_version"]
 
 # Debian bookworm's own runsc (2022) breaks statx, so `ls` fails; bookworm-backports has 2024.
@@ -46,7 +48,7 @@ def runsc_version(path: str) -> tuple[str, int | None]:
     """(version text, build date as YYYYMMDD or None) from ``runsc --version``."""
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10,
-                             stdin=subprocess.DEVNULL)
+                             stdin=subprocess.DEVNULL, env=privileged_env())
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"does not run: {exc}", None
     first = out.stdout.strip().splitlines()[0] if out.stdout.strip() else out.stderr.strip()

@@ -1,14 +1,27 @@
-"""Builds the bubblewrap command line for one sandboxed command. Pure: no I/O."""
+"""Builds the bubblewrap invocation for one sandboxed command. Pure: no I/O.
+
+Two parts. The *options* (mounts, namespaces, descriptors, the command's environment) travel
+as a NUL-separated list on a file descriptor (``--args FD``), not on bwrap's argv: bwrap's
+sandbox init is PID 1 inside, and ``/proc/1/cmdline`` would otherwise show every host path the
+sandbox is built from (data directory, template, workspace). The *command line* is then only
+``bwrap --args FD -- ARGV...``. bwrap keeps the command's own argv on its command line (what
+follows ``--`` inside an args file is ignored), which is the command's own data.
+
+The environment is ``--clearenv`` then one ``--setenv`` per variable: bwrap applies them to
+itself while parsing, after it was started unprivileged with Corral's fixed environment, so the
+caller's variables reach only the command it execs inside the sandbox.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from .template import SANDBOX_GID, SANDBOX_UID, BaseTemplate
 
-__all__ = ["BwrapFds", "build_argv"]
+__all__ = ["BwrapFds", "build_options", "command_line", "encode_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,25 +31,22 @@ class BwrapFds:
     seccomp: int
 
 
-def build_argv(
-    bwrap: str,
+def build_options(
     *,
     template: BaseTemplate,
     workspace: Path,
     tmp_bytes: int,
     cwd: str,
-    argv: Sequence[str],
+    env: Mapping[str, str],
     fds: BwrapFds,
     new_session: bool = True,
 ) -> list[str]:
-    """The full argv.
+    """The options for ``--args``: everything but the command itself.
 
-    The network namespace and host uid are set by the caller, not by bwrap, and so is the
-    environment: bwrap hands its own (which the caller builds from scratch) to the command, which
-    keeps values out of the host's process list and argv limits.
+    The network namespace and host uid are set by the caller, not by bwrap. ``env`` is the
+    command's whole environment (the caller builds it from scratch).
     """
     args = [
-        bwrap,
         # Fresh user (needed unprivileged), PID, IPC, UTS and cgroup namespaces per command.
         # No --unshare-net: the command joins its sandbox's persistent namespace instead.
         "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
@@ -73,7 +83,23 @@ def build_argv(
         "--info-fd", str(fds.info),
         "--block-fd", str(fds.block),
         "--seccomp", str(fds.seccomp),
-        "--",
-        *argv,
+        "--clearenv",
     ]
+    for name, value in env.items():
+        args += ["--setenv", name, value]
     return args
+
+
+def encode_args(options: Sequence[str]) -> bytes:
+    """``options`` as bwrap's ``--args`` reads them: each one NUL-terminated."""
+    for option in options:
+        if "\0" in option:
+            # Validation refuses NUL in argv and env before a command gets here; a NUL would
+            # split one option into two, so never let one through.
+            raise ValueError("a bwrap option contains a NUL byte")
+    return b"".join(os.fsencode(option) + b"\0" for option in options)
+
+
+def command_line(bwrap: str, args_fd: int, argv: Sequence[str]) -> list[str]:
+    """bwrap's argv: the options come from ``args_fd``, the command follows ``--``."""
+    return [bwrap, "--args", str(args_fd), "--", *argv]

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 from ..._core import linux
+from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import HostCheck
 from ...errors import BackendUnavailable
@@ -41,7 +42,8 @@ def _check_bwrap() -> HostCheck:
         return HostCheck("bwrap", False, "bubblewrap is not installed",
                          "apt-get install -y bubblewrap")
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10,
+                             env=privileged_env(), stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return HostCheck("bwrap", False, f"bwrap does not run: {exc}", _APT)
     version = out.stdout.strip().split()[-1] if out.stdout.strip() else "?"
@@ -130,7 +132,8 @@ def _check_overlay() -> HostCheck:
     except OSError:
         known = []
     if "overlay" not in known:
-        subprocess.run(["modprobe", "overlay"], capture_output=True, check=False)
+        subprocess.run(["modprobe", "overlay"], capture_output=True, check=False,
+                       env=privileged_env(), stdin=subprocess.DEVNULL)
         with open("/proc/filesystems") as f:
             known = f.read().split()
     if "overlay" in known:

@@ -1,5 +1,9 @@
 """Runs one sandboxed command: spawn, place in its cgroup before it runs, stream, limit, reap.
 
+The host side of a launch (setsid, setpriv, bwrap until it has built the sandbox) runs with
+Corral's fixed environment (``_core.privileged``); the command's own environment and every
+host path travel to bwrap as data on an ``--args`` descriptor (see ``bwrap``).
+
 Ordering that makes the limits hold: bwrap is started with ``--block-fd``, so after building the
 namespaces its sandbox init waits; we read the init's pid from ``--info-fd``, move both bwrap
 processes into the command's cgroup, and only then release it. Nothing the user asked for runs
@@ -9,8 +13,10 @@ outside the cgroup, even for a microsecond.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import re
 import resource
 import selectors
 import shutil
@@ -23,12 +29,14 @@ from typing import Any
 
 from ..._audit.tracing import tracer
 from ..._core import linux
+from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from ...models import Usage
+from ..execlimits import check_exec_size
 from ..process_io import ProcessHandle, pump, set_terminal_size
 from . import netns, seccomp
-from .bwrap import BwrapFds, build_argv
+from .bwrap import BwrapFds, build_options, command_line, encode_args
 from .cgroups import CgroupDriver
 from .template import BaseTemplate
 
@@ -36,6 +44,23 @@ __all__ = ["CommandLauncher", "Launch"]
 
 _SETUP_TIMEOUT_S = 10.0
 _TIMEOUT_EXIT_CODE = 124
+
+
+def _sealed_file(data: bytes) -> int:
+    """A read-only descriptor holding ``data`` from offset 0 (a sealed memfd)."""
+    fd = os.memfd_create("corral-bwrap-args", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+        # Nothing (not even a later bug) can change what bwrap is about to parse.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK
+                    | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _reap(pid: int) -> None:
@@ -54,6 +79,8 @@ def _reap(pid: int) -> None:
 
 
 _NOFILE = (4096, 4096)
+# What bwrap's own execvp of the command says inside the sandbox when the kernel refuses it.
+_BWRAP_E2BIG = re.compile(r"^bwrap: execvp [^\n]*: Argument list too long\n?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +153,11 @@ class CommandLauncher:
             _reap(init_pid)
             usage = self.cgroups.usage(group)
         stdout, stderr = streams
+        if returncode == 1 and _BWRAP_E2BIG.match("".join(stderr.parts)):
+            # check_exec_size guards this; a limit it did not foresee still is the caller's.
+            raise CommandError("the kernel refused the command's argv and environment as too "
+                               "large (ARG_MAX or MAX_ARG_STRLEN, 128 KiB per entry); pass "
+                               "data through files or stdin")
         if timed_out:
             exit_code = _TIMEOUT_EXIT_CODE
         elif returncode < 0:
@@ -147,16 +179,26 @@ class CommandLauncher:
     def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
         """Start bwrap, place it in the command's cgroup, then let the command run."""
         request, group = launch.request, launch.group
+        check_exec_size(request.argv, launch.env)
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         seccomp_fd = seccomp.filter_fd()
-        child_fds = (info_w, block_r, seccomp_fd)
-        argv = build_argv(
-            self.bwrap, template=launch.template, workspace=launch.workspace,
-            tmp_bytes=launch.tmp_bytes, cwd=request.cwd, argv=request.argv,
+        options = build_options(
+            template=launch.template, workspace=launch.workspace,
+            tmp_bytes=launch.tmp_bytes, cwd=request.cwd, env=launch.env,
             fds=BwrapFds(info=info_w, block=block_r, seccomp=seccomp_fd),
             new_session=request.pty is None,
         )
+        # A memfd rather than a pipe: the options (the environment included, up to a few
+        # hundred KiB) are written whole before bwrap starts, with no reader to wait for.
+        try:
+            args_fd = _sealed_file(encode_args(options))
+        except BaseException:
+            for fd in (info_r, info_w, block_r, block_w, seccomp_fd):
+                os.close(fd)
+            raise
+        child_fds = (info_w, block_r, seccomp_fd, args_fd)
+        argv = command_line(self.bwrap, args_fd, request.argv)
         # setpriv drops to the sandbox's uid and execs bwrap (same pid). Doing it here rather than
         # with Popen(user=...) lets CPython use vfork: forking a large process (the service) to
         # change uid costs milliseconds per command.
@@ -181,7 +223,7 @@ class CommandLauncher:
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
                 argv,
-                env=dict(launch.env),
+                env=privileged_env(),
                 cwd="/",
                 pass_fds=child_fds,
                 **stdio,
@@ -195,10 +237,11 @@ class CommandLauncher:
             if terminal is not None:
                 os.close(terminal)
                 os.close(stdio["stdin"])
-            if exc.errno == 7:  # E2BIG
+            if exc.errno == 7:  # E2BIG: only the argv is on the host's exec now
                 raise CommandError(
-                    "the command's argv and environment are too large to start it "
-                    "(the kernel's limit is about 2 MiB); pass data through files or stdin"
+                    "the kernel refused the command's argv as too large (ARG_MAX, a quarter "
+                    "of the stack limit, or 128 KiB for one argument); pass data through "
+                    "files or stdin"
                 ) from exc
             raise BackendError(f"cannot start bwrap: {exc}") from exc
         for fd in child_fds:

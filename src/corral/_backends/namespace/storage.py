@@ -40,6 +40,7 @@ from pathlib import Path
 
 from ..._core import linux
 from ..._core.idmap import bind_idmapped
+from ..._core.privileged import privileged_env
 from ...backends import SandboxSpec, SealResult
 from ...errors import BackendError, BackendUnavailable, QuotaExceeded, SandboxBusy
 from . import loop
@@ -59,7 +60,8 @@ _MIN_FREE = 64 * 1024 * 1024
 
 def _run(argv: list[str], what: str) -> None:
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                              env=privileged_env(), stdin=subprocess.DEVNULL)
     except FileNotFoundError as exc:
         raise BackendUnavailable(
             f"{argv[0]} is missing; install it with `apt-get install e2fsprogs mount`"
@@ -237,13 +239,25 @@ class WorkspaceStore:
             empty = self.layers_root / ".empty"
             empty.mkdir(parents=True, exist_ok=True, mode=0o755)
             lowers.append(str(empty))
-        options = (f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work},"
-                   "redirect_dir=on,index=off,xino=off,metacopy=off,uuid=off")
+        # The layers are named by descriptor: overlayfs shows its options as given in every
+        # mountinfo, the sandbox's own included, and "/proc/self/fd/N" tells it nothing of the
+        # host's data directory, sandbox directories or layer ids.
+        fds: list[int] = []
         try:
+            def by_fd(path: Path | str) -> str:
+                fds.append(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+                return f"/proc/self/fd/{fds[-1]}"
+
+            options = (f"lowerdir={':'.join(by_fd(lower) for lower in lowers)},"
+                       f"upperdir={by_fd(upper)},workdir={by_fd(work)},"
+                       "redirect_dir=on,index=off,xino=off,metacopy=off,uuid=off")
             linux.mount("overlay", str(self.mount_point(spec.id)), "overlay",
                         loop._MS_NODEV | loop._MS_NOSUID | loop._MS_NOATIME, options)
         except OSError as exc:
             raise BackendError(f"cannot mount the workspace of {spec.id}: {exc}") from exc
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _unmount_all(self, sandbox_id: str, *, lazy: bool) -> None:
         """Unmount the overlay, the lower binds and the writable disk (in that order)."""

@@ -183,6 +183,8 @@ def _system_of(root: Path, names: tuple[str, ...]) -> tuple[tuple[str, str, str]
 
 
 def _not_built(name: str, templates_dir: Path) -> UsageError:
+    # The name is the caller's: echoed (and logged) at most 64 characters of it.
+    name = name if len(name) <= 64 else name[:64] + "..."
     if name in BUILTIN_SPECS:
         return UsageError(
             f"template {name!r} is not built on this host yet; build it once with "
