@@ -1,0 +1,69 @@
+"""Defects found while treating the caller as untrusted (issue 11): a start-up deadlock, deep
+trees, names that are not UTF-8, and listings a hostile name could forge."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral._settings import Settings
+
+pytestmark = pytest.mark.needs_root
+
+
+@pytest.fixture
+def own_home(settings: Settings) -> Iterator[dict[str, str]]:
+    """A data directory of its own (so recovery at start-up sees exactly what the test put there),
+    as the environment a CLI process needs; everything in it is destroyed afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="corral-test-rel-", dir=settings.home.parent))
+    os.chmod(home, 0o711)
+    start = settings.uid_start + settings.uid_count - 1000  # the tail of the session's range
+    env = {**os.environ, "CORRAL_HOME": str(home), "CORRAL_UID_START": str(start),
+           "CORRAL_UID_COUNT": "1000"}
+    try:
+        yield env
+    finally:
+        from corral.errors import BackendUnavailable
+        from tests.conftest import managed
+
+        with managed(Settings(home=home, uid_start=start, uid_count=1000)) as mgr:
+            with contextlib.suppress(BackendUnavailable):
+                mgr.backend_for("gvisor")
+            for info in mgr.store.list():
+                mgr._destroy(info, reason="cleanup")
+            for backend in list(mgr._backends.values()):
+                backend.sweep(set())
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "corral", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_listing_with_a_sandbox_of_the_other_tier_returns_promptly(
+    own_home: dict[str, str], gvisor_problems: list[str]
+) -> None:
+    """Recovery at start-up loads the other tier's backend; it once did so under the very lock
+    recovery held, and every later CLI process hung for ever."""
+    if gvisor_problems:
+        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    created = _cli(own_home, "create", "--isolation", "gvisor", "--json")
+    assert created.returncode == 0, created.stderr
+    sandbox_id = json.loads(created.stdout)["id"]
+    try:
+        listed = _cli(own_home, "ls", "--json", timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("`corral ls` hung with a gVisor sandbox in the store")
+    assert listed.returncode == 0, listed.stderr
+    assert [s["id"] for s in json.loads(listed.stdout)] == [sandbox_id]
+    assert _cli(own_home, "rm", sandbox_id, timeout=30).returncode == 0
