@@ -18,7 +18,6 @@ import errno
 import os
 import posixpath
 import secrets
-import shutil
 import stat as stat_mod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Literal
 from .._core import linux
 from ..errors import FileError, FileNotFound, PathRefused, QuotaExceeded
 from ..models import FileEntry
+from .removal import remove_tree
 
 __all__ = ["MAX_FILE_BYTES", "MAX_WALK_DEPTH", "WORKSPACE", "TreeItem", "WorkspaceFiles",
            "to_relative"]
@@ -470,8 +470,8 @@ class WorkspaceFiles:
         with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
             st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
             if stat_mod.S_ISDIR(st.st_mode):
-                # fd-based, never follows symlinks (shutil's safe variant on Linux).
-                shutil.rmtree(leaf, dir_fd=dir_fd)
+                # Not shutil.rmtree: it recurses, and a sandbox can nest deeper than the stack.
+                remove_tree(dir_fd, leaf)
             else:
                 os.unlink(leaf, dir_fd=dir_fd)
 
