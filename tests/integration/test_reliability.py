@@ -4,6 +4,7 @@ trees, names that are not UTF-8, and listings a hostile name could forge."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -112,3 +113,59 @@ def test_walking_a_very_deep_tree_is_refused_with_a_corral_error(  # type: ignor
     deep = "/workspace/" + "d/" * (DEEP // 2)
     assert {e.name for e in sb.files.list(deep)} == {"d", "f", "l"}
     assert sb.files.stat(deep + "f").type == "file"
+
+
+def test_names_that_are_not_utf8_give_corral_errors_or_escaped_names(  # type: ignore[no-untyped-def]
+    where: dict[str, str],
+) -> None:
+    """A sandbox can give any name bytes that are not UTF-8: listings show them escaped,
+    downloads keep them exact, and a path holding one is refused by every file call with a
+    PathRefused that says what to do, never a raw UnicodeError (nor an HTTP 500)."""
+    import io
+    import tarfile
+
+    from corral import PathRefused, Sandbox
+
+    sb = Sandbox.create(**where)  # type: ignore[arg-type]
+    try:
+        made = sb.commands.run(["python3", "-c", (
+            "import os; os.makedirs(b'box/d\\xff'); open(b'box/d\\xff/f\\xfe', 'w').write('x');"
+            "os.symlink(b't\\xfd', b'box/l\\xfc'); open(b'box/g\\xfb', 'w').write('y')")])
+        assert made.exit_code == 0, made.stderr
+        listed = sb.files.list("box")
+        assert [(e.name, e.path) for e in listed] == [
+            ("d\\xff", "/workspace/box/d\\xff"), ("g\\xfb", "/workspace/box/g\\xfb"),
+            ("l\\xfc", "/workspace/box/l\\xfc")]
+        # JSON- and terminal-safe as they are:
+        json.dumps([dataclasses.asdict(e) for e in listed], ensure_ascii=False).encode()
+        # The escaped form names nothing (a real name may hold a backslash): a clear not-found.
+        assert not sb.files.exists("box/d\\xff")
+
+        with tarfile.open(fileobj=io.BytesIO(b"".join(sb.files.download("box")))) as tar:
+            assert {m.name for m in tar.getmembers()} >= {
+                "d\udcff", "d\udcff/f\udcfe", "g\udcfb", "l\udcfc"}
+
+        raw = "box/d\udcff"
+        calls = {
+            "read": lambda: sb.files.read(raw + "/f\udcfe"),
+            "read bytes": lambda: sb.files.read(raw + "/f\udcfe", format="bytes"),
+            "write": lambda: sb.files.write(raw + "/new", "z"),
+            "list": lambda: sb.files.list(raw),
+            "stat": lambda: sb.files.stat(raw),
+            "exists": lambda: sb.files.exists(raw),
+            "make_dir": lambda: sb.files.make_dir("box/n\udcfa"),
+            "rename from": lambda: sb.files.rename(raw, "box/plain"),
+            "rename to": lambda: sb.files.rename("box", "x\udcf9"),
+            "remove": lambda: sb.files.remove(raw),
+            "download": lambda: b"".join(sb.files.download(raw)),
+            "upload": lambda: sb.files.upload(b"\0" * 1024, raw),
+        }
+        for name, call in calls.items():
+            with pytest.raises(PathRefused, match="is not valid UTF-8; file calls take UTF-8"):
+                call()
+                pytest.fail(f"{name} accepted a path that is not UTF-8")
+        # What is left to do with such names works: the tree holding them goes.
+        sb.files.remove("box")
+        assert not sb.files.exists("box")
+    finally:
+        sb.kill()
