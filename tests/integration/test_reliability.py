@@ -169,3 +169,36 @@ def test_names_that_are_not_utf8_give_corral_errors_or_escaped_names(  # type: i
         assert not sb.files.exists("box")
     finally:
         sb.kill()
+
+
+def test_files_ls_prints_one_line_per_entry_whatever_the_names(  # type: ignore[no-untyped-def]
+    settings: Settings, home: str,
+) -> None:
+    """A name can hold a newline, a terminal escape or a bidi override: the table shows them
+    escaped, one entry per line; --json gives the names exactly."""
+    from corral import Sandbox
+
+    env = {**os.environ, "CORRAL_HOME": str(settings.home),
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    names = ["a\nfake 0644 1 b", "esc\x1b[2Jx", "rtl\u202etxt.exe", "tab\there", "plain"]
+    sb = Sandbox.create(home=home)
+    try:
+        for name in names:
+            sb.files.write(name, "x")
+        made = sb.commands.run(["python3", "-c", "open(b'raw\\xff', 'w')"])
+        assert made.exit_code == 0, made.stderr
+        table = _cli(env, "files", "ls", sb.id)
+        assert table.returncode == 0, table.stderr
+        lines = table.stdout.splitlines()
+        assert len(lines) == len(names) + 1
+        shown = sorted(line[len("0644 ") + 11:] for line in lines)
+        assert shown == sorted(["a\\x0afake 0644 1 b", "esc\\x1b[2Jx", "rtl\\u202etxt.exe",
+                                "tab\\x09here", "plain", "raw\\xff"])
+        assert "\x1b" not in table.stdout and "\u202e" not in table.stdout
+        listed = _cli(env, "files", "ls", sb.id, "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert sorted(e["name"] for e in json.loads(listed.stdout)) == sorted(
+            [*names, "raw\\xff"])
+    finally:
+        sb.kill()
