@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -128,7 +128,7 @@ def test_errors_are_json_with_fitting_status(server: _Server) -> None:
 @pytest.fixture(scope="module")
 def tenant_service() -> Iterator[tuple[_Server, dict[str, str], Manager]]:
     home = Path(tempfile.mkdtemp(prefix="corral-test-tenants-"))
-    settings = Settings(home=home, uid_start=2_130_000_000 + random.randrange(100) * 1000,
+    settings = Settings(home=home, uid_start=2_130_000_000 + secrets.randbelow(100) * 1000,
                         uid_count=1000)
     with managed(settings) as mgr:
         directory = TenantDirectory(mgr.store)
@@ -226,7 +226,7 @@ def test_quotas_are_refused_with_429(
 
 def test_sigkill_of_the_server_mid_command_and_restart() -> None:
     home = Path(tempfile.mkdtemp(prefix="corral-test-serve-"))
-    settings = Settings(home=home, uid_start=2_140_000_000 + random.randrange(100) * 1000,
+    settings = Settings(home=home, uid_start=2_140_000_000 + secrets.randbelow(100) * 1000,
                         uid_count=1000)
     env = {**os.environ, "CORRAL_HOME": str(home), "CORRAL_UID_START": str(settings.uid_start),
            "CORRAL_UID_COUNT": str(settings.uid_count)}
