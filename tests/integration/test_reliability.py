@@ -202,3 +202,39 @@ def test_files_ls_prints_one_line_per_entry_whatever_the_names(  # type: ignore[
             [*names, "raw\\xff"])
     finally:
         sb.kill()
+
+
+def test_tree_removal_holds_few_descriptors_and_never_follows_links(tmp_path: Path) -> None:
+    """Below a descriptor limit far under the tree's depth, the tree still goes; what its links
+    point at (outside the tree) stays."""
+    import resource
+
+    from corral._workspace.removal import MAX_OPEN, remove_tree
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("k")
+    tree = tmp_path / "tree"
+    level = tree
+    for i in range(600):
+        level.mkdir()
+        (level / "f").write_text("x")
+        (level / "out").symlink_to(outside)
+        if i % 100 == 0:
+            for j in range(50):  # wide here and there
+                (level / f"w{j}").mkdir()
+        level = level / "d"
+    pid = os.fork()
+    if pid == 0:  # the child removes the tree with few descriptors to spare
+        code = 1
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN + 40, MAX_OPEN + 40))
+            fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+            remove_tree(fd, "tree")
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not tree.exists()
+    assert (outside / "keep").read_text() == "k"

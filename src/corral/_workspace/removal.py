@@ -2,10 +2,12 @@
 
 Iterative, so no depth (a sandbox can nest directories as deep as its disk allows) exhausts the
 Python stack, and holding at most ``MAX_OPEN`` directory descriptors, so no depth exhausts the
-process's descriptors either. Every directory is opened one component at a time from its
-parent's descriptor with ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)``:
-no symlink is ever followed and no other filesystem entered, so a swap meanwhile can make the
-delete fail, never make it delete outside the tree.
+process's descriptors either. On the way down every directory is opened one component at a time
+from its parent's descriptor with ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+RESOLVE_NO_XDEV)``: no symlink is ever followed and no other filesystem entered. On the way up a
+parent whose descriptor was closed is reopened as ``..`` of its child and used only if it is the
+same directory (device and inode) it was on the way down. So a swap meanwhile can make the delete
+fail, never make it delete outside the tree.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ def _empty_files(level: _Level) -> None:
     """Unlink everything in the directory but its subdirectories, which it queues."""
     assert level.fd is not None
     with os.scandir(level.fd) as it:
-        for entry in it:
-            if entry.is_dir(follow_symlinks=False):
-                level.pending.append(entry.name)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.name, dir_fd=level.fd)
+        entries = list(it)  # read whole before unlinking: no readdir over a changing directory
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            level.pending.append(entry.name)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.name, dir_fd=level.fd)
 
 
 def remove_tree(dir_fd: int, name: str) -> None:
@@ -69,8 +72,8 @@ def remove_tree(dir_fd: int, name: str) -> None:
 
     Raises:
         OSError: as the failing call raised it (the caller maps it), including ``ENOTEMPTY``
-            when the sandbox keeps adding entries, and ``ESTALE`` when a directory was swapped
-            for another while its descriptor was closed.
+            when the sandbox keeps adding entries, and ``ESTALE`` when a directory whose
+            descriptor was closed on the way down is no longer the parent on the way up.
     """
     first = _open_child(dir_fd, name)
     stack = [_Level(name, _ident(first), first)]
@@ -78,63 +81,35 @@ def remove_tree(dir_fd: int, name: str) -> None:
         _empty_files(stack[0])
         while stack:
             level = stack[-1]
+            assert level.fd is not None  # the deepest level is always open
             if level.pending:
-                child_name = level.pending.pop()
-                fd = _open_child(_reopen(dir_fd, stack), child_name)
-                stack.append(_Level(child_name, _ident(fd), fd))
-                _close_oldest(stack)
+                child = level.pending.pop()
+                fd = _open_child(level.fd, child)
+                stack.append(_Level(child, _ident(fd), fd))
+                if len(stack) > MAX_OPEN and (oldest := stack[-MAX_OPEN - 1]).fd is not None:
+                    os.close(oldest.fd)
+                    oldest.fd = None
                 _empty_files(stack[-1])
                 continue
             stack.pop()
-            if level.fd is not None:
-                os.close(level.fd)
-                level.fd = None
-            parent = _reopen(dir_fd, stack) if stack else dir_fd
+            if stack and stack[-1].fd is None:
+                stack[-1].fd = _parent_of(level.fd, stack[-1].ident)
+            os.close(level.fd)
+            level.fd = None
             with contextlib.suppress(FileNotFoundError):
-                os.rmdir(level.name, dir_fd=parent)
+                os.rmdir(level.name, dir_fd=stack[-1].fd if stack else dir_fd)
     finally:
         for level in stack:
             if level.fd is not None:
                 os.close(level.fd)
 
 
-def _close_oldest(stack: list[_Level]) -> None:
-    open_levels = [level for level in stack if level.fd is not None]
-    for level in open_levels[: max(0, len(open_levels) - MAX_OPEN)]:
-        assert level.fd is not None
-        os.close(level.fd)
-        level.fd = None
-
-
-def _reopen(dir_fd: int, stack: list[_Level]) -> int:
-    """The descriptor of the deepest level, reopening closed levels from the nearest open
-    ancestor (or ``dir_fd``) by name; each must still be the directory it was."""
-    if stack[-1].fd is not None:
-        return stack[-1].fd
-    start = len(stack) - 1
-    while start > 0 and stack[start - 1].fd is None:
-        start -= 1
-    # Reopen up to MAX_OPEN levels and keep them, so popping back up costs one walk from an
-    # open ancestor per MAX_OPEN levels rather than one per level.
-    keep_from = max(start, len(stack) - MAX_OPEN)
-    base = dir_fd if start == 0 else stack[start - 1].fd
-    assert base is not None
-    held: int | None = None
-    try:
-        for index in range(start, len(stack)):
-            level = stack[index]
-            fd = _open_child(base if held is None else held, level.name)
-            if held is not None:
-                os.close(held)
-            held = fd
-            if _ident(fd) != level.ident:
-                raise OSError(errno.ESTALE, "a directory was replaced while being removed",
-                              level.name)
-            if index >= keep_from:
-                level.fd = os.dup(fd)
-    finally:
-        if held is not None:
-            os.close(held)
-    result = stack[-1].fd
-    assert result is not None
-    return result
+def _parent_of(fd: int, ident: tuple[int, int]) -> int:
+    """The parent of the directory ``fd``, which must be the directory ``ident`` it was when it
+    was opened on the way down: the sandbox may have moved things since, and anything else
+    (another directory, somewhere outside) is refused before it is used."""
+    parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+    if _ident(parent) != ident:
+        os.close(parent)
+        raise OSError(errno.ESTALE, "a directory moved while its tree was being removed")
+    return parent
