@@ -238,3 +238,21 @@ def test_tree_removal_holds_few_descriptors_and_never_follows_links(tmp_path: Pa
     assert os.waitstatus_to_exitcode(status) == 0
     assert not tree.exists()
     assert (outside / "keep").read_text() == "k"
+
+
+def test_names_that_are_not_utf8_through_the_async_sdk(where: dict[str, str]) -> None:
+    import asyncio
+
+    from corral import AsyncSandbox, PathRefused
+
+    async def scenario() -> None:
+        async with await AsyncSandbox.create(**where) as sb:  # type: ignore[arg-type]
+            made = await sb.commands.run(["python3", "-c", "open(b'x\\xff', 'w').write('1')"])
+            assert made.exit_code == 0, made.stderr
+            assert [e.name for e in await sb.files.list()] == ["x\\xff"]
+            with pytest.raises(PathRefused, match="is not valid UTF-8"):
+                await sb.files.read("x\udcff")
+            with pytest.raises(PathRefused, match="is not valid UTF-8"):
+                await sb.files.rename("x\udcff", "y")
+
+    asyncio.run(scenario())
