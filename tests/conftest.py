@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from corral._control.manager import Manager
 from corral._settings import Settings
@@ -30,9 +31,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def settings() -> Iterator[Settings]:
     home = Path(tempfile.mkdtemp(prefix="corral-test-"))
     # A uid range of our own, so a test run never shares uids with a real instance.
-    start = 2_100_000_000 + random.randrange(0, 1000) * 10_000
+    # secrets, not the global `random`: Hypothesis owns that one's state while it generates.
+    start = 2_100_000_000 + secrets.randbelow(1000) * 10_000
     yield Settings(home=home, uid_start=start, uid_count=10_000)
     shutil.rmtree(home, ignore_errors=True)
+
+
+class PrivateIds(IdGenerator):
+    """Span and trace ids for a test's TracerProvider, from ``secrets``.
+
+    The SDK's default draws them from the global ``random``, and spans are made on the service's
+    threads while Hypothesis generates on the main one: it sees the global state move under its
+    strategies and fails the run (HypothesisDeprecationWarning, an error here).
+    """
+
+    def generate_span_id(self) -> int:
+        return secrets.randbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        return secrets.randbits(128) or 1
 
 
 @contextlib.contextmanager

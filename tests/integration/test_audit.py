@@ -24,6 +24,8 @@ from corral._audit.metrics import render
 from corral._control.manager import Manager
 from corral._settings import Settings
 
+from ..conftest import PrivateIds
+
 pytestmark = pytest.mark.needs_root
 
 SECRET = "s3cr3t-Zq8vW2-value"
@@ -294,7 +296,7 @@ def test_metrics_parse_and_count_the_session(home: str, manager: Manager) -> Non
 @pytest.fixture(scope="module")
 def spans() -> InMemorySpanExporter:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = TracerProvider(id_generator=PrivateIds())
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return exporter

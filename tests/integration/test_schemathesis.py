@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import secrets
 import shutil
 import tempfile
 import time
@@ -39,7 +40,7 @@ from corral._server.app import create_app
 from corral._settings import Settings
 from corral.errors import CorralError
 
-from ..conftest import managed
+from ..conftest import PrivateIds, managed
 from .servers import Server as _Server
 
 pytestmark = pytest.mark.needs_root
@@ -113,7 +114,7 @@ class _Service:
 @pytest.fixture(scope="module")
 def service() -> Iterator[_Service]:
     home = Path(tempfile.mkdtemp(prefix="corral-test-fuzz-"))
-    settings_ = Settings(home=home, uid_start=2_140_000_000 + random.randrange(100) * 1000,
+    settings_ = Settings(home=home, uid_start=2_140_000_000 + secrets.randbelow(100) * 1000,
                          uid_count=1000)
     # managed() destroys whatever sandboxes the fuzzer left and removes cgroups, netns, mounts.
     with managed(settings_) as mgr, _Server(mgr) as srv:
@@ -124,6 +125,31 @@ def service() -> Iterator[_Service]:
 def test_the_served_document_is_the_fuzzed_one(service: _Service) -> None:
     served = httpx.get(f"{service.url}/openapi.json", timeout=10).json()
     assert served == OPENAPI
+
+
+def test_the_service_leaves_the_global_random_alone(service: _Service) -> None:
+    """Hypothesis fails a run whose global ``random`` moves while it generates (its
+    HypothesisDeprecationWarning is an error here), and the service's threads run meanwhile:
+    sandboxes, commands, files and spans must draw from private generators only. (With the
+    SDK's default TracerProvider, span ids would come from the global one.)"""
+    from opentelemetry import trace
+
+    provider = trace.get_tracer_provider()
+    id_generator = getattr(provider, "id_generator", None)
+    assert id_generator is None or isinstance(id_generator, PrivateIds), id_generator
+    random.seed(12345)
+    before = random.getstate()
+    with httpx.Client(base_url=service.url, timeout=REQUEST_TIMEOUT_S) as client:
+        made = client.post("/v1/sandboxes", json={"timeout": 60})
+        assert made.status_code == 201, made.text
+        sandbox = made.json()["id"]
+        ran = client.post(f"/v1/sandboxes/{sandbox}/commands", json={"cmd": "echo hi"})
+        assert ran.status_code == 200 and ran.json()["stdout"] == "hi\n", ran.text
+        wrote = client.put(f"/v1/sandboxes/{sandbox}/files/content", params={"path": "a"},
+                           content=b"x")
+        assert wrote.status_code < 300, wrote.text
+        assert client.delete(f"/v1/sandboxes/{sandbox}").status_code < 300
+    assert random.getstate() == before
 
 
 def _bound(case: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -128,7 +128,7 @@ def test_errors_are_json_with_fitting_status(server: _Server) -> None:
 @pytest.fixture(scope="module")
 def tenant_service() -> Iterator[tuple[_Server, dict[str, str], Manager]]:
     home = Path(tempfile.mkdtemp(prefix="corral-test-tenants-"))
-    settings = Settings(home=home, uid_start=2_130_000_000 + random.randrange(100) * 1000,
+    settings = Settings(home=home, uid_start=2_130_000_000 + secrets.randbelow(100) * 1000,
                         uid_count=1000)
     with managed(settings) as mgr:
         directory = TenantDirectory(mgr.store)
@@ -226,7 +226,7 @@ def test_quotas_are_refused_with_429(
 
 def test_sigkill_of_the_server_mid_command_and_restart() -> None:
     home = Path(tempfile.mkdtemp(prefix="corral-test-serve-"))
-    settings = Settings(home=home, uid_start=2_140_000_000 + random.randrange(100) * 1000,
+    settings = Settings(home=home, uid_start=2_140_000_000 + secrets.randbelow(100) * 1000,
                         uid_count=1000)
     env = {**os.environ, "CORRAL_HOME": str(home), "CORRAL_UID_START": str(settings.uid_start),
            "CORRAL_UID_COUNT": str(settings.uid_count)}
@@ -468,7 +468,8 @@ def test_a_terminal_over_websocket(server: _Server) -> None:
         url = server.url.replace("http", "ws") + f"/v1/sandboxes/{sb.id}/pty?rows=24&cols=80"
         screen = ""
         async with websockets.connect(url) as ws:
-            async def read_until(marker: str, timeout: float = 10) -> None:
+            # Generous: every wait ends on an event, so a busy machine only makes it slower.
+            async def read_until(marker: str, timeout: float = 60) -> None:
                 nonlocal screen
                 async with asyncio.timeout(timeout):
                     while marker not in screen:
@@ -481,8 +482,12 @@ def test_a_terminal_over_websocket(server: _Server) -> None:
             await ws.send(jsonlib.dumps({"type": "resize", "rows": 40, "cols": 100}))
             await ws.send(jsonlib.dumps({"type": "input", "data": "stty size\n"}))
             await read_until("40 100")
-            await ws.send(jsonlib.dumps({"type": "input", "data": "sleep 60\n"}))
-            await asyncio.sleep(0.3)
+            # Interrupt only once the command certainly runs in the foreground: it prints the
+            # marker itself, after the shell made it the terminal's foreground group, and
+            # exec keeps that process (a signal sent earlier could reach the shell instead).
+            await ws.send(jsonlib.dumps({
+                "type": "input", "data": "sh -c 'echo sleeping-$((2+3)); exec sleep 60'\n"}))
+            await read_until("sleeping-5")
             await ws.send(jsonlib.dumps({"type": "signal", "signal": "INT"}))
             await read_until("^C")
             await ws.send(jsonlib.dumps({"type": "input", "data": "echo after-$((1+1))\n"}))

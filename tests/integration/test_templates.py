@@ -40,6 +40,7 @@ Cli = Callable[..., subprocess.CompletedProcess[str]]
 class Shim:
     path: Path  # directory to put first on PATH
     log: Path  # one line per mmdebstrap run: its arguments
+    paused: Path  # builds of a template named "paused*" stop here, mid-build (see below)
 
     def calls(self, key: str) -> int:
         """Runs whose target was a build directory of ``key`` (a template name)."""
@@ -55,9 +56,18 @@ def shim() -> Iterator[Shim]:
     directory = Path(tempfile.mkdtemp(prefix="corral-test-shim-"))
     log = directory / "calls.log"
     script = directory / "mmdebstrap"
-    script.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {real} "$@"\n')
+    paused = directory / "paused"
+    # A build of a template named paused* is held inside mmdebstrap, after the essential
+    # packages are installed and the chroot's mounts are up, until its pause file is removed
+    # (at most 120 s): a test can interrupt it at a known point, never before or after.
+    hook = (f'echo "$1" > {paused}; for i in $(seq 1200); do [ -e {paused} ] || exit 0; '
+            'sleep 0.1; done')
+    script.write_text(
+        f'#!/bin/sh\necho "$*" >> {log}\n'
+        f'case "$*" in *"/.build-paused"*) exec {real} --essential-hook=\'{hook}\' "$@";; esac\n'
+        f'exec {real} "$@"\n')
     script.chmod(0o755)
-    yield Shim(path=directory, log=log)
+    yield Shim(path=directory, log=log, paused=paused)
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -362,21 +372,26 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_an_interrupted_build_leaves_nothing(sig: signal.Signals, cli_env: dict[str, str],
                                              shim: Shim, spec_dir: Path,
                                              settings: Settings) -> None:
-    name = f"stopped{sig.name.lower()}"
+    name = f"paused{sig.name.lower()}"
     spec = spec_dir / "stopped.toml"
     spec.write_text(f'name = "{name}"\npackages = ["hello"]\n')
+    shim.paused.unlink(missing_ok=True)
     builder = subprocess.Popen(
         [sys.executable, "-m", "corral", "templates", "build", "--file", str(spec)],
         env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while shim.calls(name) == 0 and time.monotonic() < deadline:
+        # Signal at a known point: mmdebstrap holds the build in its hook (see `shim`), so
+        # the build has certainly begun and cannot finish before the signal lands.
+        deadline = time.monotonic() + 600
+        while not shim.paused.exists() and builder.poll() is None:
+            assert time.monotonic() < deadline, "the build never reached the pause"
             time.sleep(0.2)
+        assert builder.poll() is None, builder.communicate()[1]
         assert shim.calls(name) == 1
-        time.sleep(3)  # well inside the build: apt is fetching or unpacking
         builder.send_signal(sig)
         _, err = builder.communicate(timeout=120)
     finally:
+        shim.paused.unlink(missing_ok=True)  # releases a hook the interrupt left behind
         if builder.poll() is None:
             builder.kill()
             builder.wait()

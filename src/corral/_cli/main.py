@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -363,6 +364,16 @@ def files_write(ctx: click.Context, sandbox_id: str, path: str, source: Any,
         click.echo(f"wrote {entry.size} bytes to {entry.path}", err=True)
 
 
+def _shown(name: str) -> str:
+    """``name`` safe for a one-line-per-entry table: control and format characters (newline,
+    escape sequences, bidi overrides, line separators) are shown as escapes. Bytes that are not
+    UTF-8 already arrive escaped as ``\\xNN``; ``--json`` gives names exactly."""
+    return "".join(
+        c if unicodedata.category(c) not in ("Cc", "Cf", "Zl", "Zp", "Cs")
+        else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+        for c in name)
+
+
 @files.command(name="ls")
 @click.argument("sandbox_id")
 @click.argument("path", default="/workspace")
@@ -377,7 +388,7 @@ def files_ls(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) -> N
         return
     for e in entries:
         suffix = "/" if e.type == "dir" else ("@" if e.type == "symlink" else "")
-        click.echo(f"{e.mode:04o} {e.size:>10} {e.name}{suffix}")
+        click.echo(f"{e.mode:04o} {e.size:>10} {_shown(e.name)}{suffix}")
 
 
 @cli.command()

@@ -193,7 +193,10 @@ class Manager:
         self._backends: dict[str, IsolationBackend] = {self.backend.name: self.backend}
         self._layers_lock = threading.RLock()
         self._recovered = False
-        self._lock = threading.Lock()
+        # Two locks, one job each: recovery reaches backend_for() (a store may hold sandboxes
+        # of any tier), so loading a backend must never wait on the lock recovery holds.
+        self._recover_lock = threading.Lock()
+        self._backends_lock = threading.Lock()
         self._destroying: set[str] = set()
         self._destroying_lock = threading.Lock()
         # The operator's default ceiling (CORRAL_CEILING_*), for callers without their own.
@@ -270,7 +273,7 @@ class Manager:
             if isolation not in BACKENDS:
                 raise UsageError(f"unknown isolation tier {isolation!r}; choose one of: "
                                  f"{', '.join(BACKENDS)}")
-            with self._lock:
+            with self._backends_lock:
                 backend = self._backends.get(isolation)
                 if backend is None:
                     backend = self._backends[isolation] = load_backend(self.settings, isolation)
@@ -320,7 +323,7 @@ class Manager:
 
     def _ensure_recovered(self) -> None:
         if not self._recovered:
-            with self._lock:
+            with self._recover_lock:
                 if not self._recovered:
                     self.recover()
 

@@ -86,7 +86,7 @@ def openat2(dir_fd: int, path: str, flags: int, mode: int = 0, resolve: int = 0)
     Raises OSError with the kernel's errno (EXDEV when the path would leave ``dir_fd``).
     """
     how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
-    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), ctypes.c_char_p(path.encode()),
+    fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(path)),
                        ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     if fd < 0:
         err = ctypes.get_errno()

@@ -27,6 +27,7 @@ from .remote import (
     _audit_trail,
     _command_result,
     _create_body,
+    _encodable,
     _error_for,
     _info,
     _network_body,
@@ -122,7 +123,8 @@ class AsyncRemoteManager:
 
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
-            response = await self._client.request(method, path, **kwargs)
+            with _encodable(kwargs):
+                response = await self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise _unreachable(self._client.base_url, exc) from exc
         await _raise_for(response)
@@ -132,9 +134,10 @@ class AsyncRemoteManager:
     async def _stream(self, method: str, path: str, **kwargs: Any
                       ) -> AsyncIterator[httpx.Response]:
         try:
-            async with self._client.stream(method, path, **kwargs) as response:
-                await _raise_for(response)
-                yield response
+            with _encodable(kwargs):
+                async with self._client.stream(method, path, **kwargs) as response:
+                    await _raise_for(response)
+                    yield response
         except httpx.HTTPError as exc:
             raise TransportError(f"connection to {self._client.base_url} failed: {exc}") from exc
 

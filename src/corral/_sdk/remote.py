@@ -20,6 +20,7 @@ import httpx
 
 from .._audit.events import AuditEvent
 from .._audit.log import AuditTrail
+from .._workspace.files import to_relative
 from ..backends import OutputCallback
 from ..errors import CorralError, SnapshotNotFound, TransportError, UsageError, error_class
 from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo, Usage
@@ -67,6 +68,33 @@ def _error_for(status_code: int, content: bytes) -> CorralError | None:
         text = content.decode("utf-8", errors="replace")
         code, message = "transport_error", f"HTTP {status_code}: {text[:300]}"
     return error_class(code)(message)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@contextmanager
+def _encodable(kwargs: Mapping[str, Any]) -> Iterator[None]:
+    """Refuse, as a Corral error, a string no request can carry: a lone surrogate, which is
+    how Python hands over a name with bytes that are not UTF-8 (``os.listdir``, ``sys.argv``).
+    A path gets the very PathRefused the service would give; anything else a UsageError."""
+    for part in (kwargs.get("params"), kwargs.get("json")):
+        for key, value in (part.items() if isinstance(part, Mapping) else ()):
+            if key in ("path", "src", "dst") and isinstance(value, str) and not _is_utf8(value):
+                to_relative(value)
+    try:
+        yield
+    except UnicodeEncodeError as exc:
+        shown = exc.object[:80]
+        if isinstance(shown, str):
+            shown = shown.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise UsageError(f"a value in the request is not valid UTF-8 ({exc.reason} at "
+                         f"position {exc.start} of {shown!r}); pass UTF-8 text") from None
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -265,7 +293,8 @@ class RemoteManager:
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
-            response = self._client.request(method, path, **kwargs)
+            with _encodable(kwargs):
+                response = self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise _unreachable(self._client.base_url, exc) from exc
         _raise_for(response)
@@ -274,7 +303,7 @@ class RemoteManager:
     @contextmanager
     def _stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
         try:
-            with self._client.stream(method, path, **kwargs) as response:
+            with _encodable(kwargs), self._client.stream(method, path, **kwargs) as response:
                 _raise_for(response)
                 yield response
         except httpx.HTTPError as exc:

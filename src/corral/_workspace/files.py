@@ -18,7 +18,6 @@ import errno
 import os
 import posixpath
 import secrets
-import shutil
 import stat as stat_mod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,9 +27,10 @@ from typing import Literal
 from .._core import linux
 from ..errors import FileError, FileNotFound, PathRefused, QuotaExceeded
 from ..models import FileEntry
+from .removal import remove_tree
 
 __all__ = ["MAX_FILE_BYTES", "MAX_WALK_DEPTH", "WORKSPACE", "TreeItem", "WorkspaceFiles",
-           "to_relative"]
+           "shown_name", "to_relative"]
 
 WORKSPACE = "/workspace"
 MAX_FILE_BYTES = 256 * 1024 * 1024
@@ -50,7 +50,14 @@ def to_relative(path: str) -> str:
         raise PathRefused(f"path must be a non-empty string, got {path!r}")
     if "\x00" in path:
         raise PathRefused("path contains a NUL byte")
-    if len(path.encode()) > 4096:
+    try:
+        encoded = path.encode()
+    except UnicodeEncodeError:
+        raise PathRefused(
+            f"path '{shown_name(path)}' is not valid UTF-8; file calls take UTF-8 paths (a "
+            r"listing shows other bytes escaped as \xNN): rename the entry with a command in "
+            "the sandbox, or remove its parent directory") from None
+    if len(encoded) > 4096:
         raise PathRefused("path is longer than 4096 bytes")
     if path.startswith("/"):
         normal = posixpath.normpath(path)
@@ -64,6 +71,20 @@ def to_relative(path: str) -> str:
     if rel == ".." or rel.startswith("../"):
         raise PathRefused(f"{path!r} climbs out of {WORKSPACE} with '..'")
     return rel
+
+
+def shown_name(name: str) -> str:
+    """``name`` as Corral reports it: valid UTF-8 always, so it survives JSON and terminals.
+
+    The OS hands names over decoded with ``surrogateescape``; a byte that is not UTF-8 (which
+    the sandbox can put in any name) is shown as ``\\xNN`` instead of a lone surrogate that
+    no UTF-8 encoder (the API's JSON among them) accepts.
+    """
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no decoder made: the caller typed it
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def _temp_name() -> str:
@@ -83,7 +104,7 @@ def _staged(dir_fd: int, tmp: str) -> Iterator[None]:
 
 
 def _display(rel: str) -> str:
-    return WORKSPACE if rel == "." else f"{WORKSPACE}/{rel}"
+    return WORKSPACE if rel == "." else f"{WORKSPACE}/{shown_name(rel)}"
 
 
 @contextlib.contextmanager
@@ -130,7 +151,7 @@ def _entry(name: str, rel: str, st: os.stat_result) -> FileEntry:
         kind = "symlink"
     else:
         kind = "other"
-    return FileEntry(name=name, path=_display(rel), type=kind, size=st.st_size,
+    return FileEntry(name=shown_name(name), path=_display(rel), type=kind, size=st.st_size,
                      mode=stat_mod.S_IMODE(mode), modified_at=st.st_mtime)
 
 
@@ -470,8 +491,8 @@ class WorkspaceFiles:
         with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
             st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
             if stat_mod.S_ISDIR(st.st_mode):
-                # fd-based, never follows symlinks (shutil's safe variant on Linux).
-                shutil.rmtree(leaf, dir_fd=dir_fd)
+                # Not shutil.rmtree: it recurses, and a sandbox can nest deeper than the stack.
+                remove_tree(dir_fd, leaf)
             else:
                 os.unlink(leaf, dir_fd=dir_fd)
 
