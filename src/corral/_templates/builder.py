@@ -131,6 +131,8 @@ def _run(argv: list[str], spec: TemplateSpec, progress: Progress) -> None:
     # operator's proxy settings (Corral's own environment, never a caller's) pass through, so
     # a build behind a proxy still reaches the mirror.
     env = {**privileged_env(inherit=_PROXY_VARIABLES), "LC_ALL": "C.UTF-8"}
+    # The tool is found on Corral's own PATH (the operator's choice), not the helper's fixed one.
+    argv = [shutil.which(argv[0]) or argv[0], *argv[1:]]
     # Our own process group, so an interrupt reaches every process of the build; the parent
     # death signal stops mmdebstrap if this process is killed outright.
     proc = subprocess.Popen(
