@@ -64,6 +64,10 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_at REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS flags (
+    name TEXT PRIMARY KEY,
+    set_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT NOT NULL,
     labels TEXT NOT NULL,
@@ -118,6 +122,9 @@ class Store:
                              "DEFAULT 'namespace'")
         if "layer" not in columns:
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN layer TEXT")
+        # A store whose keys predate the flag: they existed, so the flag is set.
+        self._db.execute("INSERT OR IGNORE INTO flags SELECT 'keys_have_existed', ? "
+                         "WHERE EXISTS (SELECT 1 FROM api_keys)", (time.time(),))
         path.chmod(0o600)
 
     @contextmanager
@@ -332,6 +339,10 @@ class Store:
         with self._tx() as db:
             db.execute("INSERT INTO api_keys (id, tenant, hash, created_at) VALUES (?, ?, ?, ?)",
                        (key_id, tenant, digest, time.time()))
+            # Never cleared: once keys existed, losing the last one must not reopen a keyless
+            # service (see keys_have_existed).
+            db.execute("INSERT OR IGNORE INTO flags VALUES ('keys_have_existed', ?)",
+                       (time.time(),))
 
     def key(self, key_id: str) -> tuple[str, str] | None:
         """(tenant, hash) of a live key."""
@@ -356,6 +367,12 @@ class Store:
         with self._lock:
             return int(self._db.execute(
                 "SELECT COUNT(*) FROM api_keys WHERE revoked = 0").fetchone()[0])
+
+    def keys_have_existed(self) -> bool:
+        """Whether any API key was ever created in this store (revoked or not)."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT 1 FROM flags WHERE name = 'keys_have_existed'").fetchone() is not None
 
     def add_counters(self, rows: Sequence[tuple[str, str, float]]) -> None:
         """Add to metric counters, creating them at zero; one transaction for all rows."""
