@@ -45,6 +45,13 @@ class Settings(BaseSettings):
         url: a Corral service (``corral serve``) to use instead of running sandboxes in this
             process. ``CORRAL_URL``.
         api_key: the key for ``url``. ``CORRAL_API_KEY``.
+        server_host_names: names ``corral serve`` answers to besides its listen address,
+            ``localhost``, ``127.0.0.1`` and ``[::1]`` (comma-separated ``host`` or
+            ``host:port``); other ``Host`` headers get 421, other browser Origins 403.
+            ``CORRAL_SERVER_HOST_NAMES``.
+        server_allow_keyless: serve keyless on loopback even though API keys once existed
+            (all are revoked). Dangerous: any local process, and any web page that reaches
+            loopback, may then run code. ``CORRAL_SERVER_ALLOW_KEYLESS``.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -61,6 +68,8 @@ class Settings(BaseSettings):
     egress_upstream_ca: Path | None = None
     url: str | None = None
     api_key: SecretStr | None = None
+    server_host_names: str = ""
+    server_allow_keyless: bool = False
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:
