@@ -27,7 +27,7 @@ import pytest
 
 from corral import Sandbox
 from corral._control.store import Store
-from corral._server.app import MAX_COMMAND_BODY, MAX_JSON_BODY
+from corral._server.app import MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
 from corral._server.auth import TenantDirectory
 from corral._settings import Settings
 
@@ -258,6 +258,16 @@ def test_huge_bodies_to_the_callers_own_sandbox_are_refused_by_their_length(
         assert response.status_code == 413, (path, response.text)
         assert response.json()["error"] == "too_large"
         assert growth[0] < _RSS_BUDGET, (path, growth[0] / _MiB)
+        # Streamed without a length: cut at the route's limit, never more held than that.
+        with _rss_growth(served.proc.pid) as growth:
+            response = _send_huge(served.url, method, path, declared=False,
+                                  key=tenanted.alpha, params=params)
+        assert response.status_code == 413, (path, response.text)
+        assert f"limited to {MAX_FILE_BODY} bytes" in response.json()["message"]
+        assert growth[0] < MAX_FILE_BODY + _RSS_BUDGET, (path, growth[0] / _MiB)
+    sb = Sandbox.connect(tenanted.sandbox, url=served.url, api_key=tenanted.alpha)
+    assert "big.bin" not in {e.name for e in sb.files.list()}
+    assert sb.processes.get(tenanted.process).info()["state"] == "running"
 
 
 def test_keys_and_ownership_are_checked_before_the_body_is_sent(tenanted: _Tenanted) -> None:

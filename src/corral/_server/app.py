@@ -9,6 +9,7 @@ error class carries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import ipaddress
@@ -95,11 +96,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorOut, "description": why} for status, why in [
         (400, "Invalid input: bad command, path outside /workspace, unknown tier..."),
         (401, "Missing, unknown or revoked API key."),
-        (403, "Refused by policy."),
+        (403, "Refused by policy, or a browser Origin that is not the service's own."),
         (404, "No such sandbox, snapshot, command, process or file (or not the caller's)."),
         (409, "The sandbox is busy (being created, paused, or running something during a "
               "snapshot or restore), or the snapshot is in use."),
         (413, "The body is over its size limit."),
+        (421, "The Host header is not one of the service's names."),
         (422, "The request does not match the schema."),
         (429, "A tenant quota (sandboxes, tiers, commands per minute) or a sandbox limit."),
         (500, "An internal error."),
@@ -618,8 +620,14 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
                 while view and not job.done():
                     written = await run_in_threadpool(_write_some, write_end, view)
                     view = view[written:]
-        finally:
+        except BaseException:
+            # The body was cut (over its limit) or the client left: the extractor sees the
+            # end of its input; wait for it so its thread and error do not outlive the request.
             os.close(write_end)
+            with contextlib.suppress(Exception):
+                await job
+            raise
+        os.close(write_end)
         return await job
 
     @app.get("/v1/sandboxes/{sandbox_id}/archive", response_class=StreamingResponse,

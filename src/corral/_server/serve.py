@@ -57,6 +57,9 @@ def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] =
                          allow_keyless=allow_keyless)
     except ValueError as exc:
         raise ConfigError(f"--host-name: {exc}") from exc
+    if host in ("0.0.0.0", "::") and not any(name.strip() for name in host_names):
+        logger.warning("listening on %s, but answering only to localhost, 127.0.0.1 and [::1]: "
+                       "name the addresses clients use with --host-name", host)
     if allow_keyless and manager.store.live_key_count() == 0 and manager.store.keys_have_existed():
         logger.warning("serving keyless although API keys existed (--allow-keyless): any local "
                        "process may run code here")
