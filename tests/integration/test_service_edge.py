@@ -333,8 +333,12 @@ async def _ws_status(url: str, path: str, headers: dict[str, str]) -> int:
     try:
         async with websockets.connect(url.replace("http", "ws") + path,
                                       additional_headers=headers, open_timeout=10) as ws:
+            # Accepted: end the shell the way a user would, and wait for it to go.
+            await ws.send('{"type": "input", "data": "exit 0\\n"}')
             with contextlib.suppress(websockets.exceptions.ConnectionClosed):
-                await asyncio.wait_for(ws.recv(), 10)
+                async with asyncio.timeout(20):
+                    while not isinstance(await ws.recv(), str):
+                        pass
             return 101
     except websockets.exceptions.InvalidStatus as exc:
         return int(exc.response.status_code)

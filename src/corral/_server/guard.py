@@ -83,6 +83,7 @@ class ServiceNames:
     """
 
     names: tuple[str, ...]
+    parsed: tuple[tuple[str, int | None], ...]
 
     @classmethod
     def of(cls, listen_host: str, extra: Iterable[str] = ()) -> ServiceNames:
@@ -98,15 +99,15 @@ class ServiceNames:
                 raise ValueError(f"{name!r} is not a host name: give host or host:port "
                                  "(an IPv6 address in brackets), without a scheme or path")
             names.append(name)
-        return cls(tuple(dict.fromkeys(n.lower() for n in names)))
+        unique = tuple(dict.fromkeys(n.lower() for n in names))
+        return cls(unique, tuple(_split_authority(n) or ("", None) for n in unique))
 
     def allows(self, authority: str, own_port: int | None) -> bool:
         parsed = _split_authority(authority)
         if parsed is None:
             return False
         host, port = parsed
-        for name in self.names:
-            want_host, want_port = _split_authority(name) or ("", None)
+        for want_host, want_port in self.parsed:
             if host != want_host:
                 continue
             if want_port is not None:
@@ -198,11 +199,14 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         limit, hint = self.limits.limit_for(scope["method"], scope["path"])
-        error = TooLarge(f"the body of {scope['method']} {scope['path'][:_QUOTE]} is limited "
-                         f"to {limit} bytes; {hint}")
+
+        def error() -> TooLarge:
+            return TooLarge(f"the body of {scope['method']} {scope['path'][:_QUOTE]} is "
+                            f"limited to {limit} bytes; {hint}")
+
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await _refuse(scope, send, error)
+            await _refuse(scope, send, error())
             return
         seen = 0
         cut = False
@@ -226,7 +230,7 @@ class BodyLimit:
                 # Whatever the route made of the cut (a parse error, say), the answer is 413.
                 if not started:
                     started = True
-                    await _refuse(scope, send, error)
+                    await _refuse(scope, send, error())
                 return
             started = started or message["type"] == "http.response.start"
             await send(message)
@@ -237,7 +241,7 @@ class BodyLimit:
             if not cut:
                 raise
             if not started:
-                await _refuse(scope, send, error)
+                await _refuse(scope, send, error())
 
 
 class Authenticate:
