@@ -429,3 +429,22 @@ def test_serve_help_says_why_keyless_is_dangerous() -> None:
     out = subprocess.run([sys.executable, "-m", "corral", "serve", "--help"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "--allow-keyless" in out and "Dangerous" in out and "--host-name" in out
+
+
+def test_service_names_match_host_and_port_exactly() -> None:
+    from corral._server.guard import ServiceNames
+
+    names = ServiceNames.of("127.0.0.1", ["corral.test", "proxy.test:8443", " "])
+    own = 8080
+    for authority, allowed in [
+        ("127.0.0.1", True), ("127.0.0.1:8080", True), ("127.0.0.1:8081", False),
+        ("LocalHost:8080", True), ("[::1]:8080", True), ("[::1]", True), ("::1", False),
+        ("corral.test", True), ("corral.test:8080", True), ("corral.test:443", False),
+        ("proxy.test:8443", True), ("proxy.test", False), ("proxy.test:8080", False),
+        ("127.0.0.1:", False), ("127.0.0.1:99999", False), ("[::1]x", False), ("", False),
+        ("user@127.0.0.1", False), ("127.0.0.1:8080@evil.test", False),
+    ]:
+        assert names.allows(authority, own) is allowed, authority
+    with pytest.raises(ValueError, match="not a host name"):
+        ServiceNames.of("127.0.0.1", ["https://corral.test"])
+    assert ServiceNames.of("::1").names[0] == "[::1]"
