@@ -53,6 +53,13 @@ class Settings(BaseSettings):
             ``ceiling_resources`` and ``ceiling_secrets`` (comma-separated names) and
             ``ceiling_max_lifetime_s`` (seconds). A tenant's own ceiling
             (``corral tenants set``) replaces a field it sets.
+        server_host_names: names ``corral serve`` answers to besides its listen address,
+            ``localhost``, ``127.0.0.1`` and ``[::1]`` (comma-separated ``host`` or
+            ``host:port``); other ``Host`` headers get 421, other browser Origins 403.
+            ``CORRAL_SERVER_HOST_NAMES``.
+        server_allow_keyless: serve keyless on loopback even though API keys once existed
+            (all are revoked). Dangerous: any local process, and any web page that reaches
+            loopback, may then run code. ``CORRAL_SERVER_ALLOW_KEYLESS``.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -75,6 +82,8 @@ class Settings(BaseSettings):
     ceiling_resources: str | None = None
     ceiling_secrets: str | None = None
     ceiling_max_lifetime_s: int | None = Field(default=None, ge=1)
+    server_host_names: str = ""
+    server_allow_keyless: bool = False
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

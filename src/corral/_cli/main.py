@@ -528,14 +528,29 @@ def metrics(ctx: click.Context) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; beyond loopback, API keys are required.")
 @click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--host-name", "host_names", multiple=True, metavar="NAME",
+              help="Another name (host or host:port) the service answers to, besides the "
+                   "listen address, localhost, 127.0.0.1 and [::1]; repeatable "
+                   "(CORRAL_SERVER_HOST_NAMES, comma-separated). Requests with any other Host "
+                   "get 421; browser pages from any other origin get 403.")
+@click.option("--allow-keyless", is_flag=True, default=None,
+              help="Serve keyless on loopback even though API keys existed and all are now "
+                   "revoked. Dangerous: any local process, and any web page that reaches "
+                   "loopback, can then run code here; without it the service keeps asking for "
+                   "a key (CORRAL_SERVER_ALLOW_KEYLESS).")
 @click.pass_context
 @handle_errors
-def serve(ctx: click.Context, host: str, port: int) -> None:
+def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
+          allow_keyless: bool | None) -> None:
     """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics)."""
     from .._control.manager import get_manager
     from .._server.serve import serve as run_server
 
-    run_server(get_manager(ctx.obj["settings"]), host=host, port=port)
+    settings: Settings = ctx.obj["settings"]
+    names = [*settings.server_host_names.split(","), *host_names]
+    run_server(get_manager(settings), host=host, port=port, host_names=names,
+               allow_keyless=settings.server_allow_keyless if allow_keyless is None
+               else allow_keyless)
 
 
 @cli.command()

@@ -65,6 +65,10 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_at REAL NOT NULL,
     revoked INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS flags (
+    name TEXT PRIMARY KEY,
+    set_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT NOT NULL,
     labels TEXT NOT NULL,
@@ -122,6 +126,9 @@ class Store:
         if "ceiling" not in {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}:
             # A store made before ceilings: its tenants keep today's rules (no ceiling).
             self._db.execute("ALTER TABLE tenants ADD COLUMN ceiling TEXT NOT NULL DEFAULT '{}'")
+        # A store whose keys predate the flag: they existed, so the flag is set.
+        self._db.execute("INSERT OR IGNORE INTO flags SELECT 'keys_have_existed', ? "
+                         "WHERE EXISTS (SELECT 1 FROM api_keys)", (time.time(),))
         path.chmod(0o600)
 
     @contextmanager
@@ -337,6 +344,10 @@ class Store:
         with self._tx() as db:
             db.execute("INSERT INTO api_keys (id, tenant, hash, created_at) VALUES (?, ?, ?, ?)",
                        (key_id, tenant, digest, time.time()))
+            # Never cleared: once keys existed, losing the last one must not reopen a keyless
+            # service (see keys_have_existed).
+            db.execute("INSERT OR IGNORE INTO flags VALUES ('keys_have_existed', ?)",
+                       (time.time(),))
 
     def key(self, key_id: str) -> tuple[str, str] | None:
         """(tenant, hash) of a live key."""
@@ -361,6 +372,12 @@ class Store:
         with self._lock:
             return int(self._db.execute(
                 "SELECT COUNT(*) FROM api_keys WHERE revoked = 0").fetchone()[0])
+
+    def keys_have_existed(self) -> bool:
+        """Whether any API key was ever created in this store (revoked or not)."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT 1 FROM flags WHERE name = 'keys_have_existed'").fetchone() is not None
 
     def add_counters(self, rows: Sequence[tuple[str, str, float]]) -> None:
         """Add to metric counters, creating them at zero; one transaction for all rows."""

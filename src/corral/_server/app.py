@@ -9,6 +9,7 @@ error class carries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import ipaddress
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, Literal
@@ -33,6 +35,7 @@ from .._backends import BACKENDS
 from .._control.manager import _MAX_FORKS, Manager
 from .._core.resources import TIERS, get_tier
 from ..errors import (
+    AuthError,
     CommandError,
     CorralError,
     PathRefused,
@@ -42,6 +45,16 @@ from ..errors import (
 )
 from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .auth import Tenant, TenantDirectory
+from .guard import (
+    Authenticate,
+    BodyLimit,
+    BodyLimits,
+    HostGuard,
+    OriginGuard,
+    OwnerFirst,
+    ServiceNames,
+    scope_tenant,
+)
 from .terminal import serve_terminal
 
 __all__ = ["create_app"]
@@ -49,6 +62,22 @@ __all__ = ["create_app"]
 logger = logging.getLogger(__name__)
 
 MAX_FILE_BODY = 64 * 1024 * 1024
+# JSON bodies are parameters, not data; a command's may carry its stdin (64 MiB in the control
+# plane), so that one route gets room for it.
+MAX_JSON_BODY = 1024 * 1024
+MAX_COMMAND_BODY = 96 * 1024 * 1024
+_IN_SANDBOX = r"/v1/sandboxes/[^/]+"
+BODY_LIMITS = BodyLimits(default=MAX_JSON_BODY, routes=(
+    ("POST", re.compile(_IN_SANDBOX + "/commands"), MAX_COMMAND_BODY,
+     "pass large input as a file (PUT .../files/content) and redirect from it"),
+    ("POST", re.compile(_IN_SANDBOX + "/processes/[^/]+/input"), MAX_FILE_BODY,
+     "send input in several requests"),
+    ("PUT", re.compile(_IN_SANDBOX + "/files/content"), MAX_FILE_BODY,
+     "upload large trees as a tar (PUT .../archive)"),
+    # Streamed into the extractor, which enforces the sandbox's own disk limit.
+    ("PUT", re.compile(_IN_SANDBOX + "/archive"), max(t.disk_bytes for t in TIERS.values()),
+     "that is the largest disk of any resource tier"),
+))
 
 
 class _Strict(BaseModel):
@@ -67,12 +96,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorOut, "description": why} for status, why in [
         (400, "Invalid input: bad command, path outside /workspace, unknown tier..."),
         (401, "Missing, unknown or revoked API key."),
-        (403, "Refused by policy, or beyond the tenant's ceiling (ceiling_exceeded: hosts, "
-              "templates, tiers, secrets, lifetime)."),
+        (403, "Refused by policy, beyond the tenant's ceiling (ceiling_exceeded: hosts, "
+              "templates, tiers, secrets, lifetime), or a browser Origin that is not the "
+              "service's own (origin_refused)."),
         (404, "No such sandbox, snapshot, command, process or file (or not the caller's)."),
         (409, "The sandbox is busy (being created, paused, or running something during a "
               "snapshot or restore), or the snapshot is in use."),
         (413, "The body is over its size limit."),
+        (421, "The Host header is not one of the service's names."),
         (422, "The request does not match the schema."),
         (429, "A tenant quota (sandboxes, tiers, commands per minute: commands, background "
               "processes and terminals alike) or a sandbox limit."),
@@ -217,26 +248,79 @@ def _is_loopback(host: str) -> bool:
 
 
 def _tenant(request: Request) -> Tenant:
-    """Auth is required beyond loopback, and on loopback as soon as any key exists."""
-    state = request.app.state
-    required = not state.loopback or state.manager.store.live_key_count() > 0
-    tenants: TenantDirectory = state.tenants
-    return tenants.authenticate(request.headers.get("authorization"), auth_required=required)
+    """The caller's tenant, resolved from its key by the Authenticate middleware."""
+    return scope_tenant(request.scope)
+
+
+def _is_protected(path: str) -> bool:
+    # Everything but the health check and the API's own description needs a key.
+    return path.startswith("/v1/") or path == "/metrics"
+
+
+def _authenticator(manager: Manager, tenants: TenantDirectory, *, loopback: bool,
+                   allow_keyless: bool) -> Any:
+    """Auth is required beyond loopback, and on loopback as soon as any key exists, or ever
+    existed (unless ``allow_keyless``): revoking the last key must not silently reopen it."""
+
+    def check(header: str | None) -> Tenant:
+        store = manager.store
+        required = not loopback or store.live_key_count() > 0
+        if not required and not allow_keyless and store.keys_have_existed():
+            if not header:
+                raise AuthError(
+                    "an API key is required: every key of this service has been revoked, and "
+                    "it does not reopen without keys. Create one (`corral keys create "
+                    "TENANT`), or restart it with `corral serve --allow-keyless`")
+            required = True
+        return tenants.authenticate(header, auth_required=required)
+
+    async def authenticate(header: str | None) -> Tenant:
+        return await run_in_threadpool(check, header)
+
+    return authenticate
 
 
 # Module level: FastAPI resolves string annotations in the module's namespace.
 TenantDep = Annotated[Tenant, Depends(_tenant)]
 
 
-def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
-    """The API for ``manager``. Auth is required unless listening on loopback with no keys."""
+def _owner_check(manager: Manager) -> Any:
+    """Whether a sandbox is the tenant's, from the store alone (no side effects: expiry and
+    state are the route's own full check)."""
+
+    def check(who: Tenant, sandbox_id: str) -> None:
+        info = manager.store.get(sandbox_id)
+        if info is None or (who.name != "local" and info.tenant != who.name):
+            raise SandboxNotFound(f"sandbox {sandbox_id[:40]} does not exist; `corral ls` "
+                                  "lists them")
+
+    async def owner(who: Tenant, sandbox_id: str) -> None:
+        await run_in_threadpool(check, who, sandbox_id)
+
+    return owner
+
+
+def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
+               host_names: Sequence[str] = (), allow_keyless: bool = False) -> FastAPI:
+    """The API for ``manager``. Auth is required unless listening on loopback with no keys
+    (and none ever, unless ``allow_keyless``). It answers to ``host_names`` besides the listen
+    address, ``localhost``, ``127.0.0.1`` and ``[::1]``. Raises ValueError for a malformed
+    name."""
     tenants = TenantDirectory(manager.store)
     loopback = _is_loopback(listen_host)
+    names = ServiceNames.of(listen_host, host_names)
     app = FastAPI(title="Corral", version="0.1.0", responses=_ERRORS,
                   description="Sandboxes for AI agents: commands, files, network policy, audit.")
     app.state.manager = manager
     app.state.tenants = tenants
     app.state.loopback = loopback
+    # add_middleware wraps: the last added runs first (Host, body, key, Origin, owner).
+    app.add_middleware(OwnerFirst, check=_owner_check(manager))
+    app.add_middleware(OriginGuard, names=names)
+    app.add_middleware(Authenticate, protected=_is_protected, authenticate=_authenticator(
+        manager, tenants, loopback=loopback, allow_keyless=allow_keyless))
+    app.add_middleware(BodyLimit, limits=BODY_LIMITS)
+    app.add_middleware(HostGuard, names=names)
 
     @app.exception_handler(CorralError)
     async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
@@ -428,15 +512,15 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
               openapi_extra=_BINARY_BODY)
     async def process_input(sandbox_id: str, process_id: str, request: Request,
                             who: TenantDep) -> Response:
-        data = await request.body()
-        if len(data) > MAX_FILE_BODY:
-            raise TooLarge(f"input is limited to {MAX_FILE_BODY} bytes per request")
-
-        def send() -> None:
+        def target() -> Any:
             owned(sandbox_id, who)
-            manager.processes.get(sandbox_id, process_id).send(data)
+            return manager.processes.get(sandbox_id, process_id)
 
-        await run_in_threadpool(send)
+        # Whose it is before a byte of the body is read.
+        process = await run_in_threadpool(target)
+        data = await _read_body(request, MAX_FILE_BODY, "input is limited to {} bytes per "
+                                "request; send it in several")
+        await run_in_threadpool(process.send, data)
         return Response(status_code=204)
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/kill", status_code=204)
@@ -471,18 +555,14 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
     async def write_file(sandbox_id: str, path: Annotated[str, Query(min_length=1)],
                          request: Request, who: TenantDep
                          ) -> dict[str, Any]:
-        declared = int(request.headers.get("content-length") or 0)
-        if declared > MAX_FILE_BODY:
-            raise TooLarge(f"a file upload is limited to {MAX_FILE_BODY} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_FILE_BODY:
-                raise TooLarge(f"a file upload is limited to {MAX_FILE_BODY} bytes")
-            chunks.append(chunk)
+        # Whose it is before a byte of the body is read.
+        await run_in_threadpool(owned, sandbox_id, who)
+        data = await _read_body(request, MAX_FILE_BODY, "a file upload is limited to {} "
+                                "bytes; upload large trees as a tar (PUT .../archive)")
+
         def write() -> dict[str, Any]:
-            owned(sandbox_id, who)
-            return manager.files(sandbox_id).write(path, b"".join(chunks)).to_dict()
+            owned(sandbox_id, who)  # again: it may have been deleted meanwhile
+            return manager.files(sandbox_id).write(path, data).to_dict()
 
         return await run_in_threadpool(write)
 
@@ -535,8 +615,14 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1") -> FastAPI:
                 while view and not job.done():
                     written = await run_in_threadpool(_write_some, write_end, view)
                     view = view[written:]
-        finally:
+        except BaseException:
+            # The body was cut (over its limit) or the client left: the extractor sees the
+            # end of its input; wait for it so its thread and error do not outlive the request.
             os.close(write_end)
+            with contextlib.suppress(Exception):
+                await job
+            raise
+        os.close(write_end)
         return await job
 
     @app.get("/v1/sandboxes/{sandbox_id}/archive", response_class=StreamingResponse,
@@ -636,6 +722,20 @@ def _as_sdk_error(problems: Sequence[Any]) -> CorralError | None:
     if loc[:1] == ["query"] and field in ("path", "src", "dst"):
         return PathRefused(f"{field} must be a non-empty path in /workspace")
     return None
+
+
+async def _read_body(request: Request, limit: int, message: str) -> bytes:
+    """The body, refused with TooLarge (``message`` formatted with ``limit``) once it is over
+    ``limit``: a declared length before reading, a streamed one as it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(message.format(limit))
+    data = bytearray()
+    async for chunk in request.stream():
+        if len(data) + len(chunk) > limit:
+            raise TooLarge(message.format(limit))
+        data += chunk
+    return bytes(data)
 
 
 def _write_some(fd: int, data: memoryview) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -42,18 +43,30 @@ class Reaper:
         self._thread.join(timeout=10)
 
 
-def serve(manager: Manager, *, host: str, port: int) -> None:
-    """Serve until interrupted. Raises ConfigError when exposure would be unauthenticated."""
+def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] = (),
+          allow_keyless: bool = False) -> None:
+    """Serve until interrupted. Raises ConfigError when exposure would be unauthenticated or a
+    host name is malformed."""
     if not _is_loopback(host) and manager.store.live_key_count() == 0:
         raise ConfigError(
             f"refusing to listen on {host} without API keys: anyone who can reach it could run "
             "code. Create a tenant and a key first (`corral tenants add NAME`, "
             "`corral keys create NAME`), or listen on 127.0.0.1")
+    try:
+        app = create_app(manager, listen_host=host, host_names=host_names,
+                         allow_keyless=allow_keyless)
+    except ValueError as exc:
+        raise ConfigError(f"--host-name: {exc}") from exc
+    if host in ("0.0.0.0", "::") and not any(name.strip() for name in host_names):
+        logger.warning("listening on %s, but answering only to localhost, 127.0.0.1 and [::1]: "
+                       "name the addresses clients use with --host-name", host)
+    if allow_keyless and manager.store.live_key_count() == 0 and manager.store.keys_have_existed():
+        logger.warning("serving keyless although API keys existed (--allow-keyless): any local "
+                       "process may run code here")
     manager.recover()
     reaper = Reaper(manager)
     reaper.start()
     try:
-        uvicorn.run(create_app(manager, listen_host=host), host=host, port=port,
-                    log_level="info", access_log=False)
+        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
     finally:
         reaper.stop()
