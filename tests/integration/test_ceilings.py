@@ -354,8 +354,9 @@ def _terminal(url: str, key: str, sandbox_id: str) -> str:
         except websockets.exceptions.ConnectionClosed as exc:
             return f"closed {exc.rcvd.code if exc.rcvd else 0}"
         except websockets.exceptions.InvalidStatus as exc:
-            # A refusal before the handshake completes is an HTTP status.
-            return f"refused {exc.response.status_code}"
+            # A refusal before the handshake completes: an HTTP status with the JSON error.
+            assert exc.response.status_code == 429, exc.response.status_code
+            return str(json.loads(exc.response.body or b"{}").get("error"))
 
     return asyncio.run(session())
 

@@ -8,11 +8,13 @@ import threading
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse
 
 from .._audit.recorder import new_command_id
 from .._control.manager import Manager
 from ..backends import ProcessIO
-from ..errors import CorralError
+from ..errors import CorralError, UsageError
+from .guard import scope_tenant
 
 __all__ = ["serve_terminal"]
 
@@ -21,30 +23,31 @@ _SIGNAL_KEYS = {"INT": b"\x03", "QUIT": b"\x1c", "TSTP": b"\x1a"}
 _MAX_SIZE = 1000
 
 
+async def _deny(websocket: WebSocket, error: CorralError) -> None:
+    """Refuse the handshake with the error's status and JSON body, so a client reads why (as
+    from any endpoint); a server without the denial extension can only close."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(JSONResponse(
+            {"error": error.code, "message": error.message}, status_code=error.status))
+    else:
+        await websocket.close(code=4000 + min(error.status, 999), reason=error.message[:120])
+
+
 async def serve_terminal(websocket: WebSocket, manager: Manager, sandbox_id: str, *,
                          rows: int, cols: int) -> None:
-    from .app import _tenant
-
     try:
         # Same auth as every endpoint: the Authorization header of the handshake.
-        who = _tenant(websocket)  # type: ignore[arg-type]
+        who = scope_tenant(websocket.scope)
         manager.get(sandbox_id, tenant=None if who.name == "local" else who.name)
-    except CorralError as exc:
-        await websocket.close(code=4000 + min(exc.status, 999), reason=exc.message[:120])
-        return
-    if not (0 < rows <= _MAX_SIZE and 0 < cols <= _MAX_SIZE):
-        await websocket.close(code=4400, reason="rows and cols must be 1..1000")
-        return
-    await websocket.accept()
-    try:
+        if not (0 < rows <= _MAX_SIZE and 0 < cols <= _MAX_SIZE):
+            raise UsageError(f"rows and cols must be 1..{_MAX_SIZE}")
         # A terminal is a start of code like any command: the same quota, counted before a
-        # shell runs. Refused after the accept, so the client reads why (not a bare 403).
+        # shell runs.
         manager.admit(who)
     except CorralError as exc:
-        await websocket.send_text(json.dumps({"type": "error", "error": exc.code,
-                                              "message": exc.message}))
-        await websocket.close(code=4000 + min(exc.status, 999), reason=exc.message[:120])
+        await _deny(websocket, exc)
         return
+    await websocket.accept()
     loop = asyncio.get_running_loop()
     output: asyncio.Queue[bytes | dict[str, Any]] = asyncio.Queue()
     ready = threading.Event()
