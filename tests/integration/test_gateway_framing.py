@@ -383,3 +383,39 @@ def test_malformed_heads_and_long_names_are_audited_bounded(h: Harness) -> None:
     assert [d.rule for d in decisions] == ["bad-request", "bad-host", "bad-host"]
     for d in decisions:
         assert len(json.dumps(d.to_dict())) < 1500, d
+
+
+def test_connect_port_of_many_digits_is_refused(h: Harness) -> None:
+    # int() refuses strings over 4300 digits with ValueError; it must be a refusal, not a crash.
+    port = "4" * 5000
+    response = h.send_plain(f"CONNECT api.test:{port} HTTP/1.1\r\nHost: api.test:{port}\r\n\r\n"
+                            .encode())
+    assert _status(response) == 400
+    [decision] = h.settle()
+    assert decision.rule == "bad-target" and len(json.dumps(decision.to_dict())) < 1500
+
+
+def test_a_failing_control_plane_still_ends_in_a_decision(tmp_path: Path) -> None:
+    """The lookup (the control plane's store) raising: a 502 and a denied decision, not an
+    unaudited dropped connection."""
+    decisions: list[Decision] = []
+
+    def lookup(_: str) -> EgressContext:
+        raise RuntimeError("store unavailable " + "x" * 10_000)
+
+    gateway = Gateway(lookup=lookup, report=decisions.append, ca=CertificateAuthority(tmp_path))
+    listener = socket.create_server(("127.0.0.1", 0))
+    handle = gateway.serve(listener, sandbox_id="sb-fail", command_id="cmd-fail")
+    try:
+        with socket.create_connection(("127.0.0.1", handle.port), timeout=10) as s:
+            s.sendall(b"GET http://api.test/ HTTP/1.1\r\nHost: api.test\r\n\r\n")
+            response = _read_all(s)
+        deadline = time.monotonic() + 5
+        while not decisions and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        handle.close()
+        gateway.close()
+        listener.close()
+    assert _status(response) == 502
+    assert [(d.verdict, d.rule) for d in decisions] == [("denied", "internal-error")]

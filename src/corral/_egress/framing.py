@@ -15,9 +15,9 @@ from urllib.parse import SplitResult, urlsplit
 
 import h11
 
-from .policy import normalize_host
+from .policy import clip, normalize_host
 
-__all__ = ["Refused", "body_framing", "clip", "default_port", "inner_target", "origin_form",
+__all__ = ["Refused", "body_framing", "default_port", "inner_target", "origin_form",
            "outbound_headers", "split_url"]
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and the proxy's own; never forwarded.
@@ -26,7 +26,6 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection",
                          b"upgrade"})
 # Rebuilt by ``outbound_headers``, never copied.
 _REBUILT = frozenset({b"content-length", b"transfer-encoding", b"host"})
-_CLIP = 200
 
 
 class Refused(Exception):
@@ -37,11 +36,6 @@ class Refused(Exception):
         self.status = status
         self.rule = rule
         self.reason = reason
-
-
-def clip(text: str, limit: int = _CLIP) -> str:
-    """``text`` cut to ``limit`` characters: caller bytes reach audit and errors bounded."""
-    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
 
 
 def default_port(scheme: str) -> int:

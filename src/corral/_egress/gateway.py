@@ -38,14 +38,13 @@ from .ca import CertificateAuthority
 from .framing import Refused as _Refused
 from .framing import (
     body_framing,
-    clip,
     default_port,
     inner_target,
     origin_form,
     outbound_headers,
     split_url,
 )
-from .policy import NetworkPolicy, Rule, is_ip_literal, normalize_host
+from .policy import NetworkPolicy, Rule, clip, is_ip_literal, normalize_host, parse_port
 
 __all__ = ["BoundSecret", "Decision", "EgressContext", "Gateway", "ListenerHandle"]
 
@@ -223,17 +222,31 @@ class Gateway:
             await self._refuse(conn, writer, refused)
         except (TimeoutError, h11.RemoteProtocolError, asyncio.IncompleteReadError) as exc:
             if decision is not None and decision.verdict == "allowed":
-                decision.reason += f"; ended: {type(exc).__name__}"
+                decision.reason += f"; ended: {type(exc).__name__}: {clip(str(exc))}"
             else:
                 await self._refuse(conn, writer, _Refused(400, "bad-request",
-                                                          f"malformed proxy request: {exc}"))
+                                                          f"malformed proxy request: "
+                                                          f"{clip(str(exc))}"))
         except (ConnectionError, OSError) as exc:
             if decision is not None:
-                decision.reason += f"; ended: {exc}"
+                decision.reason += f"; ended: {clip(str(exc))}"
         except asyncio.CancelledError:
             if decision is not None:
                 decision.reason += "; ended: the command finished"
             raise
+        except Exception as exc:
+            # A bug here must still end in a decision, and must not put caller bytes unbounded
+            # into the host's log (asyncio would log the whole exception).
+            logger.error("egress gateway failed on a connection of %s: %s: %s", sandbox_id,
+                         type(exc).__name__, clip(str(exc)))
+            if decision is None:
+                decision = Decision(sandbox_id, command_id, "", "", 0, "denied", "", "")
+            if decision.verdict == "allowed":
+                decision.reason += "; ended: internal error"
+            else:
+                decision.rule, decision.reason = "internal-error", "the gateway failed"
+                await self._refuse(conn, writer, _Refused(502, "internal-error",
+                                                          "the gateway failed on this request"))
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
@@ -347,9 +360,9 @@ class Gateway:
                        context: EgressContext, decision: Decision) -> None:
         target = request.target.decode("ascii", "replace")
         host_text, sep, port_text = target.rpartition(":")
-        if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        port = parse_port(port_text)
+        if not sep or port is None:
             raise _Refused(400, "bad-target", f"CONNECT target {clip(target)!r} is not host:port")
-        port = int(port_text)
         for name, value in request.headers:
             if name == b"host" and value.decode("ascii", "replace").lower() not in (
                     target.lower(), host_text.lower()):
