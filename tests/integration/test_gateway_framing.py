@@ -323,6 +323,21 @@ def test_intercepted_absolute_form_to_another_authority_is_refused(h: Harness,
     assert REAL not in json.dumps(decisions[0].to_dict()) and REAL.encode() not in response
 
 
+@pytest.mark.parametrize("where", ["plain", "intercepted"])
+def test_a_path_starting_with_two_slashes_is_refused(h: Harness, where: str) -> None:
+    """``//denied.test/x`` reads as a network-path reference (another authority) to some
+    servers and routers."""
+    if where == "plain":
+        response = h.send_plain(f"GET http://api.test:{h.plain_port}//denied.test/x HTTP/1.1\r\n"
+                                f"Host: api.test:{h.plain_port}\r\n\r\n".encode())
+    else:
+        response = h.send_intercepted(f"GET //denied.test/x?tok={PLACEHOLDER} HTTP/1.1\r\n"
+                                      f"Host: api.test:{h.tls_port}\r\n\r\n".encode())
+    assert _status(response) == 400
+    assert [(d.verdict, d.rule) for d in h.settle()] == [("denied", "authority-mismatch")]
+    assert h.plain.seen == [] and h.secure.seen == []
+
+
 def test_intercepted_request_is_forwarded_in_origin_form_with_its_port(h: Harness) -> None:
     url = f"https://API.test:{h.tls_port}/x?tok={PLACEHOLDER}"
     response = h.send_intercepted(f"GET {url} HTTP/1.1\r\nHost: api.test:{h.tls_port}\r\n\r\n"

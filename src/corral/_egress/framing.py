@@ -103,7 +103,16 @@ def split_url(target: str) -> tuple[SplitResult, str, int]:
 
 
 def origin_form(parts: SplitResult) -> str:
+    """``path?query`` to forward.
+
+    Raises:
+        Refused: a path starting with ``//``, which some servers and routers read as
+            ``//authority/path`` (a network-path reference naming another host).
+    """
     path = parts.path or "/"
+    if path.startswith("//"):
+        raise Refused(400, "authority-mismatch", f"the path {clip(path)!r} starts with '//', "
+                      "which names a host to some servers; send a single leading '/'")
     return f"{path}?{parts.query}" if parts.query else path
 
 
@@ -114,7 +123,11 @@ def inner_target(request: h11.Request, *, scheme: str, host: str, port: int) -> 
         Refused: an absolute-form target naming another scheme, host or port; authority-form.
     """
     target = request.target.decode("ascii", "replace")
-    if target.startswith("/") or (target == "*" and request.method == b"OPTIONS"):
+    if target.startswith("//"):
+        origin_form(urlsplit(f"https://{host}{target}"))  # refuses it, by the same rule
+    if target.startswith("/"):
+        return request.target
+    if target == "*" and request.method == b"OPTIONS":
         return request.target
     if request.method == b"CONNECT" or "://" not in target:
         raise Refused(400, "bad-target", f"request target {clip(target)!r} inside a tunnel "

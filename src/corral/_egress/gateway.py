@@ -462,17 +462,17 @@ class Gateway:
                     raise _Refused(400, "host-mismatch", f"Host header {clip(given)!r} "
                                    f"disagrees with the request URL {clip(parts.netloc)!r}")
         host = self._target(host_text, port, context, decision)
-        # Ambiguous framing is refused here, before any upstream is opened.
+        # Ambiguous framing and '//' paths are refused here, before any upstream is opened.
         headers = outbound_headers(request, _host_value(host, port, tls=False))
+        path = origin_form(parts).encode("ascii")
         decision.mode = "http"
         up_reader, up_writer = await self._open_upstream(host, port, decision, tls=False)
         decision.verdict = "allowed"
         try:
             # Secrets are never substituted over plain HTTP: they would cross the network in
             # clear; the placeholder goes instead.
-            await self._exchange(conn, reader, writer, request.method,
-                                 origin_form(parts).encode("ascii"), headers, up_reader,
-                                 up_writer, [], decision)
+            await self._exchange(conn, reader, writer, request.method, path, headers,
+                                 up_reader, up_writer, [], decision)
         finally:
             with contextlib.suppress(Exception):
                 up_writer.close()
