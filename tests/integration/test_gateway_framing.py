@@ -434,3 +434,11 @@ def test_a_failing_control_plane_still_ends_in_a_decision(tmp_path: Path) -> Non
         listener.close()
     assert _status(response) == 502
     assert [(d.verdict, d.rule) for d in decisions] == [("denied", "internal-error")]
+
+
+@pytest.mark.parametrize("port", ["0", "00", "99999", "8" * 5000])
+def test_plain_url_with_a_bad_port_is_refused(h: Harness, port: str) -> None:
+    response = h.send_plain(f"GET http://api.test:{port}/ HTTP/1.1\r\nHost: api.test:{port}\r\n"
+                            "\r\n".encode())
+    assert _status(response) == 400 and h.plain.seen == []
+    assert [d.rule for d in h.settle()] == ["bad-target"]

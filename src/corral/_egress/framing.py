@@ -93,9 +93,12 @@ def split_url(target: str) -> tuple[SplitResult, str, int]:
     if "@" in parts.netloc:
         raise Refused(403, "userinfo", "URLs with user information are refused")
     try:
-        port = parts.port or default_port(parts.scheme)
+        port = parts.port
     except ValueError:
-        raise Refused(400, "bad-target", f"bad port in {clip(target)!r}") from None
+        port = 0
+    if port == 0:  # port 0 would otherwise read as "no port", the scheme's default
+        raise Refused(400, "bad-target", f"bad port in {clip(target)!r}; a port is 1-65535")
+    port = port or default_port(parts.scheme)
     host_text = parts.hostname or ""
     if parts.netloc.startswith("["):
         host_text = parts.netloc.split("]")[0] + "]"
