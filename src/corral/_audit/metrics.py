@@ -26,6 +26,8 @@ _COUNTERS = {
     "corral_commands_finished": ("Commands finished, by outcome.", ("outcome",)),
     "corral_command_cpu_seconds": ("CPU seconds used by commands.", ()),
     "corral_file_operations": ("File operations through the API, by operation.", ("op",)),
+    "corral_file_refusals": ("File operations refused (a path leaving /workspace), by "
+                             "operation.", ("op",)),
     "corral_egress_decisions": ("Egress gateway decisions, by verdict.", ("verdict",)),
     "corral_reaper_actions": ("Clean-up actions (expired sandboxes, crash leftovers).",
                               ("action",)),
