@@ -49,7 +49,13 @@ def files_read(ctx: click.Context, sandbox_id: str, path: str, as_json: bool) ->
 @handle_errors
 def files_write(ctx: click.Context, sandbox_id: str, path: str, source: Any,
                 as_json: bool) -> None:
-    """Write stdin (or --from FILE) to PATH, creating parent directories."""
+    """Write stdin (or --from FILE) to PATH, creating parent directories.
+
+    \b
+    Examples:
+      echo 'print(42)' | corral files write $ID src/app.py
+      corral files write $ID data.csv --from ./data.csv
+    """
     sb = connect(ctx, sandbox_id)
     entry = sb.files.write(path, source.read())
     if as_json:

@@ -95,14 +95,15 @@ def command_options(fn: F) -> F:
                      help="Command timeout in seconds (default: the tier's)."),
         click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE",
                      help="Set a variable."),
-        click.option("--cwd", default=None, help="Working directory inside /workspace."),
+        click.option("--cwd", default=None, metavar="DIR",
+                     help="Working directory inside /workspace."),
         click.option("--stdin", "forward_stdin", is_flag=True,
                      help="Send this terminal's stdin."),
         click.option("--context", "-c", "context", multiple=True, metavar="KEY=VALUE",
                      help="Why this command runs (tool-call id, model input): kept in the "
                           "audit trail."),
         json_option,
-        click.argument("command", nargs=-1, type=click.UNPROCESSED),
+        click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND..."),
     ]):
         fn = decorator(fn)
     return fn
@@ -127,7 +128,7 @@ def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[st
 
 
 @click.command(cls=TakesCommand)
-@click.option("--resources", "-r", default="small", show_default=True,
+@click.option("--resources", "-r", default="small", show_default=True, metavar="TIER",
               help="Resource tier: small or large.")
 @network_options
 @start_options
@@ -141,7 +142,16 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
         command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
 
-    One argument is run by bash (pipes and globs work); several are run as an argv.
+    Options go before --, the command after it. One argument is run by bash (pipes and globs
+    work); several are run as an argv, exactly as given.
+
+    \b
+    Examples:
+      corral run -- python3 -c 'print(1+1)'
+      corral run -r large --timeout 60 -- 'make -j2 && ./test.sh'
+      corral run --allow pypi.org -- pip download requests
+      corral run --stdin -- python3 - < script.py
+      corral run --json -- ls -la      {exit_code, stdout, stderr, timed_out, usage, ...}
     """
     cmd = _command_from(command)
     variables = parse_pairs(env)
@@ -154,7 +164,7 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
 
 
 @click.command()
-@click.option("--resources", "-r", default="small", show_default=True,
+@click.option("--resources", "-r", default="small", show_default=True, metavar="TIER",
               help="Resource tier: small or large.")
 @click.option("--ttl", type=float, default=None,
               help="Lifetime in seconds (default: the tier's); destroyed after that.")
@@ -168,7 +178,14 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
            allow: tuple[str, ...], deny: tuple[str, ...], secret_names: tuple[str, ...],
            template: str | None, isolation: str | None, snapshot_ref: str | None,
            as_json: bool) -> None:
-    """Create a sandbox and print its id."""
+    """Create a sandbox and print its id (--json: the sandbox, as `corral info --json`).
+
+    It lives until `corral rm ID` or its lifetime (--ttl) ends.
+
+    \b
+    Example:
+      ID=$(corral create --template python --label task=42)
+    """
     label_map = parse_pairs(labels, "--label")
     sb = sdk().create(template, resources=resources, timeout=ttl, labels=label_map,
                         network=_network(allow, deny), secrets=list(secret_names),
@@ -187,7 +204,17 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
 def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple[str, ...],
           cwd: str | None, forward_stdin: bool, context: tuple[str, ...], as_json: bool,
           command: tuple[str, ...]) -> None:
-    """Run COMMAND in an existing sandbox; exit with COMMAND's exit code."""
+    """Run COMMAND in an existing sandbox; exit with COMMAND's exit code.
+
+    Options go before --, the command after it. One argument is run by bash (pipes and globs
+    work); several are run as an argv, exactly as given. /workspace persists between commands.
+
+    \b
+    Examples:
+      corral exec $ID -- 'echo hi > f.txt && cat f.txt'
+      corral exec $ID --cwd src -e DEBUG=1 -- python3 app.py
+      corral exec $ID -c tool_call_id=call_7 --json -- pytest -q
+    """
     cmd = _command_from(command)
     sb = connect(ctx, sandbox_id)
     _run_and_report(sb, cmd, timeout=timeout, env=parse_pairs(env), cwd=cwd,
@@ -200,7 +227,7 @@ def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple
 @click.pass_context
 @handle_errors
 def list_(ctx: click.Context, as_json: bool) -> None:
-    """List live sandboxes."""
+    """List live sandboxes (--json: a list, each as `corral info --json` prints it)."""
     infos = sdk().list(home=home_of(ctx))
     if as_json:
         emit_json([_info_json(i) for i in infos])
@@ -294,6 +321,11 @@ def network_(ctx: click.Context, sandbox_id: str, allow: tuple[str, ...], deny: 
     """Show a sandbox's network policy, or replace it (--allow/--deny/--none).
 
     A change applies to the next connection, also from commands already running.
+
+    \b
+    Examples:
+      corral network $ID --allow pypi.org --allow '*.pythonhosted.org'
+      corral network $ID --none
     """
     sb = connect(ctx, sandbox_id)
     if block:
