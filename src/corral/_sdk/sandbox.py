@@ -21,7 +21,6 @@ from .._settings import Settings
 from ..backends import OutputCallback
 from ..errors import UsageError
 from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
-from .remote import remote_manager
 
 __all__ = ["Audit", "Commands", "Files", "Network", "Process", "Processes", "Sandbox",
            "read_audit"]
@@ -42,6 +41,8 @@ def _manager(home: str | Path | None = None, url: str | None = None,
     settings = Settings(home=Path(home)) if home is not None else Settings()
     url = url or settings.url
     if url and home is None:
+        from .remote import remote_manager  # the HTTP client is not imported when embedded
+
         key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None)
         return remote_manager(url, key)  # type: ignore[return-value]
     return get_manager(settings)
