@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from corral._backends.namespace.cgroups import CgroupV1, CgroupV2, _mounts, detect_cgroups
+from corral._backends._linux.cgroups import CgroupV1, CgroupV2, _mounts, detect_cgroups
 from corral._core.resources import get_tier
 
 pytestmark = pytest.mark.needs_root

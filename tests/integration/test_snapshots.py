@@ -22,7 +22,7 @@ from corral import (
     SnapshotNotFound,
     UsageError,
 )
-from corral._backends.namespace.storage import MAX_LAYERS
+from corral._backends._linux.storage import MAX_LAYERS
 from corral._control.manager import Manager
 
 pytestmark = pytest.mark.needs_root

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from corral._backends.namespace.netns import Spawner
+from corral._backends._linux.netns import Spawner
 
 HOST_ADDR = "203.0.113.1"
 UPSTREAM_ADDR = "203.0.113.2"

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
 from .._backends import BACKENDS, load_backend
-from .._backends.namespace.template import require_template
+from .._backends._linux.template import require_template
 from .._core.resources import get_tier
 from .._settings import Settings
 from .._workspace.files import WorkspaceFiles, to_relative

@@ -50,9 +50,9 @@ from ..._settings import Settings
 from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
 from ...errors import BackendError, BackendUnavailable, CommandError, ConfigError
 from ...models import ResourceTier
-from ..host import HostBackedBackend
-from ..namespace.cgroups import detect_cgroups
-from ..namespace.template import BaseTemplate
+from .._linux.cgroups import detect_cgroups
+from .._linux.host import HostBackedBackend
+from .._linux.template import BaseTemplate
 from .bundle import build_config, ensure_rootfs, runtime_uid
 from .hostcheck import check_host, gvisor_dir
 from .launcher import GvisorLauncher, Launch

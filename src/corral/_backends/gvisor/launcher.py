@@ -28,9 +28,9 @@ from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from ...models import Usage
-from ..namespace import netns
-from ..namespace.cgroups import CgroupDriver, CgroupUsage
-from ..process_io import ProcessHandle, pump, set_terminal_size
+from .._linux import netns
+from .._linux.cgroups import CgroupDriver, CgroupUsage
+from .._linux.process_io import ProcessHandle, pump, set_terminal_size
 from .bundle import runtime_uid, write_config
 from .runsc import Runsc
 

@@ -9,9 +9,9 @@ import shutil
 from ..._settings import Settings
 from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
 from ...errors import BackendUnavailable
-from ..host import HostBackedBackend
-from .cgroups import detect_cgroups
-from .hostcheck import check_host
+from .._linux.cgroups import detect_cgroups
+from .._linux.host import HostBackedBackend
+from .._linux.hostcheck import check_host
 from .runner import CommandLauncher, Launch
 
 __all__ = ["NamespaceBackend"]

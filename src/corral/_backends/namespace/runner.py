@@ -33,12 +33,12 @@ from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from ...models import Usage
+from .._linux import netns, seccomp
+from .._linux.cgroups import CgroupDriver
+from .._linux.process_io import ProcessHandle, pump, set_terminal_size
+from .._linux.template import BaseTemplate
 from ..execlimits import check_exec_size
-from ..process_io import ProcessHandle, pump, set_terminal_size
-from . import netns, seccomp
 from .bwrap import BwrapFds, build_options, command_line, encode_args
-from .cgroups import CgroupDriver
-from .template import BaseTemplate
 
 __all__ = ["CommandLauncher", "Launch"]
 

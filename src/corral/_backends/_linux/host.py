@@ -19,14 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from .._settings import Settings
-from ..backends import ExecRequest, SandboxSpec, SealResult
-from ..errors import BackendError
-from ..models import ResourceTier
-from .namespace import netns
-from .namespace.cgroups import CgroupDriver
-from .namespace.storage import WorkspaceStore
-from .namespace.template import BaseTemplate, load_template
+from ..._settings import Settings
+from ...backends import ExecRequest, SandboxSpec, SealResult
+from ...errors import BackendError
+from ...models import ResourceTier
+from . import netns
+from .cgroups import CgroupDriver
+from .storage import WorkspaceStore
+from .template import BaseTemplate, load_template
 
 __all__ = ["HostBackedBackend", "owner_alive", "proc_start_time"]
 

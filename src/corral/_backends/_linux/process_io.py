@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..backends import ExecRequest, OutputCallback
+from ...backends import ExecRequest, OutputCallback
 
 __all__ = ["OutputStream", "ProcessHandle", "pump", "set_terminal_size"]
 
