@@ -107,14 +107,14 @@ class ProcessHandle:
 
 
 def pump(
-    proc: subprocess.Popen[bytes], request: ExecRequest, started: float
+    proc: subprocess.Popen[bytes], request: ExecRequest, started: float,
+    terminal: int | None = None,
 ) -> tuple[tuple[OutputStream, OutputStream], bool]:
-    """Feed stdin, read stdout and stderr (or the terminal) until they close or time runs out;
-    True on timeout."""
+    """Feed stdin, read stdout and stderr (or ``terminal``, a PTY's master, which this closes)
+    until they close or time runs out; True on timeout."""
     out = OutputStream("stdout", request.output_limit_bytes, request.on_stdout)
     err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr)
     deadline = started + request.timeout_s
-    terminal: int | None = getattr(proc, "terminal", None)
     if terminal is not None:
         try:
             return (out, err), pump_terminal(terminal, out, deadline)

@@ -27,17 +27,16 @@ from ..._core import linux
 from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
-from ...models import Usage
 from .._linux import netns
-from .._linux.cgroups import CgroupDriver, CgroupUsage
-from .._linux.process_io import ProcessHandle, pump, set_terminal_size
+from .._linux.cgroups import CgroupDriver
+from .._linux.process_io import set_terminal_size
+from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
+from .._linux.supervise import supervise
 from .bundle import runtime_uid, write_config
 from .runsc import Runsc
 
 __all__ = ["GvisorLauncher", "Launch", "reap_orphans"]
 
-_SETUP_TIMEOUT_S = 10.0
-_TIMEOUT_EXIT_CODE = 124
 _KILLED_EXIT_CODE = 128 + 9
 # runsc's own failures exit 128 (a command's own 128 is told apart by runsc's log).
 _RUNSC_FAILED = 128
@@ -98,39 +97,13 @@ class GvisorLauncher:
 
     def _follow(self, launch: Launch, proc: subprocess.Popen[bytes],
                 started: float) -> ExecOutcome:
-        request, group = launch.request, launch.group
-        terminal: int | None = getattr(proc, "terminal", None)
-        if request.on_start is not None and (request.interactive or terminal is not None):
-            try:
-                request.on_start(ProcessHandle(proc, terminal))
-            except BaseException:
-                self._abort(proc, launch)
-                raise
-        with tracer.start_as_current_span("corral.process.run"):
-            try:
-                streams, timed_out = pump(proc, request, started)
-            except BaseException:
-                self._abort(proc, launch)
-                raise
-            if timed_out:
-                self.cgroups.kill(group)
-            try:
-                returncode = proc.wait(timeout=_SETUP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.cgroups.kill(group)
-                returncode = proc.wait()
-        wall = time.monotonic() - started
-        with tracer.start_as_current_span("corral.process.reap"):
-            self.cgroups.kill(group)
-            try:
-                usage = self.cgroups.usage(group)
-            except FileNotFoundError:  # the sandbox was destroyed under the command
-                usage = CgroupUsage(cpu_s=0.0, peak_memory_bytes=0, oom_killed=False)
-        stdout, stderr = streams
-        if timed_out:
-            exit_code = _TIMEOUT_EXIT_CODE
-        elif returncode < 0:
-            exit_code = 128 - returncode  # runsc itself killed (kill_command, destroy)
+        request = launch.request
+        seen = supervise(
+            proc, request, cgroups=self.cgroups, group=launch.group, started=started,
+            terminal=getattr(proc, "terminal", None), abort=lambda: self._abort(proc, launch))
+        returncode, usage, stderr = seen.returncode, seen.usage, seen.stderr
+        if seen.timed_out or returncode < 0:
+            exit_code = seen.exit_code()  # runsc itself killed (kill_command, destroy)
         elif returncode == _RUNSC_FAILED and (failure := self.runsc.error_of(launch.bundle)):
             if usage.oom_killed:
                 # The OOM killer took the Sentry: the command died of memory, not of runsc.
@@ -145,16 +118,7 @@ class GvisorLauncher:
                 raise _failure(failure, request.cwd)
         else:
             exit_code = returncode
-        return ExecOutcome(
-            exit_code=exit_code,
-            stdout=stdout.finish(),
-            stderr=stderr.finish(),
-            timed_out=timed_out,
-            usage=Usage(wall_s=wall, cpu_s=usage.cpu_s,
-                        peak_memory_bytes=usage.peak_memory_bytes, oom_killed=usage.oom_killed),
-            stdout_truncated=stdout.dropped,
-            stderr_truncated=stderr.dropped,
-        )
+        return seen.outcome(exit_code)
 
     def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
         """Start runsc held by the shim, place it in the command's cgroup, then release it.
