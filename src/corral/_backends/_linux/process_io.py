@@ -16,12 +16,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ...backends import ExecRequest, OutputCallback
 
-__all__ = ["OutputStream", "ProcessHandle", "pump", "set_terminal_size"]
+__all__ = ["OutputStream", "ProcessHandle", "StreamHead", "pump", "set_terminal_size"]
 
 READ_CHUNK = 65536
+# How much of a stream's head a ``StreamHead`` may hold back before it must decide.
+HEAD_LIMIT = 4096
+
+
+class StreamHead(Protocol):
+    """Decides what the first bytes of a stream really are, before anyone sees them.
+
+    A runtime that fails to start the program (bwrap's ``execvp``, runsc's loader) says so in
+    its own words on the command's stderr; the tier rewrites that one line into Corral's,
+    live and in the result alike. Called with everything held so far: None to keep holding
+    (at most ``HEAD_LIMIT`` bytes), else the bytes to pass on in place of what was held."""
+
+    def __call__(self, held: bytes) -> bytes | None: ...
 
 
 @dataclass
@@ -37,8 +51,20 @@ class OutputStream:
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
+    head: StreamHead | None = None
+    held: bytes = b""
 
     def feed(self, data: bytes) -> None:
+        if self.head is not None:
+            self.held += data
+            decided = self.head(self.held)
+            if decided is None and len(self.held) < HEAD_LIMIT:
+                return
+            data = self.held if decided is None else decided
+            self.head, self.held = None, b""
+        self._keep(data)
+
+    def _keep(self, data: bytes) -> None:
         room = self.limit - self.kept
         if room <= 0:
             self.dropped += len(data)
@@ -50,6 +76,10 @@ class OutputStream:
         self._emit(self.decoder.decode(data))
 
     def finish(self) -> str:
+        if self.head is not None:
+            decided = self.head(self.held)
+            self.head, held, self.held = None, self.held, b""
+            self._keep(held if decided is None else decided)
         self._emit(self.decoder.decode(b"", final=True))
         text = "".join(self.parts)
         if self.dropped:
@@ -108,12 +138,13 @@ class ProcessHandle:
 
 def pump(
     proc: subprocess.Popen[bytes], request: ExecRequest, started: float,
-    terminal: int | None = None,
+    terminal: int | None = None, stderr_head: StreamHead | None = None,
 ) -> tuple[tuple[OutputStream, OutputStream], bool]:
     """Feed stdin, read stdout and stderr (or ``terminal``, a PTY's master, which this closes)
     until they close or time runs out; True on timeout."""
     out = OutputStream("stdout", request.output_limit_bytes, request.on_stdout)
-    err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr)
+    err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
+                       head=stderr_head)
     deadline = started + request.timeout_s
     if terminal is not None:
         try:

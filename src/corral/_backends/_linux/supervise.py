@@ -17,7 +17,7 @@ from ..._audit.tracing import tracer
 from ...backends import ExecOutcome, ExecRequest
 from ...models import Usage
 from .cgroups import CgroupDriver, CgroupUsage
-from .process_io import OutputStream, ProcessHandle, pump
+from .process_io import OutputStream, ProcessHandle, StreamHead, pump
 
 __all__ = ["TIMEOUT_EXIT_CODE", "Supervised", "supervise"]
 
@@ -62,11 +62,12 @@ class Supervised:
 def supervise(
     proc: subprocess.Popen[bytes], request: ExecRequest, *, cgroups: CgroupDriver, group: str,
     started: float, terminal: int | None, abort: Callable[[], None],
-    reap: Callable[[], None] = lambda: None,
+    reap: Callable[[], None] = lambda: None, stderr_head: StreamHead | None = None,
 ) -> Supervised:
     """Follow a started command to its end. ``abort`` tears the launch down when a callback or
     the pump raises; ``reap`` collects what the tier's runtime re-parented to us, after the
-    group is killed and before usage is read."""
+    group is killed and before usage is read; ``stderr_head`` may rewrite the runtime's own
+    "cannot start the program" line (see ``StreamHead``)."""
     if request.on_start is not None and (request.interactive or terminal is not None):
         try:
             request.on_start(ProcessHandle(proc, terminal))
@@ -75,7 +76,7 @@ def supervise(
             raise
     with tracer.start_as_current_span("corral.process.run"):
         try:
-            streams, timed_out = pump(proc, request, started, terminal)
+            streams, timed_out = pump(proc, request, started, terminal, stderr_head)
         except BaseException:
             abort()
             raise

@@ -29,6 +29,7 @@ from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from .._linux import netns
 from .._linux.cgroups import CgroupDriver
+from .._linux.notfound import ExecFailureHead, exec_failure
 from .._linux.process_io import set_terminal_size
 from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
 from .._linux.supervise import supervise
@@ -98,9 +99,12 @@ class GvisorLauncher:
     def _follow(self, launch: Launch, proc: subprocess.Popen[bytes],
                 started: float) -> ExecOutcome:
         request = launch.request
+        # runsc reports a program it cannot start on the command's stderr, in its own words.
+        head = ExecFailureHead(request.argv[0], b"running container: ", _runsc_exec_reason)
         seen = supervise(
             proc, request, cgroups=self.cgroups, group=launch.group, started=started,
-            terminal=getattr(proc, "terminal", None), abort=lambda: self._abort(proc, launch))
+            terminal=getattr(proc, "terminal", None), abort=lambda: self._abort(proc, launch),
+            stderr_head=head)
         returncode, usage, stderr = seen.returncode, seen.usage, seen.stderr
         if seen.timed_out or returncode < 0:
             exit_code = seen.exit_code()  # runsc itself killed (kill_command, destroy)
@@ -108,12 +112,14 @@ class GvisorLauncher:
             if usage.oom_killed:
                 # The OOM killer took the Sentry: the command died of memory, not of runsc.
                 exit_code = _KILLED_EXIT_CODE
-            elif (not_started := _exec_failure(failure, request.argv[0])) is not None:
-                # A program that cannot be run is the command's result, as in a shell. runsc
-                # has said why on the command's stderr (which is its own) unless it could not.
-                exit_code, message = not_started
-                if failure not in "".join(stderr.parts):
-                    stderr.feed(message.encode())
+            elif head.exit_code is not None:
+                # A program that cannot be run is the command's result, as in a shell; runsc's
+                # report on the command's stderr (its own) is already Corral's line.
+                exit_code = head.exit_code
+            elif (reason := _runsc_exec_reason(failure)) is not None and (
+                    not_started := exec_failure(request.argv[0], reason)) is not None:
+                exit_code, message = not_started  # runsc could not say it on stderr
+                stderr.feed(message.encode())
             else:
                 raise _failure(failure, request.cwd)
         else:
@@ -230,15 +236,13 @@ def _procs_of_uid(uid: int) -> list[tuple[int, int, str]]:
     return found
 
 
-def _exec_failure(message: str, program: str) -> tuple[int, str] | None:
-    """(exit code, stderr line) when runsc says the program itself could not be started:
-    127 when it does not exist, 126 when it is not executable (the shell's codes)."""
-    marker = f"failed to load {program}: "
-    if marker not in message:
-        return None
-    reason = message.split(marker, 1)[1].strip()
-    code = 127 if "no such file" in reason.lower() else 126
-    return code, f"corral: cannot run {program}: {reason}\n"
+def _runsc_exec_reason(message: str) -> str | None:
+    """The errno text when runsc says the program itself could not be started: not found on
+    ``PATH`` (a bare name) or not loadable (a path: missing, not executable)."""
+    for marker in ("error finding executable ", "failed to load "):
+        if marker in message:
+            return message.rsplit(": ", 1)[-1].strip()
+    return None
 
 
 def _failure(message: str, cwd: str) -> Exception:

@@ -34,6 +34,7 @@ from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from .._linux import netns, seccomp
 from .._linux.cgroups import CgroupDriver
+from .._linux.notfound import ExecFailureHead
 from .._linux.process_io import set_terminal_size
 from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
 from .._linux.supervise import supervise
@@ -80,6 +81,12 @@ def _reap(pid: int) -> None:
 _NOFILE = (4096, 4096)
 # What bwrap's own execvp of the command says inside the sandbox when the kernel refuses it.
 _BWRAP_E2BIG = re.compile(r"^bwrap: execvp [^\n]*: Argument list too long\n?$")
+_BWRAP_EXEC = re.compile(r"^bwrap: execvp .*: ([^:]+)$")
+
+
+def _bwrap_exec_reason(line: str) -> str | None:
+    match = _BWRAP_EXEC.match(line)
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +131,15 @@ class CommandLauncher:
         started = time.monotonic()
         with tracer.start_as_current_span("corral.process.start"):
             proc, init_pid = self._start(launch)
+        # bwrap execs the program itself; when that fails, its report is the stderr.
+        head = ExecFailureHead(request.argv[0], b"bwrap: execvp ", _bwrap_exec_reason)
         seen = supervise(
             proc, request, cgroups=self.cgroups, group=group, started=started,
             terminal=getattr(proc, "terminal", None),
-            abort=lambda: self._abort(proc, group, init_pid), reap=lambda: _reap(init_pid))
+            abort=lambda: self._abort(proc, group, init_pid), reap=lambda: _reap(init_pid),
+            stderr_head=head)
+        if seen.returncode == 1 and head.exit_code is not None:
+            return seen.outcome(head.exit_code)
         if seen.returncode == 1 and _BWRAP_E2BIG.match("".join(seen.stderr.parts)):
             # check_exec_size guards this; a limit it did not foresee still is the caller's.
             raise CommandError("the kernel refused the command's argv and environment as too "
