@@ -196,3 +196,22 @@ def test_command_not_found_is_exit_127_and_one_plain_message(
     for internal in ("bwrap", "execvp", "failed to load", "runsc", "gofer"):
         assert internal not in result.stderr, result.stderr
     assert "".join(live) == result.stderr
+
+
+def test_output_cut_at_the_cap_is_said_live_the_moment_it_happens(sandbox: Sandbox) -> None:
+    """Past the per-stream cap (1 MiB on `small`), the live reader gets one marker line at
+    once, not a stream that goes quiet; the result carries the same line."""
+    import time
+
+    seen: list[tuple[float, str]] = []
+    result = sandbox.commands.run(
+        "head -c 1100000 /dev/zero | tr '\\0' a; sleep 1.5",
+        on_stdout=lambda t: seen.append((time.monotonic(), t)), timeout=30)
+    ended = time.monotonic()
+    marker = "[corral: stdout truncated after 1048576 bytes; the rest is dropped]\n"
+    marked = [at for at, text in seen if marker in text]
+    assert len(marked) == 1, [text[-120:] for _, text in seen[-3:]]
+    assert ended - marked[0] > 1.0  # told before the command ended, not at the end
+    assert result.stdout == "".join(text for _, text in seen)
+    assert result.stdout.endswith("a\n" + marker)
+    assert result.stdout_truncated == 1100000 - 1048576

@@ -65,15 +65,25 @@ class OutputStream:
         self._keep(data)
 
     def _keep(self, data: bytes) -> None:
-        room = self.limit - self.kept
-        if room <= 0:
-            self.dropped += len(data)
+        room = max(self.limit - self.kept, 0)
+        if len(data) <= room:
+            self.kept += len(data)
+            self._emit(self.decoder.decode(data))
             return
-        if len(data) > room:
-            self.dropped += len(data) - room
-            data = data[:room]
-        self.kept += len(data)
-        self._emit(self.decoder.decode(data))
+        first_cut = self.dropped == 0
+        self.dropped += len(data) - room
+        self.kept += room
+        self._emit(self.decoder.decode(data[:room], final=True))
+        if first_cut:
+            # The moment output is first cut, the live reader is told, in the same words the
+            # result carries: a stream that just goes quiet reads as a hung command.
+            tail = self.parts[-1] if self.parts else ""
+            self._emit(("\n" if tail and not tail.endswith("\n") else "") + self.marker())
+
+    def marker(self) -> str:
+        """The one line that says this stream was cut, live and in the result."""
+        return (f"[corral: {self.name} truncated after {self.limit} bytes; the rest is "
+                f"dropped]\n")
 
     def finish(self) -> str:
         if self.head is not None:
@@ -81,13 +91,7 @@ class OutputStream:
             self.head, held, self.held = None, self.held, b""
             self._keep(held if decided is None else decided)
         self._emit(self.decoder.decode(b"", final=True))
-        text = "".join(self.parts)
-        if self.dropped:
-            text += (
-                f"\n[corral: {self.name} truncated: {self.dropped} more bytes dropped; "
-                f"{self.limit} bytes are kept per stream]\n"
-            )
-        return text
+        return "".join(self.parts)
 
     def _emit(self, text: str) -> None:
         if text:
