@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Literal
@@ -96,5 +95,8 @@ class Settings(BaseSettings):
 
     @property
     def instance(self) -> str:
-        """A short tag naming this home in host-wide places (cgroups, netns names)."""
-        return hashlib.sha256(str(self.home).encode()).hexdigest()[:8]
+        """A short tag naming this home in host-wide places (cgroups, netns names): unique per
+        home on this host, even for one path in two mount namespaces (``_core.instance``)."""
+        from ._core.instance import instance_tag
+
+        return instance_tag(self.home)
