@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .backends import BackendName
 
 __all__ = ["Settings"]
 
@@ -66,7 +67,7 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=_default_home)
     uid_start: int = Field(default=1_900_000_000, ge=1000, le=_MAX_UID)
     uid_count: int = Field(default=65536, ge=1, le=1_000_000)
-    backend: Literal["namespace", "gvisor"] = "namespace"
+    backend: BackendName = "namespace"
     run_dir: Path = Path("/run/netns")
     audit: bool = True
     audit_output_bytes: int = Field(default=256 * 1024, ge=0, le=64 * 1024 * 1024)

@@ -292,7 +292,9 @@ def test_pause_freezes_and_resume_continues(backend: GvisorBackend, spec: Sandbo
 def test_only_the_listener_is_reachable(backend: GvisorBackend, spec: SandboxSpec) -> None:
     """The gateway's listener, bound in the sandbox's namespace, answers at 127.0.0.1 inside;
     a listener on the host's own loopback does not."""
-    listener = backend.open_listener(spec)
+    endpoint = backend.egress_endpoint(spec)
+    listener = endpoint.listener
+    assert endpoint.proxy_url == f"http://127.0.0.1:{listener.getsockname()[1]}"
     host = socket.create_server(("127.0.0.1", 0))
     try:
         listener.setblocking(True)
@@ -391,7 +393,7 @@ def test_sweep_removes_runsc_leftovers(
             time.sleep(0.02)
         removed = backend.sweep({spec.id})
         assert running.result(timeout=30).stdout == "survived\n"
-    assert {f"runsc {gone}", f"runsc {dead}"} <= set(removed), removed
+    assert {f"runsc {gone}", f"runsc {dead}"} <= set(map(str, removed)), removed
     assert not any(p.name.startswith((gone, dead, f"runsc-{gone}", f"runsc-{dead}"))
                    for p in state.iterdir())
     assert not (bundles / gone).exists() and not (bundles / dead).exists()
