@@ -45,6 +45,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..._settings import Settings
 from ...backends import (
@@ -222,3 +223,9 @@ class GvisorBackend(HostBackedBackend):
             shutil.rmtree(self._bundles / container_id, ignore_errors=True)
             removed.append(Leftover("runsc", container_id.partition(".")[0], container_id))
         return removed
+
+
+if TYPE_CHECKING:  # the protocol, checked by mypy
+    from ...backends import IsolationBackend
+
+    _conforms: type[IsolationBackend] = GvisorBackend

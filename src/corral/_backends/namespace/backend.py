@@ -5,6 +5,7 @@ a private network namespace per sandbox and a per-sandbox host uid.
 from __future__ import annotations
 
 import shutil
+from typing import TYPE_CHECKING
 
 from ..._settings import Settings
 from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
@@ -57,3 +58,9 @@ class NamespaceBackend(HostBackedBackend):
             tmp_bytes=spec.tier.tmp_bytes, group=f"{spec.id}/{self._group_name(request)}",
             request=request, env=self._command_env(spec, request),
         ))
+
+
+if TYPE_CHECKING:  # the protocol, checked by mypy
+    from ...backends import IsolationBackend
+
+    _conforms: type[IsolationBackend] = NamespaceBackend
