@@ -30,7 +30,7 @@ from .storage import WorkspaceStore
 from .template import BaseTemplate, load_template
 from .uids import lowest_free_uid
 
-__all__ = ["HostBackedBackend", "owner_alive", "proc_start_time"]
+__all__ = ["HostBackedBackend", "TierLauncher", "owner_alive", "proc_start_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,17 @@ def owner_alive(pid: str, start_time: str) -> bool:
         return False
 
 
-class _Spawner(Protocol):
-    def run(self, netns_path: Path, fn: Callable[[], socket.socket]) -> socket.socket: ...
+class TierLauncher(Protocol):
+    """What a tier's ``_ready`` returns: its command launcher, which owns the thread that
+    enters the sandboxes' network namespaces."""
+
+    @property
+    def spawner(self) -> netns.Spawner: ...
 
 
 class HostBackedBackend:
     """The shared half of a tier. Subclasses call ``_attach_cgroups`` from ``_ready`` and
-    implement ``_ready`` (returning anything with a ``spawner``), ``check_host`` and ``exec``."""
+    implement ``_ready`` (returning their ``TierLauncher``), ``check_host`` and ``exec``."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -73,12 +77,11 @@ class HostBackedBackend:
 
     # -- hooks --------------------------------------------------------------------------------
 
-    def _ready(self) -> object:
+    def _ready(self) -> TierLauncher:
         raise NotImplementedError
 
-    def _spawner(self) -> _Spawner:
-        spawner: _Spawner = self._ready().spawner  # type: ignore[attr-defined]
-        return spawner
+    def _spawner(self) -> netns.Spawner:
+        return self._ready().spawner
 
     def _limits(self, tier: ResourceTier) -> ResourceTier:
         """The sandbox cgroup's limits for ``tier`` (a tier may need room for its runtime)."""
