@@ -166,7 +166,9 @@ def test_output_is_capped_and_counted(backend: GvisorBackend, spec: SandboxSpec)
     assert out.stdout.startswith("a" * 1000) and "truncated" in out.stdout
     assert out.stdout_truncated == 300001 - 1000
     assert out.stderr == "e\n" and out.stderr_truncated == 0
-    assert "".join(streamed) == "a" * 1000
+    # The cut is said live, the moment it happens, in the words of the result.
+    marker = "[corral: stdout truncated after 1000 bytes; the rest is dropped]\n"
+    assert "".join(streamed) == out.stdout == "a" * 1000 + "\n" + marker
 
 
 def test_workspace_persists_and_tmp_is_fresh(backend: GvisorBackend, spec: SandboxSpec) -> None:

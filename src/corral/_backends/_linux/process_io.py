@@ -16,11 +16,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ...backends import ExecRequest, OutputCallback
 
-__all__ = ["OutputStream", "ProcessHandle", "StreamHead", "pump", "set_terminal_size"]
+__all__ = ["OutputStream", "ProcessHandle", "StreamHead", "command_stdio", "pump",
+           "set_terminal_size"]
 
 READ_CHUNK = 65536
 # How much of a stream's head a ``StreamHead`` may hold back before it must decide.
@@ -98,6 +99,26 @@ class OutputStream:
             self.parts.append(text)
             if self.callback is not None:
                 self.callback(text)
+
+
+def command_stdio(request: ExecRequest, argv: list[str],
+                  setsid: str) -> tuple[list[str], dict[str, Any], int | None]:
+    """The argv, ``Popen`` stdio keywords and PTY master for ``request``.
+
+    A terminal command runs in a new session whose controlling terminal is the PTY (``setsid
+    --ctty``), so Ctrl-C and window-size changes reach it; the others get pipes (stdin only
+    when there is input) and a session of their own. The caller closes the slave end
+    (``stdio["stdin"]``) once the child holds it."""
+    if request.pty is not None:
+        terminal, slave = os.openpty()
+        set_terminal_size(terminal, *request.pty)
+        return ([setsid, "--ctty", *argv],
+                {"stdin": slave, "stdout": slave, "stderr": slave, "start_new_session": False},
+                terminal)
+    wants_stdin = request.stdin is not None or request.interactive
+    return (argv, {"stdin": subprocess.PIPE if wants_stdin else subprocess.DEVNULL,
+                   "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
+                   "start_new_session": True}, None)
 
 
 def set_terminal_size(terminal: int, rows: int, cols: int) -> None:

@@ -30,7 +30,7 @@ from ...errors import BackendError, CommandError
 from .._linux import netns
 from .._linux.cgroups import CgroupDriver
 from .._linux.notfound import ExecFailureHead, exec_failure
-from .._linux.process_io import set_terminal_size
+from .._linux.process_io import command_stdio
 from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
 from .._linux.supervise import supervise
 from .bundle import runtime_uid, write_config
@@ -138,22 +138,9 @@ class GvisorLauncher:
         release = os.open(fifo, os.O_RDWR | os.O_CLOEXEC)
         argv = [self.setpriv, "--pdeathsig", "KILL", "--", self.sh, "-c", _SHIM, "sh", str(fifo),
                 *self.runsc.run_argv(bundle=launch.bundle, container_id=launch.container_id)]
-        terminal: int | None = None
-        stdio: dict[str, Any]
-        if request.pty is not None:
-            terminal, slave = os.openpty()
-            set_terminal_size(terminal, *request.pty)
-            # A session whose controlling terminal is the PTY: runsc forwards what the terminal
-            # sends it (Ctrl-C, SIGWINCH) to the foreground process group inside, and the
-            # sandbox's init gets the terminal as its own controlling terminal.
-            argv = [self.setsid, "--ctty", *argv]
-            stdio = {"stdin": slave, "stdout": slave, "stderr": slave,
-                     "start_new_session": False}
-        else:
-            wants_stdin = request.stdin is not None or request.interactive
-            stdio = {"stdin": subprocess.PIPE if wants_stdin else subprocess.DEVNULL,
-                     "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
-                     "start_new_session": True}
+        # A terminal's session: runsc forwards what the terminal sends it (Ctrl-C, SIGWINCH) to
+        # the foreground process group inside, and the sandbox's init gets it as its own.
+        argv, stdio, terminal = command_stdio(request, argv, self.setsid)
 
         def spawn() -> subprocess.Popen[bytes]:
             # The command's environment is in the bundle's config.json (data runsc hands to

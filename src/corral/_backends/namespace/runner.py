@@ -25,7 +25,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..._audit.tracing import tracer
 from ..._core import linux
@@ -35,7 +34,7 @@ from ...errors import BackendError, CommandError
 from .._linux import netns, seccomp
 from .._linux.cgroups import CgroupDriver
 from .._linux.notfound import ExecFailureHead
-from .._linux.process_io import set_terminal_size
+from .._linux.process_io import command_stdio
 from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
 from .._linux.supervise import supervise
 from .._linux.template import BaseTemplate
@@ -175,21 +174,7 @@ class CommandLauncher:
         # change uid costs milliseconds per command.
         argv = [self.setpriv, f"--reuid={launch.uid}", f"--regid={launch.uid}",
                 "--clear-groups", "--", *argv]
-        terminal: int | None = None
-        stdio: dict[str, Any]
-        if request.pty is not None:
-            terminal, slave = os.openpty()
-            set_terminal_size(terminal, *request.pty)
-            # setsid --ctty: a new session whose controlling terminal is the PTY, so Ctrl-C
-            # and window-size changes reach the command (it execs bwrap: the pid stays).
-            argv = [self.setsid, "--ctty", *argv]
-            stdio = {"stdin": slave, "stdout": slave, "stderr": slave,
-                     "start_new_session": False}
-        else:
-            wants_stdin = request.stdin is not None or request.interactive
-            stdio = {"stdin": subprocess.PIPE if wants_stdin else subprocess.DEVNULL,
-                     "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
-                     "start_new_session": True}
+        argv, stdio, terminal = command_stdio(request, argv, self.setsid)  # setsid execs: same pid
 
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
