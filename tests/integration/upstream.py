@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from corral._backends.namespace.netns import Spawner
+from corral._backends._linux.netns import Spawner
 
 # A /30 of TEST-NET-3 of this test run's own, so two runs on one machine (two checkouts, CI
 # beside a developer) never route into each other's upstream.

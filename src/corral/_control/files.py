@@ -8,7 +8,8 @@ from typing import BinaryIO
 
 from .._audit.auditor import Auditor
 from .._workspace.archive import ExtractReport, create_tar, extract_tar
-from .._workspace.files import WorkspaceFiles, to_relative
+from .._workspace.files import to_relative
+from ..backends import WorkspaceFS
 from ..errors import CorralError, PathRefused
 from ..models import FileEntry
 
@@ -21,9 +22,10 @@ def _shown(path: str) -> str:
 
 
 class AuditedFiles:
-    """The same operations as ``WorkspaceFiles``; reads, changes and refusals are recorded."""
+    """The same operations as the ``WorkspaceFS`` it wraps; reads, changes and refusals are
+    recorded."""
 
-    def __init__(self, files: WorkspaceFiles, auditor: Auditor, sandbox_id: str) -> None:
+    def __init__(self, files: WorkspaceFS, auditor: Auditor, sandbox_id: str) -> None:
         self._files = files
         self._auditor = auditor
         self._sandbox_id = sandbox_id

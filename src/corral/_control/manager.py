@@ -26,11 +26,18 @@ from typing import Any, BinaryIO
 from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
 from .._backends import BACKENDS, load_backend
-from .._backends.namespace.template import require_template
+from .._backends._linux.template import require_template
 from .._core.resources import get_tier
 from .._settings import Settings
-from .._workspace.files import WorkspaceFiles, to_relative
-from ..backends import ExecRequest, IsolationBackend, OutputCallback, ProcessIO, SandboxSpec
+from .._workspace.files import to_relative
+from ..backends import (
+    ExecRequest,
+    IsolationBackend,
+    Leftover,
+    OutputCallback,
+    ProcessIO,
+    SandboxSpec,
+)
 from ..errors import (
     BackendUnavailable,
     CommandError,
@@ -229,23 +236,20 @@ class Manager:
         for name in {info.isolation for info in self.store.list()} - set(self._backends):
             with contextlib.suppress(BackendUnavailable):
                 self.backend_for(name)
-        swept: list[str] = []
+        swept: list[Leftover] = []
         for backend in list(self._backends.values()):
             swept += backend.sweep(lambda sandbox_id: self.store.get(sandbox_id) is not None)
         removed += self._sweep_layers()
         for item in swept:
-            self.auditor.count("corral_reaper_actions", action=f"sweep_{item.split()[0]}")
-            kind, _, group = item.partition(" ")
-            sandbox_id, _, name = group.partition("/")
-            command_id = name.rsplit(".", 1)[-1]
-            if kind == "command" and command_id.startswith("cmd_"):
+            self.auditor.count("corral_reaper_actions", action=f"sweep_{item.kind}")
+            if item.kind == "command" and item.command_id is not None:
                 # Its process died (crash, SIGKILL): close the command's story in the trail.
-                self.auditor.event(sandbox_id, "command.finished", {
+                self.auditor.event(item.sandbox_id, "command.finished", {
                     "exit_code": None, "interrupted": True,
                     "error": "interrupted: the process running it stopped",
-                }, command=command_id, sync=True)
+                }, command=item.command_id, sync=True)
         self._recovered = True
-        return removed + swept
+        return removed + [str(item) for item in swept]
 
     def _sweep_layers(self) -> list[str]:
         """Delete layers nothing uses, and layer directories a crash left without a record."""
@@ -408,8 +412,8 @@ class Manager:
         require_template(template, self.settings.home / "templates")
         info = self.store.insert(
             sandbox_id=_new_id(), template=template, resources=resources, ttl_s=ttl,
-            labels=clean_labels, uid_start=self.settings.uid_start,
-            uid_count=self.settings.uid_count, network=policy.to_json(), secrets=placeholders,
+            labels=clean_labels, allocate_uid=backend.allocate_uid,
+            network=policy.to_json(), secrets=placeholders,
             tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
             isolation=isolation, layer=layer,
         )
@@ -696,7 +700,7 @@ class Manager:
         return command, info, tier, limit
 
     def _check_cwd(self, info: SandboxInfo, cwd: str) -> None:
-        files = WorkspaceFiles(self._backend(info).workspace_root(self._spec(info)), info.uid)
+        files = self._backend(info).files(self._spec(info))
         try:
             entry = files.stat(cwd)
         except FileNotFound:
@@ -852,8 +856,7 @@ class Manager:
         info = self.get(sandbox_id)
         if info.idle_timeout is not None:
             self.store.touch(sandbox_id)
-        root: Path = self._backend(info).workspace_root(self._spec(info))
-        return AuditedFiles(WorkspaceFiles(root, info.uid), self.auditor, sandbox_id)
+        return AuditedFiles(self._backend(info).files(self._spec(info)), self.auditor, sandbox_id)
 
     def process_api(self) -> EmbeddedProcessAPI:
         return EmbeddedProcessAPI(self.processes)
