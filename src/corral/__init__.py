@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from ._audit.events import AuditEvent
 from ._audit.log import AuditTrail
-from ._sdk.async_sandbox import AsyncSandbox
-from ._sdk.sandbox import Audit, Commands, Files, Network, Sandbox, read_audit
+from ._sdk.async_sandbox import AsyncProcess, AsyncSandbox, aread_audit
+from ._sdk.sandbox import Audit, Commands, Files, Network, Process, Sandbox, read_audit
+from .backends import OutputCut
 from .errors import (
     AuthError,
     BackendError,
@@ -44,6 +45,7 @@ from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, Snapsho
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncProcess",
     "AsyncSandbox",
     "Audit",
     "AuthError",
@@ -65,8 +67,10 @@ __all__ = [
     "OriginRefused",
     "Files",
     "Network",
+    "OutputCut",
     "PathRefused",
     "PolicyError",
+    "Process",
     "QuotaExceeded",
     "RequestRefused",
     "ResourceTier",
@@ -85,5 +89,6 @@ __all__ = [
     "Usage",
     "UsageError",
     "__version__",
+    "aread_audit",
     "read_audit",
 ]

@@ -31,6 +31,7 @@ __all__ = [
     "HostCheck",
     "IsolationBackend",
     "OutputCallback",
+    "OutputCut",
     "ProcessIO",
     "SandboxSpec",
     "SealResult",
@@ -38,6 +39,22 @@ __all__ = [
 
 BackendName = Literal["namespace", "gvisor"]
 OutputCallback = Callable[[str], None]
+
+
+class OutputCut(str):  # noqa: SLOT000 - a str with two read-only attributes
+    """Handed to an ``OutputCallback`` once, when a stream reaches its cap: the text is a
+    plain notice (so a callback that only prints still tells the user, live); ``stream`` and
+    ``limit`` let a caller that knows tell it apart from output (the HTTP stream sends it as
+    its own event). It is not part of the kept output."""
+
+    stream: str
+    limit: int
+
+    def __new__(cls, stream: str, limit: int) -> OutputCut:
+        note = super().__new__(cls, f"\n[corral: {stream} truncated: output past {limit} "
+                                    "bytes is dropped from here on]\n")
+        note.stream, note.limit = stream, limit
+        return note
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +118,9 @@ class ExecOutcome:
     usage: Usage
     stdout_truncated: int = 0
     stderr_truncated: int = 0
+    #: The kept bytes exactly as the command wrote them (``stdout`` is their UTF-8 reading).
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..backends import ExecRequest, OutputCallback
+from ..backends import ExecRequest, OutputCallback, OutputCut
 
 __all__ = ["OutputStream", "ProcessHandle", "pump", "set_terminal_size"]
 
@@ -34,20 +34,24 @@ class OutputStream:
     kept: int = 0
     dropped: int = 0
     parts: list[str] = field(default_factory=list)
+    raw: bytearray = field(default_factory=bytearray)
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
 
     def feed(self, data: bytes) -> None:
         room = self.limit - self.kept
-        if room <= 0:
-            self.dropped += len(data)
-            return
-        if len(data) > room:
-            self.dropped += len(data) - room
-            data = data[:room]
-        self.kept += len(data)
-        self._emit(self.decoder.decode(data))
+        kept = data[:max(room, 0)]
+        if kept:
+            self.kept += len(kept)
+            self.raw += kept
+            self._emit(self.decoder.decode(kept))
+        if len(data) > len(kept):
+            if not self.dropped and self.callback is not None:
+                # Said live, when it happens (not only in the final text); not kept output.
+                self._emit(self.decoder.decode(b"", final=True))
+                self.callback(OutputCut(self.name, self.limit))
+            self.dropped += len(data) - len(kept)
 
     def finish(self) -> str:
         self._emit(self.decoder.decode(b"", final=True))

@@ -174,6 +174,8 @@ class CommandLauncher:
                         oom_killed=usage.oom_killed),
             stdout_truncated=stdout.dropped,
             stderr_truncated=stderr.dropped,
+            stdout_bytes=bytes(stdout.raw),
+            stderr_bytes=bytes(stderr.raw),
         )
 
     def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
