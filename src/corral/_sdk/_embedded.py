@@ -13,6 +13,7 @@ import builtins
 import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, ParamSpec, TypeVar
 
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
     from ._async.transport import AsyncTransport
     from ._sync.transport import Transport
 
-__all__ = ["AsyncEmbeddedTransport", "EmbeddedTransport", "aopen_transport", "embedded_target",
-           "open_transport"]
+__all__ = ["AsyncEmbeddedTransport", "EmbeddedTransport", "aopen_transport", "ausing_transport",
+           "embedded_target", "open_transport", "using_transport"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -385,3 +386,31 @@ async def aopen_transport(home: str | Path | None, url: str | None, api_key: str
     if isinstance(target, tuple):
         return AsyncHTTPTransport(*target)
     return AsyncEmbeddedTransport(target)
+
+
+@contextmanager
+def using_transport(transport: Transport | None, home: str | Path | None, url: str | None,
+                    api_key: str | None) -> Iterator[Transport]:
+    """``transport``, or one opened for this block and closed after it."""
+    if transport is not None:
+        yield transport
+        return
+    opened = open_transport(home, url, api_key)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@asynccontextmanager
+async def ausing_transport(transport: AsyncTransport | None, home: str | Path | None,
+                           url: str | None, api_key: str | None
+                           ) -> AsyncIterator[AsyncTransport]:
+    if transport is not None:
+        yield transport
+        return
+    opened = await aopen_transport(home, url, api_key)
+    try:
+        yield opened
+    finally:
+        await opened.aclose()

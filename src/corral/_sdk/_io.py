@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 from typing import BinaryIO
 
 import anyio
 import anyio.to_thread
+import httpx
 
-__all__ = ["anow", "aread_chunk", "ashielded", "asleep", "now", "read_chunk", "shielded",
-           "sleep"]
+__all__ = ["aclose_on_collect", "anow", "aread_chunk", "ashielded", "asleep",
+           "close_on_collect", "now", "read_chunk", "shielded", "sleep"]
 
 CHUNK = 1 << 20
 
@@ -41,3 +43,15 @@ def shielded() -> Iterator[None]:
 def ashielded() -> anyio.CancelScope:
     """Leaving because of a cancellation must still finish what is inside (destroying)."""
     return anyio.CancelScope(shield=True)
+
+
+def close_on_collect(owner: object, client: httpx.Client) -> None:
+    """Close ``client`` when ``owner`` is collected: a ``Sandbox`` left to the garbage
+    collector (never closed, as scripts do) releases its connections instead of leaking them;
+    before, one cached client per URL lived for the whole process."""
+    weakref.finalize(owner, client.close)
+
+
+def aclose_on_collect(owner: object, client: httpx.AsyncClient) -> None:
+    """Nothing: an async client cannot be closed from a finalizer (closing awaits, on its own
+    loop); ``AsyncSandbox`` is closed by ``async with`` or ``aclose()``."""

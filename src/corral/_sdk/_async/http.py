@@ -18,7 +18,7 @@ from ..._audit.log import AuditTrail
 from ...errors import FileNotFound, TransportError
 from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
-from .._io import aread_chunk
+from .._io import aclose_on_collect, aread_chunk
 from .._wire import AsyncOutputCallback, ProcessInfo, adeliver
 
 __all__ = ["AsyncHTTPTransport"]
@@ -48,6 +48,7 @@ class AsyncHTTPTransport:
             # No read timeout: a command may legitimately print nothing for minutes.
             client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers,
                                        timeout=httpx.Timeout(timeout_s, read=None))
+            aclose_on_collect(self, client)
         self._args = (url, api_key, timeout_s)
         self._client = client
 

@@ -36,7 +36,7 @@ from ..._audit.log import AuditTrail
 from ...errors import SandboxNotFound, UsageError
 from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
-from .._embedded import aopen_transport
+from .._embedded import aopen_transport, ausing_transport
 from .._io import anow, ashielded, asleep
 from .._wire import AsyncOutputCallback, ProcessInfo
 from .transport import AsyncTransport
@@ -319,13 +319,9 @@ async def aread_audit(
     Raises:
         SandboxNotFound: no trail exists for that id.
     """
-    opened = transport or await aopen_transport(home, url, api_key)
-    try:
+    async with ausing_transport(transport, home, url, api_key) as opened:
         return await opened.audit_trail(sandbox_id, types=types, since=since, until=until,
                                         command=command)
-    finally:
-        if transport is None:
-            await opened.aclose()
 
 
 class _State(enum.Enum):
@@ -443,44 +439,36 @@ class AsyncSandbox:
 
     @classmethod
     async def list(cls, *, home: str | Path | None = None, url: str | None = None,
-                   api_key: str | None = None) -> builtins.list[SandboxInfo]:
+                   api_key: str | None = None, transport: AsyncTransport | None = None
+                   ) -> builtins.list[SandboxInfo]:
         """Every live sandbox (of the data directory, or of your tenant on a service)."""
-        opened = await aopen_transport(home, url, api_key)
-        try:
+        async with ausing_transport(transport, home, url, api_key) as opened:
             return await opened.list()
-        finally:
-            await opened.aclose()
 
     @classmethod
     async def list_snapshots(cls, *, home: str | Path | None = None, url: str | None = None,
-                             api_key: str | None = None) -> builtins.list[SnapshotInfo]:
+                             api_key: str | None = None, transport: AsyncTransport | None = None
+                             ) -> builtins.list[SnapshotInfo]:
         """Every snapshot (of the data directory, or of your tenant on a service)."""
-        opened = await aopen_transport(home, url, api_key)
-        try:
+        async with ausing_transport(transport, home, url, api_key) as opened:
             return await opened.list_snapshots()
-        finally:
-            await opened.aclose()
 
     @classmethod
     async def get_snapshot(cls, snapshot: str, *, home: str | Path | None = None,
-                           url: str | None = None, api_key: str | None = None) -> SnapshotInfo:
+                           url: str | None = None, api_key: str | None = None,
+                           transport: AsyncTransport | None = None) -> SnapshotInfo:
         """A snapshot by id or name. Raises ``SnapshotNotFound``."""
-        opened = await aopen_transport(home, url, api_key)
-        try:
+        async with ausing_transport(transport, home, url, api_key) as opened:
             return await opened.get_snapshot(snapshot)
-        finally:
-            await opened.aclose()
 
     @classmethod
     async def delete_snapshot(cls, snapshot: str | SnapshotInfo, *,
                               home: str | Path | None = None, url: str | None = None,
-                              api_key: str | None = None) -> None:
+                              api_key: str | None = None,
+                              transport: AsyncTransport | None = None) -> None:
         """Delete a snapshot. Raises ``SnapshotInUse`` while a sandbox is built on it."""
-        opened = await aopen_transport(home, url, api_key)
-        try:
+        async with ausing_transport(transport, home, url, api_key) as opened:
             await opened.delete_snapshot(_wire.snapshot_ref(snapshot))
-        finally:
-            await opened.aclose()
 
     async def snapshot(self, name: str | None = None) -> SnapshotInfo:
         """Seal the workspace's current state as a snapshot, in O(1) of its size; the sandbox

@@ -20,7 +20,7 @@ from ..._audit.log import AuditTrail
 from ...errors import FileNotFound, TransportError
 from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
-from .._io import read_chunk
+from .._io import close_on_collect, read_chunk
 from .._wire import OutputCallback, ProcessInfo, deliver
 
 __all__ = ["HTTPTransport"]
@@ -50,6 +50,7 @@ class HTTPTransport:
             # No read timeout: a command may legitimately print nothing for minutes.
             client = httpx.Client(base_url=url.rstrip("/"), headers=headers,
                                        timeout=httpx.Timeout(timeout_s, read=None))
+            close_on_collect(self, client)
         self._args = (url, api_key, timeout_s)
         self._client = client
 

@@ -38,7 +38,7 @@ from ..._audit.log import AuditTrail
 from ...errors import SandboxNotFound, UsageError
 from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
-from .._embedded import open_transport
+from .._embedded import open_transport, using_transport
 from .._io import now, shielded, sleep
 from .._wire import OutputCallback, ProcessInfo
 from .transport import Transport
@@ -321,13 +321,9 @@ def read_audit(
     Raises:
         SandboxNotFound: no trail exists for that id.
     """
-    opened = transport or open_transport(home, url, api_key)
-    try:
+    with using_transport(transport, home, url, api_key) as opened:
         return opened.audit_trail(sandbox_id, types=types, since=since, until=until,
                                         command=command)
-    finally:
-        if transport is None:
-            opened.close()
 
 
 class _State(enum.Enum):
@@ -445,44 +441,36 @@ class Sandbox:
 
     @classmethod
     def list(cls, *, home: str | Path | None = None, url: str | None = None,
-                   api_key: str | None = None) -> builtins.list[SandboxInfo]:
+                   api_key: str | None = None, transport: Transport | None = None
+                   ) -> builtins.list[SandboxInfo]:
         """Every live sandbox (of the data directory, or of your tenant on a service)."""
-        opened = open_transport(home, url, api_key)
-        try:
+        with using_transport(transport, home, url, api_key) as opened:
             return opened.list()
-        finally:
-            opened.close()
 
     @classmethod
     def list_snapshots(cls, *, home: str | Path | None = None, url: str | None = None,
-                             api_key: str | None = None) -> builtins.list[SnapshotInfo]:
+                             api_key: str | None = None, transport: Transport | None = None
+                             ) -> builtins.list[SnapshotInfo]:
         """Every snapshot (of the data directory, or of your tenant on a service)."""
-        opened = open_transport(home, url, api_key)
-        try:
+        with using_transport(transport, home, url, api_key) as opened:
             return opened.list_snapshots()
-        finally:
-            opened.close()
 
     @classmethod
     def get_snapshot(cls, snapshot: str, *, home: str | Path | None = None,
-                           url: str | None = None, api_key: str | None = None) -> SnapshotInfo:
+                           url: str | None = None, api_key: str | None = None,
+                           transport: Transport | None = None) -> SnapshotInfo:
         """A snapshot by id or name. Raises ``SnapshotNotFound``."""
-        opened = open_transport(home, url, api_key)
-        try:
+        with using_transport(transport, home, url, api_key) as opened:
             return opened.get_snapshot(snapshot)
-        finally:
-            opened.close()
 
     @classmethod
     def delete_snapshot(cls, snapshot: str | SnapshotInfo, *,
                               home: str | Path | None = None, url: str | None = None,
-                              api_key: str | None = None) -> None:
+                              api_key: str | None = None,
+                              transport: Transport | None = None) -> None:
         """Delete a snapshot. Raises ``SnapshotInUse`` while a sandbox is built on it."""
-        opened = open_transport(home, url, api_key)
-        try:
+        with using_transport(transport, home, url, api_key) as opened:
             opened.delete_snapshot(_wire.snapshot_ref(snapshot))
-        finally:
-            opened.close()
 
     def snapshot(self, name: str | None = None) -> SnapshotInfo:
         """Seal the workspace's current state as a snapshot, in O(1) of its size; the sandbox
