@@ -154,6 +154,8 @@ class GvisorLauncher:
                         peak_memory_bytes=usage.peak_memory_bytes, oom_killed=usage.oom_killed),
             stdout_truncated=stdout.dropped,
             stderr_truncated=stderr.dropped,
+            stdout_bytes=bytes(stdout.raw),
+            stderr_bytes=bytes(stderr.raw),
         )
 
     def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
