@@ -528,6 +528,8 @@ class AsyncSandbox:
             self._state = _State.CLOSED
             await self._mgr.aclose()
 
+    close = aclose  # async-only: ``await sb.close()`` reads as well (E2B's name)
+
     def _transport(self) -> AsyncTransport:
         if self._state is _State.CLOSED:
             raise UsageError(f"this {type(self).__name__} for {self._info.id} was closed; "

@@ -530,6 +530,7 @@ class Sandbox:
             self._state = _State.CLOSED
             self._mgr.close()
 
+
     def _transport(self) -> Transport:
         if self._state is _State.CLOSED:
             raise UsageError(f"this {type(self).__name__} for {self._info.id} was closed; "
