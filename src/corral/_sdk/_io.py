@@ -5,17 +5,19 @@ generated ``_sync`` code calls the plain ones, the hand-written ``_async`` code 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import BinaryIO
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import anyio
 import anyio.to_thread
 import httpx
 
-__all__ = ["aclose_on_collect", "anow", "aread_chunk", "ashielded", "asleep",
-           "close_on_collect", "now", "read_chunk", "shielded", "sleep"]
+__all__ = ["Pool", "ahttp_pool", "anow", "aread_chunk", "arelease", "ashielded", "asleep",
+           "http_pool", "now", "read_chunk", "release", "shielded", "sleep"]
 
 CHUNK = 1 << 20
 
@@ -45,13 +47,49 @@ def ashielded() -> anyio.CancelScope:
     return anyio.CancelScope(shield=True)
 
 
-def close_on_collect(owner: object, client: httpx.Client) -> None:
-    """Close ``client`` when ``owner`` is collected: a ``Sandbox`` left to the garbage
-    collector (never closed, as scripts do) releases its connections instead of leaking them;
-    before, one cached client per URL lived for the whole process."""
-    weakref.finalize(owner, client.close)
+
+@dataclass(eq=False)
+class Pool:
+    """An HTTP client as transports hold it: a transport keeps its pool alive; a pool nobody
+    holds is collected and its client closed (``weakref.finalize`` on the pool)."""
+
+    client: Any
 
 
-def aclose_on_collect(owner: object, client: httpx.AsyncClient) -> None:
-    """Nothing: an async client cannot be closed from a finalizer (closing awaits, on its own
-    loop); ``AsyncSandbox`` is closed by ``async with`` or ``aclose()``."""
+_pools: weakref.WeakValueDictionary[tuple[str, str | None, float], Pool] = (
+    weakref.WeakValueDictionary())
+_pools_lock = threading.Lock()
+
+
+def _client_args(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    # No read timeout: a command may legitimately print nothing for minutes.
+    return {"base_url": url.rstrip("/"), "headers": headers,
+            "timeout": httpx.Timeout(timeout_s, read=None)}
+
+
+def http_pool(url: str, api_key: str | None, timeout_s: float) -> Pool:
+    """The connection pool of the sync transports for one service and key: shared while any
+    of them lives (scripts make a ``Sandbox`` per call and rarely close it), closed once none
+    does; not cached for the life of the process."""
+    key = (url, api_key, timeout_s)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            client = httpx.Client(**_client_args(url, api_key, timeout_s))
+            pool = _pools[key] = Pool(client)
+            weakref.finalize(pool, client.close)
+        return pool
+
+
+def ahttp_pool(url: str, api_key: str | None, timeout_s: float) -> Pool:
+    """An async client is bound to the event loop it first runs on: one per transport."""
+    return Pool(httpx.AsyncClient(**_client_args(url, api_key, timeout_s)))
+
+
+def release(pool: Pool) -> None:
+    """A sync transport lets go of a shared pool (the last one to go closes it)."""
+
+
+async def arelease(pool: Pool) -> None:
+    await pool.client.aclose()

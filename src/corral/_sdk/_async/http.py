@@ -18,7 +18,7 @@ from ..._audit.log import AuditTrail
 from ...errors import FileNotFound, TransportError
 from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
-from .._io import aclose_on_collect, aread_chunk
+from .._io import Pool, ahttp_pool, aread_chunk, arelease
 from .._wire import AsyncOutputCallback, ProcessInfo, adeliver
 
 __all__ = ["AsyncHTTPTransport"]
@@ -41,14 +41,12 @@ class AsyncHTTPTransport:
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *,
                  timeout_s: float = 30.0, client: httpx.AsyncClient | None = None) -> None:
+        self._pool: Pool | None = None
         if client is None:
             if url is None:
                 raise ValueError("pass url= (the service) or client= (an httpx client)")
-            headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-            # No read timeout: a command may legitimately print nothing for minutes.
-            client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers,
-                                       timeout=httpx.Timeout(timeout_s, read=None))
-            aclose_on_collect(self, client)
+            self._pool = ahttp_pool(url, api_key, timeout_s)
+            client = self._pool.client
         self._args = (url, api_key, timeout_s)
         self._client = client
 
@@ -259,7 +257,10 @@ class AsyncHTTPTransport:
         await self.request("DELETE", _wire.snapshot_path(ref))
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._pool is not None:
+            await arelease(self._pool)
+        else:
+            await self._client.aclose()
 
 
 class _Borrowed(AsyncHTTPTransport):

@@ -20,7 +20,7 @@ from ..._audit.log import AuditTrail
 from ...errors import FileNotFound, TransportError
 from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
-from .._io import close_on_collect, read_chunk
+from .._io import Pool, http_pool, read_chunk, release
 from .._wire import OutputCallback, ProcessInfo, deliver
 
 __all__ = ["HTTPTransport"]
@@ -43,14 +43,12 @@ class HTTPTransport:
 
     def __init__(self, url: str | None = None, api_key: str | None = None, *,
                  timeout_s: float = 30.0, client: httpx.Client | None = None) -> None:
+        self._pool: Pool | None = None
         if client is None:
             if url is None:
                 raise ValueError("pass url= (the service) or client= (an httpx client)")
-            headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-            # No read timeout: a command may legitimately print nothing for minutes.
-            client = httpx.Client(base_url=url.rstrip("/"), headers=headers,
-                                       timeout=httpx.Timeout(timeout_s, read=None))
-            close_on_collect(self, client)
+            self._pool = http_pool(url, api_key, timeout_s)
+            client = self._pool.client
         self._args = (url, api_key, timeout_s)
         self._client = client
 
@@ -260,7 +258,10 @@ class HTTPTransport:
         self.request("DELETE", _wire.snapshot_path(ref))
 
     def close(self) -> None:
-        self._client.close()
+        if self._pool is not None:
+            release(self._pool)
+        else:
+            self._client.close()
 
 
 class _Borrowed(HTTPTransport):
