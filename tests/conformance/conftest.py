@@ -12,33 +12,17 @@ import pytest
 from corral import Sandbox
 from corral._control.manager import Manager
 from corral._server.app import create_app
-from corral._settings import Settings
 from corral.testing import asgi_transport
 
+from ..integration import conftest as integration
 from ..integration.servers import Server
 
 TRANSPORTS = ["embedded", "http", "asgi"]
 
-
-@pytest.fixture(scope="module")
-def server(manager: Manager) -> Iterator[Server]:
-    with Server(manager) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="session")
-def gvisor_problems(settings: Settings) -> list[str]:
-    from corral._backends.gvisor import GvisorBackend
-
-    return [f"{c.name}: {c.detail} (fix: {c.fix})"
-            for c in GvisorBackend(settings).check_host() if not c.ok]
-
-
-@pytest.fixture(params=["namespace", "gvisor"])
-def isolation(request: pytest.FixtureRequest, gvisor_problems: list[str]) -> str:
-    if request.param == "gvisor" and gvisor_problems:
-        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
-    return str(request.param)
+# The tier matrix and the loopback server are the integration suite's own fixtures.
+server = integration.server
+gvisor_problems = integration.gvisor_problems
+isolation = integration.isolation
 
 
 @pytest.fixture(params=TRANSPORTS)
