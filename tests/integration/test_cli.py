@@ -195,3 +195,14 @@ def test_secrets_are_added_from_stdin_and_never_listed_with_values(corral) -> No
 def test_replay_of_an_unknown_sandbox(corral) -> None:  # type: ignore[no-untyped-def]
     done = corral("replay", "sbx_000000000000")
     assert done.returncode == 4 and "no audit trail" in done.stderr
+
+
+def test_unknown_options_are_refused_and_after_the_separator_is_verbatim(corral) -> None:  # type: ignore[no-untyped-def]
+    refused = corral("run", "--resource", "large", "--", "echo", "hi")
+    assert refused.returncode == 2, refused.stderr
+    assert "No such option '--resource'" in refused.stderr
+    assert "Did you mean '--resources'?" in refused.stderr and "after --" in refused.stderr
+    assert refused.stdout == ""
+    ran = corral("run", "--json", "--", "echo", "--resource", "large", "--json")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["stdout"] == "--resource large --json\n"

@@ -166,3 +166,11 @@ def test_sdk_over_asgi_with_the_in_memory_backend(tmp_path: Path) -> None:
             assert sb.commands.run("echo hi").exit_code == 0
     finally:
         manager.close()
+
+
+def test_the_embedded_sync_sdk_loads_no_client_or_async_stack() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom corral import Sandbox\n"
+         "print(sorted({m.split('.')[0] for m in sys.modules} & {'httpx', 'anyio'}))"],
+        capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"

@@ -62,10 +62,11 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from .. import errors
 from .._control.tenants import Ceiling, check, local_tenant
 from .._egress.policy import NetworkPolicy
+from .._sdk._aembedded import AsyncEmbeddedTransport
 from .._sdk._async.http import AsyncHTTPTransport
 from .._sdk._async.sandbox import AsyncSandbox
 from .._sdk._async.transport import AsyncTransport
-from .._sdk._embedded import AsyncEmbeddedTransport, embedded_target
+from .._sdk._embedded import embedded_target
 from ..models import CommandResult, FileEntry, SnapshotInfo
 
 __all__ = ["DEFAULT_CEILING", "OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "mcp_ceiling",

@@ -10,11 +10,10 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import anyio
-import anyio.to_thread
-import httpx
+if TYPE_CHECKING:
+    import anyio
 
 __all__ = ["Pool", "ahttp_pool", "anow", "aread_chunk", "arelease", "ashielded", "asleep",
            "http_pool", "now", "read_chunk", "release", "shielded", "sleep"]
@@ -27,14 +26,27 @@ def read_chunk(stream: BinaryIO) -> bytes:
 
 
 async def aread_chunk(stream: BinaryIO) -> bytes:
+    import anyio.to_thread
+
     # The file object is synchronous (maybe a real file): read it off the event loop.
     return await anyio.to_thread.run_sync(stream.read, CHUNK)
 
 
+# anyio is imported where the async forms run, so the sync SDK (the CLI) never loads it.
 sleep = time.sleep
-asleep = anyio.sleep
 now = time.monotonic
-anow = anyio.current_time
+
+
+async def asleep(seconds: float) -> None:
+    import anyio
+
+    await anyio.sleep(seconds)
+
+
+def anow() -> float:
+    import anyio
+
+    return anyio.current_time()
 
 
 @contextlib.contextmanager
@@ -44,6 +56,8 @@ def shielded() -> Iterator[None]:
 
 def ashielded() -> anyio.CancelScope:
     """Leaving because of a cancellation must still finish what is inside (destroying)."""
+    import anyio
+
     return anyio.CancelScope(shield=True)
 
 
@@ -62,6 +76,8 @@ _pools_lock = threading.Lock()
 
 
 def _client_args(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    import httpx
+
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     # No read timeout: a command may legitimately print nothing for minutes.
     return {"base_url": url.rstrip("/"), "headers": headers,
@@ -76,6 +92,8 @@ def http_pool(url: str, api_key: str | None, timeout_s: float) -> Pool:
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
+            import httpx
+
             client = httpx.Client(**_client_args(url, api_key, timeout_s))
             pool = _pools[key] = Pool(client)
             weakref.finalize(pool, client.close)
@@ -84,6 +102,8 @@ def http_pool(url: str, api_key: str | None, timeout_s: float) -> Pool:
 
 def ahttp_pool(url: str, api_key: str | None, timeout_s: float) -> Pool:
     """An async client is bound to the event loop it first runs on: one per transport."""
+    import httpx
+
     return Pool(httpx.AsyncClient(**_client_args(url, api_key, timeout_s)))
 
 

@@ -8,7 +8,7 @@ Why generated rather than two façades over a shared core: the façade *is* the 
 operation on each side to keep in step by eye; httpcore's answer (write async, generate sync)
 makes drift impossible rather than unlikely. What is not I/O (bodies, parsing, error mapping,
 the command stream) lives once in ``_wire``; what differs by more than ``await`` lives in
-``_io`` and the two hand-written embedded transports (``_embedded``).
+``_io`` and the two hand-written embedded transports (``_embedded``, ``_aembedded``).
 
 One pattern, as in E2B: ``create()`` returns the sandbox, which is a context manager::
 
@@ -36,7 +36,7 @@ from ..._audit.log import AuditTrail
 from ...errors import SandboxNotFound, UsageError
 from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
-from .._embedded import aopen_transport, ausing_transport
+from .._aembedded import aopen_transport, ausing_transport
 from .._io import anow, ashielded, asleep
 from .._wire import AsyncOutputCallback, ProcessInfo
 from .transport import AsyncTransport

@@ -10,7 +10,7 @@ Why generated rather than two façades over a shared core: the façade *is* the 
 operation on each side to keep in step by eye; httpcore's answer (write async, generate sync)
 makes drift impossible rather than unlikely. What is not I/O (bodies, parsing, error mapping,
 the command stream) lives once in ``_wire``; what differs by more than ``await`` lives in
-``_io`` and the two hand-written embedded transports (``_embedded``).
+``_io`` and the two hand-written embedded transports (``_embedded``, ``_embedded``).
 
 One pattern, as in E2B: ``create()`` returns the sandbox, which is a context manager::
 
