@@ -43,8 +43,9 @@ from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, Snapsho
 if TYPE_CHECKING:
     from ._audit.events import AuditEvent
     from ._audit.log import AuditTrail
-    from ._sdk.async_sandbox import AsyncSandbox
-    from ._sdk.sandbox import Audit, Commands, Files, Network, Sandbox, read_audit
+    from ._sdk.async_sandbox import AsyncProcess, AsyncSandbox, aread_audit
+    from ._sdk.sandbox import Audit, Commands, Files, Network, Process, Sandbox, read_audit
+    from .backends import OutputCut
 
 # The SDK is imported on first use, not with the package: `corral` is also the CLI's package,
 # and `corral run` must not pay for the async SDK, the HTTP client and their imports
@@ -52,9 +53,10 @@ if TYPE_CHECKING:
 _LAZY = {
     "AuditEvent": "._audit.events",
     "AuditTrail": "._audit.log",
-    "AsyncSandbox": "._sdk.async_sandbox",
-    **dict.fromkeys(("Audit", "Commands", "Files", "Network", "Sandbox", "read_audit"),
-                    "._sdk.sandbox"),
+    **dict.fromkeys(("AsyncProcess", "AsyncSandbox", "aread_audit"), "._sdk.async_sandbox"),
+    **dict.fromkeys(("Audit", "Commands", "Files", "Network", "Process", "Sandbox",
+                     "read_audit"), "._sdk.sandbox"),
+    "OutputCut": ".backends",
 }
 
 
@@ -73,6 +75,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncProcess",
     "AsyncSandbox",
     "Audit",
     "AuthError",
@@ -94,8 +97,10 @@ __all__ = [
     "OriginRefused",
     "Files",
     "Network",
+    "OutputCut",
     "PathRefused",
     "PolicyError",
+    "Process",
     "QuotaExceeded",
     "RequestRefused",
     "ResourceTier",
@@ -114,5 +119,6 @@ __all__ = [
     "Usage",
     "UsageError",
     "__version__",
+    "aread_audit",
     "read_audit",
 ]

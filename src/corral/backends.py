@@ -38,6 +38,7 @@ __all__ = [
     "Leftover",
     "Listener",
     "OutputCallback",
+    "OutputCut",
     "ProcessIO",
     "SandboxSpec",
     "SealResult",
@@ -49,6 +50,23 @@ __all__ = [
 # holds the two equal), and ``Settings.backend`` is typed by it.
 BackendName = Literal["namespace", "gvisor"]
 OutputCallback = Callable[[str], None]
+
+
+class OutputCut(str):  # noqa: SLOT000 - a str with two read-only attributes
+    """The one line that says a stream reached its cap, handed to an ``OutputCallback`` the
+    moment it happens and kept in the result at the same place, so live output and the result
+    read the same. ``stream`` and ``limit`` let a caller that knows tell it apart from output
+    (the HTTP stream sends it as its own event); a callback that only prints still shows it.
+    ``newline`` starts it on a line of its own when the output before it did not end one."""
+
+    stream: str
+    limit: int
+
+    def __new__(cls, stream: str, limit: int, *, newline: bool = False) -> OutputCut:
+        note = super().__new__(cls, ("\n" if newline else "") + f"[corral: {stream} truncated "
+                                    f"after {limit} bytes; the rest is dropped]\n")
+        note.stream, note.limit = stream, limit
+        return note
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +132,9 @@ class ExecOutcome:
     usage: Usage
     stdout_truncated: int = 0
     stderr_truncated: int = 0
+    #: The kept bytes exactly as the command wrote them (``stdout`` is their UTF-8 reading).
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -643,6 +643,7 @@ class Manager:
                 timed_out=outcome.timed_out, duration_s=time.monotonic() - started,
                 usage=outcome.usage, stdout_truncated=outcome.stdout_truncated,
                 stderr_truncated=outcome.stderr_truncated, command_id=command_id,
+                stdout_bytes=outcome.stdout_bytes, stderr_bytes=outcome.stderr_bytes,
             )
             verdict = _outcome(result)
             span.set_attributes({"corral.outcome": verdict, "corral.exit_code": result.exit_code})

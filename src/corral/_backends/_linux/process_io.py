@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ...backends import ExecRequest, OutputCallback
+from ...backends import ExecRequest, OutputCallback, OutputCut
 
 __all__ = ["OutputStream", "ProcessHandle", "StreamHead", "command_stdio", "pump",
            "set_terminal_size"]
@@ -49,6 +49,7 @@ class OutputStream:
     kept: int = 0
     dropped: int = 0
     parts: list[str] = field(default_factory=list)
+    raw: bytearray = field(default_factory=bytearray)
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
@@ -69,22 +70,21 @@ class OutputStream:
         room = max(self.limit - self.kept, 0)
         if len(data) <= room:
             self.kept += len(data)
+            self.raw += data
             self._emit(self.decoder.decode(data))
             return
         first_cut = self.dropped == 0
         self.dropped += len(data) - room
         self.kept += room
+        self.raw += data[:room]
         self._emit(self.decoder.decode(data[:room], final=True))
         if first_cut:
             # The moment output is first cut, the live reader is told, in the same words the
-            # result carries: a stream that just goes quiet reads as a hung command.
+            # result carries: a stream that just goes quiet reads as a hung command. It is an
+            # ``OutputCut`` so a caller that knows (the HTTP stream) can tell it from output.
             tail = self.parts[-1] if self.parts else ""
-            self._emit(("\n" if tail and not tail.endswith("\n") else "") + self.marker())
-
-    def marker(self) -> str:
-        """The one line that says this stream was cut, live and in the result."""
-        return (f"[corral: {self.name} truncated after {self.limit} bytes; the rest is "
-                f"dropped]\n")
+            self._emit(OutputCut(self.name, self.limit,
+                                 newline=bool(tail) and not tail.endswith("\n")))
 
     def finish(self) -> str:
         if self.head is not None:

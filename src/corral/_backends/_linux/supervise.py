@@ -56,6 +56,8 @@ class Supervised:
                         oom_killed=self.usage.oom_killed),
             stdout_truncated=self.stdout.dropped,
             stderr_truncated=self.stderr.dropped,
+            stdout_bytes=bytes(self.stdout.raw),
+            stderr_bytes=bytes(self.stderr.raw),
         )
 
 
