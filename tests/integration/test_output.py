@@ -64,7 +64,7 @@ def test_the_sdk_still_gets_the_whole_result_over_a_stream(home: str, server: Se
         flood = sb.commands.run(FLOOD, on_stdout=lambda _: None)
     assert (result.stdout, result.stderr, "".join(seen)) == ("a\nb", "e", "a\nb")
     assert flood.stdout.startswith("a" * 1024 * 1024) and flood.stdout_truncated > 0
-    assert flood.stdout.endswith("bytes are kept per stream]\n") and flood.stderr == "done\n"
+    assert flood.stdout.endswith("the rest is dropped]\n") and flood.stderr == "done\n"
 
 
 def test_binary_output_is_byte_exact(where: dict[str, str]) -> None:

@@ -66,16 +66,20 @@ def test_the_stream_is_assembled_from_its_events() -> None:
     stream = _wire.CommandStream()
     pieces = [stream.feed(json.dumps(e)) for e in (
         {"type": "stdout", "data": "a"}, {"type": "keepalive"},
-        {"type": "truncated", "stream": "stdout", "limit": 1},
+        {"type": "truncated", "stream": "stdout", "limit": 1,
+         "data": "\n[corral: stdout truncated after 1 bytes; the rest is dropped]\n"},
         {"type": "stderr", "data": "e"},
-        {"type": "result", **RESULT, "stdout_truncated": 5, "stdout_tail": "[cut]",
+        {"type": "result", **RESULT, "stdout_truncated": 5, "stdout_tail": "",
          "stderr_tail": "", "stdout_b64": "AAE="})]
     assert pieces[0] == ("stdout", "a") and pieces[1] is None and pieces[3] == ("stderr", "e")
     cut = pieces[2]
     assert cut is not None and isinstance(cut[1], OutputCut) and cut[1].limit == 1
     assert "[corral: stdout truncated" in cut[1]
     result = stream.finished()
-    assert (result.stdout, result.stderr, result.stdout_truncated) == ("a[cut]", "e", 5)
+    # The notice is kept output, where it happened; the result line sends nothing again.
+    assert (result.stdout, result.stderr, result.stdout_truncated) == (
+        "a" + str(cut[1]), "e", 5)
+    assert str(cut[1]).startswith("\n")
     assert result.stdout_bytes == b"\x00\x01" and result.stderr_bytes is None
 
 

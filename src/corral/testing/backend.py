@@ -31,6 +31,7 @@ from ..backends import (
     ExecRequest,
     HostCheck,
     Leftover,
+    OutputCut,
     SandboxSpec,
     SealResult,
     TreeItem,
@@ -264,10 +265,10 @@ class _Cut:
             return
         self.dropped, self.kept = len(data) - room, self.kept + room
         head = data[:room].decode(errors="replace")
-        tail = head or "".join(self.parts[-1:])
-        self._emit(head + ("\n" if tail and not tail.endswith("\n") else "")
-                   + f"[corral: {self.name} truncated after {self.limit} bytes; the rest is "
-                   "dropped]\n")
+        self._emit(head)
+        tail = "".join(self.parts[-1:])
+        self._emit(OutputCut(self.name, self.limit,
+                             newline=bool(tail) and not tail.endswith("\n")))
 
     def _emit(self, text: str) -> None:
         if text:
