@@ -5,6 +5,7 @@ service (``CORRAL_URL``) alike.
 
 from __future__ import annotations
 
+import base64
 import sys
 import time
 from collections.abc import Sequence
@@ -43,8 +44,10 @@ def _command_from(args: Sequence[str]) -> str | list[str]:
 def _run_and_report(
     sb: Sandbox, command: str | list[str], *, timeout: float | None, env: dict[str, str],
     cwd: str | None, forward_stdin: bool, as_json: bool, context: dict[str, str],
+    binary: bool = False,
 ) -> NoReturn:
     stdin = sys.stdin.buffer.read() if forward_stdin else None
+    live = not (as_json or binary)
 
     def out(text: str) -> None:
         sys.stdout.write(text)
@@ -56,12 +59,22 @@ def _run_and_report(
 
     result: CommandResult = sb.commands.run(
         command, timeout=timeout, envs=env, cwd=cwd, stdin=stdin,
-        on_stdout=None if as_json else out, on_stderr=None if as_json else err,
-        context=context or None,
+        on_stdout=out if live else None, on_stderr=err if live else None,
+        context=context or None, output="bytes" if binary else "text",
     )
     if as_json:
-        emit_json(_result_json(result))
-    elif result.timed_out:
+        data = _result_json(result)
+        if binary:
+            data["stdout_b64"] = base64.b64encode(result.stdout_bytes or b"").decode()
+            data["stderr_b64"] = base64.b64encode(result.stderr_bytes or b"").decode()
+        emit_json(data)
+    elif binary:
+        # Byte-exact, once the command has ended (text output is decoded as it streams).
+        sys.stdout.buffer.write(result.stdout_bytes or b"")
+        sys.stdout.buffer.flush()
+        sys.stderr.buffer.write(result.stderr_bytes or b"")
+        sys.stderr.buffer.flush()
+    if not as_json and result.timed_out:
         click.secho(f"corral: command timed out after {result.duration_s:.1f} s; its processes "
                     "were killed", err=True, fg="yellow")
     elif result.usage.oom_killed:
@@ -99,6 +112,10 @@ def command_options(fn: F) -> F:
                      help="Working directory inside /workspace."),
         click.option("--stdin", "forward_stdin", is_flag=True,
                      help="Send this terminal's stdin."),
+        click.option("--binary", is_flag=True,
+                     help="Write the output byte-exact when the command ends, instead of "
+                          "streaming it as text (for binary data); with --json adds "
+                          "stdout_b64/stderr_b64."),
         click.option("--context", "-c", "context", multiple=True, metavar="KEY=VALUE",
                      help="Why this command runs (tool-call id, model input): kept in the "
                           "audit trail."),
@@ -138,8 +155,8 @@ def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[st
 def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[str, ...],
         secret_names: tuple[str, ...], template: str | None, isolation: str | None,
         snapshot_ref: str | None, timeout: float | None, env: tuple[str, ...],
-        cwd: str | None, forward_stdin: bool, context: tuple[str, ...], as_json: bool,
-        command: tuple[str, ...]) -> None:
+        cwd: str | None, forward_stdin: bool, binary: bool, context: tuple[str, ...],
+        as_json: bool, command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
 
     Options go before --, the command after it. One argument is run by bash (pipes and globs
@@ -160,7 +177,7 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
                         snapshot=snapshot_ref, home=home_of(ctx)) as sb:
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
                         forward_stdin=forward_stdin, as_json=as_json,
-                        context=parse_pairs(context, "--context"))
+                        context=parse_pairs(context, "--context"), binary=binary)
 
 
 @click.command()
@@ -202,8 +219,8 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
 @click.pass_context
 @handle_errors
 def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple[str, ...],
-          cwd: str | None, forward_stdin: bool, context: tuple[str, ...], as_json: bool,
-          command: tuple[str, ...]) -> None:
+          cwd: str | None, forward_stdin: bool, binary: bool, context: tuple[str, ...],
+          as_json: bool, command: tuple[str, ...]) -> None:
     """Run COMMAND in an existing sandbox; exit with COMMAND's exit code.
 
     Options go before --, the command after it. One argument is run by bash (pipes and globs
@@ -214,12 +231,13 @@ def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple
       corral exec $ID -- 'echo hi > f.txt && cat f.txt'
       corral exec $ID --cwd src -e DEBUG=1 -- python3 app.py
       corral exec $ID -c tool_call_id=call_7 --json -- pytest -q
+      corral exec $ID --binary -- cat image.png > image.png
     """
     cmd = _command_from(command)
     sb = connect(ctx, sandbox_id)
     _run_and_report(sb, cmd, timeout=timeout, env=parse_pairs(env), cwd=cwd,
                     forward_stdin=forward_stdin, as_json=as_json,
-                    context=parse_pairs(context, "--context"))
+                    context=parse_pairs(context, "--context"), binary=binary)
 
 
 @click.command(name="ls")
