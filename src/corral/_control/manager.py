@@ -184,8 +184,9 @@ class Manager:
                     f"{settings.home}; `chmod o+x {parent}` or choose another CORRAL_HOME")
         self.store = Store(settings.home / "corral.db")
         self.secrets = SecretStore(settings.home / "secrets.db")
-        self.auditor = Auditor(directory=settings.home / "audit", store=self.store,
-                               secrets=self.secrets, enabled=settings.audit,
+        self.auditor = Auditor(directory=settings.home / "audit", secrets=self.secrets,
+                               placeholders=self.store, counters=self.store,
+                               enabled=settings.audit,
                                output_limit_bytes=settings.audit_output_bytes)
         self.egress = EgressBroker(settings, self.store, self.secrets, self.auditor)
         self.processes = ProcessTable(self)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import QuotaExceeded, UsageError
 from ..models import SandboxInfo, SnapshotInfo
+from .counters import CounterBuffer
 
 __all__ = ["Store"]
 
@@ -130,6 +131,7 @@ class Store:
         self._db.execute("INSERT OR IGNORE INTO flags SELECT 'keys_have_existed', ? "
                          "WHERE EXISTS (SELECT 1 FROM api_keys)", (time.time(),))
         path.chmod(0o600)
+        self._counters = CounterBuffer(self._write_counters)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -380,17 +382,37 @@ class Store:
                 "SELECT 1 FROM flags WHERE name = 'keys_have_existed'").fetchone() is not None
 
     def add_counters(self, rows: Sequence[tuple[str, str, float]]) -> None:
-        """Add to metric counters, creating them at zero; one transaction for all rows."""
+        """Add to metric counters (batched in memory: see ``CounterBuffer``)."""
+        self._counters.add(rows)
+
+    def _write_counters(self, rows: Sequence[tuple[str, str, float]]) -> None:
         with self._tx() as db:
             db.executemany(
                 "INSERT INTO counters (name, labels, value) VALUES (?, ?, ?) "
                 "ON CONFLICT (name, labels) DO UPDATE SET value = value + excluded.value", rows)
 
     def counters(self) -> dict[tuple[str, str], float]:
+        self._counters.flush()  # this process's own counts are part of the answer
         with self._lock:
             rows = self._db.execute("SELECT name, labels, value FROM counters").fetchall()
         return {(r[0], r[1]): r[2] for r in rows}
 
+    def placeholders(self, sandbox_id: str) -> builtins.list[str]:
+        """The secret placeholders handed to a sandbox (none once it is gone)."""
+        info = self.get(sandbox_id)
+        return list(info.secrets.values()) if info is not None else []
+
+    def state_counts(self) -> dict[str, int]:
+        """Sandboxes by state; every state appears, at zero when none is in it."""
+        counts = {"creating": 0, "running": 0, "paused": 0, "destroying": 0}
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT state, COUNT(*) FROM sandboxes GROUP BY state").fetchall()
+        for state, count in rows:
+            counts[state] = count
+        return counts
+
     def close(self) -> None:
+        self._counters.close()
         with self._lock:
             self._db.close()
