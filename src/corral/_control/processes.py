@@ -22,7 +22,7 @@ from ..errors import CommandNotFound, CorralError, UsageError
 from ..models import CommandResult
 
 if TYPE_CHECKING:
-    from .manager import Manager
+    from .commands import CommandRunner
     from .tenants import Tenant
 
 __all__ = ["BackgroundProcess", "EmbeddedProcessAPI", "ProcessTable"]
@@ -125,10 +125,11 @@ class BackgroundProcess:
 
 
 class ProcessTable:
-    """The background processes started through one manager."""
+    """The background processes started through one control plane; each is one command of
+    ``runner`` (which knows nothing of this table: the dependency goes one way)."""
 
-    def __init__(self, manager: Manager) -> None:
-        self._manager = manager
+    def __init__(self, runner: CommandRunner) -> None:
+        self._runner = runner
         self._processes: dict[str, BackgroundProcess] = {}
         self._lock = threading.Lock()
 
@@ -138,16 +139,15 @@ class ProcessTable:
               caller: Tenant | None = None) -> BackgroundProcess:
         """Start ``cmd`` in the background; with ``caller``, it counts against its commands
         per minute like any command (counted here, before the thread starts)."""
-        info = self._manager.get(sandbox_id)
-        self._manager.admit(caller)
+        checked_id = self._runner.admit_background(sandbox_id, caller)
         argv = [cmd] if isinstance(cmd, str) else list(cmd)
-        process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=info.id,
+        process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=checked_id,
                                     command_id=new_command_id(), argv=argv,
                                     started_at=time.time())
 
         def run() -> None:
             try:
-                result = self._manager.run(
+                result = self._runner.run(
                     sandbox_id, cmd, envs=envs, cwd=cwd, context=context, interactive=True,
                     on_start=process._started, lifetime=True, command_id=process.command_id,
                     on_stdout=lambda text: process._feed("stdout", text),
@@ -184,11 +184,15 @@ class ProcessTable:
         with self._lock:
             return [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
 
+    def any_live(self, sandbox_id: str) -> bool:
+        """True while a background process of the sandbox has not exited."""
+        return any(p.state != "exited" for p in self.list(sandbox_id))
+
     def kill(self, sandbox_id: str, process_id: str) -> None:
         process = self.get(sandbox_id, process_id)
         if process.state == "exited":
             return
-        self._manager.kill_command(sandbox_id, process.command_id)
+        self._runner.kill(sandbox_id, process.command_id)
 
 
 class EmbeddedProcessAPI:

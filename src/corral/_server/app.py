@@ -32,7 +32,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .._audit.log import follow as follow_log
 from .._audit.metrics import render
 from .._backends import BACKENDS
-from .._control.manager import _MAX_FORKS, Manager
+from .._control.manager import Manager
+from .._control.validate import MAX_FORKS as _MAX_FORKS
+from .._control.validate import snapshot_name as _check_snapshot_name
 from .._core.resources import TIERS, get_tier
 from ..errors import (
     AuthError,
@@ -716,7 +718,7 @@ def _as_sdk_error(problems: Sequence[Any]) -> CorralError | None:
         return UsageError(f"count must be an integer from 1 to {_MAX_FORKS}, not {given!r}")
     if loc[:1] == ["body"] and field == "name":
         try:  # the control plane's own check, so the message is the embedded SDK's
-            Manager._check_snapshot_name(given)
+            _check_snapshot_name(given)
         except UsageError as exc:
             return exc
     if loc[:1] == ["query"] and field in ("path", "src", "dst"):
