@@ -1,10 +1,19 @@
-"""Public result and description types, shared by the SDK, the CLI and (later) the HTTP API."""
+"""Public result and description types, defined once and shared by the SDK (embedded and
+remote), the HTTP API, MCP and the CLI's ``--json``.
+
+``SandboxInfo`` and ``SnapshotInfo`` are the wire schema itself (pydantic): the server answers
+with them, and the remote SDK parses its answers into them, ignoring fields it does not know
+(so an older client works against a newer server). What the control plane keeps about a
+sandbox beyond them (its host uid, secret placeholders, last activity) is not public.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "CommandResult",
@@ -106,9 +115,17 @@ class CommandResult:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True, slots=True)
-class SandboxInfo:
-    """A sandbox's metadata as the store holds it."""
+class _Public(BaseModel):
+    # Frozen like the dataclasses; unknown fields from a newer server are ignored.
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form (the wire form, and the CLI's ``--json``)."""
+        return self.model_dump(mode="json")
+
+
+class SandboxInfo(_Public):
+    """A sandbox, as every surface describes it."""
 
     id: str
     template: str
@@ -116,35 +133,29 @@ class SandboxInfo:
     state: SandboxState
     created_at: float
     expires_at: float
-    uid: int
-    labels: dict[str, str] = field(default_factory=dict)
-    network: dict[str, Any] = field(default_factory=dict)
-    secrets: dict[str, str] = field(default_factory=dict)  # name -> placeholder
-    tenant: str = "local"
-    idle_timeout: float | None = None  # destroyed after this long without commands or file use
-    last_active: float = 0.0
-    isolation: str = "namespace"  # the isolation tier: "namespace" or "gvisor"
-    layer: str | None = None  # top read-only workspace layer (from a snapshot or fork), if any
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    labels: dict[str, str] = Field(default_factory=dict)
+    network: dict[str, Any] = Field(default_factory=dict)
+    secrets: list[str] = Field(default_factory=list, description="Names of its secrets.")
+    idle_timeout: float | None = Field(
+        default=None, description="Destroyed after this long without commands or file use.")
+    # An older server sends neither: it only has the one (namespace) tier and no layers.
+    isolation: str = Field(default="namespace", description="The isolation tier it runs on.")
+    layer: str | None = Field(
+        default=None, description="The top read-only layer of its workspace (from a snapshot, "
+                                  "fork or restore); null for a fresh workspace.")
 
 
-@dataclass(frozen=True, slots=True)
-class SnapshotInfo:
+class SnapshotInfo(_Public):
     """A sealed, read-only state of a sandbox's workspace that sandboxes can start from."""
 
     id: str
     name: str | None
-    sandbox: str  # the sandbox it was taken from
+    sandbox: str = Field(description="The sandbox it was taken from.")
     template: str
     created_at: float
-    size_bytes: int  # the bytes this snapshot's own layer adds
-    depth: int  # layers under a sandbox started from it
+    size_bytes: int = Field(description="Bytes its own layer adds.")
+    depth: int = Field(description="Layers under a sandbox started from it.")
     tenant: str = "local"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

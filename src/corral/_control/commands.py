@@ -18,10 +18,11 @@ from .._core.resources import get_tier
 from .._workspace.files import WorkspaceFiles
 from ..backends import ExecRequest, OutputCallback, ProcessIO
 from ..errors import CommandError, CommandNotFound, FileError, FileNotFound, SandboxBusy
-from ..models import CommandResult, ResourceTier, SandboxInfo
+from ..models import CommandResult, ResourceTier
 from . import validate
 from .egress import EgressBroker
 from .locks import WorkspaceLocks
+from .records import SandboxRecord
 from .sandboxes import Sandboxes
 from .store import Store
 from .tenants import Admission, Tenant
@@ -147,7 +148,7 @@ class Commands:
         self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None,
         envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
         context: Mapping[str, Any] | None, lifetime: bool, caller: Tenant | None = None,
-    ) -> tuple[validate.Command, SandboxInfo, ResourceTier, float]:
+    ) -> tuple[validate.Command, SandboxRecord, ResourceTier, float]:
         """Everything ``run`` refuses, refused before anything runs; with ``caller``, the
         start is counted (last, so a refused command does not use up the quota)."""
         command = validate.command(cmd, cwd, envs, stdin)
@@ -165,7 +166,7 @@ class Commands:
         self._admission.admit(caller)
         return command, info, tier, limit
 
-    def _check_cwd(self, info: SandboxInfo, cwd: str) -> None:
+    def _check_cwd(self, info: SandboxRecord, cwd: str) -> None:
         root = self._sandboxes.backend(info).workspace_root(self._sandboxes.spec(info))
         try:
             entry = WorkspaceFiles(root, info.uid).stat(cwd)

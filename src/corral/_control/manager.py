@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 from .._audit.auditor import Auditor
 from .._settings import Settings
 from ..backends import IsolationBackend, OutputCallback, ProcessIO, SandboxSpec
-from ..errors import BackendUnavailable, ConfigError
+from ..errors import BackendUnavailable, ConfigError, SandboxNotFound
 from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .commands import Commands
 from .egress import EgressBroker, NetworkSpec
@@ -29,6 +29,7 @@ from .files import AuditedFiles, Files
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .processes import EmbeddedProcessAPI, ProcessTable
+from .records import SandboxRecord
 from .recovery import Recovery
 from .registry import BackendRegistry
 from .sandboxes import Sandboxes
@@ -144,42 +145,46 @@ class Manager:
         return self.sandboxes.create(
             template=template, resources=resources, timeout=timeout, labels=labels,
             network=network, secrets=secrets, tenant=tenant, max_for_tenant=max_for_tenant,
-            idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot, caller=caller)
+            idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot,
+            caller=caller).public()
 
     def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxInfo:
         """The sandbox; with ``tenant``, only if it belongs to that tenant (else not found)."""
-        return self.sandboxes.get(sandbox_id, tenant=tenant)
+        return self.sandboxes.get(sandbox_id, tenant=tenant).public()
 
     def list(self, *, tenant: str | None = None) -> builtins.list[SandboxInfo]:
         self.recovery.ensure()
-        return self.sandboxes.list(tenant=tenant)
+        return [record.public() for record in self.sandboxes.list(tenant=tenant)]
 
     def set_timeout(self, sandbox_id: str, timeout: float, *,
                     caller: Tenant | None = None) -> SandboxInfo:
-        return self.sandboxes.set_timeout(sandbox_id, timeout, caller=caller)
+        return self.sandboxes.set_timeout(sandbox_id, timeout, caller=caller).public()
 
     def set_network(self, sandbox_id: str, network: NetworkSpec, *,
                     caller: Tenant | None = None) -> SandboxInfo:
         """Replace the sandbox's network policy; the next connection sees it. The allow rules
         must fall within the caller's hosts ceiling."""
-        return self.sandboxes.set_network(sandbox_id, network, caller=caller)
+        return self.sandboxes.set_network(sandbox_id, network, caller=caller).public()
 
     def pause(self, sandbox_id: str) -> SandboxInfo:
         """Freeze every process of the sandbox (files stay reachable); its TTL keeps running."""
-        return self.sandboxes.pause(sandbox_id)
+        return self.sandboxes.pause(sandbox_id).public()
 
     def resume(self, sandbox_id: str) -> SandboxInfo:
-        return self.sandboxes.resume(sandbox_id)
+        return self.sandboxes.resume(sandbox_id).public()
 
     def destroy(self, sandbox_id: str) -> None:
         self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
 
-    def _destroy(self, info: SandboxInfo, *, reason: str) -> None:
-        # Kept for the test and drill fixtures that clean up whatever state a sandbox is in.
-        self.sandboxes.destroy(info, reason=reason)
+    def _destroy(self, record: SandboxRecord, *, reason: str) -> None:
+        # For the test and drill fixtures that clean up store rows in whatever state.
+        self.sandboxes.destroy(record, reason=reason)
 
-    def _spec(self, info: SandboxInfo) -> SandboxSpec:
-        return self.sandboxes.spec(info)
+    def _spec(self, info: SandboxInfo | SandboxRecord) -> SandboxSpec:
+        record = self.store.get(info.id)
+        if record is None:
+            raise SandboxNotFound(f"sandbox {info.id} does not exist")
+        return self.sandboxes.spec(record)
 
     # -- commands ---------------------------------------------------------------------------------
 
@@ -239,14 +244,16 @@ class Manager:
         read-only layers; O(1) in the workspace's size) with its template, tier, isolation,
         network policy, secrets and labels, all within the caller's ceiling (and quota)."""
         self.recovery.ensure()
-        return self.snapshots.fork(sandbox_id, count, tenant=tenant,
-                                   max_for_tenant=max_for_tenant, caller=caller)
+        children = self.snapshots.fork(sandbox_id, count, tenant=tenant,
+                                       max_for_tenant=max_for_tenant, caller=caller)
+        return [child.public() for child in children]
 
     def restore(self, sandbox_id: str, snapshot: str, *,
                 tenant: str | None = None, caller: Tenant | None = None) -> SandboxInfo:
         """Replace the workspace with ``snapshot``'s state, exactly; unsnapshotted changes go.
         The sandbox's policy must still be within the caller's ceiling."""
-        return self.snapshots.restore(sandbox_id, snapshot, tenant=tenant, caller=caller)
+        return self.snapshots.restore(sandbox_id, snapshot, tenant=tenant,
+                                      caller=caller).public()
 
     def get_snapshot(self, ref: str, *, tenant: str | None = None) -> SnapshotInfo:
         return self.snapshots.get(ref, tenant=tenant)

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from .._audit.auditor import Auditor
 from ..backends import IsolationBackend
 from ..errors import BackendUnavailable
-from ..models import SandboxInfo
 from .layers import Layers
 from .processes import ProcessTable
+from .records import SandboxRecord
 from .registry import BackendRegistry
 from .sandboxes import Sandboxes
 from .snapshots import is_running
@@ -91,7 +91,7 @@ class Recovery:
         self._done = True
         return removed + swept
 
-    def _idle(self, info: SandboxInfo, now: float) -> bool:
+    def _idle(self, info: SandboxRecord, now: float) -> bool:
         """Past its idle timeout with nothing running (no command, no background process)."""
         if info.idle_timeout is None or info.state != "running":
             return False

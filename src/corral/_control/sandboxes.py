@@ -28,11 +28,12 @@ from ..errors import (
     SandboxNotFound,
     SnapshotNotFound,
 )
-from ..models import SandboxInfo, SnapshotInfo
+from ..models import SnapshotInfo
 from . import validate
 from .egress import EgressBroker, NetworkSpec, policy_from
 from .layers import Layers
 from .locks import WorkspaceLocks
+from .records import SandboxRecord
 from .registry import BackendRegistry
 from .store import Store
 from .tenants import Admission, Tenant
@@ -77,15 +78,15 @@ class Sandboxes:
 
     # -- what the other services share ---------------------------------------------------------
 
-    def backend(self, info: SandboxInfo) -> IsolationBackend:
+    def backend(self, info: SandboxRecord) -> IsolationBackend:
         return self._backends.get(info.isolation)
 
-    def spec(self, info: SandboxInfo) -> SandboxSpec:
+    def spec(self, info: SandboxRecord) -> SandboxSpec:
         return SandboxSpec(id=info.id, uid=info.uid, template=info.template,
                            tier=get_tier(info.resources),
                            layers=self._store.layer_chain(info.layer))
 
-    def busy(self, info: SandboxInfo) -> bool:
+    def busy(self, info: SandboxRecord) -> bool:
         """True while any command runs in it (from any process); background processes are
         the process table's to report."""
         return self.backend(info).busy(self.spec(info))
@@ -99,7 +100,7 @@ class Sandboxes:
         idle_timeout: float | None, isolation: str | None, snapshot: str | None,
         caller: Tenant | None, parent_layer: str | None = None,
         origin: Mapping[str, Any] | None = None,
-    ) -> SandboxInfo:
+    ) -> SandboxRecord:
         """A running sandbox (see ``Manager.create``). A fork passes ``parent_layer``, the
         sealed workspace it starts from, and ``origin``, added to its ``sandbox.created``
         event."""
@@ -161,7 +162,7 @@ class Sandboxes:
         logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
         return info
 
-    def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxInfo:
+    def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxRecord:
         """The sandbox; with ``tenant``, only if it belongs to that tenant (else not found)."""
         validate.sandbox_id(sandbox_id)
         info = self._store.get(sandbox_id)
@@ -179,7 +180,7 @@ class Sandboxes:
             )
         return info
 
-    def list(self, *, tenant: str | None = None) -> builtins.list[SandboxInfo]:
+    def list(self, *, tenant: str | None = None) -> builtins.list[SandboxRecord]:
         now = time.time()
         live = []
         for info in self._store.list():
@@ -191,7 +192,7 @@ class Sandboxes:
         return live
 
     def set_timeout(self, sandbox_id: str, timeout: float, *,
-                    caller: Tenant | None) -> SandboxInfo:
+                    caller: Tenant | None) -> SandboxRecord:
         info = self.get(sandbox_id)
         ttl = validate.ttl(timeout, get_tier(info.resources).max_ttl_s)
         # The ceiling bounds the whole life, so extending again and again cannot pass it.
@@ -205,7 +206,7 @@ class Sandboxes:
         return info
 
     def set_network(self, sandbox_id: str, network: NetworkSpec, *,
-                    caller: Tenant | None) -> SandboxInfo:
+                    caller: Tenant | None) -> SandboxRecord:
         policy = policy_from(network)
         info = self.get(sandbox_id)
         check_ceiling(self._admission.ceiling_for(caller),
@@ -214,7 +215,7 @@ class Sandboxes:
         self._auditor.event(sandbox_id, "sandbox.policy_changed", {"network": policy.to_json()})
         return self.get(sandbox_id)
 
-    def pause(self, sandbox_id: str) -> SandboxInfo:
+    def pause(self, sandbox_id: str) -> SandboxRecord:
         info = self.get(sandbox_id)
         if info.state == "paused":
             return info
@@ -223,7 +224,7 @@ class Sandboxes:
         self._auditor.event(sandbox_id, "sandbox.paused", {})
         return self.get(sandbox_id)
 
-    def resume(self, sandbox_id: str) -> SandboxInfo:
+    def resume(self, sandbox_id: str) -> SandboxRecord:
         info = self.get(sandbox_id)
         if info.state != "paused":
             return info
@@ -232,11 +233,11 @@ class Sandboxes:
         self._auditor.event(sandbox_id, "sandbox.resumed", {})
         return self.get(sandbox_id)
 
-    def expire(self, info: SandboxInfo) -> None:
+    def expire(self, info: SandboxRecord) -> None:
         self._auditor.event(info.id, "sandbox.expired", {"expires_at": info.expires_at})
         self.destroy(info, reason="expired")
 
-    def destroy(self, info: SandboxInfo, *, reason: str) -> None:
+    def destroy(self, info: SandboxRecord, *, reason: str) -> None:
         # One destroy per sandbox at a time in this process: the reaper finishing a
         # "destroying" row must not race the request that is destroying it right now.
         with self._destroying_lock:

@@ -10,12 +10,13 @@ import time
 
 from .._audit.auditor import Auditor
 from ..errors import SandboxBusy, SnapshotInUse, UsageError
-from ..models import SandboxInfo, SnapshotInfo
+from ..models import SnapshotInfo
 from . import validate
 from .egress import network_spec, policy_from
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .processes import ProcessTable
+from .records import SandboxRecord
 from .sandboxes import Sandboxes, find_snapshot, new_id
 from .store import Store
 from .tenants import Admission, Tenant
@@ -23,7 +24,7 @@ from .tenants import Admission, Tenant
 __all__ = ["Snapshots", "is_running"]
 
 
-def is_running(sandboxes: Sandboxes, processes: ProcessTable, info: SandboxInfo) -> bool:
+def is_running(sandboxes: Sandboxes, processes: ProcessTable, info: SandboxRecord) -> bool:
     """True while a background process or any command (from any process) runs in it."""
     return processes.any_live(info.id) or sandboxes.busy(info)
 
@@ -40,13 +41,13 @@ class Snapshots:
         self._auditor = auditor
         self._admission = admission
 
-    def _check_policy(self, info: SandboxInfo, caller: Tenant | None) -> None:
+    def _check_policy(self, info: SandboxRecord, caller: Tenant | None) -> None:
         self._admission.check_policy(
             caller=caller, tenant=info.tenant, template=info.template,
             isolation=info.isolation, resources=info.resources,
             network=policy_from(network_spec(info.network)), secrets=sorted(info.secrets))
 
-    def _seal(self, info: SandboxInfo) -> str:
+    def _seal(self, info: SandboxRecord) -> str:
         """Seal the sandbox's writable layer into a new read-only layer; return its id."""
         if info.state == "paused":
             raise SandboxBusy(f"sandbox {info.id} is paused; resume() it first")
@@ -84,7 +85,7 @@ class Snapshots:
         return snap
 
     def fork(self, sandbox_id: str, count: int, *, tenant: str | None,
-             max_for_tenant: int | None, caller: Tenant | None) -> builtins.list[SandboxInfo]:
+             max_for_tenant: int | None, caller: Tenant | None) -> builtins.list[SandboxRecord]:
         validate.fork_count(count)
         if caller is not None and not caller.is_local:
             tenant = caller.name if tenant is None else tenant
@@ -92,7 +93,7 @@ class Snapshots:
         info = self._sandboxes.get(sandbox_id, tenant=tenant)
         self._check_policy(info, caller)  # before sealing: a refused fork changes nothing
         layer = self._seal(info)
-        children: list[SandboxInfo] = []
+        children: list[SandboxRecord] = []
         try:
             for _ in range(count):
                 children.append(self._sandboxes.create(
@@ -112,7 +113,7 @@ class Snapshots:
         return children
 
     def restore(self, sandbox_id: str, snapshot: str, *, tenant: str | None,
-                caller: Tenant | None) -> SandboxInfo:
+                caller: Tenant | None) -> SandboxRecord:
         if caller is not None and not caller.is_local and tenant is None:
             tenant = caller.name
         info = self._sandboxes.get(sandbox_id, tenant=tenant)

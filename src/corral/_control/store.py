@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QuotaExceeded, UsageError
-from ..models import SandboxInfo, SnapshotInfo
+from ..models import SnapshotInfo
 from .counters import CounterBuffer
+from .records import SandboxRecord
 
 __all__ = ["Store"]
 
@@ -79,8 +80,8 @@ CREATE TABLE IF NOT EXISTS counters (
 """
 
 
-def _row_to_info(row: sqlite3.Row) -> SandboxInfo:
-    return SandboxInfo(
+def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
+    return SandboxRecord(
         id=row["id"], template=row["template"], resources=row["resources"],
         state=row["state"], created_at=row["created_at"], expires_at=row["expires_at"],
         uid=row["uid"], labels=json.loads(row["labels"]),
@@ -151,7 +152,7 @@ class Store:
         tenant: str = "local", max_for_tenant: int | None = None,
         idle_timeout: float | None = None, isolation: str = "namespace",
         layer: str | None = None,
-    ) -> SandboxInfo:
+    ) -> SandboxRecord:
         """Insert a sandbox in state ``creating`` with the lowest free uid of the range.
 
         Raises:
@@ -189,12 +190,12 @@ class Store:
         assert info is not None
         return info
 
-    def get(self, sandbox_id: str) -> SandboxInfo | None:
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
         return _row_to_info(row) if row else None
 
-    def list(self) -> list[SandboxInfo]:
+    def list(self) -> list[SandboxRecord]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
         return [_row_to_info(r) for r in rows]

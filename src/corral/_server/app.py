@@ -199,45 +199,6 @@ class SetTimeout(_Strict):
     timeout: _Seconds
 
 
-class SandboxOut(BaseModel):
-    id: str
-    template: str
-    resources: str
-    state: str
-    created_at: float
-    expires_at: float
-    labels: dict[str, str]
-    network: dict[str, Any]
-    secrets: list[str]
-    idle_timeout: float | None = None
-    isolation: str = Field(description="The isolation tier it runs on.")
-    layer: str | None = Field(
-        default=None, description="The top read-only layer of its workspace (from a snapshot, "
-                                  "fork or restore); null for a fresh workspace.")
-
-    @classmethod
-    def of(cls, info: SandboxInfo) -> SandboxOut:
-        return cls(id=info.id, template=info.template, resources=info.resources,
-                   state=info.state, created_at=info.created_at, expires_at=info.expires_at,
-                   labels=info.labels, network=info.network, secrets=sorted(info.secrets),
-                   idle_timeout=info.idle_timeout, isolation=info.isolation, layer=info.layer)
-
-
-class SnapshotOut(BaseModel):
-    id: str
-    name: str | None
-    sandbox: str = Field(description="The sandbox it was taken from.")
-    template: str
-    created_at: float
-    size_bytes: int = Field(description="Bytes its own layer adds.")
-    depth: int = Field(description="Layers under a sandbox started from it.")
-
-    @classmethod
-    def of(cls, snap: SnapshotInfo) -> SnapshotOut:
-        return cls(id=snap.id, name=snap.name, sandbox=snap.sandbox, template=snap.template,
-                   created_at=snap.created_at, size_bytes=snap.size_bytes, depth=snap.depth)
-
-
 def _result(result: CommandResult) -> dict[str, Any]:
     return result.to_dict()
 
@@ -364,8 +325,8 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
 
     # -- sandboxes ----------------------------------------------------------------------------
 
-    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxOut)
-    def create_sandbox(body: CreateSandbox, who: TenantDep) -> SandboxOut:
+    @app.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
+    def create_sandbox(body: CreateSandbox, who: TenantDep) -> SandboxInfo:
         network = body.network if isinstance(body.network, str) else body.network.model_dump()
         # The snapshot is looked up among this tenant's own, so another's answers 404.
         info = manager.create(template=body.template, resources=body.resources,
@@ -373,19 +334,19 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
                               secrets=body.secrets, caller=who,
                               idle_timeout=body.idle_timeout,
                               isolation=body.isolation, snapshot=body.snapshot)
-        return SandboxOut.of(info)
+        return (info)
 
-    @app.get("/v1/sandboxes", response_model=list[SandboxOut])
+    @app.get("/v1/sandboxes", response_model=list[SandboxInfo])
     def list_sandboxes(who: TenantDep, label: Annotated[list[str] | None, Query()] = None
-                       ) -> list[SandboxOut]:
+                       ) -> list[SandboxInfo]:
         wanted = dict(item.partition("=")[::2] for item in (label or []))
         infos = manager.list(tenant=None if who.name == "local" else who.name)
-        return [SandboxOut.of(i) for i in infos
+        return [i for i in infos
                 if all(i.labels.get(k) == v for k, v in wanted.items())]
 
-    @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxOut)
-    def get_sandbox(sandbox_id: str, who: TenantDep) -> SandboxOut:
-        return SandboxOut.of(owned(sandbox_id, who))
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+    def get_sandbox(sandbox_id: str, who: TenantDep) -> SandboxInfo:
+        return (owned(sandbox_id, who))
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
     def delete_sandbox(sandbox_id: str, who: TenantDep) -> Response:
@@ -393,57 +354,57 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
         manager.destroy(sandbox_id)
         return Response(status_code=204)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=SandboxOut)
-    def set_timeout(sandbox_id: str, body: SetTimeout, who: TenantDep) -> SandboxOut:
+    @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=SandboxInfo)
+    def set_timeout(sandbox_id: str, body: SetTimeout, who: TenantDep) -> SandboxInfo:
         owned(sandbox_id, who)
-        return SandboxOut.of(manager.set_timeout(sandbox_id, body.timeout, caller=who))
+        return (manager.set_timeout(sandbox_id, body.timeout, caller=who))
 
-    @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxOut)
-    def set_network(sandbox_id: str, body: NetworkBody, who: TenantDep) -> SandboxOut:
+    @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxInfo)
+    def set_network(sandbox_id: str, body: NetworkBody, who: TenantDep) -> SandboxInfo:
         owned(sandbox_id, who)
-        return SandboxOut.of(manager.set_network(sandbox_id, body.model_dump(), caller=who))
+        return (manager.set_network(sandbox_id, body.model_dump(), caller=who))
 
-    @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxOut)
-    def pause(sandbox_id: str, who: TenantDep) -> SandboxOut:
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
+    def pause(sandbox_id: str, who: TenantDep) -> SandboxInfo:
         owned(sandbox_id, who)
-        return SandboxOut.of(manager.pause(sandbox_id))
+        return (manager.pause(sandbox_id))
 
-    @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxOut)
-    def resume(sandbox_id: str, who: TenantDep) -> SandboxOut:
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
+    def resume(sandbox_id: str, who: TenantDep) -> SandboxInfo:
         owned(sandbox_id, who)
-        return SandboxOut.of(manager.resume(sandbox_id))
+        return (manager.resume(sandbox_id))
 
     # -- snapshots, forks, restore ------------------------------------------------------------
 
     @app.post("/v1/sandboxes/{sandbox_id}/snapshots", status_code=201,
-              response_model=SnapshotOut)
+              response_model=SnapshotInfo)
     def take_snapshot(sandbox_id: str, who: TenantDep,
-                      body: Annotated[TakeSnapshot, Body()] = _NO_BODY_SNAPSHOT) -> SnapshotOut:
+                      body: Annotated[TakeSnapshot, Body()] = _NO_BODY_SNAPSHOT) -> SnapshotInfo:
         """Seal the workspace's current state as a snapshot (409 while anything runs in it)."""
-        return SnapshotOut.of(manager.snapshot(sandbox_id, name=body.name, tenant=scope(who)))
+        return (manager.snapshot(sandbox_id, name=body.name, tenant=scope(who)))
 
     @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201,
-              response_model=list[SandboxOut])
+              response_model=list[SandboxInfo])
     def fork(sandbox_id: str, who: TenantDep,
-             body: Annotated[Fork, Body()] = _NO_BODY_FORK) -> list[SandboxOut]:
+             body: Annotated[Fork, Body()] = _NO_BODY_FORK) -> list[SandboxInfo]:
         """``count`` new sandboxes starting from this one's workspace as it is now; they count
         against the tenant's sandbox quota (all or none are made)."""
         children = manager.fork(sandbox_id, body.count, tenant=scope(who), caller=who)
-        return [SandboxOut.of(c) for c in children]
+        return children
 
-    @app.post("/v1/sandboxes/{sandbox_id}/restore", response_model=SandboxOut)
-    def restore(sandbox_id: str, body: Restore, who: TenantDep) -> SandboxOut:
+    @app.post("/v1/sandboxes/{sandbox_id}/restore", response_model=SandboxInfo)
+    def restore(sandbox_id: str, body: Restore, who: TenantDep) -> SandboxInfo:
         """Put the workspace back exactly as it was in the snapshot (409 while anything runs)."""
-        return SandboxOut.of(manager.restore(sandbox_id, body.snapshot, tenant=scope(who),
+        return (manager.restore(sandbox_id, body.snapshot, tenant=scope(who),
                                              caller=who))
 
-    @app.get("/v1/snapshots", response_model=list[SnapshotOut])
-    def list_snapshots(who: TenantDep) -> list[SnapshotOut]:
-        return [SnapshotOut.of(s) for s in manager.list_snapshots(tenant=scope(who))]
+    @app.get("/v1/snapshots", response_model=list[SnapshotInfo])
+    def list_snapshots(who: TenantDep) -> list[SnapshotInfo]:
+        return manager.list_snapshots(tenant=scope(who))
 
-    @app.get("/v1/snapshots/{ref}", response_model=SnapshotOut)
-    def get_snapshot(ref: str, who: TenantDep) -> SnapshotOut:
-        return SnapshotOut.of(manager.get_snapshot(ref, tenant=scope(who)))
+    @app.get("/v1/snapshots/{ref}", response_model=SnapshotInfo)
+    def get_snapshot(ref: str, who: TenantDep) -> SnapshotInfo:
+        return (manager.get_snapshot(ref, tenant=scope(who)))
 
     @app.delete("/v1/snapshots/{ref}", status_code=204)
     def delete_snapshot(ref: str, who: TenantDep) -> Response:
