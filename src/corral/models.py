@@ -155,7 +155,6 @@ class SnapshotInfo(_Public):
     created_at: float
     size_bytes: int = Field(description="Bytes its own layer adds.")
     depth: int = Field(description="Layers under a sandbox started from it.")
-    tenant: str = "local"
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,7 +96,6 @@ def _row_to_snapshot(row: sqlite3.Row) -> SnapshotInfo:
     return SnapshotInfo(
         id=row["id"], name=row["name"], sandbox=row["sandbox"], template=row["template"],
         created_at=row["created_at"], size_bytes=row["bytes"], depth=row["depth"],
-        tenant=row["tenant"],
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._backends import BACKENDS
 from .._workspace.files import to_relative
-from ..errors import CommandError, SandboxNotFound, UsageError
+from ..errors import CommandError, CommandNotFound, SandboxNotFound, UsageError
 from ..models import ResourceTier
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "fork_count",
     "isolation",
     "labels",
+    "positive_seconds",
     "sandbox_id",
     "secret_names",
     "snapshot_name",
@@ -152,12 +153,18 @@ def context(value: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     return value
 
 
+def positive_seconds(value: object, name: str = "timeout") -> float:
+    """A duration: a positive number of seconds (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def command_timeout(timeout: float | None, tier: ResourceTier) -> float:
     """A command's time limit: the tier's default, or ``timeout`` within the tier's maximum."""
     if timeout is None:
         return tier.command_timeout_s
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-        raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    positive_seconds(timeout)
     if timeout > tier.command_timeout_s:
         raise UsageError(
             f"timeout {timeout:g} s is over the {tier.name} tier's limit of "
@@ -219,8 +226,6 @@ def sandbox_id(value: object) -> str:
 
 
 def command_id(value: object) -> str:
-    from ..errors import CommandNotFound
-
     if not isinstance(value, str) or not _COMMAND_ID_RE.match(value):
         raise CommandNotFound(f"{value!r} is not a command id")
     return value

@@ -19,7 +19,7 @@ import os
 import queue
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Query, Request, WebSocket
@@ -32,18 +32,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .._audit.log import follow as follow_log
 from .._audit.metrics import render
 from .._backends import BACKENDS
+from .._backends.namespace.template import require_template
+from .._control import validate
 from .._control.manager import Manager
 from .._control.validate import MAX_FORKS as _MAX_FORKS
-from .._control.validate import snapshot_name as _check_snapshot_name
 from .._core.resources import TIERS, get_tier
+from .._workspace.files import to_relative
 from ..errors import (
     AuthError,
-    CommandError,
     CorralError,
-    PathRefused,
     SandboxNotFound,
     TooLarge,
-    UsageError,
 )
 from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .auth import Tenant, TenantDirectory
@@ -270,6 +269,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     address, ``localhost``, ``127.0.0.1`` and ``[::1]``. Raises ValueError for a malformed
     name."""
     tenants = TenantDirectory(manager.store)
+    rules = _field_rules(manager)
     loopback = _is_loopback(listen_host)
     names = ServiceNames.of(listen_host, host_names)
     app = FastAPI(title="Corral", version="0.1.0", responses=_ERRORS,
@@ -308,7 +308,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         # Limits the embedded SDK refuses with a specific error are refused with the same one
         # here, so both transports raise the same exception class.
-        same = _as_sdk_error(exc.errors())
+        same = _control_plane_error(rules, exc.errors())
         if same is not None:
             return JSONResponse({"error": same.code, "message": same.message},
                                 status_code=same.status)
@@ -650,40 +650,44 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     return app
 
 
-def _as_sdk_error(problems: Sequence[Any]) -> CorralError | None:
-    """The error the embedded control plane raises for the first schema problem, if any."""
+def _field_rules(manager: Manager) -> dict[tuple[str, str], Callable[[Any], object]]:
+    """The control plane's own rule for each request field the schema constrains, so a value
+    the schema refuses is refused with the control plane's error and message (the same class
+    the embedded SDK raises), not a second copy of them here."""
+
+    def template(value: Any) -> None:
+        require_template(validate.template(value), manager.settings.home / "templates")
+
+    rules: dict[tuple[str, str], Callable[[Any], object]] = {
+        ("body", "cmd"): lambda value: validate.command(value, None, None, None),
+        ("body", "resources"): get_tier,
+        ("body", "template"): template,
+        ("body", "timeout"): validate.positive_seconds,
+        ("body", "idle_timeout"): lambda value: validate.positive_seconds(value, "idle_timeout"),
+        ("body", "isolation"): validate.isolation,
+        ("body", "snapshot"): validate.snapshot_ref,
+        ("body", "count"): validate.fork_count,
+        ("body", "name"): validate.snapshot_name,
+    }
+    for name in ("path", "src", "dst"):
+        rules[("query", name)] = to_relative
+    return rules
+
+
+def _control_plane_error(rules: Mapping[tuple[str, str], Callable[[Any], object]],
+                         problems: Sequence[Any]) -> CorralError | None:
+    """What the control plane raises for the first schema problem, if it has a rule for it."""
     if not problems:
         return None
     first = problems[0]
     loc = [str(part) for part in first.get("loc", ())]
-    field = loc[1] if len(loc) > 1 else ""
-    given = first.get("input")
-    if loc[:1] == ["body"] and field == "cmd":
-        if given in ("", []):
-            return CommandError("the command is empty; pass a shell string or an argv list")
-        return CommandError(f"invalid command: {first.get('msg')}")
-    if loc[:1] == ["body"] and field == "resources":
-        return UsageError(f"unknown resource tier {given!r}; choose one of: "
-                          f"{', '.join(sorted(TIERS))}")
-    if loc[:1] == ["body"] and field == "template":
-        return UsageError(f"unknown template {given!r}: template names are lowercase letters, "
-                          "digits, - and _; `corral templates ls` lists the built ones")
-    if loc[:1] == ["body"] and field in ("timeout", "idle_timeout"):
-        return UsageError(f"{field} must be a positive number of seconds, got {given!r}")
-    if loc[:1] == ["body"] and field == "isolation":
-        return UsageError(f"unknown isolation tier {given!r}; choose one of: "
-                          f"{', '.join(ISOLATION_TIERS)}")
-    if loc[:1] == ["body"] and field == "snapshot":
-        return UsageError(f"a snapshot is named by its id or name, not {given!r}")
-    if loc[:1] == ["body"] and field == "count":
-        return UsageError(f"count must be an integer from 1 to {_MAX_FORKS}, not {given!r}")
-    if loc[:1] == ["body"] and field == "name":
-        try:  # the control plane's own check, so the message is the embedded SDK's
-            _check_snapshot_name(given)
-        except UsageError as exc:
-            return exc
-    if loc[:1] == ["query"] and field in ("path", "src", "dst"):
-        return PathRefused(f"{field} must be a non-empty path in /workspace")
+    rule = rules.get((loc[0], loc[1])) if len(loc) > 1 else None
+    if rule is None:
+        return None
+    try:
+        rule(first.get("input"))
+    except CorralError as exc:
+        return exc
     return None
 
 
