@@ -116,8 +116,11 @@ class CommandResult:
 
 
 class _Public(BaseModel):
-    # Frozen like the dataclasses; unknown fields from a newer server are ignored.
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    # Frozen like the dataclasses; unknown fields from a newer server are ignored. Defaults are
+    # for parsing an older server's answers: this one always sends every field, so the
+    # document says so (serialization schema: all required).
+    model_config = ConfigDict(frozen=True, extra="ignore",
+                              json_schema_serialization_defaults_required=True)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-ready form (the wire form, and the CLI's ``--json``)."""
