@@ -1,7 +1,8 @@
 """Running commands: validate, admit, audit, trace, count, then hand them to the backend.
 
-Background processes and terminals are commands too (``interactive``); they reach this service
-through the narrow ``CommandRunner`` protocol it implements, so nothing here knows about them.
+Background processes and terminals are commands too (``interactive``); the process table reaches
+this service through the narrow ``CommandRunner`` protocol (``processes.py``) it implements, so
+nothing here knows about them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
@@ -27,26 +28,9 @@ from .sandboxes import Sandboxes
 from .store import Store
 from .tenants import Admission, Tenant
 
-__all__ = ["CommandRunner", "Commands"]
+__all__ = ["Commands"]
 
 logger = logging.getLogger(__name__)
-
-
-class CommandRunner(Protocol):
-    """What a background process needs of the control plane to run as one command."""
-
-    def admit_background(self, sandbox_id: str, caller: Tenant | None) -> str:
-        """Check the sandbox is usable and count the start; return its id."""
-        ...
-
-    def run(self, sandbox_id: str, cmd: str | Sequence[str], *,
-            envs: Mapping[str, str] | None, cwd: str | None,
-            context: Mapping[str, Any] | None, interactive: bool,
-            on_start: Callable[[ProcessIO], None] | None, lifetime: bool,
-            command_id: str | None, on_stdout: OutputCallback | None,
-            on_stderr: OutputCallback | None) -> CommandResult: ...
-
-    def kill(self, sandbox_id: str, command_id: str) -> None: ...
 
 
 def _outcome(result: CommandResult) -> str:
@@ -58,7 +42,7 @@ def _outcome(result: CommandResult) -> str:
 
 
 class Commands:
-    """The commands service (a ``CommandRunner``)."""
+    """The commands service (a ``processes.CommandRunner``)."""
 
     def __init__(self, *, store: Store, sandboxes: Sandboxes, auditor: Auditor,
                  egress: EgressBroker, admission: Admission, locks: WorkspaceLocks) -> None:

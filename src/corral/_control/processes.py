@@ -12,23 +12,40 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .._audit.recorder import new_command_id
-from ..backends import ProcessIO
+from ..backends import OutputCallback, ProcessIO
 from ..errors import CommandNotFound, CorralError, UsageError
 from ..models import CommandResult
 
 if TYPE_CHECKING:
-    from .commands import CommandRunner
     from .tenants import Tenant
 
-__all__ = ["BackgroundProcess", "EmbeddedProcessAPI", "ProcessTable"]
+__all__ = ["BackgroundProcess", "CommandRunner", "EmbeddedProcessAPI", "ProcessTable"]
 
 _KEEP_BYTES = 4 * 1024 * 1024
 _KEEP_EXITED = 100
+
+
+class CommandRunner(Protocol):
+    """What a background process needs of the control plane to run as one command (the
+    commands service implements it; this table knows nothing else of the control plane)."""
+
+    def admit_background(self, sandbox_id: str, caller: Tenant | None) -> str:
+        """Check the sandbox is usable and count the start; return its id."""
+        ...
+
+    def run(self, sandbox_id: str, cmd: str | Sequence[str], *,
+            envs: Mapping[str, str] | None, cwd: str | None,
+            context: Mapping[str, Any] | None, interactive: bool,
+            on_start: Callable[[ProcessIO], None] | None, lifetime: bool,
+            command_id: str | None, on_stdout: OutputCallback | None,
+            on_stderr: OutputCallback | None) -> CommandResult: ...
+
+    def kill(self, sandbox_id: str, command_id: str) -> None: ...
 
 
 @dataclass
