@@ -45,13 +45,15 @@ class Commands:
     """The commands service (a ``processes.CommandRunner``)."""
 
     def __init__(self, *, store: Store, sandboxes: Sandboxes, auditor: Auditor,
-                 egress: EgressBroker, admission: Admission, locks: WorkspaceLocks) -> None:
+                 egress: EgressBroker, admission: Admission, locks: WorkspaceLocks,
+                 ready: Callable[[], None]) -> None:
         self._store = store
         self._sandboxes = sandboxes
         self._auditor = auditor
         self._egress = egress
         self._admission = admission
         self._locks = locks
+        self._ready = ready  # recovery, before the first command (see Sandboxes)
 
     def admit_background(self, sandbox_id: str, caller: Tenant | None) -> str:
         info = self._sandboxes.get(sandbox_id)
@@ -140,6 +142,7 @@ class Commands:
         info = self._sandboxes.get(sandbox_id)
         if info.state == "paused":
             raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to run commands")
+        self._ready()
         tier = get_tier(info.resources)
         if lifetime:
             limit = info.expires_at - time.time()

@@ -6,7 +6,9 @@ delegation. The services depend one way, in this order:
     validate, tenants, registry, locks, layers
       <- sandboxes <- commands <- processes <- snapshots <- recovery;  files <- sandboxes
 
-so nothing below calls back into the Manager.
+and nothing below holds the Manager. The one call that goes up is recovery before first use
+(sandboxes and commands are handed it as a plain ``ready`` callable), because recovery itself
+is built on those services.
 """
 
 from __future__ import annotations
@@ -75,10 +77,11 @@ class Manager:
         self.sandboxes = Sandboxes(settings=settings, store=self.store,
                                    backends=self._registry, auditor=self.auditor,
                                    egress=self.egress, admission=self.admission,
-                                   layers=layers, locks=locks)
+                                   layers=layers, locks=locks, ready=self._ensure_recovered)
         self.commands = Commands(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor, egress=self.egress,
-                                 admission=self.admission, locks=locks)
+                                 admission=self.admission, locks=locks,
+                                 ready=self._ensure_recovered)
         self.processes = ProcessTable(self.commands)
         self.snapshots = Snapshots(store=self.store, sandboxes=self.sandboxes,
                                    processes=self.processes, layers=layers, locks=locks,
@@ -94,6 +97,9 @@ class Manager:
     def recover(self) -> list[str]:
         """Finish interrupted destroys, reap expired sandboxes and sweep crash leftovers."""
         return self.recovery.recover()
+
+    def _ensure_recovered(self) -> None:
+        self.recovery.ensure()  # late-bound: recovery is built after the services it uses
 
     def backend_for(self, isolation: str) -> IsolationBackend:
         """The backend of tier ``isolation``, loaded on first use."""
@@ -141,7 +147,6 @@ class Manager:
         and its ceiling (over the server default) bounds template, isolation, tier, hosts,
         secrets and lifetime (``CeilingExceeded`` beyond it). ``tenant`` is the owner
         (default: the caller)."""
-        self.recovery.ensure()
         return self.sandboxes.create(
             template=template, resources=resources, timeout=timeout, labels=labels,
             network=network, secrets=secrets, tenant=tenant, max_for_tenant=max_for_tenant,
@@ -153,7 +158,6 @@ class Manager:
         return self.sandboxes.get(sandbox_id, tenant=tenant).public()
 
     def list(self, *, tenant: str | None = None) -> builtins.list[SandboxInfo]:
-        self.recovery.ensure()
         return [record.public() for record in self.sandboxes.list(tenant=tenant)]
 
     def set_timeout(self, sandbox_id: str, timeout: float, *,
@@ -204,7 +208,6 @@ class Manager:
         by the sandbox's remaining lifetime instead of the tier's command timeout. With
         ``caller``, the start counts against its commands per minute (``admit``).
         """
-        self.recovery.ensure()
         return self.commands.run(
             sandbox_id, cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
             on_stdout=on_stdout, on_stderr=on_stderr, context=context,
@@ -218,7 +221,6 @@ class Manager:
                   caller: Tenant | None = None) -> None:
         """Raise what ``run`` would refuse, without running anything. With ``caller`` the
         start is counted here (admitted), so the ``run`` that follows must not pass it again."""
-        self.recovery.ensure()
         self.commands.prepare(sandbox_id, cmd, timeout=timeout, envs=envs, cwd=cwd,
                               stdin=stdin, context=context, lifetime=False, caller=caller)
 
@@ -243,7 +245,6 @@ class Manager:
         """``count`` new sandboxes, each starting from this one's current workspace (shared,
         read-only layers; O(1) in the workspace's size) with its template, tier, isolation,
         network policy, secrets and labels, all within the caller's ceiling (and quota)."""
-        self.recovery.ensure()
         children = self.snapshots.fork(sandbox_id, count, tenant=tenant,
                                        max_for_tenant=max_for_tenant, caller=caller)
         return [child.public() for child in children]

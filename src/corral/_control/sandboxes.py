@@ -13,7 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._audit.auditor import Auditor
@@ -64,7 +64,7 @@ class Sandboxes:
 
     def __init__(self, *, settings: Settings, store: Store, backends: BackendRegistry,
                  auditor: Auditor, egress: EgressBroker, admission: Admission, layers: Layers,
-                 locks: WorkspaceLocks) -> None:
+                 locks: WorkspaceLocks, ready: Callable[[], None]) -> None:
         self._settings = settings
         self._store = store
         self._backends = backends
@@ -73,6 +73,9 @@ class Sandboxes:
         self._admission = admission
         self._layers = layers
         self._locks = locks
+        # Recovery, before the first create or list: injected, because recovery is built on
+        # this service (the call goes up; the dependency does not).
+        self._ready = ready
         self._destroying: set[str] = set()
         self._destroying_lock = threading.Lock()
 
@@ -137,6 +140,7 @@ class Sandboxes:
                       secrets=names, lifetime_s=ttl)
         backend = self._backends.get(isolation)
         clean_labels = validate.labels(labels)
+        self._ready()
         require_template(template, self._settings.home / "templates")
         info = self._store.insert(
             sandbox_id=new_id(), template=template, resources=resources, ttl_s=ttl,
@@ -181,6 +185,7 @@ class Sandboxes:
         return info
 
     def list(self, *, tenant: str | None = None) -> builtins.list[SandboxRecord]:
+        self._ready()
         now = time.time()
         live = []
         for info in self._store.list():
