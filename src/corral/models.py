@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "CommandResult",
     "FileEntry",
+    "ProcessInfo",
     "ResourceTier",
     "SandboxInfo",
     "SandboxState",
@@ -158,6 +159,20 @@ class SnapshotInfo(_Public):
     created_at: float
     size_bytes: int = Field(description="Bytes its own layer adds.")
     depth: int = Field(description="Layers under a sandbox started from it.")
+
+
+class ProcessInfo(_Public):
+    """A background process of a sandbox, as the service describes it."""
+
+    id: str
+    sandbox_id: str
+    argv: list[str]
+    started_at: float
+    state: Literal["starting", "running", "exited"]
+    exit_code: int | None = None
+    command_id: str = Field(description="Its command's id in the audit trail.")
+    error: str | None = Field(default=None, description="Why it could not run, if so.")
+    output_bytes: int = Field(default=0, description="Bytes of output so far (the next offset).")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from .._audit.recorder import new_command_id
 from ..backends import OutputCallback, ProcessIO
 from ..errors import CommandNotFound, CorralError, UsageError
-from ..models import CommandResult
+from ..models import CommandResult, ProcessInfo
 
 if TYPE_CHECKING:
     from .tenants import Tenant
@@ -64,14 +64,15 @@ class BackgroundProcess:
     _io: ProcessIO | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
+    def info(self) -> ProcessInfo:
+        return ProcessInfo(
+            id=self.id, sandbox_id=self.sandbox_id, argv=self.argv,
+            started_at=self.started_at, state=self.state,
+            exit_code=self.result.exit_code if self.result else None,
+            command_id=self.command_id, error=self.error, output_bytes=self._end)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "sandbox_id": self.sandbox_id, "argv": self.argv,
-            "started_at": self.started_at, "state": self.state,
-            "exit_code": self.result.exit_code if self.result else None,
-            "command_id": self.command_id,
-            "error": self.error, "output_bytes": self._end,
-        }
+        return self.info().to_dict()
 
     def _feed(self, stream: str, text: str) -> None:
         with self._cond:

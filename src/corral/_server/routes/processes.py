@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..._control.manager import Manager
+from ...models import ProcessInfo
 from ..bodies import MAX_FILE_BODY, read_body
 from ..deps import ManagerDep, TenantDep, owned
 from ..schemas import _BINARY_BODY, _NDJSON, StartProcess
@@ -22,25 +23,26 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-@router.post("/v1/sandboxes/{sandbox_id}/processes", status_code=201)
+@router.post("/v1/sandboxes/{sandbox_id}/processes", status_code=201,
+             response_model=ProcessInfo)
 def start_process(sandbox_id: str, body: StartProcess,
-                  who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
+                  who: TenantDep, manager: ManagerDep) -> ProcessInfo:
     owned(manager, sandbox_id, who)
     return manager.processes.start(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd,
-                                   context=body.context, caller=who).to_dict()
+                                   context=body.context, caller=who).info()
 
 
-@router.get("/v1/sandboxes/{sandbox_id}/processes")
-def list_processes(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> list[dict[str, Any]]:
+@router.get("/v1/sandboxes/{sandbox_id}/processes", response_model=list[ProcessInfo])
+def list_processes(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> list[ProcessInfo]:
     owned(manager, sandbox_id, who)
-    return [p.to_dict() for p in manager.processes.list(sandbox_id)]
+    return [p.info() for p in manager.processes.list(sandbox_id)]
 
 
-@router.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}")
+@router.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
 def get_process(sandbox_id: str, process_id: str,
-                who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
+                who: TenantDep, manager: ManagerDep) -> ProcessInfo:
     owned(manager, sandbox_id, who)
-    return manager.processes.get(sandbox_id, process_id).to_dict()
+    return manager.processes.get(sandbox_id, process_id).info()
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}/output",
