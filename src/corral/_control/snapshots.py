@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 
 from .._audit.auditor import Auditor
 from ..errors import SandboxBusy, SnapshotInUse, UsageError
@@ -47,16 +48,22 @@ class Snapshots:
             isolation=info.isolation, resources=info.resources,
             network=policy_from(network_spec(info.network)), secrets=sorted(info.secrets))
 
+    @contextlib.contextmanager
+    def _quiet(self, info: SandboxRecord, doing: str) -> Iterator[None]:
+        """Hold the workspace exclusively, with nothing running in it (else SandboxBusy)."""
+        with self._locks.hold(info.id, exclusive=True):
+            if is_running(self._sandboxes, self._processes, info):
+                raise SandboxBusy(
+                    f"sandbox {info.id} has running commands or background processes; wait "
+                    f"for them (or kill them) before {doing}")
+            yield
+
     def _seal(self, info: SandboxRecord) -> str:
         """Seal the sandbox's writable layer into a new read-only layer; return its id."""
         if info.state == "paused":
             raise SandboxBusy(f"sandbox {info.id} is paused; resume() it first")
         backend = self._sandboxes.backend(info)
-        with self._locks.hold(info.id, exclusive=True):
-            if is_running(self._sandboxes, self._processes, info):
-                raise SandboxBusy(
-                    f"sandbox {info.id} has running commands or background processes; wait "
-                    "for them (or kill them) before taking a snapshot")
+        with self._quiet(info, "taking a snapshot"):
             layer = new_id("lyr")
             result = backend.seal_workspace(self._sandboxes.spec(info), layer)
             parent = result.layers[1] if len(result.layers) > 1 else None
@@ -123,11 +130,7 @@ class Snapshots:
         snap = self.get(snapshot, tenant=info.tenant)
         layer = self._store.snapshot_layer(snap.id)
         backend = self._sandboxes.backend(info)
-        with self._locks.hold(info.id, exclusive=True):
-            if is_running(self._sandboxes, self._processes, info):
-                raise SandboxBusy(
-                    f"sandbox {info.id} has running commands or background processes; wait "
-                    "for them (or kill them) before restoring")
+        with self._quiet(info, "restoring"):
             info = dataclasses.replace(info, layer=layer)
             backend.reset_workspace(self._sandboxes.spec(info))
             self._store.set_layer(info.id, layer)
