@@ -52,6 +52,8 @@ from bench_sandbox import (  # noqa: E402
 )
 
 from corral import Sandbox  # noqa: E402
+from corral._backends._linux import netns  # noqa: E402
+from corral._backends._linux.template import load_template  # noqa: E402
 from corral._backends.gvisor.bundle import (  # noqa: E402
     RUNTIME_UID_OFFSET,
     build_config,
@@ -61,8 +63,6 @@ from corral._backends.gvisor.bundle import (  # noqa: E402
 )
 from corral._backends.gvisor.launcher import reap_orphans  # noqa: E402
 from corral._backends.gvisor.runsc import Runsc, find_runsc, runsc_version  # noqa: E402
-from corral._backends.namespace import netns  # noqa: E402
-from corral._backends.namespace.template import load_template  # noqa: E402
 from corral._control import manager as manager_mod  # noqa: E402
 from corral._settings import Settings  # noqa: E402
 

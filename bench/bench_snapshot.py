@@ -12,6 +12,9 @@ MB, in 10 directories, written from /dev/urandom inside the sandbox). Then, per 
   child exists; the child is destroyed outside the timing.
 * ``restore``: ``sb.restore(first_snapshot)``.
 * ``fork_first_command``: the fork plus the child's first command (``true``).
+* ``snapshot_after_fresh_write``: ``head -c 300M /dev/urandom > blob`` (not timed), then
+  ``sb.snapshot()`` at once, while the 300 MB are still dirty in memory (fewer runs: each
+  writes 300 MB to disk).
 * reference ``cp_a``: ``cp -a`` of the workspace's tree to a fresh directory on the same host
   disk (what a copy-based snapshot costs), page cache warm, ``sync`` excluded.
 
@@ -40,6 +43,8 @@ from corral._control import manager as manager_mod  # noqa: E402
 from corral._settings import Settings  # noqa: E402
 
 UID_START = 2_070_000_000
+FRESH_WRITE_MB = 300
+FRESH_WRITE_RUNS = 5
 
 
 def populate(sb: Sandbox, size_mb: int) -> None:
@@ -63,7 +68,8 @@ def bench_size(home: str, size_mb: int, runs: int) -> dict[str, Any]:
         populate(sb, size_mb)
         first = sb.snapshot()
         samples: dict[str, list[float]] = {
-            "snapshot": [], "fork": [], "fork_first_command": [], "restore": [], "cp_a": []}
+            "snapshot": [], "fork": [], "fork_first_command": [], "restore": [], "cp_a": [],
+            "snapshot_after_fresh_write": []}
         workspace = Path(home) / "sandboxes" / sb.id / "workspace"
         for i in range(runs):
             sb.commands.run(f"echo {i} > counter")
@@ -93,6 +99,13 @@ def bench_size(home: str, size_mb: int, runs: int) -> dict[str, Any]:
                 subprocess.run(["cp", "-a", f"{workspace}/.", str(target)], check=True)
                 samples["cp_a"].append(time.perf_counter() - start)
                 shutil.rmtree(target)
+
+            if i < FRESH_WRITE_RUNS:
+                sb.commands.run(f"rm -f fresh; head -c {FRESH_WRITE_MB}M /dev/urandom > fresh",
+                                timeout=300)
+                start = time.perf_counter()
+                sb.snapshot()
+                samples["snapshot_after_fresh_write"].append(time.perf_counter() - start)
         return {"size_mb": size_mb, "bytes_in_workspace": used_bytes(sb),
                 **{name: summarize(values) for name, values in samples.items()}}
     finally:
@@ -117,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(bench_size(str(settings.home), size, args.runs))
     finally:
         leftover += teardown(settings)
-    worst = {k: max(r[k]["p50_ms"] for r in results) for k in ("snapshot", "fork")}
+    worst = {k: max(r[k]["p50_ms"] for r in results)
+             for k in ("snapshot", "fork", "snapshot_after_fresh_write")}
     report = {
         "benchmark": "snapshot",
         "results": results,

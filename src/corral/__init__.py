@@ -7,10 +7,9 @@
 
 from __future__ import annotations
 
-from ._audit.events import AuditEvent
-from ._audit.log import AuditTrail
-from ._sdk.async_sandbox import AsyncSandbox
-from ._sdk.sandbox import Audit, Commands, Files, Network, Sandbox, read_audit
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AuthError,
     BackendError,
@@ -41,9 +40,42 @@ from .errors import (
 )
 from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, SnapshotInfo, Usage
 
+if TYPE_CHECKING:
+    from ._audit.events import AuditEvent
+    from ._audit.log import AuditTrail
+    from ._sdk.async_sandbox import AsyncProcess, AsyncSandbox, aread_audit
+    from ._sdk.sandbox import Audit, Commands, Files, Network, Process, Sandbox, read_audit
+    from .backends import OutputCut
+
+# The SDK is imported on first use, not with the package: `corral` is also the CLI's package,
+# and `corral run` must not pay for the async SDK, the HTTP client and their imports
+# (PEP 562). Errors and models stay eager: they are light and every caller needs them.
+_LAZY = {
+    "AuditEvent": "._audit.events",
+    "AuditTrail": "._audit.log",
+    **dict.fromkeys(("AsyncProcess", "AsyncSandbox", "aread_audit"), "._sdk.async_sandbox"),
+    **dict.fromkeys(("Audit", "Commands", "Files", "Network", "Process", "Sandbox",
+                     "read_audit"), "._sdk.sandbox"),
+    "OutputCut": ".backends",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncProcess",
     "AsyncSandbox",
     "Audit",
     "AuthError",
@@ -65,8 +97,10 @@ __all__ = [
     "OriginRefused",
     "Files",
     "Network",
+    "OutputCut",
     "PathRefused",
     "PolicyError",
+    "Process",
     "QuotaExceeded",
     "RequestRefused",
     "ResourceTier",
@@ -85,5 +119,6 @@ __all__ = [
     "Usage",
     "UsageError",
     "__version__",
+    "aread_audit",
     "read_audit",
 ]

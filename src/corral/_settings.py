@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .backends import BackendName
 
 __all__ = ["Settings"]
 
@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=_default_home)
     uid_start: int = Field(default=1_900_000_000, ge=1000, le=_MAX_UID)
     uid_count: int = Field(default=65536, ge=1, le=1_000_000)
-    backend: Literal["namespace", "gvisor"] = "namespace"
+    backend: BackendName = "namespace"
     run_dir: Path = Path("/run/netns")
     audit: bool = True
     audit_output_bytes: int = Field(default=256 * 1024, ge=0, le=64 * 1024 * 1024)
@@ -96,5 +96,8 @@ class Settings(BaseSettings):
 
     @property
     def instance(self) -> str:
-        """A short tag naming this home in host-wide places (cgroups, netns names)."""
-        return hashlib.sha256(str(self.home).encode()).hexdigest()[:8]
+        """A short tag naming this home in host-wide places (cgroups, netns names): unique per
+        home on this host, even for one path in two mount namespaces (``_core.instance``)."""
+        from ._core.instance import instance_tag
+
+        return instance_tag(self.home)

@@ -1,43 +1,72 @@
 """The isolation backend protocol: one interface for every isolation tier.
 
-The control plane decides what a sandbox is (id, uid, limits, lifetime) and stores it; a backend
+The control plane decides what a sandbox is (id, limits, lifetime) and stores it; a backend
 decides how it runs. A backend owns the runtime of a sandbox (network namespace, cgroups, the
 workspace filesystem) and must be able to rebuild it from a ``SandboxSpec`` alone, because the
 control plane may restart at any time.
+
+Nothing here is a host location: the control plane reaches a sandbox's files through the
+``WorkspaceFS`` its backend returns, and its egress gateway through the ``EgressEndpoint`` the
+backend opens (a listener plus the proxy URL the sandbox must use), so a tier whose sandbox is a
+VM or lives on another node implements the same protocol. Host uids are a host tier's own
+business (``allocate_uid``); the store only records the number.
 
 Contract:
     * ``create`` builds everything a sandbox needs; on failure it leaves nothing behind.
     * ``exec`` runs one command and returns only after every process it started is gone.
     * ``destroy`` is idempotent and succeeds on a half-built or already-removed sandbox.
     * ``sweep`` removes runtime pieces of sandboxes that are not in ``live_ids`` (crash leftovers)
-      and commands whose owning process died.
+      and commands whose owning process died, and says what it removed as ``Leftover`` records.
     * Every method raises only ``corral.errors`` exceptions.
 """
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from .models import ResourceTier, Usage
+from .models import FileEntry, ResourceTier, Usage
 
 __all__ = [
     "BackendName",
+    "EgressEndpoint",
     "ExecOutcome",
     "ExecRequest",
     "HostCheck",
     "IsolationBackend",
+    "Leftover",
+    "Listener",
     "OutputCallback",
+    "OutputCut",
     "ProcessIO",
     "SandboxSpec",
     "SealResult",
+    "TreeItem",
+    "WorkspaceFS",
 ]
 
+# The one place a tier's name is declared: ``_backends.BACKENDS`` maps each to its class (a test
+# holds the two equal), and ``Settings.backend`` is typed by it.
 BackendName = Literal["namespace", "gvisor"]
 OutputCallback = Callable[[str], None]
+
+
+class OutputCut(str):  # noqa: SLOT000 - a str with two read-only attributes
+    """The one line that says a stream reached its cap, handed to an ``OutputCallback`` the
+    moment it happens and kept in the result at the same place, so live output and the result
+    read the same. ``stream`` and ``limit`` let a caller that knows tell it apart from output
+    (the HTTP stream sends it as its own event); a callback that only prints still shows it.
+    ``newline`` starts it on a line of its own when the output before it did not end one."""
+
+    stream: str
+    limit: int
+
+    def __new__(cls, stream: str, limit: int, *, newline: bool = False) -> OutputCut:
+        note = super().__new__(cls, ("\n" if newline else "") + f"[corral: {stream} truncated "
+                                    f"after {limit} bytes; the rest is dropped]\n")
+        note.stream, note.limit = stream, limit
+        return note
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +74,8 @@ class SandboxSpec:
     """Everything a backend needs to build or rebuild a sandbox's runtime."""
 
     id: str
+    # The tier's own number for the sandbox (a host uid for host-backed tiers), chosen by its
+    # ``allocate_uid`` and recorded by the store so a rebuild finds the same one.
     uid: int
     template: str
     tier: ResourceTier
@@ -101,6 +132,9 @@ class ExecOutcome:
     usage: Usage
     stdout_truncated: int = 0
     stderr_truncated: int = 0
+    #: The kept bytes exactly as the command wrote them (``stdout`` is their UTF-8 reading).
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +145,98 @@ class SealResult:
     layers: tuple[str, ...]
     bytes_used: int
     squashed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """One runtime piece ``sweep`` removed.
+
+    Attributes:
+        kind: ``workspace``, ``netns``, ``cgroup``, ``command`` or a tier's own (``runsc``).
+        sandbox_id: the sandbox it belonged to.
+        name: the piece's own name (a netns pin, ``sandbox/group`` for a command).
+        command_id: for ``command``, the interrupted command when it had one.
+    """
+
+    kind: str
+    sandbox_id: str
+    name: str
+    command_id: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+
+class Listener(Protocol):
+    """A listening stream socket on the control plane's side (``socket.socket`` is one)."""
+
+    def fileno(self) -> int: ...
+
+    def getsockname(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EgressEndpoint:
+    """Where a sandbox reaches the egress gateway: ``listener`` for the gateway to serve (the
+    caller owns and closes it) and ``proxy_url``, what the sandbox's proxy variables say."""
+
+    listener: Listener
+    proxy_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class TreeItem:
+    """One entry met by ``WorkspaceFS.walk``.
+
+    Attributes:
+        path: relative to the walked directory, ``/``-separated (``a/b.txt``).
+        kind: what the entry is (never following a link).
+        mode: permission bits.
+        size: bytes, for files.
+        mtime: modification time.
+        link_target: the text of a symlink, else None.
+        read: for files, reads up to ``n`` bytes more of the file (``b""`` at its end); owned by
+            the walk and valid only until the walk advances; else None.
+    """
+
+    path: str
+    kind: Literal["file", "dir", "symlink", "other"]
+    mode: int
+    size: int
+    mtime: float
+    link_target: str | None = None
+    read: Callable[[int], bytes] | None = None
+
+
+class WorkspaceFS(Protocol):
+    """File operations on one sandbox's ``/workspace``; paths are sandbox paths (absolute under
+    ``/workspace`` or relative to it). Every operation stays inside the workspace and raises
+    ``PathRefused``, ``FileNotFound``, ``FileError`` or ``TooLarge`` otherwise."""
+
+    def read(self, path: str) -> bytes: ...
+
+    def write(self, path: str, data: bytes, *, mode: int = 0o644) -> FileEntry: ...
+
+    def write_stream(self, path: str, chunks: Iterable[bytes], *, mode: int = 0o644,
+                     mtime: float | None = None, follow_symlinks: bool = True) -> FileEntry: ...
+
+    def symlink(self, path: str, target: str) -> FileEntry: ...
+
+    def walk(self, path: str = "/workspace") -> Iterator[TreeItem]: ...
+
+    def list(self, path: str = "/workspace") -> list[FileEntry]: ...
+
+    def stat(self, path: str) -> FileEntry: ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def remove(self, path: str) -> None: ...
+
+    def rename(self, src: str, dst: str) -> FileEntry: ...
+
+    def make_dir(self, path: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +259,11 @@ class IsolationBackend(Protocol):
         """Inspect the host; never raises. Used by ``corral doctor`` and at start-up."""
         ...
 
+    def allocate_uid(self, taken: Set[int]) -> int:
+        """The number a new sandbox gets (``SandboxSpec.uid``), not one of ``taken`` (what the
+        store records for every other sandbox); raises ``QuotaExceeded`` when none is free."""
+        ...
+
     def create(self, spec: SandboxSpec) -> None:
         """Build the runtime of a new sandbox."""
         ...
@@ -141,13 +272,13 @@ class IsolationBackend(Protocol):
         """Run one command to completion (or timeout) and return what happened."""
         ...
 
-    def open_listener(self, spec: SandboxSpec) -> socket.socket:
-        """A listening TCP socket on 127.0.0.1 *inside* the sandbox's network, for the egress
-        gateway to serve; the caller owns and closes it."""
+    def egress_endpoint(self, spec: SandboxSpec) -> EgressEndpoint:
+        """A listener the sandbox (and only it) can reach, for the egress gateway to serve one
+        command, and the proxy URL the sandbox uses to reach it."""
         ...
 
-    def workspace_root(self, spec: SandboxSpec) -> Path:
-        """Host path of the sandbox's ``/workspace``, mounted and ready for file operations."""
+    def files(self, spec: SandboxSpec) -> WorkspaceFS:
+        """The sandbox's ``/workspace``, ready for file operations."""
         ...
 
     def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
@@ -183,7 +314,7 @@ class IsolationBackend(Protocol):
         """Kill everything and remove every trace of the sandbox's runtime."""
         ...
 
-    def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[str]:
+    def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[Leftover]:
         """Remove leftovers not belonging to ``live_ids``; return what was removed."""
         ...
 

@@ -10,7 +10,7 @@ sandbox beyond them (its host uid, secret placeholders, last activity) is not pu
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -95,6 +95,9 @@ class CommandResult:
         stdout_truncated: bytes of stdout dropped past the cap (0 when nothing was dropped).
         stderr_truncated: the same for stderr.
         command_id: the command's id in the sandbox's audit trail.
+        stdout_bytes: the kept standard output exactly as written (binary output intact), when
+            asked for with ``run(..., output="bytes")``; ``None`` otherwise.
+        stderr_bytes: the same for standard error.
     """
 
     exit_code: int
@@ -106,6 +109,8 @@ class CommandResult:
     stdout_truncated: int = 0
     stderr_truncated: int = 0
     command_id: str = ""
+    stdout_bytes: bytes | None = field(default=None, repr=False)
+    stderr_bytes: bytes | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -113,7 +118,10 @@ class CommandResult:
         return self.exit_code == 0 and not self.timed_out
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-ready: the text fields (the exact bytes travel base64-encoded, see the API)."""
+        data = dataclasses.asdict(self)
+        del data["stdout_bytes"], data["stderr_bytes"]
+        return data
 
 
 class _Public(BaseModel):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from corral._backends.namespace.cgroups import CgroupV1, CgroupV2, _mounts, detect_cgroups
+from corral._backends._linux.cgroups import CgroupV1, CgroupV2, _mounts, detect_cgroups
 from corral._core.resources import get_tier
 
 pytestmark = pytest.mark.needs_root
@@ -112,3 +112,31 @@ def test_v2_placement_and_cgroup_kill_without_controllers() -> None:
         driver.kill("cmd")
         driver.remove("")
     assert not (root / prefix).exists()
+
+
+def test_one_home_path_in_two_mount_namespaces_names_two_instances(tmp_path: Path) -> None:
+    """Two Corral instances (two containers, say) that both see their own data at the same
+    CORRAL_HOME path must not name their cgroups and netns pins the same: each would sweep the
+    other's as leftovers."""
+    import sys
+
+    shown = tmp_path / "corral-home"  # the one path both instances use
+    shown.mkdir()
+    probe = ("import sys; from corral._settings import Settings; "
+             "from corral._backends.namespace import NamespaceBackend; "
+             "s = Settings(home=sys.argv[1]); "
+             "print(s.instance, NamespaceBackend(s)._netns_path('sb').name)")
+    seen = []
+    for name in ("first", "second", "first"):
+        data = tmp_path / name
+        data.mkdir(exist_ok=True)
+        out = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+             'mount --bind "$1" "$2" && exec "$3" -c "$4" "$2"', "sh",
+             str(data), str(shown), sys.executable, probe],
+            capture_output=True, text=True, timeout=60, check=True)
+        seen.append(out.stdout.split())
+    first, second, first_again = seen
+    assert first[0] != second[0] and first[1] != second[1], seen
+    assert first == first_again  # stable: every process using one home agrees
+    assert first[0] in first[1]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -20,9 +22,10 @@ def corral(settings: Settings, home: str):  # type: ignore[no-untyped-def]
            "CORRAL_UID_START": str(settings.uid_start),
            "CORRAL_UID_COUNT": str(settings.uid_count)}
 
-    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(*args: str, stdin: str | bytes | None = None,
+            text: bool = True) -> subprocess.CompletedProcess[Any]:
         return subprocess.run([sys.executable, "-m", "corral", *args], env=env, input=stdin,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=text, timeout=120)
 
     return run
 
@@ -195,3 +198,29 @@ def test_secrets_are_added_from_stdin_and_never_listed_with_values(corral) -> No
 def test_replay_of_an_unknown_sandbox(corral) -> None:  # type: ignore[no-untyped-def]
     done = corral("replay", "sbx_000000000000")
     assert done.returncode == 4 and "no audit trail" in done.stderr
+
+
+def test_unknown_options_are_refused_and_after_the_separator_is_verbatim(corral) -> None:  # type: ignore[no-untyped-def]
+    refused = corral("run", "--resource", "large", "--", "echo", "hi")
+    assert refused.returncode == 2, refused.stderr
+    assert "No such option '--resource'" in refused.stderr
+    assert "Did you mean '--resources'?" in refused.stderr and "after --" in refused.stderr
+    assert refused.stdout == ""
+    ran = corral("run", "--json", "--", "echo", "--resource", "large", "--json")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["stdout"] == "--resource large --json\n"
+
+
+def test_binary_output_is_byte_exact_with_binary(corral) -> None:  # type: ignore[no-untyped-def]
+    blob = bytes(range(256)) * 4 + b"\xff\xfe\x00\x80"  # not UTF-8: decoding would change it
+    sandbox_id = corral("create").stdout.strip()
+    try:
+        assert corral("exec", sandbox_id, "--stdin", "--", "cat > r.bin", stdin=blob,
+                      text=False).returncode == 0
+        raw = corral("exec", sandbox_id, "--binary", "--", "cat", "r.bin", text=False)
+        assert raw.returncode == 0 and raw.stdout == blob
+        out = json.loads(corral("exec", sandbox_id, "--binary", "--json", "--", "cat", "r.bin",
+                                text=False).stdout)
+        assert base64.b64decode(out["stdout_b64"]) == blob
+    finally:
+        corral("rm", sandbox_id)

@@ -173,3 +173,45 @@ def test_concurrent_commands_in_one_sandbox(sandbox: Sandbox) -> None:
         t.join(timeout=30)
     assert time.monotonic() - started < 1.4  # they ran side by side, not one after another
     assert sorted(r.stdout for r in results) == ["0\n", "1\n", "2\n"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", [["nosuchprog"], ["/no/such/program"], "nosuchprog",
+                                     ["sub/nosuchprog"]])
+def test_command_not_found_is_exit_127_and_one_plain_message(
+    home: str, isolation: str, command: str | list[str],
+) -> None:
+    """Whatever the tier and whether the command is an argv or a shell line, a program that is
+    not there is exit 127 with a line naming it on stderr, streamed live too; never a backend
+    error, never the runtime's own text (bwrap's execvp, gVisor's loader)."""
+    name = command if isinstance(command, str) else command[0]
+    live: list[str] = []
+    sb = Sandbox.create(home=home, isolation=isolation)
+    try:
+        result = sb.commands.run(command, on_stderr=live.append)
+    finally:
+        sb.kill()
+    assert result.exit_code == 127, (result.exit_code, result.stderr)
+    assert f"{name}: command not found" in result.stderr or \
+        f"command not found: {name}" in result.stderr, result.stderr
+    for internal in ("bwrap", "execvp", "failed to load", "runsc", "gofer"):
+        assert internal not in result.stderr, result.stderr
+    assert "".join(live) == result.stderr
+
+
+def test_output_cut_at_the_cap_is_said_live_the_moment_it_happens(sandbox: Sandbox) -> None:
+    """Past the per-stream cap (1 MiB on `small`), the live reader gets one marker line at
+    once, not a stream that goes quiet; the result carries the same line."""
+    import time
+
+    seen: list[tuple[float, str]] = []
+    result = sandbox.commands.run(
+        "head -c 1100000 /dev/zero | tr '\\0' a; sleep 1.5",
+        on_stdout=lambda t: seen.append((time.monotonic(), t)), timeout=30)
+    ended = time.monotonic()
+    marker = "[corral: stdout truncated after 1048576 bytes; the rest is dropped]\n"
+    marked = [at for at, text in seen if marker in text]
+    assert len(marked) == 1, [text[-120:] for _, text in seen[-3:]]
+    assert ended - marked[0] > 1.0  # told before the command ended, not at the end
+    assert result.stdout == "".join(text for _, text in seen)
+    assert result.stdout.endswith("a\n" + marker)
+    assert result.stdout_truncated == 1100000 - 1048576

@@ -294,3 +294,73 @@ def test_every_decision_is_audited_and_counted(egress_home: str, egress_manager:
 
     assert count(after, "allowed") - count(before, "allowed") == 1
     assert count(after, "denied") - count(before, "denied") == 1
+
+
+# -- framing per RFC 9112 (issue 11); the gateway-level cases are in test_gateway_framing.py ---
+
+SMUGGLED = "GET /smuggled HTTP/1.1\\r\\nHost: denied.test\\r\\nContent-Length: 7\\r\\n\\r\\n"
+
+
+def test_cl_te_smuggling_is_refused_and_audited(egress_home: str, upstream: Upstream) -> None:
+    # The fake internet's server frames by Content-Length: forwarded with both headers, the
+    # chunk below would leave a second request for denied.test behind.
+    inner = SMUGGLED.replace("\\r\\n", "\r\n")
+    size = f"{len(inner):x}"
+    request = (f"POST http://api.test/smuggle-a HTTP/1.1\\r\\nHost: api.test\\r\\n"
+               f"Content-Length: {len(size) + 2}\\r\\nTransfer-Encoding: chunked\\r\\n\\r\\n"
+               f"{size}\\r\\n{SMUGGLED}\\r\\n0\\r\\n\\r\\n")
+    with Sandbox.create(home=egress_home, network={"allow": ["api.test"]}) as sb:
+        before = len(upstream.seen)
+        out = sb.commands.run(["python3", "-c", RAW, request], timeout=30)
+        assert out.exit_code == 0, out.stderr
+        assert "400" in out.stdout.splitlines()[0] and "bad-framing" in out.stdout, out.stdout
+        time.sleep(0.2)
+        assert upstream.seen[before:] == []
+        [event] = sb.audit.events(types=["egress.decision"])
+        assert (event.data["verdict"], event.data["rule"], event.data["host"]) == (
+            "denied", "bad-framing", "api.test")
+        assert "Content-Length and Transfer-Encoding" in event.data["reason"]
+
+
+INTERCEPT = textwrap.dedent("""
+    import os, socket, ssl, sys
+    port = int(os.environ["HTTPS_PROXY"].rsplit(":", 1)[1])
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"CONNECT api.test:443 HTTP/1.1\\r\\nHost: api.test:443\\r\\n\\r\\n")
+    head = b""
+    while not head.endswith(b"\\r\\n\\r\\n"):
+        head += s.recv(1)
+    t = ssl.create_default_context().wrap_socket(s, server_hostname="api.test")
+    target = sys.argv[1].replace("TOKEN", os.environ["TEST_TOKEN"])
+    t.sendall(f"GET {target} HTTP/1.1\\r\\nHost: api.test\\r\\n\\r\\n".encode())
+    data = b""
+    while chunk := t.recv(65536):
+        data += chunk
+    print(data.decode(errors="replace").split("\\r\\n")[0])
+""")
+
+
+def test_absolute_form_in_an_intercepted_tunnel_is_refused_before_substitution(
+    egress_home: str, upstream: Upstream
+) -> None:
+    with Sandbox.create(home=egress_home, secrets=["TEST_TOKEN"],
+                        network={"allow": ["api.test", "other.test"]}) as sb:
+        before = len(upstream.seen)
+        refused = sb.commands.run(["python3", "-c", INTERCEPT,
+                                   "https://other.test/abs?tok=TOKEN"], timeout=30)
+        assert refused.exit_code == 0, refused.stderr
+        assert "400" in refused.stdout, refused.stdout
+        time.sleep(0.2)
+        assert upstream.seen[before:] == []
+        allowed = sb.commands.run(["python3", "-c", INTERCEPT,
+                                   "https://api.test/abs-ok?tok=TOKEN"], timeout=30)
+        assert "200" in allowed.stdout, allowed.stdout + allowed.stderr
+        [seen] = upstream.seen[before:]
+        # Forwarded in origin-form, with the value swapped in, to the vetted host only.
+        assert (seen["path"], seen["host"]) == (f"/abs-ok?tok={TOKEN_VALUE}", "api.test")
+        first, second = sb.audit.events(types=["egress.decision"])
+        assert (first.data["verdict"], first.data["rule"], first.data["host"],
+                first.data["secrets_substituted"]) == ("denied", "authority-mismatch",
+                                                       "api.test", [])
+        assert (second.data["verdict"], second.data["secrets_substituted"]) == (
+            "allowed", ["TEST_TOKEN"])

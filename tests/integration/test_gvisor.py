@@ -166,7 +166,9 @@ def test_output_is_capped_and_counted(backend: GvisorBackend, spec: SandboxSpec)
     assert out.stdout.startswith("a" * 1000) and "truncated" in out.stdout
     assert out.stdout_truncated == 300001 - 1000
     assert out.stderr == "e\n" and out.stderr_truncated == 0
-    assert "".join(streamed) == "a" * 1000
+    # The cut is said live, the moment it happens, in the words of the result.
+    marker = "[corral: stdout truncated after 1000 bytes; the rest is dropped]\n"
+    assert "".join(streamed) == out.stdout == "a" * 1000 + "\n" + marker
 
 
 def test_workspace_persists_and_tmp_is_fresh(backend: GvisorBackend, spec: SandboxSpec) -> None:
@@ -292,7 +294,9 @@ def test_pause_freezes_and_resume_continues(backend: GvisorBackend, spec: Sandbo
 def test_only_the_listener_is_reachable(backend: GvisorBackend, spec: SandboxSpec) -> None:
     """The gateway's listener, bound in the sandbox's namespace, answers at 127.0.0.1 inside;
     a listener on the host's own loopback does not."""
-    listener = backend.open_listener(spec)
+    endpoint = backend.egress_endpoint(spec)
+    listener = endpoint.listener
+    assert endpoint.proxy_url == f"http://127.0.0.1:{listener.getsockname()[1]}"
     host = socket.create_server(("127.0.0.1", 0))
     try:
         listener.setblocking(True)
@@ -391,7 +395,7 @@ def test_sweep_removes_runsc_leftovers(
             time.sleep(0.02)
         removed = backend.sweep({spec.id})
         assert running.result(timeout=30).stdout == "survived\n"
-    assert {f"runsc {gone}", f"runsc {dead}"} <= set(removed), removed
+    assert {f"runsc {gone}", f"runsc {dead}"} <= set(map(str, removed)), removed
     assert not any(p.name.startswith((gone, dead, f"runsc-{gone}", f"runsc-{dead}"))
                    for p in state.iterdir())
     assert not (bundles / gone).exists() and not (bundles / dead).exists()

@@ -195,3 +195,39 @@ def test_interrupted_create_and_destroy_are_finished_at_start(
     manager.recover()
     assert manager.store.get(sb.id) is None
     assert not any(_runtime_pieces(settings, sb.id).values())
+
+
+@pytest.mark.parametrize("isolation_", ["namespace", "gvisor"])
+def test_a_command_whose_cgroup_is_removed_as_it_ends_still_has_a_result(
+    home: str, manager: Manager, isolation_: str, gvisor_problems: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sandbox destroyed while a command (a terminal's shell, say) is finishing loses its
+    cgroups between the command's exit and the read of its usage. The command must end with
+    its result on every tier, not with FileNotFoundError from the removed cgroup. The window
+    is opened deterministically: the real group is killed and removed right before the real
+    usage read, as a concurrent destroy does."""
+    from corral.backends import ExecRequest
+
+    if isolation_ == "gvisor" and gvisor_problems:
+        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    sb = Sandbox.create(home=home, isolation=isolation_)
+    try:
+        backend = manager.backend_for(isolation_)
+        spec = manager._spec(manager.get(sb.id))
+        driver = backend.cgroups  # type: ignore[attr-defined]
+        real_usage = driver.usage
+
+        def usage_after_a_concurrent_destroy(group: str) -> object:
+            driver.kill(group)
+            driver.remove(group)
+            return real_usage(group)
+
+        monkeypatch.setattr(driver, "usage", usage_after_a_concurrent_destroy)
+        outcome = backend.exec(spec, ExecRequest(argv=["echo", "up"], cwd="/workspace", env={},
+                                                 timeout_s=60))
+        assert (outcome.exit_code, outcome.stdout) == (0, "up\n")
+        assert outcome.usage.peak_memory_bytes == 0  # unknown, not made up
+    finally:
+        monkeypatch.undo()
+        sb.kill()

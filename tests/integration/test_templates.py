@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
-from corral._backends.namespace.template import load_template, require_template
+from corral._backends._linux.template import load_template, require_template
 from corral._settings import Settings
 from corral.errors import UsageError
 

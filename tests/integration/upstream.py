@@ -1,5 +1,6 @@
 """A test 'internet': HTTP and HTTPS servers in a network namespace of our own, reached from the
-host over a veth pair with TEST-NET-3 addresses (203.0.113.0/30). Traffic never leaves the machine.
+host over a veth pair with a TEST-NET-3 /30 (in 203.0.113.0/24) chosen per run. Traffic never
+leaves the machine.
 
 The servers record what they received (method, path, headers) so tests can check what the egress
 gateway forwarded; responses never echo request headers back (a secret must not return to the
@@ -31,10 +32,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from corral._backends.namespace.netns import Spawner
+from corral._backends._linux.netns import Spawner
 
-HOST_ADDR = "203.0.113.1"
-UPSTREAM_ADDR = "203.0.113.2"
+# A /30 of TEST-NET-3 of this test run's own, so two runs on one machine (two checkouts, CI
+# beside a developer) never route into each other's upstream.
+_NET = 4 * secrets.randbelow(64)
+HOST_ADDR = f"203.0.113.{_NET + 1}"
+UPSTREAM_ADDR = f"203.0.113.{_NET + 2}"
 NAMES = ("api.test", "other.test", "pypi.test", "xn--bcher-kva.test")
 PACKAGE = "corraldemo"
 

@@ -15,6 +15,9 @@ PUBLIC = [
     "SandboxExpired", "SandboxInfo", "SandboxNotFound", "Usage", "UsageError", "__version__",
     "SnapshotError", "SnapshotInUse", "SnapshotInfo", "SnapshotNotFound",
     "CeilingExceeded", "HostRefused", "OriginRefused", "RequestRefused",
+    # issue 12: background processes on both façades, the async audit reader, the live cut
+    # notice handed to output callbacks
+    "AsyncProcess", "Process", "aread_audit", "OutputCut",
 ]
 
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from corral._backends._linux.seccomp import compile_filter
+from corral._backends._linux.template import BaseTemplate
 from corral._backends.namespace.bwrap import BwrapFds, build_options, command_line, encode_args
-from corral._backends.namespace.seccomp import compile_filter
-from corral._backends.namespace.template import BaseTemplate
 
 
 def test_filter_compiles_to_whole_bpf_instructions() -> None:

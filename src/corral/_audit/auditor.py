@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import unicodedata
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import SandboxNotFound
+from ..errors import CorralError, SandboxNotFound
 from .log import AuditLog, AuditTrail, Record, read_trail
 from .metrics import CounterSink, Metrics
 from .recorder import CommandRecorder, new_command_id
@@ -30,6 +31,28 @@ class PlaceholderSource(Protocol):
     def placeholders(self, sandbox_id: str) -> Iterable[str]: ...
 
 _ID_RE = re.compile(r"^sbx_[0-9a-z]{12}$")
+# A refused path is the caller's text, chosen by whoever steers it: kept one line and bounded.
+_GIVEN_CHARS = 512
+_REASON_CHARS = 1000
+
+
+def _escaped(text: str) -> str:
+    """``text`` unambiguous on one line: a backslash doubled; control, format, separator and
+    surrogate characters (newlines, terminal escapes, bidi overrides) as ``\\xNN``/``\\uNNNN``."""
+    return "".join(
+        "\\\\" if c == "\\" else
+        c if unicodedata.category(c) not in ("Cc", "Cf", "Zl", "Zp", "Cs") else
+        f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+        for c in text)
+
+
+def _given(name: str, value: object) -> dict[str, Any]:
+    """``{name: value}`` escaped and cut to a bound; a cut adds its full length."""
+    text = value if isinstance(value, str) else repr(value)
+    shown = _escaped(text[:_GIVEN_CHARS])
+    if len(text) <= _GIVEN_CHARS:
+        return {name: shown}
+    return {name: shown, f"{name}_chars": len(text), f"{name}_truncated": True}
 
 
 class Auditor:
@@ -99,6 +122,22 @@ class Auditor:
             fields["sha256"] = hashlib.sha256(data).hexdigest()
         self.event(sandbox_id, f"file.{op}", fields)
         self.metrics.inc("corral_file_operations", labels={"op": op})
+
+    def file_refused(self, sandbox_id: str, op: str, path: object, error: CorralError,
+                     **paths: object) -> None:
+        """A file operation refused (a path leaving /workspace): what was tried, as given.
+
+        ``paths`` are the operation's other paths (``dst`` of a rename), kept the same way.
+        """
+        if not self.enabled:
+            return
+        fields: dict[str, Any] = {"op": op, **_given("path", path)}
+        for name, value in paths.items():
+            fields.update(_given(name, value))
+        fields["reason"] = {"code": error.code,
+                            "message": _escaped(error.message[:_REASON_CHARS])}
+        self.event(sandbox_id, "file.refused", fields)
+        self.metrics.inc("corral_file_refusals", labels={"op": op})
 
     def count(self, name: str, **labels: str) -> None:
         if self.enabled:

@@ -34,6 +34,7 @@ EventType = Literal[
     "file.rename",
     "file.upload",
     "file.download",
+    "file.refused",
     "egress.decision",
     "snapshot.created",
     "snapshot.restored",

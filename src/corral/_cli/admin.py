@@ -171,14 +171,17 @@ def tenants_ls(ctx: click.Context, as_json: bool) -> None:
 
 @tenants.command(name="rm")
 @click.argument("name")
+@json_option
 @click.pass_context
 @handle_errors
-def tenants_rm(ctx: click.Context, name: str) -> None:
+def tenants_rm(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove a tenant and revoke its keys."""
     from .._control.manager import get_manager
 
     if not get_manager(ctx.obj["settings"]).store.remove_tenant(name):
-        raise errors.UsageError(f"no tenant named {name!r}")
+        raise errors.UsageError(f"no tenant named {name!r}; `corral tenants ls` lists them")
+    if as_json:
+        emit_json({"removed": name})
 
 
 @click.group()
@@ -204,14 +207,23 @@ def keys_create(ctx: click.Context, tenant: str, as_json: bool) -> None:
 
 @keys.command(name="revoke")
 @click.argument("key_id")
+@json_option
 @click.pass_context
 @handle_errors
-def keys_revoke(ctx: click.Context, key_id: str) -> None:
-    """Revoke a key by its id (the 12 hex digits after ck_)."""
+def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
+    """Revoke a key by its id (the 12 hex digits after ck_).
+
+    \b
+    Example:
+      corral keys revoke ck_0123456789ab
+    """
     from .._control.manager import get_manager
 
-    if not get_manager(ctx.obj["settings"]).store.revoke_key(key_id.removeprefix("ck_")[:12]):
+    revoked = key_id.removeprefix("ck_")[:12]
+    if not get_manager(ctx.obj["settings"]).store.revoke_key(revoked):
         raise errors.UsageError(f"no live key with id {key_id!r}")
+    if as_json:
+        emit_json({"revoked": revoked})
 
 
 @click.group()

@@ -1,4 +1,9 @@
-"""Helpers shared by the CLI's command modules: exit codes, error handling, JSON output."""
+"""Helpers shared by the CLI's command modules: exit codes, error handling, JSON output, and the
+command class for commands that take a COMMAND after ``--``.
+
+Light on purpose: every command imports this module, so the SDK and the control plane are
+imported inside the helpers that need them, never at module level.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,15 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from .. import errors
-from .._settings import Settings
+
+if TYPE_CHECKING:
+    from .._sdk.sandbox import Sandbox
+    from .._settings import Settings
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -87,3 +95,54 @@ def parse_pairs(pairs: Sequence[str], option: str = "--env") -> dict[str, str]:
             raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint=option)
         parsed[key] = value
     return parsed
+
+
+def sdk() -> type[Sandbox]:
+    """The SDK's ``Sandbox``, imported when a command first needs it."""
+    from .._sdk.sandbox import Sandbox
+
+    return Sandbox
+
+
+def connect(ctx: click.Context, sandbox_id: str) -> Sandbox:
+    """The sandbox ``sandbox_id``, embedded or on the configured service."""
+    return sdk().connect(sandbox_id, home=home_of(ctx))
+
+
+class _OptionBeforeCommand(click.NoSuchOption):
+    """click's "No such option" (with its "Did you mean"), then where the command goes."""
+
+    def __init__(self, original: click.NoSuchOption, example: str) -> None:
+        super().__init__(original.option_name, possibilities=original.possibilities,
+                         ctx=original.ctx)
+        self.example = example
+
+    def format_message(self) -> str:
+        return (f"{super().format_message()}\nOptions go before --; everything after -- is "
+                f"the command, run as given: {self.example}")
+
+
+class TakesCommand(click.Command):
+    """A command whose trailing COMMAND is everything after ``--``.
+
+    Unknown options before ``--`` are refused: passed through, ``corral run --resource large
+    -- echo hi`` would run ``--resource`` as the command. After ``--`` nothing is parsed.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            before = [p.human_readable_name for p in self.params
+                      if isinstance(p, click.Argument) and p.name != "command"]
+            example = " ".join([ctx.command_path, *before, "[OPTIONS] -- ls -la"])
+            raise _OptionBeforeCommand(exc, f"`{example}`") from None
+
+
+def columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain left-aligned table, one line per row (rich's costs ~25 ms of start-up to import,
+    more than `corral ls` itself takes)."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths,
+                                                                        strict=True)).rstrip()
+                     for line in (header, *rows))

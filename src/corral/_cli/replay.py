@@ -112,6 +112,10 @@ def render_event(console: Console, event: AuditEvent, started: float) -> None:
                   f"{escape(str(d.get('host')))}:{d.get('port')} [dim]{escape(str(d.get('rule')))}"
                   f" {d.get('mode') or ''} up {d.get('bytes_up', 0)} B down "
                   f"{d.get('bytes_down', 0)} B[/dim]")
+    elif kind == "file.refused":
+        reason = d.get("reason") or {}
+        detail = (f"[red]{escape(str(d.get('op')))} {escape(str(d.get('path')))} refused: "
+                  f"{escape(str(reason.get('message', '')))}[/red]")
     elif kind.startswith("file."):
         size = f" {d['size']} B sha256:{str(d.get('sha256', ''))[:12]}" if "size" in d else ""
         detail = f"[magenta]{escape(str(d.get('path')))}{size}[/magenta]"

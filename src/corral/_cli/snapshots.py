@@ -9,14 +9,15 @@ created_at, size_bytes, depth, tenant}`` and a sandbox as ``corral info --json``
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .._backends import BACKENDS
-from .._sdk.sandbox import Sandbox
-from ..models import SnapshotInfo
-from .common import F, emit_json, handle_errors, home_of, json_option
+from .common import F, connect, emit_json, handle_errors, home_of, json_option, sdk
+
+if TYPE_CHECKING:
+    from ..models import SnapshotInfo
 
 __all__ = ["fork", "restore", "snapshot", "snapshots", "start_options"]
 
@@ -71,7 +72,7 @@ def snapshot(ctx: click.Context, sandbox_id: str, name: str | None, as_json: boo
     Example:
       SNAP=$(corral snapshot $ID --name before-upgrade)
     """
-    snap = Sandbox.connect(sandbox_id, home=home_of(ctx)).snapshot(name)
+    snap = connect(ctx, sandbox_id).snapshot(name)
     if as_json:
         emit_json(_snapshot_json(snap))
     else:
@@ -96,7 +97,7 @@ def fork(ctx: click.Context, sandbox_id: str, count: int, as_json: bool) -> None
     Example:
       for id in $(corral fork $ID -n 3); do corral exec $id -- ./try.sh & done
     """
-    children = Sandbox.connect(sandbox_id, home=home_of(ctx)).fork(count)
+    children = connect(ctx, sandbox_id).fork(count)
     if as_json:
         emit_json([child.get_info().to_dict() for child in children])
     else:
@@ -116,7 +117,7 @@ def restore(ctx: click.Context, sandbox_id: str, snapshot_ref: str, as_json: boo
     Changes made since, and not saved in a snapshot, are gone. Nothing may be running in the
     sandbox.
     """
-    sb = Sandbox.connect(sandbox_id, home=home_of(ctx))
+    sb = connect(ctx, sandbox_id)
     sb.restore(snapshot_ref)
     if as_json:
         emit_json(sb.get_info().to_dict())
@@ -135,7 +136,7 @@ def snapshots() -> None:
 @handle_errors
 def snapshots_ls(ctx: click.Context, as_json: bool) -> None:
     """List snapshots (of the data directory, or of your tenant on a service)."""
-    snaps = Sandbox.list_snapshots(home=home_of(ctx))
+    snaps = sdk().list_snapshots(home=home_of(ctx))
     if as_json:
         emit_json([_snapshot_json(s) for s in snaps])
         return
@@ -161,7 +162,7 @@ def snapshots_ls(ctx: click.Context, as_json: bool) -> None:
 @handle_errors
 def snapshots_info(ctx: click.Context, snapshot_ref: str, as_json: bool) -> None:
     """Show one snapshot, by id or name."""
-    snap = Sandbox.get_snapshot(snapshot_ref, home=home_of(ctx))
+    snap = sdk().get_snapshot(snapshot_ref, home=home_of(ctx))
     if as_json:
         emit_json(_snapshot_json(snap))
     else:
@@ -181,7 +182,7 @@ def snapshots_rm(ctx: click.Context, snapshot_refs: tuple[str, ...], as_json: bo
     restored to it): destroy those sandboxes, or restore them to another snapshot, first.
     """
     for ref in snapshot_refs:
-        Sandbox.delete_snapshot(ref, home=home_of(ctx))
+        sdk().delete_snapshot(ref, home=home_of(ctx))
         if not as_json:
             click.echo(f"removed {ref}", err=True)
     if as_json:

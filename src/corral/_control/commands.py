@@ -16,7 +16,6 @@ from typing import Any
 from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
 from .._core.resources import get_tier
-from .._workspace.files import WorkspaceFiles
 from ..backends import ExecRequest, OutputCallback, ProcessIO
 from ..errors import CommandError, CommandNotFound, FileError, FileNotFound, SandboxBusy
 from ..models import CommandResult, ResourceTier
@@ -115,6 +114,7 @@ class Commands:
                 timed_out=outcome.timed_out, duration_s=time.monotonic() - started,
                 usage=outcome.usage, stdout_truncated=outcome.stdout_truncated,
                 stderr_truncated=outcome.stderr_truncated, command_id=command_id,
+                stdout_bytes=outcome.stdout_bytes, stderr_bytes=outcome.stderr_bytes,
             )
             verdict = _outcome(result)
             span.set_attributes({"corral.outcome": verdict, "corral.exit_code": result.exit_code})
@@ -154,9 +154,9 @@ class Commands:
         return command, info, tier, limit
 
     def _check_cwd(self, info: SandboxRecord, cwd: str) -> None:
-        root = self._sandboxes.backend(info).workspace_root(self._sandboxes.spec(info))
+        files = self._sandboxes.backend(info).files(self._sandboxes.spec(info))
         try:
-            entry = WorkspaceFiles(root, info.uid).stat(cwd)
+            entry = files.stat(cwd)
         except FileNotFound:
             raise CommandError(f"the working directory {cwd} does not exist") from None
         except FileError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets as random
+import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -16,7 +17,7 @@ from .._egress.gateway import BoundSecret, Decision, EgressContext, Gateway
 from .._egress.policy import NetworkPolicy, Rule
 from .._settings import Settings
 from ..backends import IsolationBackend, SandboxSpec
-from ..errors import UsageError
+from ..errors import BackendError, UsageError
 from .secrets import SecretStore
 from .store import Store
 
@@ -109,14 +110,17 @@ class EgressBroker:
         if NetworkPolicy.from_json(dict(network)).mode == "none":
             yield env  # no listener, no proxy variables: nothing answers
             return
-        sock = backend.open_listener(spec)
+        endpoint = backend.egress_endpoint(spec)
+        sock = endpoint.listener
         try:
+            if not isinstance(sock, socket.socket):
+                raise BackendError(f"the {backend.name} tier's egress listener is not a socket")
             handle = self.gateway().serve(sock, sandbox_id=spec.id, command_id=command_id)
         except BaseException:
             sock.close()
             raise
         try:
-            proxy = f"http://127.0.0.1:{handle.port}"
+            proxy = endpoint.proxy_url
             for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
                 env[name] = env[name.lower()] = proxy
             env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -9,8 +10,9 @@ from typing import BinaryIO
 from .._audit.auditor import Auditor
 from .._core.resources import get_tier
 from .._workspace.archive import ExtractReport, create_tar, extract_tar
-from .._workspace.files import WorkspaceFiles, to_relative
-from ..errors import CorralError
+from .._workspace.files import to_relative
+from ..backends import WorkspaceFS
+from ..errors import CorralError, PathRefused
 from ..models import FileEntry
 from .sandboxes import Sandboxes
 from .store import Store
@@ -24,45 +26,63 @@ def _shown(path: str) -> str:
 
 
 class AuditedFiles:
-    """The same operations as ``WorkspaceFiles``; reads and changes are recorded."""
+    """The same operations as the ``WorkspaceFS`` it wraps; reads, changes and refusals are
+    recorded."""
 
-    def __init__(self, files: WorkspaceFiles, auditor: Auditor, sandbox_id: str) -> None:
+    def __init__(self, files: WorkspaceFS, auditor: Auditor, sandbox_id: str) -> None:
         self._files = files
         self._auditor = auditor
         self._sandbox_id = sandbox_id
 
+    @contextlib.contextmanager
+    def _refusals(self, op: str, path: object, **paths: object) -> Iterator[None]:
+        """A refused path goes into the trail (it is what a steered agent tried) and on up."""
+        try:
+            yield
+        except PathRefused as exc:
+            self._auditor.file_refused(self._sandbox_id, op, path, exc, **paths)
+            raise
+
     def read(self, path: str) -> bytes:
-        data = self._files.read(path)
+        with self._refusals("read", path):
+            data = self._files.read(path)
         self._auditor.file_event(self._sandbox_id, "read", _shown(path), data)
         return data
 
     def write(self, path: str, data: bytes) -> FileEntry:
-        entry = self._files.write(path, data)
+        with self._refusals("write", path):
+            entry = self._files.write(path, data)
         self._auditor.file_event(self._sandbox_id, "write", entry.path, data)
         return entry
 
     def remove(self, path: str) -> None:
-        self._files.remove(path)
+        with self._refusals("remove", path):
+            self._files.remove(path)
         self._auditor.file_event(self._sandbox_id, "remove", _shown(path))
 
     def rename(self, src: str, dst: str) -> FileEntry:
-        entry = self._files.rename(src, dst)
+        with self._refusals("rename", src, dst=dst):
+            entry = self._files.rename(src, dst)
         self._auditor.file_event(self._sandbox_id, "rename", entry.path, source=_shown(src))
         return entry
 
     def make_dir(self, path: str) -> bool:
-        created = self._files.make_dir(path)
+        with self._refusals("mkdir", path):
+            created = self._files.make_dir(path)
         self._auditor.file_event(self._sandbox_id, "mkdir", _shown(path), created=created)
         return created
 
     def list(self, path: str = "/workspace") -> list[FileEntry]:
-        return self._files.list(path)
+        with self._refusals("list", path):
+            return self._files.list(path)
 
     def stat(self, path: str) -> FileEntry:
-        return self._files.stat(path)
+        with self._refusals("stat", path):
+            return self._files.stat(path)
 
     def exists(self, path: str) -> bool:
-        return self._files.exists(path)
+        with self._refusals("exists", path):
+            return self._files.exists(path)
 
     def upload(self, dest: str, stream: BinaryIO, *, max_bytes: int,
                max_entries: int = 100_000) -> ExtractReport:
@@ -74,8 +94,9 @@ class AuditedFiles:
         report = ExtractReport()
         shown = _shown(dest)
         try:
-            extract_tar(self._files, dest, stream, max_bytes=max_bytes,
-                        max_entries=max_entries, report=report)
+            with self._refusals("upload", dest):
+                extract_tar(self._files, dest, stream, max_bytes=max_bytes,
+                            max_entries=max_entries, report=report)
         except CorralError as exc:
             self._auditor.file_event(self._sandbox_id, "upload", shown, None, **_counts(report),
                                      error=exc.code, message=exc.message)
@@ -93,16 +114,19 @@ class AuditedFiles:
         nothing, because nothing was read.)
         """
         report = ExtractReport()
-        chunks = create_tar(self._files, src, max_bytes=max_bytes, max_entries=max_entries,
-                            gzip=gzip, report=report)
-        return self._recorded_download(_shown(src), chunks, report, gzip=gzip)
+        with self._refusals("download", src):
+            chunks = create_tar(self._files, src, max_bytes=max_bytes, max_entries=max_entries,
+                                gzip=gzip, report=report)
+        return self._recorded_download(src, chunks, report, gzip=gzip)
 
-    def _recorded_download(self, shown: str, chunks: Iterator[bytes], report: ExtractReport,
+    def _recorded_download(self, src: str, chunks: Iterator[bytes], report: ExtractReport,
                            *, gzip: bool) -> Iterator[bytes]:
+        shown = _shown(src)
         complete = False
         failure: dict[str, str] = {}
         try:
-            yield from chunks
+            with self._refusals("download", src):
+                yield from chunks
             complete = True
         except CorralError as exc:
             failure = {"error": exc.code, "message": exc.message}
@@ -129,8 +153,8 @@ class Files:
         info = self._sandboxes.get(sandbox_id)
         if info.idle_timeout is not None:
             self._store.touch(sandbox_id)
-        root = self._sandboxes.backend(info).workspace_root(self._sandboxes.spec(info))
-        return AuditedFiles(WorkspaceFiles(root, info.uid), self._auditor, sandbox_id)
+        files = self._sandboxes.backend(info).files(self._sandboxes.spec(info))
+        return AuditedFiles(files, self._auditor, sandbox_id)
 
     def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
         info = self._sandboxes.get(sandbox_id)

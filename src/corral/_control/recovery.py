@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from .._audit.auditor import Auditor
-from ..backends import IsolationBackend
+from ..backends import IsolationBackend, Leftover
 from ..errors import BackendUnavailable
 from .layers import Layers
 from .processes import ProcessTable
@@ -72,24 +72,21 @@ class Recovery:
         for name in {info.isolation for info in self._store.list()} - set(self._backends.loaded):
             with contextlib.suppress(BackendUnavailable):
                 self._backends.get(name)
-        swept: list[str] = []
+        swept: list[Leftover] = []
         backend: IsolationBackend
         for backend in self._backends.all():
             swept += backend.sweep(lambda sandbox_id: self._store.get(sandbox_id) is not None)
         removed += self._layers.sweep()
         for item in swept:
-            self._auditor.count("corral_reaper_actions", action=f"sweep_{item.split()[0]}")
-            kind, _, group = item.partition(" ")
-            sandbox_id, _, name = group.partition("/")
-            command_id = name.rsplit(".", 1)[-1]
-            if kind == "command" and command_id.startswith("cmd_"):
+            self._auditor.count("corral_reaper_actions", action=f"sweep_{item.kind}")
+            if item.kind == "command" and item.command_id is not None:
                 # Its process died (crash, SIGKILL): close the command's story in the trail.
-                self._auditor.event(sandbox_id, "command.finished", {
+                self._auditor.event(item.sandbox_id, "command.finished", {
                     "exit_code": None, "interrupted": True,
                     "error": "interrupted: the process running it stopped",
-                }, command=command_id, sync=True)
+                }, command=item.command_id, sync=True)
         self._done = True
-        return removed + swept
+        return removed + [str(item) for item in swept]
 
     def _idle(self, info: SandboxRecord, now: float) -> bool:
         """Past its idle timeout with nothing running (no command, no background process)."""

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._audit.auditor import Auditor
-from .._backends.namespace.template import require_template
+from .._backends._linux.template import require_template
 from .._core.resources import get_tier
 from .._settings import Settings
 from ..backends import IsolationBackend, SandboxSpec
@@ -144,8 +144,8 @@ class Sandboxes:
         require_template(template, self._settings.home / "templates")
         info = self._store.insert(
             sandbox_id=new_id(), template=template, resources=resources, ttl_s=ttl,
-            labels=clean_labels, uid_start=self._settings.uid_start,
-            uid_count=self._settings.uid_count, network=policy.to_json(), secrets=placeholders,
+            labels=clean_labels, allocate_uid=backend.allocate_uid,
+            network=policy.to_json(), secrets=placeholders,
             tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
             isolation=isolation, layer=layer,
         )

@@ -7,7 +7,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -146,16 +146,17 @@ class Store:
 
     def insert(
         self, *, sandbox_id: str, template: str, resources: str, ttl_s: float,
-        labels: dict[str, str], uid_start: int, uid_count: int,
+        labels: dict[str, str], allocate_uid: Callable[[set[int]], int],
         network: dict[str, object] | None = None, secrets: dict[str, str] | None = None,
         tenant: str = "local", max_for_tenant: int | None = None,
         idle_timeout: float | None = None, isolation: str = "namespace",
         layer: str | None = None,
     ) -> SandboxRecord:
-        """Insert a sandbox in state ``creating`` with the lowest free uid of the range.
+        """Insert a sandbox in state ``creating``; its uid is what the tier's ``allocate_uid``
+        picks among the ones not recorded here, inside the insert's transaction.
 
         Raises:
-            QuotaExceeded: every uid of the range is taken.
+            QuotaExceeded: the tier has no uid left.
         """
         now = time.time()
         with self._tx() as db:
@@ -166,17 +167,7 @@ class Store:
                     raise QuotaExceeded(
                         f"tenant {tenant!r} already has {count} sandboxes, its limit; destroy "
                         "one or ask the operator for a higher limit")
-            used = {r[0] for r in db.execute(
-                "SELECT uid FROM sandboxes WHERE uid >= ? AND uid < ?",
-                (uid_start, uid_start + uid_count),
-            )}
-            uid = next((u for u in range(uid_start, uid_start + uid_count) if u not in used), None)
-            if uid is None:
-                raise QuotaExceeded(
-                    f"all {uid_count} sandbox uids ({uid_start}..{uid_start + uid_count - 1}) "
-                    "are in use; remove sandboxes (`corral ls`, `corral rm ID`) or widen "
-                    "CORRAL_UID_COUNT"
-                )
+            uid = allocate_uid({r[0] for r in db.execute("SELECT uid FROM sandboxes")})
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
                 "expires_at, labels, network, secrets, tenant, idle_timeout, last_active, "

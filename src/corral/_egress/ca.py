@@ -2,7 +2,8 @@
 
 Made on first use under ``<home>/egress/``; the key is readable by root only and never enters a
 sandbox. Sandboxes trust the certificate (system bundle, ``SSL_CERT_FILE``, ...). Leaf certificates
-are made per host on demand and kept in memory.
+are made per host on demand and kept in memory, the most recently used few only: under a wildcard
+binding the sandbox chooses the names, so the cache must not grow with them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import ssl
 import tempfile
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from cryptography import x509
@@ -23,10 +25,14 @@ __all__ = ["CertificateAuthority"]
 
 _CA_DAYS = 3650
 _LEAF_DAYS = 30
+_MAX_LEAVES = 128
+# X.509 caps a common name at 64 characters (RFC 5280 ub-common-name); DNS names go to 253. The
+# subjectAltName carries the full name and is what clients check.
+_MAX_CN = 64
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name[:_MAX_CN]),
                       x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Corral egress gateway")])
 
 
@@ -36,7 +42,7 @@ class CertificateAuthority:
         self.cert_path = directory / "ca.pem"
         self._key_path = directory / "ca.key"
         self._lock = threading.Lock()
-        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
         self._load_or_create()
 
     def _load_or_create(self) -> None:
@@ -82,6 +88,7 @@ class CertificateAuthority:
         with self._lock:
             context = self._contexts.get(host)
             if context is not None:
+                self._contexts.move_to_end(host)
                 return context
             key = ec.generate_private_key(ec.SECP256R1())
             now = dt.datetime.now(dt.UTC)
@@ -110,4 +117,6 @@ class CertificateAuthority:
                                         serialization.NoEncryption()))
                 context.load_cert_chain(chain)
             self._contexts[host] = context
+            while len(self._contexts) > _MAX_LEAVES:
+                self._contexts.popitem(last=False)
             return context

@@ -5,11 +5,16 @@ it there), one per command, so every decision is attributed to the command whose
 the port. The sandbox has no route: this listener is its only way out, and when the gateway is not
 serving, nothing answers (fail closed).
 
-Per connection: parse the request with h11; refuse IP literals, userinfo, a Host header that
-disagrees with the target, anything the policy does not allow; resolve the name with the host's
-resolver and refuse if any answer is a forbidden address; connect to the vetted address itself (no
-second lookup). ``CONNECT`` is an opaque tunnel, except for hosts a secret of this sandbox is bound
-to: those are intercepted with the deployment CA so the placeholder can be swapped for the value.
+Per connection: parse the request with h11; refuse ambiguous framing (``framing.py``), IP
+literals, userinfo, a Host header that disagrees with the target, anything the policy does not
+allow; resolve the name with the host's resolver and refuse if any answer is a forbidden address;
+connect to the vetted address itself (no second lookup). ``CONNECT`` is an opaque tunnel, except for
+hosts a secret of this sandbox is bound to: those are intercepted with the deployment CA so the
+placeholder can be swapped for the value.
+
+One request per client connection, plain or intercepted: the response carries ``Connection:
+close`` and whatever the client pipelined after the first request is never parsed or forwarded,
+so every request that leaves is its own vetted decision (a second host needs a new connection).
 """
 
 from __future__ import annotations
@@ -25,13 +30,21 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import h11
 
 from .addresses import Network, forbidden_reason
 from .ca import CertificateAuthority
-from .policy import NetworkPolicy, Rule, is_ip_literal, normalize_host
+from .framing import Refused as _Refused
+from .framing import (
+    body_framing,
+    default_port,
+    inner_target,
+    origin_form,
+    outbound_headers,
+    split_url,
+)
+from .policy import NetworkPolicy, Rule, clip, is_ip_literal, normalize_host, parse_port
 
 __all__ = ["BoundSecret", "Decision", "EgressContext", "Gateway", "ListenerHandle"]
 
@@ -40,7 +53,7 @@ logger = logging.getLogger(__name__)
 _HEAD_TIMEOUT_S = 30.0
 _CONNECT_TIMEOUT_S = 10.0
 _CHUNK = 65536
-# Transfer-Encoding is kept: h11 re-frames the body to match it on the other side.
+# Upstream response headers the sandbox never gets; h11 re-frames the response itself.
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
                b"proxy-authenticate", b"te", b"trailer", b"upgrade"}
 
@@ -94,14 +107,6 @@ class Decision:
             "bytes_down": self.bytes_down, "duration_s": round(self.duration_s, 6),
             "secrets_substituted": list(self.substituted),
         }
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, rule: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.rule = rule
-        self.reason = reason
 
 
 Lookup = Callable[[str], EgressContext]
@@ -198,10 +203,10 @@ class Gateway:
         conn = h11.Connection(h11.SERVER)
         decision: Decision | None = None
         try:
-            request = await asyncio.wait_for(self._next_event(conn, reader), _HEAD_TIMEOUT_S)
+            request = await asyncio.wait_for(self._read_head(conn, reader), _HEAD_TIMEOUT_S)
             if not isinstance(request, h11.Request):
                 return
-            method = request.method.decode("ascii", "replace")
+            method = clip(request.method.decode("ascii", "replace"), 32)
             decision = Decision(sandbox_id, command_id, method, "", 0, "denied", "", "")
             context = self._lookup(sandbox_id)
             if method == "CONNECT":
@@ -209,23 +214,39 @@ class Gateway:
             else:
                 await self._forward(conn, reader, writer, request, context, decision)
         except _Refused as refused:
-            if decision is not None:
-                decision.verdict, decision.rule, decision.reason = "denied", refused.rule, \
-                    refused.reason
+            # Refused before a request was parsed too (a malformed head): still a decision.
+            if decision is None:
+                decision = Decision(sandbox_id, command_id, "", "", 0, "denied", "", "")
+            decision.verdict, decision.rule, decision.reason = "denied", refused.rule, \
+                refused.reason
             await self._refuse(conn, writer, refused)
         except (TimeoutError, h11.RemoteProtocolError, asyncio.IncompleteReadError) as exc:
             if decision is not None and decision.verdict == "allowed":
-                decision.reason += f"; ended: {type(exc).__name__}"
+                decision.reason += f"; ended: {type(exc).__name__}: {clip(str(exc))}"
             else:
                 await self._refuse(conn, writer, _Refused(400, "bad-request",
-                                                          f"malformed proxy request: {exc}"))
+                                                          f"malformed proxy request: "
+                                                          f"{clip(str(exc))}"))
         except (ConnectionError, OSError) as exc:
             if decision is not None:
-                decision.reason += f"; ended: {exc}"
+                decision.reason += f"; ended: {clip(str(exc))}"
         except asyncio.CancelledError:
             if decision is not None:
                 decision.reason += "; ended: the command finished"
             raise
+        except Exception as exc:
+            # A bug here must still end in a decision, and must not put caller bytes unbounded
+            # into the host's log (asyncio would log the whole exception).
+            logger.error("egress gateway failed on a connection of %s: %s: %s", sandbox_id,
+                         type(exc).__name__, clip(str(exc)))
+            if decision is None:
+                decision = Decision(sandbox_id, command_id, "", "", 0, "denied", "", "")
+            if decision.verdict == "allowed":
+                decision.reason += "; ended: internal error"
+            else:
+                decision.rule, decision.reason = "internal-error", "the gateway failed"
+                await self._refuse(conn, writer, _Refused(502, "internal-error",
+                                                          "the gateway failed on this request"))
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
@@ -243,6 +264,18 @@ class Gateway:
                 return event
             data = await reader.read(_CHUNK)
             conn.receive_data(data)
+
+    async def _read_head(self, conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+        """The next request head (or ConnectionClosed); a malformed one is refused by rule."""
+        try:
+            return await self._next_event(conn, reader)
+        except h11.RemoteProtocolError as exc:
+            text = str(exc)
+            framing = "Content-Length" in text or "Transfer-Encoding" in text
+            raise _Refused(400, "bad-framing" if framing else "bad-request",
+                           f"malformed request: {clip(text)}"
+                           + ("; send one Content-Length or Transfer-Encoding: chunked"
+                              if framing else "")) from None
 
     async def _refuse(self, conn: h11.Connection, writer: asyncio.StreamWriter,
                       refused: _Refused) -> None:
@@ -265,14 +298,14 @@ class Gateway:
     def _target(self, host_text: str, port: int, context: EgressContext,
                 decision: Decision) -> str:
         """Validate and decide ``host:port``; return the normalised host or raise _Refused."""
-        decision.host, decision.port = host_text, port
+        decision.host, decision.port = clip(host_text, 255), port
         if is_ip_literal(host_text):
-            raise _Refused(403, "ip-literal", f"{host_text} is an IP address; only host names "
-                           "can be allowed")
+            raise _Refused(403, "ip-literal", f"{clip(host_text)} is an IP address; only host "
+                           "names can be allowed")
         try:
             host = normalize_host(host_text)
         except ValueError as exc:
-            raise _Refused(400, "bad-host", str(exc)) from None
+            raise _Refused(400, "bad-host", clip(str(exc))) from None
         decision.host = host
         verdict = context.policy.decide(host, port)
         decision.rule, decision.reason = verdict.rule, verdict.reason
@@ -327,16 +360,17 @@ class Gateway:
                        context: EgressContext, decision: Decision) -> None:
         target = request.target.decode("ascii", "replace")
         host_text, sep, port_text = target.rpartition(":")
-        if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-            raise _Refused(400, "bad-target", f"CONNECT target {target!r} is not host:port")
-        port = int(port_text)
+        port = parse_port(port_text)
+        if not sep or port is None:
+            raise _Refused(400, "bad-target", f"CONNECT target {clip(target)!r} is not host:port")
         for name, value in request.headers:
             if name == b"host" and value.decode("ascii", "replace").lower() not in (
                     target.lower(), host_text.lower()):
                 raise _Refused(400, "host-mismatch",
-                               f"Host header {value.decode(errors='replace')!r} disagrees with "
-                               f"the CONNECT target {target!r}")
+                               f"Host header {clip(value.decode(errors='replace'))!r} disagrees "
+                               f"with the CONNECT target {clip(target)!r}")
         host = self._target(host_text, port, context, decision)
+        body_framing(request)  # a CONNECT with ambiguous framing is refused as well
         bound = [s for s in context.secrets if s.bound_to(host, port)]
         decision.mode = "intercept" if bound else "tunnel"
         up_reader, up_writer = await self._open_upstream(host, port, decision, tls=bool(bound))
@@ -389,17 +423,26 @@ class Gateway:
         # TLS towards the sandbox with a leaf certificate for the host it asked for.
         await writer.start_tls(self._ca.server_context(host))
         conn = h11.Connection(h11.SERVER)
-        request = await asyncio.wait_for(self._next_event(conn, reader), _HEAD_TIMEOUT_S)
-        if not isinstance(request, h11.Request):
-            return
-        inner_host = next((v for n, v in request.headers if n == b"host"), b"").decode(
-            "ascii", "replace").lower()
-        if inner_host not in (host, f"{host}:{port}"):
-            raise _Refused(400, "host-mismatch", f"inner Host {inner_host!r} is not the "
-                           f"CONNECT target {host}:{port}")
-        decision.method = f"CONNECT/{request.method.decode('ascii', 'replace')}"
-        await self._exchange(conn, reader, writer, request, host, up_reader, up_writer, bound,
-                             decision)
+        try:
+            request = await asyncio.wait_for(self._read_head(conn, reader), _HEAD_TIMEOUT_S)
+            if not isinstance(request, h11.Request):
+                return
+            decision.method = f"CONNECT/{clip(request.method.decode('ascii', 'replace'), 32)}"
+            inner_host = next((v for n, v in request.headers if n == b"host"), b"").decode(
+                "ascii", "replace").lower()
+            if inner_host not in (host, f"{host}:{port}"):
+                raise _Refused(400, "host-mismatch", f"inner Host {clip(inner_host)!r} is not "
+                               f"the CONNECT target {host}:{port}")
+            # Checked before anything is substituted or sent: a refused request carries no
+            # secret anywhere.
+            target = inner_target(request, scheme="https", host=host, port=port)
+            headers = outbound_headers(request, _host_value(host, port, tls=True))
+        except _Refused as refused:
+            # Answered inside the tunnel, where the client reads; the caller audits it.
+            await self._refuse(conn, writer, refused)
+            raise
+        await self._exchange(conn, reader, writer, request.method, target, headers, up_reader,
+                             up_writer, bound, decision)
 
     # -- plain HTTP ---------------------------------------------------------------------------
 
@@ -407,40 +450,29 @@ class Gateway:
                        writer: asyncio.StreamWriter, request: h11.Request,
                        context: EgressContext, decision: Decision) -> None:
         target = request.target.decode("ascii", "replace")
-        parts = urlsplit(target)
-        if parts.scheme != "http" or not parts.netloc:
+        if not target.lower().startswith("http://"):
             raise _Refused(400, "bad-target", f"a proxy request needs an absolute http:// URL, "
-                           f"got {target[:200]!r} (use CONNECT for https)")
-        if "@" in parts.netloc:
-            raise _Refused(403, "userinfo", "URLs with user information are refused")
-        try:
-            port = parts.port or 80
-        except ValueError:
-            raise _Refused(400, "bad-target", f"bad port in {target[:200]!r}") from None
-        host_text = parts.hostname or ""
-        if parts.netloc.startswith("["):
-            host_text = parts.netloc.split("]")[0] + "]"
+                           f"got {clip(target)!r} (use CONNECT for https)")
+        parts, host_text, port = split_url(target)
         for name, value in request.headers:
             if name == b"host":
                 given = value.decode("ascii", "replace").lower()
                 if given not in (parts.netloc.lower(), f"{host_text.lower()}:{port}") \
                         and not (port == 80 and given == host_text.lower()):
-                    raise _Refused(400, "host-mismatch", f"Host header {given!r} disagrees "
-                                   f"with the request URL {parts.netloc!r}")
+                    raise _Refused(400, "host-mismatch", f"Host header {clip(given)!r} "
+                                   f"disagrees with the request URL {clip(parts.netloc)!r}")
         host = self._target(host_text, port, context, decision)
+        # Ambiguous framing and '//' paths are refused here, before any upstream is opened.
+        headers = outbound_headers(request, _host_value(host, port, tls=False))
+        path = origin_form(parts).encode("ascii")
         decision.mode = "http"
         up_reader, up_writer = await self._open_upstream(host, port, decision, tls=False)
         decision.verdict = "allowed"
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
-        origin = h11.Request(method=request.method, target=path.encode(),
-                             headers=request.headers, http_version=request.http_version)
         try:
             # Secrets are never substituted over plain HTTP: they would cross the network in
             # clear; the placeholder goes instead.
-            await self._exchange(conn, reader, writer, origin, host, up_reader, up_writer, [],
-                                 decision, port=port)
+            await self._exchange(conn, reader, writer, request.method, path, headers,
+                                 up_reader, up_writer, [], decision)
         finally:
             with contextlib.suppress(Exception):
                 up_writer.close()
@@ -448,9 +480,11 @@ class Gateway:
     # -- one request/response exchange (plain or intercepted) ---------------------------------
 
     async def _exchange(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter, request: h11.Request, host: str,
-                        up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter,
-                        bound: list[BoundSecret], decision: Decision, port: int = 443) -> None:
+                        writer: asyncio.StreamWriter, method: bytes, target: bytes,
+                        headers: list[tuple[bytes, bytes]], up_reader: asyncio.StreamReader,
+                        up_writer: asyncio.StreamWriter, bound: list[BoundSecret],
+                        decision: Decision) -> None:
+        """One vetted request (``headers`` from ``outbound_headers``) and its response."""
         used: set[str] = set()
 
         def swap(data: bytes) -> bytes:
@@ -461,13 +495,9 @@ class Gateway:
                     used.add(secret.name)
             return data
 
-        headers = [(n, swap(v)) for n, v in request.headers
-                   if n.lower() not in _HOP_BY_HOP and n.lower() != b"host"]
-        host_value = host if port in (80, 443) else f"{host}:{port}"
-        headers = [(b"host", host_value.encode()), *headers, (b"connection", b"close")]
         upstream = h11.Connection(h11.CLIENT)
         up_writer.write(upstream.send(h11.Request(
-            method=request.method, target=swap(request.target), headers=headers)))
+            method=method, target=swap(target), headers=[(n, swap(v)) for n, v in headers])))
         # Request body, streamed.
         while True:
             event = await self._next_event(conn, reader)
@@ -501,6 +531,11 @@ class Gateway:
                     writer.write(conn.send(h11.EndOfMessage()))
                 await writer.drain()
                 return
+
+
+def _host_value(host: str, port: int, *, tls: bool) -> str:
+    """``Host`` as the upstream expects it: the port only when not the scheme's default."""
+    return host if port == default_port("https" if tls else "http") else f"{host}:{port}"
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

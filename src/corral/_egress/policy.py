@@ -16,11 +16,30 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
-__all__ = ["DEFAULT_PORTS", "NetworkPolicy", "Rule", "Verdict", "is_ip_literal", "normalize_host"]
+__all__ = ["DEFAULT_PORTS", "NetworkPolicy", "Rule", "Verdict", "clip", "is_ip_literal",
+           "normalize_host", "parse_port"]
 
 DEFAULT_PORTS = (80, 443)
 _LABEL_RE = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 _MAX_RULES = 256
+_CLIP = 200
+
+
+def clip(text: str, limit: int = _CLIP) -> str:
+    """``text`` cut to ``limit`` characters: caller-supplied names and URLs reach error
+    messages, responses and the audit trail bounded."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
+def parse_port(text: str) -> int | None:
+    """A TCP port written in ASCII digits (1-65535), else None.
+
+    ``str.isdigit`` alone takes "²" and 100,000-digit strings, on which ``int`` raises.
+    """
+    if not (0 < len(text) <= 5 and text.isascii() and text.isdigit()):
+        return None
+    port = int(text)
+    return port if 0 < port < 65536 else None
 
 
 def normalize_host(host: str) -> str:
@@ -29,14 +48,14 @@ def normalize_host(host: str) -> str:
         raise ValueError("host must be a string")
     name = host.strip().rstrip(".") if host.endswith(".") else host.strip()
     if not name or len(name) > 253:
-        raise ValueError(f"{host!r} is not a host name")
+        raise ValueError(f"{clip(host)!r} is not a host name (at most 253 characters)")
     try:
         name = name.encode("idna").decode("ascii").lower()
     except UnicodeError as exc:
-        raise ValueError(f"{host!r} is not a valid international host name") from exc
+        raise ValueError(f"{clip(host)!r} is not a valid international host name") from exc
     labels = name.split(".")
     if not all(_LABEL_RE.match(label) for label in labels):
-        raise ValueError(f"{host!r} is not a host name")
+        raise ValueError(f"{clip(host)!r} is not a host name")
     return name
 
 
@@ -68,31 +87,33 @@ class Rule:
     @classmethod
     def parse(cls, text: str) -> Rule:
         if not isinstance(text, str) or not text.strip():
-            raise UsageError(f"empty network rule {text!r}")
+            raise UsageError(f"empty network rule {clip(str(text))!r}")
         raw = text.strip()
         port: int | None = None
         host = raw
         if raw.count(":") == 1:
             host, port_text = raw.rsplit(":", 1)
-            if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-                raise UsageError(f"bad port in network rule {text!r}")
-            port = int(port_text)
+            port = parse_port(port_text)
+            if port is None:
+                raise UsageError(f"bad port in network rule {clip(text)!r}; a port is "
+                                 "1-65535")
         elif ":" in raw:
-            raise UsageError(f"network rule {text!r}: IP literals cannot be allowed; operators "
-                             "allow private ranges with CORRAL_EGRESS_ALLOW_CIDRS")
+            raise UsageError(f"network rule {clip(text)!r}: IP literals cannot be allowed; "
+                             "operators allow private ranges with CORRAL_EGRESS_ALLOW_CIDRS")
         wildcard = host.startswith("*.")
         base = host[2:] if wildcard else host
         if "*" in base or "/" in base or "@" in base:
-            raise UsageError(f"network rule {text!r}: only a leading '*.' wildcard is allowed")
+            raise UsageError(f"network rule {clip(text)!r}: only a leading '*.' wildcard is "
+                             "allowed")
         if is_ip_literal(base):
-            raise UsageError(f"network rule {text!r}: IP literals cannot be allowed; operators "
-                             "allow private ranges with CORRAL_EGRESS_ALLOW_CIDRS")
+            raise UsageError(f"network rule {clip(text)!r}: IP literals cannot be allowed; "
+                             "operators allow private ranges with CORRAL_EGRESS_ALLOW_CIDRS")
         try:
             name = normalize_host(base)
         except ValueError as exc:
-            raise UsageError(f"network rule {text!r}: {exc}") from None
+            raise UsageError(f"network rule {clip(text)!r}: {exc}") from None
         if wildcard and "." not in name:
-            raise UsageError(f"network rule {text!r} would match a whole top-level domain")
+            raise UsageError(f"network rule {clip(text)!r} would match a whole top-level domain")
         return cls(host=f"*.{name}" if wildcard else name, port=port)
 
     def matches(self, host: str, port: int) -> bool:
@@ -135,10 +156,14 @@ class NetworkPolicy:
         """An allowlist policy; with no allow rules it is the same as ``none``."""
         if isinstance(allow, str) or isinstance(deny, str):
             raise UsageError("allow and deny take a list of rules, not a single string")
-        allow_rules = tuple(Rule.parse(r) for r in (allow or ()))
-        deny_rules = tuple(Rule.parse(r) for r in (deny or ()))
-        if len(allow_rules) + len(deny_rules) > _MAX_RULES:
-            raise UsageError(f"at most {_MAX_RULES} network rules per sandbox")
+        allow_texts, deny_texts = list(allow or ()), list(deny or ())
+        # Counted before any is parsed: a caller's list is bounded before work is done on it.
+        if len(allow_texts) + len(deny_texts) > _MAX_RULES:
+            raise UsageError(f"at most {_MAX_RULES} network rules per sandbox, got "
+                             f"{len(allow_texts) + len(deny_texts)}; allow a wildcard such as "
+                             "'*.example.com' instead of many names")
+        allow_rules = tuple(Rule.parse(r) for r in allow_texts)
+        deny_rules = tuple(Rule.parse(r) for r in deny_texts)
         if not allow_rules:
             return cls(mode="none", deny=deny_rules)
         return cls(mode="allowlist", allow=allow_rules, deny=deny_rules)

@@ -60,11 +60,14 @@ from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from .. import errors
-from .._control.manager import Manager
 from .._control.tenants import Ceiling, check, local_tenant
 from .._egress.policy import NetworkPolicy
-from .._sdk.sandbox import Sandbox, _manager
-from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
+from .._sdk._aembedded import AsyncEmbeddedTransport
+from .._sdk._async.http import AsyncHTTPTransport
+from .._sdk._async.sandbox import AsyncSandbox
+from .._sdk._async.transport import AsyncTransport
+from .._sdk._embedded import embedded_target
+from ..models import CommandResult, FileEntry, SnapshotInfo
 
 __all__ = ["DEFAULT_CEILING", "OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "mcp_ceiling",
            "serve"]
@@ -133,7 +136,7 @@ def _error(code: str, message: str) -> CallToolResult:
 
 @dataclass
 class _Session:
-    sandbox: Sandbox | None = None
+    sandbox: AsyncSandbox | None = None
     owned: set[str] = field(default_factory=set)
     snapshots: set[str] = field(default_factory=set)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -155,6 +158,19 @@ class CorralMCP:
         self._unowned: set[str] = set()  # made by sessionless clients: destroyed at shutdown
         self._unowned_snapshots: set[str] = set()  # likewise, deleted at shutdown
         self._closed = False
+        self._opened: AsyncTransport | None = None
+
+    async def _transport(self) -> AsyncTransport:
+        """One transport for the server's life: the control plane in-process (with the MCP
+        caller, so its ceiling is enforced there), or the service at ``CORRAL_URL``."""
+        if self._opened is None:
+            target = await anyio.to_thread.run_sync(embedded_target, self.home, None, None)
+            self._opened = (AsyncHTTPTransport(*target) if isinstance(target, tuple)
+                            else AsyncEmbeddedTransport(target, caller=self.caller))
+        return self._opened
+
+    async def _connect(self, sandbox_id: str) -> AsyncSandbox:
+        return await AsyncSandbox.connect(sandbox_id, transport=await self._transport())
 
     # --- sessions -------------------------------------------------------------------------
 
@@ -188,23 +204,23 @@ class CorralMCP:
         session = self._sessions.pop(key, None)
         if session is not None:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._destroy_ids, set(session.owned))
-                await anyio.to_thread.run_sync(self._delete_snapshots, set(session.snapshots))
+                await self._destroy_ids(set(session.owned))
+                await self._delete_snapshots(set(session.snapshots))
 
-    def _destroy_ids(self, ids: set[str]) -> None:
+    async def _destroy_ids(self, ids: set[str]) -> None:
         for sandbox_id in sorted(ids):
             try:
-                Sandbox.connect(sandbox_id, home=self.home).kill()
+                await (await self._connect(sandbox_id)).kill()
             except errors.SandboxNotFound:
                 pass
             except Exception:  # keep destroying the others
                 log.exception("could not destroy sandbox %s", sandbox_id)
 
-    def _delete_snapshots(self, ids: set[str]) -> None:
+    async def _delete_snapshots(self, ids: set[str]) -> None:
         """Delete snapshots; run after their session's sandboxes are gone."""
         for snapshot_id in sorted(ids):
             try:
-                Sandbox.delete_snapshot(snapshot_id, home=self.home)
+                await (await self._transport()).delete_snapshot(snapshot_id)
             except errors.SnapshotNotFound:
                 pass
             except errors.SnapshotInUse:
@@ -224,16 +240,19 @@ class CorralMCP:
         self._sessions.clear()
         self._unowned.clear()
         self._unowned_snapshots.clear()
-        if ids or snapshots:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._destroy_ids, ids)
-                await anyio.to_thread.run_sync(self._delete_snapshots, snapshots)
+        with anyio.CancelScope(shield=True):
+            if ids or snapshots:
+                await self._destroy_ids(ids)
+                await self._delete_snapshots(snapshots)
+            if self._opened is not None:
+                await self._opened.aclose()
+                self._opened = None
 
-    async def sandbox(self, ctx: Context[Any, Any] | None, sandbox_id: str | None) -> Sandbox:
+    async def sandbox(self, ctx: Context[Any, Any] | None,
+                      sandbox_id: str | None) -> AsyncSandbox:
         """The named sandbox, or the session sandbox (created on first use)."""
         if sandbox_id is not None:
-            return await anyio.to_thread.run_sync(
-                lambda: Sandbox.connect(sandbox_id, home=self.home))
+            return await self._connect(sandbox_id)
         key = self._session_key(ctx)
         if key is None:
             raise SessionRequired(
@@ -242,43 +261,30 @@ class CorralMCP:
         session = self._session(ctx, key)
         async with session.lock:
             if session.sandbox is None:
-                sb = await anyio.to_thread.run_sync(
-                    lambda: self._create(labels=_SESSION_LABELS))
+                sb = await self._create(labels=_SESSION_LABELS)
                 await self._check_open(sb)
                 session.sandbox = sb
                 session.owned.add(sb.id)
             return session.sandbox
 
-    def _create(self, **kwargs: Any) -> Sandbox:
+    async def _create(self, **kwargs: Any) -> AsyncSandbox:
         """A sandbox made on the caller's behalf, within the MCP ceiling."""
-        manager = _manager(self.home)
-        if isinstance(manager, Manager):
-            return Sandbox(manager.create(caller=self.caller, **kwargs), manager)
-        # A remote service enforces its own tenant's ceiling; this one is applied first.
-        network = kwargs.get("network")
-        check(self.ceiling, template=kwargs.get("template"),
-              isolation=kwargs.get("isolation"), resources=kwargs.get("resources"),
-              lifetime_s=kwargs.get("timeout"),
-              network=NetworkPolicy.build(network["allow"]) if isinstance(network, dict)
-              else None)
-        return Sandbox(manager.create(**kwargs), manager)
+        transport = await self._transport()
+        if isinstance(transport, AsyncHTTPTransport):
+            # A remote service enforces its own tenant's ceiling; this one is applied first.
+            network = kwargs.get("network")
+            check(self.ceiling, template=kwargs.get("template"),
+                  isolation=kwargs.get("isolation"), resources=kwargs.get("resources"),
+                  lifetime_s=kwargs.get("timeout"),
+                  network=NetworkPolicy.build(network["allow"]) if isinstance(network, dict)
+                  else None)
+        return await AsyncSandbox.create(transport=transport, **kwargs)
 
-    def _fork(self, sb: Sandbox, count: int) -> list[SandboxInfo]:
-        if isinstance(sb._mgr, Manager):
-            return sb._mgr.fork(sb.id, count, caller=self.caller)
-        return [c.get_info() for c in sb.fork(count)]
-
-    def _restore(self, sb: Sandbox, snapshot: str) -> None:
-        if isinstance(sb._mgr, Manager):
-            sb._mgr.restore(sb.id, snapshot, caller=self.caller)
-        else:
-            sb.restore(snapshot)
-
-    async def _check_open(self, sb: Sandbox) -> None:
+    async def _check_open(self, sb: AsyncSandbox) -> None:
         """A sandbox created while the server shut down is destroyed at once."""
         if self._closed:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(sb.kill)
+                await sb.kill()
             raise errors.UsageError("the MCP server is shutting down")
 
     def _own(self, ctx: Context[Any, Any] | None, *, sandboxes: tuple[str, ...] = (),
@@ -326,12 +332,12 @@ class CorralMCP:
         snapshot: str | None = None, template: str | None = None,
     ) -> dict[str, Any]:
         network: dict[str, list[str]] | str = {"allow": list(allow)} if allow else "none"
-        sb = await anyio.to_thread.run_sync(lambda: self._create(
+        sb = await self._create(
             template=template, resources=resources, timeout=timeout_s, labels=labels,
-            network=network, isolation=isolation, snapshot=snapshot))
+            network=network, isolation=isolation, snapshot=snapshot)
         await self._check_open(sb)
         self._own(ctx, sandboxes=(sb.id,))
-        info = sb.get_info()
+        info = await sb.get_info()
         return {"sandbox_id": sb.id, "template": info.template, "resources": info.resources,
                 "expires_at": info.expires_at, "network": info.network, "labels": info.labels,
                 "isolation": info.isolation}
@@ -342,8 +348,8 @@ class CorralMCP:
     ) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
         context = {"mcp_request_id": ctx.request_id} if ctx is not None else None
-        result: CommandResult = await anyio.to_thread.run_sync(
-            lambda: sb.commands.run(command, timeout=timeout_s, cwd=cwd, context=context))
+        result: CommandResult = await sb.commands.run(command, timeout=timeout_s, cwd=cwd,
+                                                      context=context)
         stdout, out_dropped = _cap(result.stdout, OUTPUT_CAP_BYTES, result.stdout_truncated,
                                    "stdout")
         stderr, err_dropped = _cap(result.stderr, OUTPUT_CAP_BYTES, result.stderr_truncated,
@@ -360,7 +366,7 @@ class CorralMCP:
     async def read_file(self, ctx: Context[Any, Any] | None, path: str,
                         sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        data = await anyio.to_thread.run_sync(lambda: sb.files.read(path, format="bytes"))
+        data = await sb.files.read(path, format="bytes")
         text, dropped = _cap(data[:FILE_CAP_BYTES + 4].decode(errors="replace"), FILE_CAP_BYTES,
                              max(0, len(data) - FILE_CAP_BYTES - 4), "file")
         return {"sandbox_id": sb.id, "path": path, "content": text, "size": len(data),
@@ -369,13 +375,13 @@ class CorralMCP:
     async def write_file(self, ctx: Context[Any, Any] | None, path: str, content: str,
                          sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        entry = await anyio.to_thread.run_sync(lambda: sb.files.write(path, content))
+        entry = await sb.files.write(path, content)
         return {"sandbox_id": sb.id, **_entry(entry)}
 
     async def list_files(self, ctx: Context[Any, Any] | None, path: str,
                          sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        entries = await anyio.to_thread.run_sync(lambda: sb.files.list(path))
+        entries = await sb.files.list(path)
         return {"sandbox_id": sb.id, "path": path, "entries": [_entry(e) for e in entries]}
 
     async def upload(self, ctx: Context[Any, Any] | None, archive_base64: str, path: str,
@@ -388,35 +394,36 @@ class CorralMCP:
             raise errors.TooLarge(f"archives over MCP are limited to {ARCHIVE_CAP_BYTES} bytes; "
                                   "use the HTTP API for larger trees")
         sb = await self.sandbox(ctx, sandbox_id)
-        report = await anyio.to_thread.run_sync(lambda: sb.files.upload(archive, path))
+        report = await sb.files.upload(archive, path)
         return {"sandbox_id": sb.id, "path": path, **report}
 
     async def download(self, ctx: Context[Any, Any] | None, path: str, gzip: bool,
                        sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
 
-        def collect() -> bytes:
-            chunks, size = [], 0
-            for chunk in sb.files.download(path, gzip=gzip):
+        chunks, size = [], 0
+        stream = sb.files.download(path, gzip=gzip)
+        try:
+            async for chunk in stream:
                 size += len(chunk)
                 if size > ARCHIVE_CAP_BYTES:
                     raise errors.TooLarge(
                         f"{path} packs to more than {ARCHIVE_CAP_BYTES} bytes; download a "
                         "smaller directory or use the HTTP API")
                 chunks.append(chunk)
-            return b"".join(chunks)
-
-        data = await anyio.to_thread.run_sync(collect)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        data = b"".join(chunks)
         return {"sandbox_id": sb.id, "path": path, "format": "tar.gz" if gzip else "tar",
                 "size": len(data), "archive_base64": base64.b64encode(data).decode()}
 
     async def snapshot(self, ctx: Context[Any, Any] | None, name: str | None,
                        sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        snap = await anyio.to_thread.run_sync(lambda: sb.snapshot(name))
+        snap = await sb.snapshot(name)
         if self._closed:  # taken while the server shut down: gone at once, as in _check_open
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._delete_snapshots, {snap.id})
+                await self._delete_snapshots({snap.id})
             raise errors.UsageError("the MCP server is shutting down")
         self._own(ctx, snapshots=(snap.id,))
         return {"sandbox_id": sb.id, **_snapshot(snap)}
@@ -424,10 +431,10 @@ class CorralMCP:
     async def fork(self, ctx: Context[Any, Any] | None, count: int,
                    sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        children = await anyio.to_thread.run_sync(lambda: self._fork(sb, count))
+        children = await sb.fork(count)
         if self._closed:  # made while the server shut down: gone at once, as in _check_open
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._destroy_ids, {c.id for c in children})
+                await self._destroy_ids({c.id for c in children})
             raise errors.UsageError("the MCP server is shutting down")
         self._own(ctx, sandboxes=tuple(c.id for c in children))
         return {"sandbox_id": sb.id, "forks": [c.id for c in children]}
@@ -435,7 +442,7 @@ class CorralMCP:
     async def restore(self, ctx: Context[Any, Any] | None, snapshot: str,
                       sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        await anyio.to_thread.run_sync(lambda: self._restore(sb, snapshot))
+        await sb.restore(snapshot)
         return {"sandbox_id": sb.id, "snapshot": snapshot, "restored": True}
 
     async def destroy_sandbox(self, ctx: Context[Any, Any] | None,
@@ -446,8 +453,8 @@ class CorralMCP:
             if session is None or session.sandbox is None:
                 return {"sandbox_id": None, "destroyed": False}
             sandbox_id = session.sandbox.id
-        sb = await anyio.to_thread.run_sync(lambda: Sandbox.connect(sandbox_id, home=self.home))
-        await anyio.to_thread.run_sync(sb.kill)
+        sb = await self._connect(sandbox_id)
+        await sb.kill()
         self._forget(sandbox_id)
         return {"sandbox_id": sandbox_id, "destroyed": True}
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .._backends.namespace.template import require_template
+from .._backends._linux.template import require_template
 from .._control import validate
 from .._control.manager import Manager
 from .._core.resources import get_tier

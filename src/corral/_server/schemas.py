@@ -126,6 +126,9 @@ class RunCommand(_Strict):
     stdin: str | None = None
     context: dict[str, Any] | None = None
     stream: bool = Field(default=False, description="Stream NDJSON events as output arrives.")
+    output: Literal["text", "bytes"] = Field(
+        default="text", description="`bytes`: the result also carries `stdout_b64` and "
+        "`stderr_b64`, the kept output exactly as written, base64-encoded.")
 
 
 class StartProcess(_Strict):

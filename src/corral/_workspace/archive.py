@@ -4,10 +4,11 @@ Threat model. Both the archive (uploaded by an API caller, often an agent relayi
 fetched) and the workspace (written by the sandboxed code, which may be hostile and may change
 it while we work) are untrusted; the host process runs as root. So:
 
-* Nothing is ever written through a host path string. Every entry goes through
-  ``WorkspaceFiles``, whose lookups are ``openat2(RESOLVE_BENEATH)`` from the workspace root: the
-  kernel refuses any step out of ``/workspace`` (``..``, absolute or escaping symlinks the
-  sandbox planted, even while it swaps them) and we report that as ``PathRefused``. That is the
+* Nothing is ever written through a host path string. Every entry goes through the
+  sandbox's ``WorkspaceFS``; the host tiers' one, ``WorkspaceFiles``, looks up with
+  ``openat2(RESOLVE_BENEATH)`` from the workspace root: the kernel refuses any step out of
+  ``/workspace`` (``..``, absolute or escaping symlinks the sandbox planted, even while it
+  swaps them) and we report that as ``PathRefused``. That is the
   security boundary; everything below about ``dest`` is about keeping an archive inside the
   directory it was aimed at.
 * Entry names are checked before anything is written: absolute names and any ``..`` component
@@ -46,15 +47,15 @@ from __future__ import annotations
 import contextlib
 import gzip as _gzip
 import logging
-import os
 import tarfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO, cast
 
+from ..backends import WorkspaceFS
 from ..errors import CorralError, FileError, PathRefused, QuotaExceeded, TooLarge
-from .files import WorkspaceFiles, to_relative
+from .files import to_relative
 
 __all__ = ["MAX_HEADER_BYTES", "ExtractReport", "create_tar", "extract_tar"]
 
@@ -229,7 +230,7 @@ def _member_chunks(tar: tarfile.TarFile, member: tarfile.TarInfo) -> Iterator[by
 
 
 def extract_tar(
-    files: WorkspaceFiles, dest: str, stream: BinaryIO, *, max_bytes: int,
+    files: WorkspaceFS, dest: str, stream: BinaryIO, *, max_bytes: int,
     max_entries: int = 100_000, report: ExtractReport | None = None,
 ) -> ExtractReport:
     """Extract a tar (plain or gzip) read from ``stream`` under the sandbox directory ``dest``.
@@ -304,7 +305,7 @@ def extract_tar(
 
 
 def _extract_member(
-    files: WorkspaceFiles, tar: tarfile.TarFile, member: tarfile.TarInfo, base: str,
+    files: WorkspaceFS, tar: tarfile.TarFile, member: tarfile.TarInfo, base: str,
     links: set[str], report: ExtractReport, *, max_bytes: int,
 ) -> None:
     name = _entry_name(member.name)
@@ -383,7 +384,7 @@ class _Output:
 
 
 def create_tar(
-    files: WorkspaceFiles, src: str, *, max_bytes: int, max_entries: int = 100_000,
+    files: WorkspaceFS, src: str, *, max_bytes: int, max_entries: int = 100_000,
     gzip: bool = False, report: ExtractReport | None = None,
 ) -> Iterator[bytes]:
     """A tar archive (PAX format) of the tree under the sandbox directory ``src``, in chunks.
@@ -420,7 +421,7 @@ def create_tar(
                        report if report is not None else ExtractReport())
 
 
-def _tar_chunks(files: WorkspaceFiles, src: str, max_bytes: int, max_entries: int,
+def _tar_chunks(files: WorkspaceFS, src: str, max_bytes: int, max_entries: int,
                 compress: bool, report: ExtractReport) -> Iterator[bytes]:
     out = _Output(compress=compress)
     count = 0
@@ -450,8 +451,8 @@ def _tar_chunks(files: WorkspaceFiles, src: str, max_bytes: int, max_entries: in
             info.size = item.size
         if (chunk := out.write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))):
             yield chunk
-        if item.kind == "file" and item.fd is not None:
-            yield from _file_data(out, item.fd, item.size)
+        if item.kind == "file" and item.read is not None:
+            yield from _file_data(out, item.read, item.size)
             report.files += 1
             report.bytes += item.size
     # Two zero blocks end the archive; then pad to a whole record, as tar(1) writes it.
@@ -463,11 +464,11 @@ def _tar_chunks(files: WorkspaceFiles, src: str, max_bytes: int, max_entries: in
         yield chunk
 
 
-def _file_data(out: _Output, fd: int, size: int) -> Iterator[bytes]:
+def _file_data(out: _Output, read: Callable[[int], bytes], size: int) -> Iterator[bytes]:
     remaining = size
     while remaining:
         try:
-            data = os.read(fd, min(_CHUNK, remaining))
+            data = read(min(_CHUNK, remaining))
         except OSError as exc:
             raise FileError(f"reading a file for the archive failed: {exc.strerror}") from None
         if not data:  # shrank since it was opened

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import posixpath
 import secrets
 import stat as stat_mod
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from .._core import linux
+from ..backends import TreeItem
 from ..errors import FileError, FileNotFound, PathRefused, QuotaExceeded
 from ..models import FileEntry
 from .removal import remove_tree
@@ -155,32 +156,9 @@ def _entry(name: str, rel: str, st: os.stat_result) -> FileEntry:
                      mode=stat_mod.S_IMODE(mode), modified_at=st.st_mtime)
 
 
-@dataclass(frozen=True, slots=True)
-class TreeItem:
-    """One entry met by ``WorkspaceFiles.walk``.
-
-    Attributes:
-        path: relative to the walked directory, ``/``-separated (``a/b.txt``).
-        kind: what the entry is, from ``fstat`` of what was opened (or ``lstat`` for links).
-        mode: permission bits.
-        size: bytes, for files.
-        mtime: modification time.
-        link_target: the text of a symlink, else None.
-        fd: for files, a read-only descriptor of the file, owned by the walk and valid only
-            until the walk advances; else None.
-    """
-
-    path: str
-    kind: Literal["file", "dir", "symlink", "other"]
-    mode: int
-    size: int
-    mtime: float
-    link_target: str | None = None
-    fd: int | None = None
-
-
 class WorkspaceFiles:
-    """File operations on one workspace, owned by the sandbox's host ``uid``."""
+    """File operations on one workspace, owned by the sandbox's host ``uid``: the host tiers'
+    ``WorkspaceFS`` (``openat2(RESOLVE_BENEATH)`` from the workspace's host directory)."""
 
     def __init__(self, root: Path, uid: int, *, max_file_bytes: int = MAX_FILE_BYTES) -> None:
         self._root = root
@@ -450,7 +428,7 @@ class WorkspaceFiles:
         entry = _entry(name, path, st)
         kind = entry.type if entry.type in ("file", "dir") else "other"
         return TreeItem(path, kind, entry.mode, st.st_size if kind == "file" else 0,
-                        st.st_mtime, fd=fd), fd
+                        st.st_mtime, read=functools.partial(os.read, fd)), fd
 
     def list(self, path: str = WORKSPACE) -> list[FileEntry]:
         rel = to_relative(path)

@@ -45,14 +45,22 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..._settings import Settings
-from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
+from ...backends import (
+    BackendName,
+    ExecOutcome,
+    ExecRequest,
+    HostCheck,
+    Leftover,
+    SandboxSpec,
+)
 from ...errors import BackendError, BackendUnavailable, CommandError, ConfigError
 from ...models import ResourceTier
-from ..host import HostBackedBackend
-from ..namespace.cgroups import detect_cgroups
-from ..namespace.template import BaseTemplate
+from .._linux.cgroups import detect_cgroups
+from .._linux.host import HostBackedBackend
+from .._linux.template import BaseTemplate
 from .bundle import build_config, ensure_rootfs, runtime_uid
 from .hostcheck import check_host, gvisor_dir
 from .launcher import GvisorLauncher, Launch
@@ -183,10 +191,10 @@ class GvisorBackend(HostBackedBackend):
     def _destroy_extra(self, spec: SandboxSpec) -> None:
         self._remove_runsc_leftovers(lambda sandbox_id: sandbox_id != spec.id)
 
-    def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[str]:
+    def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:
         return self._remove_runsc_leftovers(is_live)
 
-    def _remove_runsc_leftovers(self, is_live: Callable[[str], bool]) -> list[str]:
+    def _remove_runsc_leftovers(self, is_live: Callable[[str], bool]) -> list[Leftover]:
         """runsc state files and bundles of commands that no longer run."""
         assert self._runsc is not None
         # Listed before the cgroups are: a command makes its cgroup before its bundle and
@@ -213,5 +221,11 @@ class GvisorBackend(HostBackedBackend):
                 continue
             self._runsc.remove_state(container_id)
             shutil.rmtree(self._bundles / container_id, ignore_errors=True)
-            removed.append(f"runsc {container_id}")
+            removed.append(Leftover("runsc", container_id.partition(".")[0], container_id))
         return removed
+
+
+if TYPE_CHECKING:  # the protocol, checked by mypy
+    from ...backends import IsolationBackend
+
+    _conforms: type[IsolationBackend] = GvisorBackend

@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..namespace.seccomp import DENIED_SYSCALLS
-from ..namespace.template import SANDBOX_GID, SANDBOX_UID, BaseTemplate
+from .._linux.seccomp import DENIED_SYSCALLS
+from .._linux.template import SANDBOX_GID, SANDBOX_UID, BaseTemplate
 
 __all__ = ["RUNTIME_UID_OFFSET", "build_config", "ensure_rootfs", "runtime_uid",
            "seccomp_profile", "write_config"]
@@ -76,7 +76,7 @@ def _masked(index: int, mask: int, value: int) -> dict[str, Any]:
 
 @functools.cache
 def seccomp_profile() -> dict[str, Any]:
-    """The namespace tier's filter (``namespace.seccomp``) as an OCI profile for gVisor.
+    """The namespace tier's filter (``_linux.seccomp``) as an OCI profile for gVisor.
 
     gVisor answers every denied call with EPERM (runc's convention; ``errnoRet`` is ignored), so
     the socket families refused with EAFNOSUPPORT in the other tier get EPERM here. ``clone3``

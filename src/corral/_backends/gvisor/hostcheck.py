@@ -14,8 +14,8 @@ from pathlib import Path
 from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import HostCheck
-from ..namespace import hostcheck as namespace_hostcheck
-from ..namespace.template import load_template
+from .._linux import hostcheck as linux_hostcheck
+from .._linux.template import load_template
 from .bundle import build_config, ensure_rootfs, runtime_uid, write_config
 from .launcher import reap_orphans
 from .runsc import MIN_VERSION, Runsc, find_runsc, runsc_version
@@ -119,7 +119,7 @@ def _check_sandbox(settings: Settings, runsc_path: str | None) -> HostCheck:
 def check_host(settings: Settings) -> list[HostCheck]:
     """Every check, in the order a fix is best applied. Never raises."""
     runsc_line, runsc_path = _check_runsc()
-    shared = [c for c in namespace_hostcheck.check_host(settings) if c.name not in _NOT_NEEDED]
+    shared = [c for c in linux_hostcheck.check_host(settings) if c.name not in _NOT_NEEDED]
     return [
         *shared[:1],  # root first, as in the namespace tier
         runsc_line,

@@ -27,17 +27,17 @@ from ..._core import linux
 from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
-from ...models import Usage
-from ..namespace import netns
-from ..namespace.cgroups import CgroupDriver, CgroupUsage
-from ..process_io import ProcessHandle, pump, set_terminal_size
+from .._linux import netns
+from .._linux.cgroups import CgroupDriver
+from .._linux.notfound import ExecFailureHead, exec_failure
+from .._linux.process_io import command_stdio
+from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
+from .._linux.supervise import supervise
 from .bundle import runtime_uid, write_config
 from .runsc import Runsc
 
 __all__ = ["GvisorLauncher", "Launch", "reap_orphans"]
 
-_SETUP_TIMEOUT_S = 10.0
-_TIMEOUT_EXIT_CODE = 124
 _KILLED_EXIT_CODE = 128 + 9
 # runsc's own failures exit 128 (a command's own 128 is told apart by runsc's log).
 _RUNSC_FAILED = 128
@@ -98,63 +98,33 @@ class GvisorLauncher:
 
     def _follow(self, launch: Launch, proc: subprocess.Popen[bytes],
                 started: float) -> ExecOutcome:
-        request, group = launch.request, launch.group
-        terminal: int | None = getattr(proc, "terminal", None)
-        if request.on_start is not None and (request.interactive or terminal is not None):
-            try:
-                request.on_start(ProcessHandle(proc, terminal))
-            except BaseException:
-                self._abort(proc, launch)
-                raise
-        with tracer.start_as_current_span("corral.process.run"):
-            try:
-                streams, timed_out = pump(proc, request, started)
-            except BaseException:
-                self._abort(proc, launch)
-                raise
-            if timed_out:
-                self.cgroups.kill(group)
-            try:
-                returncode = proc.wait(timeout=_SETUP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.cgroups.kill(group)
-                returncode = proc.wait()
-        wall = time.monotonic() - started
-        with tracer.start_as_current_span("corral.process.reap"):
-            self.cgroups.kill(group)
-            try:
-                usage = self.cgroups.usage(group)
-            except FileNotFoundError:  # the sandbox was destroyed under the command
-                usage = CgroupUsage(cpu_s=0.0, peak_memory_bytes=0, oom_killed=False)
-        stdout, stderr = streams
-        if timed_out:
-            exit_code = _TIMEOUT_EXIT_CODE
-        elif returncode < 0:
-            exit_code = 128 - returncode  # runsc itself killed (kill_command, destroy)
+        request = launch.request
+        # runsc reports a program it cannot start on the command's stderr, in its own words.
+        head = ExecFailureHead(request.argv[0], b"running container: ", _runsc_exec_reason)
+        seen = supervise(
+            proc, request, cgroups=self.cgroups, group=launch.group, started=started,
+            terminal=getattr(proc, "terminal", None), abort=lambda: self._abort(proc, launch),
+            stderr_head=head)
+        returncode, usage, stderr = seen.returncode, seen.usage, seen.stderr
+        if seen.timed_out or returncode < 0:
+            exit_code = seen.exit_code()  # runsc itself killed (kill_command, destroy)
         elif returncode == _RUNSC_FAILED and (failure := self.runsc.error_of(launch.bundle)):
             if usage.oom_killed:
                 # The OOM killer took the Sentry: the command died of memory, not of runsc.
                 exit_code = _KILLED_EXIT_CODE
-            elif (not_started := _exec_failure(failure, request.argv[0])) is not None:
-                # A program that cannot be run is the command's result, as in a shell. runsc
-                # has said why on the command's stderr (which is its own) unless it could not.
-                exit_code, message = not_started
-                if failure not in "".join(stderr.parts):
-                    stderr.feed(message.encode())
+            elif head.exit_code is not None:
+                # A program that cannot be run is the command's result, as in a shell; runsc's
+                # report on the command's stderr (its own) is already Corral's line.
+                exit_code = head.exit_code
+            elif (reason := _runsc_exec_reason(failure)) is not None and (
+                    not_started := exec_failure(request.argv[0], reason)) is not None:
+                exit_code, message = not_started  # runsc could not say it on stderr
+                stderr.feed(message.encode())
             else:
                 raise _failure(failure, request.cwd)
         else:
             exit_code = returncode
-        return ExecOutcome(
-            exit_code=exit_code,
-            stdout=stdout.finish(),
-            stderr=stderr.finish(),
-            timed_out=timed_out,
-            usage=Usage(wall_s=wall, cpu_s=usage.cpu_s,
-                        peak_memory_bytes=usage.peak_memory_bytes, oom_killed=usage.oom_killed),
-            stdout_truncated=stdout.dropped,
-            stderr_truncated=stderr.dropped,
-        )
+        return seen.outcome(exit_code)
 
     def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
         """Start runsc held by the shim, place it in the command's cgroup, then release it.
@@ -168,22 +138,9 @@ class GvisorLauncher:
         release = os.open(fifo, os.O_RDWR | os.O_CLOEXEC)
         argv = [self.setpriv, "--pdeathsig", "KILL", "--", self.sh, "-c", _SHIM, "sh", str(fifo),
                 *self.runsc.run_argv(bundle=launch.bundle, container_id=launch.container_id)]
-        terminal: int | None = None
-        stdio: dict[str, Any]
-        if request.pty is not None:
-            terminal, slave = os.openpty()
-            set_terminal_size(terminal, *request.pty)
-            # A session whose controlling terminal is the PTY: runsc forwards what the terminal
-            # sends it (Ctrl-C, SIGWINCH) to the foreground process group inside, and the
-            # sandbox's init gets the terminal as its own controlling terminal.
-            argv = [self.setsid, "--ctty", *argv]
-            stdio = {"stdin": slave, "stdout": slave, "stderr": slave,
-                     "start_new_session": False}
-        else:
-            wants_stdin = request.stdin is not None or request.interactive
-            stdio = {"stdin": subprocess.PIPE if wants_stdin else subprocess.DEVNULL,
-                     "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
-                     "start_new_session": True}
+        # A terminal's session: runsc forwards what the terminal sends it (Ctrl-C, SIGWINCH) to
+        # the foreground process group inside, and the sandbox's init gets it as its own.
+        argv, stdio, terminal = command_stdio(request, argv, self.setsid)
 
         def spawn() -> subprocess.Popen[bytes]:
             # The command's environment is in the bundle's config.json (data runsc hands to
@@ -266,15 +223,13 @@ def _procs_of_uid(uid: int) -> list[tuple[int, int, str]]:
     return found
 
 
-def _exec_failure(message: str, program: str) -> tuple[int, str] | None:
-    """(exit code, stderr line) when runsc says the program itself could not be started:
-    127 when it does not exist, 126 when it is not executable (the shell's codes)."""
-    marker = f"failed to load {program}: "
-    if marker not in message:
-        return None
-    reason = message.split(marker, 1)[1].strip()
-    code = 127 if "no such file" in reason.lower() else 126
-    return code, f"corral: cannot run {program}: {reason}\n"
+def _runsc_exec_reason(message: str) -> str | None:
+    """The errno text when runsc says the program itself could not be started: not found on
+    ``PATH`` (a bare name) or not loadable (a path: missing, not executable)."""
+    for marker in ("error finding executable ", "failed to load "):
+        if marker in message:
+            return message.rsplit(": ", 1)[-1].strip()
+    return None
 
 
 def _failure(message: str, cwd: str) -> Exception:

@@ -5,13 +5,14 @@ a private network namespace per sandbox and a per-sandbox host uid.
 from __future__ import annotations
 
 import shutil
+from typing import TYPE_CHECKING
 
 from ..._settings import Settings
 from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
 from ...errors import BackendUnavailable
-from ..host import HostBackedBackend
-from .cgroups import detect_cgroups
-from .hostcheck import check_host
+from .._linux.cgroups import detect_cgroups
+from .._linux.host import HostBackedBackend
+from .._linux.hostcheck import check_host
 from .runner import CommandLauncher, Launch
 
 __all__ = ["NamespaceBackend"]
@@ -57,3 +58,9 @@ class NamespaceBackend(HostBackedBackend):
             tmp_bytes=spec.tier.tmp_bytes, group=f"{spec.id}/{self._group_name(request)}",
             request=request, env=self._command_env(spec, request),
         ))
+
+
+if TYPE_CHECKING:  # the protocol, checked by mypy
+    from ...backends import IsolationBackend
+
+    _conforms: type[IsolationBackend] = NamespaceBackend

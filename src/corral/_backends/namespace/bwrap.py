@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .template import SANDBOX_GID, SANDBOX_UID, BaseTemplate
+from .._linux.template import SANDBOX_GID, SANDBOX_UID, BaseTemplate
 
 __all__ = ["BwrapFds", "build_options", "command_line", "encode_args"]
 

@@ -25,25 +25,24 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..._audit.tracing import tracer
 from ..._core import linux
 from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
-from ...models import Usage
+from .._linux import netns, seccomp
+from .._linux.cgroups import CgroupDriver
+from .._linux.notfound import ExecFailureHead
+from .._linux.process_io import command_stdio
+from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
+from .._linux.supervise import supervise
+from .._linux.template import BaseTemplate
 from ..execlimits import check_exec_size
-from ..process_io import ProcessHandle, pump, set_terminal_size
-from . import netns, seccomp
 from .bwrap import BwrapFds, build_options, command_line, encode_args
-from .cgroups import CgroupDriver
-from .template import BaseTemplate
 
 __all__ = ["CommandLauncher", "Launch"]
 
-_SETUP_TIMEOUT_S = 10.0
-_TIMEOUT_EXIT_CODE = 124
 
 
 def _sealed_file(data: bytes) -> int:
@@ -81,6 +80,12 @@ def _reap(pid: int) -> None:
 _NOFILE = (4096, 4096)
 # What bwrap's own execvp of the command says inside the sandbox when the kernel refuses it.
 _BWRAP_E2BIG = re.compile(r"^bwrap: execvp [^\n]*: Argument list too long\n?$")
+_BWRAP_EXEC = re.compile(r"^bwrap: execvp .*: ([^:]+)$")
+
+
+def _bwrap_exec_reason(line: str) -> str | None:
+    match = _BWRAP_EXEC.match(line)
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,56 +130,21 @@ class CommandLauncher:
         started = time.monotonic()
         with tracer.start_as_current_span("corral.process.start"):
             proc, init_pid = self._start(launch)
-        terminal: int | None = getattr(proc, "terminal", None)
-        if request.on_start is not None and (request.interactive or terminal is not None):
-            try:
-                request.on_start(ProcessHandle(proc, terminal))
-            except BaseException:
-                self._abort(proc, group, init_pid)
-                raise
-        with tracer.start_as_current_span("corral.process.run"):
-            try:
-                streams, timed_out = pump(proc, request, started)
-            except BaseException:
-                self._abort(proc, group, init_pid)
-                raise
-            if timed_out:
-                self.cgroups.kill(group)
-            try:
-                returncode = proc.wait(timeout=_SETUP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.cgroups.kill(group)
-                returncode = proc.wait()
-        wall = time.monotonic() - started
-        with tracer.start_as_current_span("corral.process.reap"):
-            # Anything the command left behind (it cannot outlive the PID namespace, but belt
-            # and braces) dies before we read usage.
-            self.cgroups.kill(group)
-            _reap(init_pid)
-            usage = self.cgroups.usage(group)
-        stdout, stderr = streams
-        if returncode == 1 and _BWRAP_E2BIG.match("".join(stderr.parts)):
+        # bwrap execs the program itself; when that fails, its report is the stderr.
+        head = ExecFailureHead(request.argv[0], b"bwrap: execvp ", _bwrap_exec_reason)
+        seen = supervise(
+            proc, request, cgroups=self.cgroups, group=group, started=started,
+            terminal=getattr(proc, "terminal", None),
+            abort=lambda: self._abort(proc, group, init_pid), reap=lambda: _reap(init_pid),
+            stderr_head=head)
+        if seen.returncode == 1 and head.exit_code is not None:
+            return seen.outcome(head.exit_code)
+        if seen.returncode == 1 and _BWRAP_E2BIG.match("".join(seen.stderr.parts)):
             # check_exec_size guards this; a limit it did not foresee still is the caller's.
             raise CommandError("the kernel refused the command's argv and environment as too "
                                "large (ARG_MAX or MAX_ARG_STRLEN, 128 KiB per entry); pass "
                                "data through files or stdin")
-        if timed_out:
-            exit_code = _TIMEOUT_EXIT_CODE
-        elif returncode < 0:
-            exit_code = 128 - returncode
-        else:
-            exit_code = returncode
-        return ExecOutcome(
-            exit_code=exit_code,
-            stdout=stdout.finish(),
-            stderr=stderr.finish(),
-            timed_out=timed_out,
-            usage=Usage(wall_s=wall, cpu_s=usage.cpu_s,
-                        peak_memory_bytes=usage.peak_memory_bytes,
-                        oom_killed=usage.oom_killed),
-            stdout_truncated=stdout.dropped,
-            stderr_truncated=stderr.dropped,
-        )
+        return seen.outcome()
 
     def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
         """Start bwrap, place it in the command's cgroup, then let the command run."""
@@ -204,21 +174,7 @@ class CommandLauncher:
         # change uid costs milliseconds per command.
         argv = [self.setpriv, f"--reuid={launch.uid}", f"--regid={launch.uid}",
                 "--clear-groups", "--", *argv]
-        terminal: int | None = None
-        stdio: dict[str, Any]
-        if request.pty is not None:
-            terminal, slave = os.openpty()
-            set_terminal_size(terminal, *request.pty)
-            # setsid --ctty: a new session whose controlling terminal is the PTY, so Ctrl-C
-            # and window-size changes reach the command (it execs bwrap: the pid stays).
-            argv = [self.setsid, "--ctty", *argv]
-            stdio = {"stdin": slave, "stdout": slave, "stderr": slave,
-                     "start_new_session": False}
-        else:
-            wants_stdin = request.stdin is not None or request.interactive
-            stdio = {"stdin": subprocess.PIPE if wants_stdin else subprocess.DEVNULL,
-                     "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
-                     "start_new_session": True}
+        argv, stdio, terminal = command_stdio(request, argv, self.setsid)  # setsid execs: same pid
 
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(

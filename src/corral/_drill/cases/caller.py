@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ..._core.privileged import privileged_env
 from ...errors import CommandError, CorralError
 from ..context import BAIT_ALLOWED, DrillContext
 from ..model import Case, Evidence, Outcome
@@ -109,7 +110,8 @@ class _Payload:
         out = self._build / "marker.so"
         subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(out), str(source),
                         f'-DTAG="{self.tag}"', f'-DMARKER="{self.marker}"',
-                        f"-DPORT={self.port}"], check=True, capture_output=True, timeout=60)
+                        f"-DPORT={self.port}"], check=True, capture_output=True, timeout=60,
+                       env=privileged_env())
         return out.read_bytes()
 
     def shell(self) -> bytes:

@@ -15,20 +15,22 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 from typing import Protocol
 
-from .._settings import Settings
-from ..backends import ExecRequest, SandboxSpec, SealResult
-from ..errors import BackendError
-from ..models import ResourceTier
-from .namespace import netns
-from .namespace.cgroups import CgroupDriver
-from .namespace.storage import WorkspaceStore
-from .namespace.template import BaseTemplate, load_template
+from ..._settings import Settings
+from ..._workspace.files import WorkspaceFiles
+from ...backends import EgressEndpoint, ExecRequest, Leftover, SandboxSpec, SealResult, WorkspaceFS
+from ...errors import BackendError
+from ...models import ResourceTier
+from . import netns
+from .cgroups import CgroupDriver
+from .storage import WorkspaceStore
+from .template import BaseTemplate, load_template
+from .uids import lowest_free_uid
 
-__all__ = ["HostBackedBackend", "owner_alive", "proc_start_time"]
+__all__ = ["HostBackedBackend", "TierLauncher", "owner_alive", "proc_start_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +50,17 @@ def owner_alive(pid: str, start_time: str) -> bool:
         return False
 
 
-class _Spawner(Protocol):
-    def run(self, netns_path: Path, fn: Callable[[], socket.socket]) -> socket.socket: ...
+class TierLauncher(Protocol):
+    """What a tier's ``_ready`` returns: its command launcher, which owns the thread that
+    enters the sandboxes' network namespaces."""
+
+    @property
+    def spawner(self) -> netns.Spawner: ...
 
 
 class HostBackedBackend:
     """The shared half of a tier. Subclasses call ``_attach_cgroups`` from ``_ready`` and
-    implement ``_ready`` (returning anything with a ``spawner``), ``check_host`` and ``exec``."""
+    implement ``_ready`` (returning their ``TierLauncher``), ``check_host`` and ``exec``."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -71,12 +77,11 @@ class HostBackedBackend:
 
     # -- hooks --------------------------------------------------------------------------------
 
-    def _ready(self) -> object:
+    def _ready(self) -> TierLauncher:
         raise NotImplementedError
 
-    def _spawner(self) -> _Spawner:
-        spawner: _Spawner = self._ready().spawner  # type: ignore[attr-defined]
-        return spawner
+    def _spawner(self) -> netns.Spawner:
+        return self._ready().spawner
 
     def _limits(self, tier: ResourceTier) -> ResourceTier:
         """The sandbox cgroup's limits for ``tier`` (a tier may need room for its runtime)."""
@@ -85,7 +90,7 @@ class HostBackedBackend:
     def _destroy_extra(self, spec: SandboxSpec) -> None:
         """Remove the tier's own pieces of ``spec`` (after its processes are dead)."""
 
-    def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[str]:
+    def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:
         """Remove the tier's own leftovers of sandboxes that are not live."""
         return []
 
@@ -170,7 +175,16 @@ class HostBackedBackend:
             self._ensured.add(spec.id)
         return self._store.ensure_mounted(spec)
 
-    def open_listener(self, spec: SandboxSpec) -> socket.socket:
+    def allocate_uid(self, taken: Set[int]) -> int:
+        return lowest_free_uid(taken, self._settings.uid_start, self._settings.uid_count)
+
+    def egress_endpoint(self, spec: SandboxSpec) -> EgressEndpoint:
+        """A listener on 127.0.0.1 *inside* the sandbox's network namespace, bound from here
+        (setns on the spawner thread), so no helper runs in the sandbox."""
+        sock = self._open_listener(spec)
+        return EgressEndpoint(listener=sock, proxy_url=f"http://127.0.0.1:{sock.getsockname()[1]}")
+
+    def _open_listener(self, spec: SandboxSpec) -> socket.socket:
         spawner = self._spawner()
         self._ensure_runtime(spec)
 
@@ -187,7 +201,11 @@ class HostBackedBackend:
 
         return spawner.run(self._netns_path(spec.id), bind)
 
+    def files(self, spec: SandboxSpec) -> WorkspaceFS:
+        return WorkspaceFiles(self.workspace_root(spec), spec.uid)
+
     def workspace_root(self, spec: SandboxSpec) -> Path:
+        """Host path of the sandbox's ``/workspace``, mounted (this kit's own, not protocol)."""
         self._ready()
         return self._store.ensure_mounted(spec)
 
@@ -237,7 +255,7 @@ class HostBackedBackend:
         netns.remove_netns(self._netns_path(spec.id))
         self._store.remove(spec.id)
 
-    def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[str]:
+    def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[Leftover]:
         """Remove runtime pieces of unknown sandboxes and commands of dead owners.
 
         ``live_ids`` may be a callable asked just before each removal: a sandbox created while
@@ -246,23 +264,24 @@ class HostBackedBackend:
         self._ready()
         is_live: Callable[[str], bool] = (
             live_ids.__contains__ if isinstance(live_ids, set) else live_ids)
-        removed: list[str] = []
+        removed: list[Leftover] = []
         for sandbox_id in self._store.ids():
             if not is_live(sandbox_id):
                 self._store.remove(sandbox_id)
-                removed.append(f"workspace {sandbox_id}")
+                removed.append(Leftover("workspace", sandbox_id, sandbox_id))
         run_dir = self._settings.run_dir
         prefix = f"{self._instance}-"
         if run_dir.exists():
             for entry in run_dir.iterdir():
-                if entry.name.startswith(prefix) and not is_live(entry.name[len(prefix):]):
+                sandbox_id = entry.name[len(prefix):]
+                if entry.name.startswith(prefix) and not is_live(sandbox_id):
                     netns.remove_netns(entry)
-                    removed.append(f"netns {entry.name}")
+                    removed.append(Leftover("netns", sandbox_id, entry.name))
         for sandbox_id in self.cgroups.children(""):
             if not is_live(sandbox_id):
                 self.cgroups.kill(sandbox_id)
                 self.cgroups.remove(sandbox_id)
-                removed.append(f"cgroup {sandbox_id}")
+                removed.append(Leftover("cgroup", sandbox_id, sandbox_id))
                 continue
             for command in self.cgroups.children(sandbox_id):
                 owner = command.split(".")
@@ -271,10 +290,13 @@ class HostBackedBackend:
                 group = f"{sandbox_id}/{command}"
                 self.cgroups.kill(group)
                 self.cgroups.remove(group)
-                removed.append(f"command {group}")
+                # The group is named c.<owner pid>.<start time>.<command id> (_group_name).
+                command_id = command.rsplit(".", 1)[-1]
+                removed.append(Leftover("command", sandbox_id, group,
+                                        command_id if command_id.startswith("cmd_") else None))
         removed += self._sweep_extra(is_live)
         if removed:
-            logger.info("swept %d leftovers: %s", len(removed), ", ".join(removed))
+            logger.info("swept %d leftovers: %s", len(removed), ", ".join(map(str, removed)))
         return removed
 
     def close(self) -> None:

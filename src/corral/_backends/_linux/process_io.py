@@ -16,12 +16,27 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from ..backends import ExecRequest, OutputCallback
+from ...backends import ExecRequest, OutputCallback, OutputCut
 
-__all__ = ["OutputStream", "ProcessHandle", "pump", "set_terminal_size"]
+__all__ = ["OutputStream", "ProcessHandle", "StreamHead", "command_stdio", "pump",
+           "set_terminal_size"]
 
 READ_CHUNK = 65536
+# How much of a stream's head a ``StreamHead`` may hold back before it must decide.
+HEAD_LIMIT = 4096
+
+
+class StreamHead(Protocol):
+    """Decides what the first bytes of a stream really are, before anyone sees them.
+
+    A runtime that fails to start the program (bwrap's ``execvp``, runsc's loader) says so in
+    its own words on the command's stderr; the tier rewrites that one line into Corral's,
+    live and in the result alike. Called with everything held so far: None to keep holding
+    (at most ``HEAD_LIMIT`` bytes), else the bytes to pass on in place of what was held."""
+
+    def __call__(self, held: bytes) -> bytes | None: ...
 
 
 @dataclass
@@ -34,36 +49,76 @@ class OutputStream:
     kept: int = 0
     dropped: int = 0
     parts: list[str] = field(default_factory=list)
+    raw: bytearray = field(default_factory=bytearray)
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
+    head: StreamHead | None = None
+    held: bytes = b""
 
     def feed(self, data: bytes) -> None:
-        room = self.limit - self.kept
-        if room <= 0:
-            self.dropped += len(data)
+        if self.head is not None:
+            self.held += data
+            decided = self.head(self.held)
+            if decided is None and len(self.held) < HEAD_LIMIT:
+                return
+            data = self.held if decided is None else decided
+            self.head, self.held = None, b""
+        self._keep(data)
+
+    def _keep(self, data: bytes) -> None:
+        room = max(self.limit - self.kept, 0)
+        if len(data) <= room:
+            self.kept += len(data)
+            self.raw += data
+            self._emit(self.decoder.decode(data))
             return
-        if len(data) > room:
-            self.dropped += len(data) - room
-            data = data[:room]
-        self.kept += len(data)
-        self._emit(self.decoder.decode(data))
+        first_cut = self.dropped == 0
+        self.dropped += len(data) - room
+        self.kept += room
+        self.raw += data[:room]
+        self._emit(self.decoder.decode(data[:room], final=True))
+        if first_cut:
+            # The moment output is first cut, the live reader is told, in the same words the
+            # result carries: a stream that just goes quiet reads as a hung command. It is an
+            # ``OutputCut`` so a caller that knows (the HTTP stream) can tell it from output.
+            tail = self.parts[-1] if self.parts else ""
+            self._emit(OutputCut(self.name, self.limit,
+                                 newline=bool(tail) and not tail.endswith("\n")))
 
     def finish(self) -> str:
+        if self.head is not None:
+            decided = self.head(self.held)
+            self.head, held, self.held = None, self.held, b""
+            self._keep(held if decided is None else decided)
         self._emit(self.decoder.decode(b"", final=True))
-        text = "".join(self.parts)
-        if self.dropped:
-            text += (
-                f"\n[corral: {self.name} truncated: {self.dropped} more bytes dropped; "
-                f"{self.limit} bytes are kept per stream]\n"
-            )
-        return text
+        return "".join(self.parts)
 
     def _emit(self, text: str) -> None:
         if text:
             self.parts.append(text)
             if self.callback is not None:
                 self.callback(text)
+
+
+def command_stdio(request: ExecRequest, argv: list[str],
+                  setsid: str) -> tuple[list[str], dict[str, Any], int | None]:
+    """The argv, ``Popen`` stdio keywords and PTY master for ``request``.
+
+    A terminal command runs in a new session whose controlling terminal is the PTY (``setsid
+    --ctty``), so Ctrl-C and window-size changes reach it; the others get pipes (stdin only
+    when there is input) and a session of their own. The caller closes the slave end
+    (``stdio["stdin"]``) once the child holds it."""
+    if request.pty is not None:
+        terminal, slave = os.openpty()
+        set_terminal_size(terminal, *request.pty)
+        return ([setsid, "--ctty", *argv],
+                {"stdin": slave, "stdout": slave, "stderr": slave, "start_new_session": False},
+                terminal)
+    wants_stdin = request.stdin is not None or request.interactive
+    return (argv, {"stdin": subprocess.PIPE if wants_stdin else subprocess.DEVNULL,
+                   "stdout": subprocess.PIPE, "stderr": subprocess.PIPE,
+                   "start_new_session": True}, None)
 
 
 def set_terminal_size(terminal: int, rows: int, cols: int) -> None:
@@ -107,14 +162,15 @@ class ProcessHandle:
 
 
 def pump(
-    proc: subprocess.Popen[bytes], request: ExecRequest, started: float
+    proc: subprocess.Popen[bytes], request: ExecRequest, started: float,
+    terminal: int | None = None, stderr_head: StreamHead | None = None,
 ) -> tuple[tuple[OutputStream, OutputStream], bool]:
-    """Feed stdin, read stdout and stderr (or the terminal) until they close or time runs out;
-    True on timeout."""
+    """Feed stdin, read stdout and stderr (or ``terminal``, a PTY's master, which this closes)
+    until they close or time runs out; True on timeout."""
     out = OutputStream("stdout", request.output_limit_bytes, request.on_stdout)
-    err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr)
+    err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
+                       head=stderr_head)
     deadline = started + request.timeout_s
-    terminal: int | None = getattr(proc, "terminal", None)
     if terminal is not None:
         try:
             return (out, err), pump_terminal(terminal, out, deadline)

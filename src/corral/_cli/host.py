@@ -1,0 +1,202 @@
+"""Host and service commands: ``doctor``, ``reap``, ``metrics``, ``demo``, ``serve`` and
+``mcp``. Each imports what it runs (the HTTP service, the MCP server) when it runs."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from .common import EXIT_FAILED, EXIT_UNAVAILABLE, emit_json, handle_errors, home_of, json_option
+
+if TYPE_CHECKING:
+    from .._settings import Settings
+
+__all__ = ["demo", "doctor", "mcp_", "metrics", "reap", "serve"]
+
+
+@click.command()
+@json_option
+@click.pass_context
+@handle_errors
+def metrics(ctx: click.Context, as_json: bool) -> None:
+    """Print Prometheus metrics (text exposition format): sandboxes, commands, reaper.
+
+    --json: a list of {name, type, help, samples: [{name, labels, value}]}, one per metric.
+    """
+    from .._audit.metrics import render
+    from .._control.manager import get_manager
+
+    text = render(get_manager(ctx.obj["settings"]).store)
+    if not as_json:
+        click.echo(text, nl=False)
+        return
+    from prometheus_client.parser import text_string_to_metric_families
+
+    emit_json([{"name": family.name, "type": family.type, "help": family.documentation,
+                "samples": [{"name": s.name, "labels": s.labels, "value": s.value}
+                            for s in family.samples]}
+               for family in text_string_to_metric_families(text)])
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; beyond loopback, API keys are required.")
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--host-name", "host_names", multiple=True, metavar="NAME",
+              help="Another name (host or host:port) the service answers to, besides the "
+                   "listen address, localhost, 127.0.0.1 and [::1]; repeatable "
+                   "(CORRAL_SERVER_HOST_NAMES, comma-separated). Requests with any other Host "
+                   "get 421; browser pages from any other origin get 403.")
+@click.option("--allow-keyless", is_flag=True, default=None,
+              help="Serve keyless on loopback even though API keys existed and all are now "
+                   "revoked. Dangerous: any local process, and any web page that reaches "
+                   "loopback, can then run code here; without it the service keeps asking for "
+                   "a key (CORRAL_SERVER_ALLOW_KEYLESS).")
+@click.pass_context
+@handle_errors
+def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
+          allow_keyless: bool | None) -> None:
+    """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics)."""
+    from .._control.manager import get_manager
+    from .._server.serve import serve as run_server
+
+    settings: Settings = ctx.obj["settings"]
+    names = [*settings.server_host_names.split(","), *host_names]
+    run_server(get_manager(settings), host=host, port=port, host_names=names,
+               allow_keyless=settings.server_allow_keyless if allow_keyless is None
+               else allow_keyless)
+
+
+@click.command()
+@json_option
+@click.pass_context
+@handle_errors
+def reap(ctx: click.Context, as_json: bool) -> None:
+    """Destroy expired sandboxes and clean what crashed processes left behind.
+
+    Every command does this on start; run it from cron or a systemd timer so expired sandboxes
+    are removed even when nothing else runs.
+    """
+    from .._control.manager import get_manager
+
+    removed = get_manager(ctx.obj["settings"]).recover()
+    if as_json:
+        emit_json({"removed": removed})
+    else:
+        for item in removed:
+            click.echo(f"removed {item}")
+        click.echo(f"{len(removed)} item(s) removed", err=True)
+
+
+@click.command()
+@json_option
+@click.pass_context
+@handle_errors
+def doctor(ctx: click.Context, as_json: bool) -> None:
+    """Check which isolation tiers this host can run safely, and say how to fix what is missing.
+
+    Exits 0 when the default tier (``CORRAL_BACKEND``) can run; the other tiers are reported,
+    with their reasons, either way. ``--json``: ``{ok, default, checks, tiers: {name:
+    {supported, checks}}}``, where ``checks`` are the default tier's.
+    """
+    from .._backends import BACKENDS, load_backend
+    from ..backends import HostCheck
+    from ..errors import CorralError
+
+    settings = ctx.obj["settings"]
+    tiers: dict[str, list[HostCheck]] = {}
+    for tier in BACKENDS:
+        try:
+            tiers[tier] = load_backend(settings, tier).check_host()
+        except CorralError as exc:  # a tier that cannot even load is reported, not fatal
+            tiers[tier] = [HostCheck(tier, False, exc.message, "see the message")]
+    supported = {name: all(c.ok for c in checks) for name, checks in tiers.items()}
+    ok = supported[settings.backend]
+
+    def lines(checks: list[HostCheck]) -> list[dict[str, Any]]:
+        return [{"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix} for c in checks]
+
+    if as_json:
+        emit_json({"ok": ok, "default": settings.backend, "checks": lines(tiers[settings.backend]),
+                   "tiers": {name: {"supported": supported[name], "checks": lines(checks)}
+                             for name, checks in tiers.items()}})
+    else:
+        for name, checks in tiers.items():
+            verdict = (click.style("supported", fg="green") if supported[name]
+                       else click.style("NOT supported", fg="red"))
+            default = " (default)" if name == settings.backend else ""
+            click.echo(f"{name} tier{default}: {verdict}")
+            for c in checks:
+                mark = click.style("ok  ", fg="green") if c.ok else click.style("FAIL", fg="red")
+                click.echo(f"  {mark} {c.name:16} {c.detail}")
+                if not c.ok:
+                    click.echo(f"       {'':16} fix: {c.fix}")
+        usable = [name for name, good in supported.items() if good]
+        click.echo(f"this host can run Corral sandboxes with isolation: {', '.join(usable)}"
+                   if usable else
+                   "this host cannot run Corral sandboxes safely; fix the FAIL lines above",
+                   err=True)
+    sys.exit(0 if ok else EXIT_UNAVAILABLE)
+
+
+@click.command()
+@json_option
+@click.pass_context
+@handle_errors
+def demo(ctx: click.Context, as_json: bool) -> None:
+    """Walk through an agent-like session: write code, run it, try to escape, clean up."""
+    import io
+
+    from rich.console import Console
+
+    from .demo import run_demo
+
+    console = Console(file=io.StringIO()) if as_json else Console()
+    summary = run_demo(home=home_of(ctx), console=console)
+    if as_json:
+        emit_json(summary)
+    contained = all(step.get("contained", True) for step in summary["steps"])
+    sys.exit(0 if contained and summary["destroyed"] else EXIT_FAILED)
+
+
+@click.command(name="mcp")
+@click.option("--transport", type=click.Choice(["stdio", "http"]), default="stdio",
+              show_default=True, help="stdio (one client, spawned by it) or Streamable HTTP.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="HTTP address; the endpoint has no authentication, keep it on loopback.")
+@click.option("--port", type=int, default=8765, show_default=True, help="HTTP port.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="PATTERN",
+              help="Let the model allow this host in a sandbox's allowlist (repeatable): "
+                   "pypi.org, *.github.com, host:8443. Default: no network at all.")
+@click.option("--template", "templates", multiple=True, metavar="NAME",
+              help="Let the model use this template besides base (repeatable).")
+@click.option("--secret", "secrets", multiple=True, metavar="NAME",
+              help="Let the model bind this secret (repeatable). Default: none.")
+@click.option("--max-lifetime", type=int, metavar="SECONDS",
+              help="The longest lifetime the model may give a sandbox.")
+@click.pass_context
+@handle_errors
+def mcp_(ctx: click.Context, transport: str, host: str, port: int,
+         allow_hosts: tuple[str, ...], templates: tuple[str, ...], secrets: tuple[str, ...],
+         max_lifetime: int | None) -> None:
+    """Serve sandboxes as tools over the Model Context Protocol (MCP).
+
+    Calls without a sandbox_id share one sandbox per MCP session, destroyed when the session
+    ends (or at its TTL if the server is killed).
+
+    The model is the caller here, and a prompt injection can write its tool calls, so what it
+    may ask for has a ceiling of its own: no network, the base template and no secrets unless
+    widened with --allow-host, --template and --secret (these replace CORRAL_CEILING_HOSTS,
+    _TEMPLATES and _SECRETS here; the other CORRAL_CEILING_* fields still apply).
+    Beyond it a tool call fails with ceiling_exceeded; unknown arguments are refused.
+    """
+    from .._mcp import mcp_ceiling, serve
+
+    ceiling = mcp_ceiling(hosts=allow_hosts, templates=templates, secrets=secrets,
+                          max_lifetime_s=max_lifetime)
+    serve(home_of(ctx), "http" if transport == "http" else "stdio", host=host, port=port,
+          ceiling=ceiling)
+
+

@@ -1,0 +1,363 @@
+"""Sandbox commands: ``run``, ``create``, ``exec``, ``ls``, ``info``, ``pause``, ``resume``,
+``rm`` and ``network``. A thin layer over ``Sandbox``, so each works embedded and against a
+service (``CORRAL_URL``) alike.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from .common import (
+    F,
+    TakesCommand,
+    columns,
+    connect,
+    emit_json,
+    handle_errors,
+    home_of,
+    json_option,
+    parse_pairs,
+    sdk,
+)
+from .snapshots import start_options
+
+if TYPE_CHECKING:
+    from .._sdk.sandbox import Sandbox
+    from ..models import CommandResult, SandboxInfo
+
+__all__ = ["create", "exec_", "info_", "list_", "network_", "pause_", "remove", "resume_", "run"]
+
+
+def _command_from(args: Sequence[str]) -> str | list[str]:
+    """One argument is a shell string (pipes, globs work); several are an argv run as-is."""
+    if not args:
+        raise click.UsageError("no command given; put it after --, e.g. `corral run -- echo hi`")
+    return args[0] if len(args) == 1 else list(args)
+
+
+def _run_and_report(
+    sb: Sandbox, command: str | list[str], *, timeout: float | None, env: dict[str, str],
+    cwd: str | None, forward_stdin: bool, as_json: bool, context: dict[str, str],
+    binary: bool = False,
+) -> NoReturn:
+    stdin = sys.stdin.buffer.read() if forward_stdin else None
+    live = not (as_json or binary)
+
+    def out(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def err(text: str) -> None:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    result: CommandResult = sb.commands.run(
+        command, timeout=timeout, envs=env, cwd=cwd, stdin=stdin,
+        on_stdout=out if live else None, on_stderr=err if live else None,
+        context=context or None, output="bytes" if binary else "text",
+    )
+    if as_json:
+        data = _result_json(result)
+        if binary:
+            data["stdout_b64"] = base64.b64encode(result.stdout_bytes or b"").decode()
+            data["stderr_b64"] = base64.b64encode(result.stderr_bytes or b"").decode()
+        emit_json(data)
+    elif binary:
+        # Byte-exact, once the command has ended (text output is decoded as it streams).
+        sys.stdout.buffer.write(result.stdout_bytes or b"")
+        sys.stdout.buffer.flush()
+        sys.stderr.buffer.write(result.stderr_bytes or b"")
+        sys.stderr.buffer.flush()
+    if not as_json and result.timed_out:
+        click.secho(f"corral: command timed out after {result.duration_s:.1f} s; its processes "
+                    "were killed", err=True, fg="yellow")
+    elif result.usage.oom_killed:
+        click.secho("corral: the command ran out of memory and was killed (OOM)", err=True,
+                    fg="yellow")
+    sys.exit(result.exit_code)
+
+
+def _result_json(result: CommandResult) -> dict[str, Any]:
+    return {
+        "exit_code": result.exit_code,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "timed_out": result.timed_out,
+        "duration_s": round(result.duration_s, 6),
+        "usage": result.usage.to_dict(),
+        "stdout_truncated": result.stdout_truncated,
+        "stderr_truncated": result.stderr_truncated,
+        "command_id": result.command_id,
+    }
+
+
+def _info_json(info: SandboxInfo) -> dict[str, Any]:
+    return info.to_dict()
+
+
+def command_options(fn: F) -> F:
+    """The options `run` and `exec` share, and the trailing COMMAND."""
+    for decorator in reversed([
+        click.option("--timeout", "-t", type=float, default=None,
+                     help="Command timeout in seconds (default: the tier's)."),
+        click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE",
+                     help="Set a variable."),
+        click.option("--cwd", default=None, metavar="DIR",
+                     help="Working directory inside /workspace."),
+        click.option("--stdin", "forward_stdin", is_flag=True,
+                     help="Send this terminal's stdin."),
+        click.option("--binary", is_flag=True,
+                     help="Write the output byte-exact when the command ends, instead of "
+                          "streaming it as text (for binary data); with --json adds "
+                          "stdout_b64/stderr_b64."),
+        click.option("--context", "-c", "context", multiple=True, metavar="KEY=VALUE",
+                     help="Why this command runs (tool-call id, model input): kept in the "
+                          "audit trail."),
+        json_option,
+        click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND..."),
+    ]):
+        fn = decorator(fn)
+    return fn
+
+
+def network_options(fn: F) -> F:
+    """--allow, --deny and --secret, shared by `run` and `create`."""
+    for decorator in reversed([
+        click.option("--allow", "allow", multiple=True, metavar="HOST",
+                     help="Allow egress to HOST (pypi.org, *.github.com, host:port); repeatable."),
+        click.option("--deny", "deny", multiple=True, metavar="HOST",
+                     help="Deny HOST even if an allow rule matches; repeatable."),
+        click.option("--secret", "secret_names", multiple=True, metavar="NAME",
+                     help="Expose host secret NAME as a placeholder in env NAME; repeatable."),
+    ]):
+        fn = decorator(fn)
+    return fn
+
+
+def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[str]] | str:
+    return {"allow": list(allow), "deny": list(deny)} if allow else "none"
+
+
+@click.command(cls=TakesCommand)
+@click.option("--resources", "-r", default="small", show_default=True, metavar="TIER",
+              help="Resource tier: small or large.")
+@network_options
+@start_options
+@command_options
+@click.pass_context
+@handle_errors
+def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[str, ...],
+        secret_names: tuple[str, ...], template: str | None, isolation: str | None,
+        snapshot_ref: str | None, timeout: float | None, env: tuple[str, ...],
+        cwd: str | None, forward_stdin: bool, binary: bool, context: tuple[str, ...],
+        as_json: bool, command: tuple[str, ...]) -> None:
+    """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
+
+    Options go before --, the command after it. One argument is run by bash (pipes and globs
+    work); several are run as an argv, exactly as given.
+
+    \b
+    Examples:
+      corral run -- python3 -c 'print(1+1)'
+      corral run -r large --timeout 60 -- 'make -j2 && ./test.sh'
+      corral run --allow pypi.org -- pip download requests
+      corral run --stdin -- python3 - < script.py
+      corral run --json -- ls -la      {exit_code, stdout, stderr, timed_out, usage, ...}
+    """
+    cmd = _command_from(command)
+    variables = parse_pairs(env)
+    with sdk().create(template, resources=resources, network=_network(allow, deny),
+                        secrets=list(secret_names), isolation=isolation,
+                        snapshot=snapshot_ref, home=home_of(ctx)) as sb:
+        _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
+                        forward_stdin=forward_stdin, as_json=as_json,
+                        context=parse_pairs(context, "--context"), binary=binary)
+
+
+@click.command()
+@click.option("--resources", "-r", default="small", show_default=True, metavar="TIER",
+              help="Resource tier: small or large.")
+@click.option("--ttl", type=float, default=None,
+              help="Lifetime in seconds (default: the tier's); destroyed after that.")
+@click.option("--label", "-l", "labels", multiple=True, metavar="KEY=VALUE", help="Add a label.")
+@network_options
+@start_options
+@json_option
+@click.pass_context
+@handle_errors
+def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
+           allow: tuple[str, ...], deny: tuple[str, ...], secret_names: tuple[str, ...],
+           template: str | None, isolation: str | None, snapshot_ref: str | None,
+           as_json: bool) -> None:
+    """Create a sandbox and print its id (--json: the sandbox, as `corral info --json`).
+
+    It lives until `corral rm ID` or its lifetime (--ttl) ends.
+
+    \b
+    Example:
+      ID=$(corral create --template python --label task=42)
+    """
+    label_map = parse_pairs(labels, "--label")
+    sb = sdk().create(template, resources=resources, timeout=ttl, labels=label_map,
+                        network=_network(allow, deny), secrets=list(secret_names),
+                        isolation=isolation, snapshot=snapshot_ref, home=home_of(ctx))
+    if as_json:
+        emit_json(_info_json(sb.get_info()))
+    else:
+        click.echo(sb.id)
+
+
+@click.command(name="exec", cls=TakesCommand)
+@click.argument("sandbox_id")
+@command_options
+@click.pass_context
+@handle_errors
+def exec_(ctx: click.Context, sandbox_id: str, timeout: float | None, env: tuple[str, ...],
+          cwd: str | None, forward_stdin: bool, binary: bool, context: tuple[str, ...],
+          as_json: bool, command: tuple[str, ...]) -> None:
+    """Run COMMAND in an existing sandbox; exit with COMMAND's exit code.
+
+    Options go before --, the command after it. One argument is run by bash (pipes and globs
+    work); several are run as an argv, exactly as given. /workspace persists between commands.
+
+    \b
+    Examples:
+      corral exec $ID -- 'echo hi > f.txt && cat f.txt'
+      corral exec $ID --cwd src -e DEBUG=1 -- python3 app.py
+      corral exec $ID -c tool_call_id=call_7 --json -- pytest -q
+      corral exec $ID --binary -- cat image.png > image.png
+    """
+    cmd = _command_from(command)
+    sb = connect(ctx, sandbox_id)
+    _run_and_report(sb, cmd, timeout=timeout, env=parse_pairs(env), cwd=cwd,
+                    forward_stdin=forward_stdin, as_json=as_json,
+                    context=parse_pairs(context, "--context"), binary=binary)
+
+
+@click.command(name="ls")
+@json_option
+@click.pass_context
+@handle_errors
+def list_(ctx: click.Context, as_json: bool) -> None:
+    """List live sandboxes (--json: a list, each as `corral info --json` prints it)."""
+    infos = sdk().list(home=home_of(ctx))
+    if as_json:
+        emit_json([_info_json(i) for i in infos])
+        return
+    if not infos:
+        click.echo("no sandboxes", err=True)
+        return
+    now = time.time()
+    rows = [(info.id, info.template, info.resources, info.isolation,
+             _duration(now - info.created_at), _duration(info.expires_at - now),
+             ",".join(f"{k}={v}" for k, v in info.labels.items())) for info in infos]
+    click.echo(columns(("ID", "TEMPLATE", "RESOURCES", "ISOLATION", "AGE", "EXPIRES IN",
+                        "LABELS"), rows))
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+
+
+@click.command(name="info")
+@click.argument("sandbox_id")
+@json_option
+@click.pass_context
+@handle_errors
+def info_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+    """Show one sandbox."""
+    info = connect(ctx, sandbox_id).get_info()
+    if as_json:
+        emit_json(_info_json(info))
+    else:
+        for key, value in _info_json(info).items():
+            click.echo(f"{key:11} {value}")
+
+
+@click.command(name="pause")
+@click.argument("sandbox_id")
+@json_option
+@click.pass_context
+@handle_errors
+def pause_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+    """Freeze every process in a sandbox; its files stay reachable."""
+    sb = connect(ctx, sandbox_id)
+    sb.pause()
+    if as_json:
+        emit_json(_info_json(sb.get_info()))
+
+
+@click.command(name="resume")
+@click.argument("sandbox_id")
+@json_option
+@click.pass_context
+@handle_errors
+def resume_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+    """Let a paused sandbox's processes run again."""
+    sb = connect(ctx, sandbox_id)
+    sb.resume()
+    if as_json:
+        emit_json(_info_json(sb.get_info()))
+
+
+@click.command(name="rm")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@json_option
+@click.pass_context
+@handle_errors
+def remove(ctx: click.Context, sandbox_ids: tuple[str, ...], as_json: bool) -> None:
+    """Destroy sandboxes: kill their processes and delete their workspaces."""
+    for sandbox_id in sandbox_ids:
+        connect(ctx, sandbox_id).kill()
+        if not as_json:
+            click.echo(f"removed {sandbox_id}", err=True)
+    if as_json:
+        emit_json({"removed": list(sandbox_ids)})
+
+
+@click.command(name="network")
+@click.argument("sandbox_id")
+@click.option("--allow", "allow", multiple=True, metavar="HOST", help="Allow HOST; repeatable.")
+@click.option("--deny", "deny", multiple=True, metavar="HOST", help="Deny HOST; repeatable.")
+@click.option("--none", "block", is_flag=True, help="No network at all.")
+@json_option
+@click.pass_context
+@handle_errors
+def network_(ctx: click.Context, sandbox_id: str, allow: tuple[str, ...], deny: tuple[str, ...],
+             block: bool, as_json: bool) -> None:
+    """Show a sandbox's network policy, or replace it (--allow/--deny/--none).
+
+    A change applies to the next connection, also from commands already running.
+
+    \b
+    Examples:
+      corral network $ID --allow pypi.org --allow '*.pythonhosted.org'
+      corral network $ID --none
+    """
+    sb = connect(ctx, sandbox_id)
+    if block:
+        sb.network.block()
+    elif allow or deny:
+        sb.network.update(allow=allow, deny=deny)
+    policy = sb.network.get()
+    if as_json:
+        emit_json(policy)
+    else:
+        click.echo(f"mode  {policy.get('mode', 'none')}")
+        for rule in policy.get("allow", []):
+            click.echo(f"allow {rule}")
+        for rule in policy.get("deny", []):
+            click.echo(f"deny  {rule}")
+
+

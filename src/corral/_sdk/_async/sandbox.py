@@ -1,0 +1,559 @@
+"""The SDK façade: a sandbox with ``commands``, ``processes``, ``files``, ``network`` and
+``audit``, over a transport.
+
+``_async/sandbox.py`` (``AsyncSandbox``) is written by hand; ``_sync/sandbox.py`` (``Sandbox``)
+is generated from it by ``scripts/unasync`` and checked in CI (``scripts/unasync --check``).
+Why generated rather than two façades over a shared core: the façade *is* the public API
+(signatures and docstrings are what users read), and a shared core still leaves one method per
+operation on each side to keep in step by eye; httpcore's answer (write async, generate sync)
+makes drift impossible rather than unlikely. What is not I/O (bodies, parsing, error mapping,
+the command stream) lives once in ``_wire``; what differs by more than ``await`` lives in
+``_io`` and the two hand-written embedded transports (``_embedded``, ``_aembedded``).
+
+One pattern, as in E2B: ``create()`` returns the sandbox, which is a context manager::
+
+    async with await AsyncSandbox.create() as sb:
+        result = await sb.commands.run("echo hi")
+
+Transports (``transport=``): embedded (this process runs the sandboxes; on the async side each
+blocking control-plane call runs in a worker thread, so the event loop never blocks), HTTP
+(``url=`` or ``CORRAL_URL``), or any ``AsyncTransport``, e.g. the app in-process over ASGI
+(``corral.testing``). Nothing here calls ``asyncio.run()``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+import io
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO, Literal, overload
+
+from ..._audit.events import AuditEvent
+from ..._audit.log import AuditTrail
+from ...errors import SandboxNotFound, UsageError
+from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
+from .. import _wire
+from .._aembedded import aopen_transport, ausing_transport
+from .._io import anow, ashielded, asleep
+from .._wire import AsyncOutputCallback, ProcessInfo
+from .transport import AsyncTransport
+
+__all__ = ["AsyncAudit", "AsyncCommands", "AsyncFiles", "AsyncNetwork", "AsyncProcess",
+           "AsyncProcesses", "AsyncSandbox", "aread_audit"]
+
+
+class AsyncCommands:
+    """Run commands in one sandbox. Reached as ``sandbox.commands``."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        envs: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: str | bytes | None = None,
+        on_stdout: AsyncOutputCallback | None = None,
+        on_stderr: AsyncOutputCallback | None = None,
+        context: Mapping[str, Any] | None = None,
+        output: _wire.Output = "text",
+    ) -> CommandResult:
+        """Run ``cmd`` and wait for it.
+
+        Args:
+            cmd: a shell string (run by ``bash -c``) or an argv list (run directly).
+            timeout: seconds before the whole process tree is killed; defaults to the tier's
+                limit and may not exceed it.
+            envs: extra environment variables.
+            cwd: working directory inside ``/workspace`` (default ``/workspace``).
+            stdin: data fed to the command's standard input.
+            on_stdout: called with each piece of standard output as it arrives (on the async
+                side it may be an ``async def``, awaited; it runs on the event loop, in
+                order). When the stream reaches its cap it is called once with a notice (an
+                ``OutputCut``, a ``str``) and then no more.
+            on_stderr: the same for standard error.
+            context: why this command runs, kept (redacted) in the audit trail; for example
+                ``{"tool_call_id": ..., "model_input": ...}``.
+            output: ``"bytes"`` also fills ``result.stdout_bytes``/``stderr_bytes`` with the
+                kept output exactly as written (binary output intact; base64 over HTTP).
+
+        Returns:
+            The result; a non-zero exit is not an exception (check ``result.ok``). Cancelling
+            the awaiting task stops the waiting, not the command: it ends at its timeout, by
+            ``kill()`` with its command id, or with the sandbox.
+
+        Raises:
+            CommandError: empty or malformed command, bad env, cwd outside ``/workspace``.
+            SandboxNotFound: the sandbox is gone (or expired).
+
+        Example:
+            >>> (await sb.commands.run("python3 -c 'print(6 * 7)'")).stdout
+            '42\\n'
+        """
+        _wire.check_output(output)
+        sb = self._sandbox
+        return await sb._transport().run(
+            sb._live_id(), cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
+            on_stdout=on_stdout, on_stderr=on_stderr, context=context, output=output)
+
+    async def kill(self, command_id: str) -> None:
+        """Kill a running command by its id (``result.command_id``, or from the audit trail);
+        its ``run()`` returns with exit code 137."""
+        await self._sandbox._transport().kill_command(self._sandbox._live_id(), command_id)
+
+
+class AsyncProcess:
+    """A declared background process. Reached through ``sandbox.processes``."""
+
+    def __init__(self, sandbox: AsyncSandbox, data: ProcessInfo) -> None:
+        self._sandbox = sandbox
+        self._data = data
+
+    @property
+    def id(self) -> str:
+        return str(self._data["id"])
+
+    async def info(self) -> ProcessInfo:
+        """``{id, state ("running"|"exited"), exit_code, command_id, output_bytes, ...}``."""
+        self._data = await self._sandbox._transport().get_process(self._sandbox.id, self.id)
+        return dict(self._data)
+
+    def output(self, offset: int = 0, *, follow: bool = False,
+               wait_s: float | None = None) -> AsyncIterator[tuple[int, str, str]]:
+        """``(offset, stream, text)`` from ``offset``; ``follow`` waits for more until the
+        process exits (or ``wait_s`` passes). Reconnect later with the last offset + len."""
+        return self._sandbox._transport().process_output(
+            self._sandbox.id, self.id, offset, follow=follow, wait_s=wait_s)
+
+    async def send(self, data: str | bytes) -> None:
+        """Write to the process's stdin."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        await self._sandbox._transport().send_process(self._sandbox.id, self.id, raw)
+
+    async def kill(self) -> None:
+        await self._sandbox._transport().kill_process(self._sandbox.id, self.id)
+
+    async def wait(self, timeout: float | None = None) -> ProcessInfo:
+        """Wait until it exits (or ``timeout``); returns ``info()``."""
+        deadline = None if timeout is None else anow() + timeout
+        while True:
+            data = await self.info()
+            if data["state"] == "exited" or (deadline is not None and anow() >= deadline):
+                return data
+            await asleep(0.05)
+
+
+class AsyncProcesses:
+    """Background processes of a sandbox: servers, kernels, watchers."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def start(self, cmd: str | Sequence[str], *, envs: Mapping[str, str] | None = None,
+                    cwd: str | None = None, context: Mapping[str, Any] | None = None
+                    ) -> AsyncProcess:
+        """Start ``cmd`` in the background. It runs until it exits, is killed, or the
+        sandbox ends; it counts against the sandbox's limits; its output is kept for
+        reconnecting (the last 4 MiB)."""
+        sb = self._sandbox
+        data = await sb._transport().start_process(sb._live_id(), cmd, envs=envs, cwd=cwd,
+                                                   context=context)
+        return AsyncProcess(sb, data)
+
+    async def list(self) -> builtins.list[AsyncProcess]:
+        sb = self._sandbox
+        return [AsyncProcess(sb, d)
+                for d in await sb._transport().list_processes(sb._live_id())]
+
+    async def get(self, process_id: str) -> AsyncProcess:
+        sb = self._sandbox
+        return AsyncProcess(sb, await sb._transport().get_process(sb._live_id(), process_id))
+
+
+class AsyncFiles:
+    """Files in the sandbox's ``/workspace``. Paths are ``/workspace/...`` or relative to it.
+
+    Paths that leave ``/workspace`` (``..``, other absolute paths, symlinks pointing out) raise
+    ``PathRefused``.
+    """
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    def _at(self) -> tuple[AsyncTransport, str]:
+        return self._sandbox._transport(), self._sandbox._live_id()
+
+    @overload
+    async def read(self, path: str, *, format: Literal["text"] = "text") -> str: ...
+    @overload
+    async def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
+
+    async def read(self, path: str, *,
+                   format: Literal["text", "bytes"] = "text") -> str | bytes:
+        """Read a whole file, as text (UTF-8, invalid bytes replaced) or bytes."""
+        _wire.check_format(format)
+        transport, sandbox_id = self._at()
+        data = await transport.read_file(sandbox_id, path)
+        return data if format == "bytes" else data.decode("utf-8", errors="replace")
+
+    async def write(self, path: str, data: str | bytes) -> FileEntry:
+        """Write a whole file atomically, creating parent directories."""
+        raw = _wire.file_data(data)
+        transport, sandbox_id = self._at()
+        return await transport.write_file(sandbox_id, path, raw)
+
+    async def list(self, path: str = "/workspace") -> builtins.list[FileEntry]:
+        """The entries of a directory, sorted by name."""
+        transport, sandbox_id = self._at()
+        return await transport.list_files(sandbox_id, path)
+
+    async def stat(self, path: str) -> FileEntry:
+        transport, sandbox_id = self._at()
+        return await transport.stat_file(sandbox_id, path)
+
+    async def exists(self, path: str) -> bool:
+        transport, sandbox_id = self._at()
+        return await transport.file_exists(sandbox_id, path)
+
+    async def remove(self, path: str) -> None:
+        """Remove a file or a whole directory tree."""
+        transport, sandbox_id = self._at()
+        await transport.remove_file(sandbox_id, path)
+
+    async def make_dir(self, path: str) -> bool:
+        """Create a directory and its parents; False if it already existed."""
+        transport, sandbox_id = self._at()
+        return await transport.make_dir(sandbox_id, path)
+
+    async def rename(self, src: str, dst: str) -> FileEntry:
+        """Move a file, directory or symlink inside the workspace."""
+        transport, sandbox_id = self._at()
+        return await transport.rename_file(sandbox_id, src, dst)
+
+    async def upload(self, archive: bytes | BinaryIO, path: str = "/workspace"
+                     ) -> dict[str, int]:
+        """Extract a tar or tar.gz (bytes or a binary file object, streamed) under ``path``.
+
+        Refuses absolute names, ``..``, links leading out, hard links, devices, and archives
+        larger than the workspace; entries before a refused one stay. Returns the counts.
+        """
+        stream = io.BytesIO(archive) if isinstance(archive, bytes | bytearray) else archive
+        transport, sandbox_id = self._at()
+        return dict(await transport.upload(sandbox_id, path, stream))
+
+    def download(self, path: str = "/workspace", *, gzip: bool = False
+                 ) -> AsyncIterator[bytes]:
+        """The tree under ``path`` as a tar stream, chunk by chunk (symlinks kept as links)."""
+        transport, sandbox_id = self._at()
+        return transport.download(sandbox_id, path, gzip=gzip)
+
+
+class AsyncNetwork:
+    """The sandbox's network policy. Reached as ``sandbox.network``."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def get(self) -> dict[str, Any]:
+        """``{"mode": "none"|"allowlist", "allow": [...], "deny": [...]}``."""
+        return dict((await self._sandbox.get_info()).network)
+
+    async def update(self, *, allow: Sequence[str] | None = None,
+                     deny: Sequence[str] | None = None) -> dict[str, Any]:
+        """Replace the policy: allow these hosts (``pypi.org``, ``*.github.com``,
+        ``api.example.com:8443``), deny these (deny wins). No allow rules means no network.
+        Takes effect for the next connection, also of commands already running."""
+        sb = self._sandbox
+        sb._info = await sb._transport().set_network(
+            sb._live_id(), {"allow": builtins.list(allow or []),
+                            "deny": builtins.list(deny or [])})
+        return dict(sb._info.network)
+
+    async def block(self) -> None:
+        """Back to no network at all."""
+        sb = self._sandbox
+        sb._info = await sb._transport().set_network(sb._live_id(), "none")
+
+
+class AsyncAudit:
+    """The sandbox's audit trail. Reached as ``sandbox.audit``; readable after ``kill()``."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def events(self, *, types: Sequence[str] | None = None, since: float | None = None,
+                     until: float | None = None, command: str | None = None
+                     ) -> builtins.list[AuditEvent]:
+        """Events in log order, filtered by type (``command.finished`` or ``command.*``), Unix
+        time and command id (``result.command_id``)."""
+        trail = await self.trail(types=types, since=since, until=until, command=command)
+        return trail.events
+
+    async def trail(self, *, types: Sequence[str] | None = None, since: float | None = None,
+                    until: float | None = None, command: str | None = None) -> AuditTrail:
+        """Like ``events`` but also says whether a torn last line was skipped."""
+        return await self._sandbox._transport().audit_trail(
+            self._sandbox.id, types=types, since=since, until=until, command=command)
+
+
+async def aread_audit(
+    sandbox_id: str,
+    *,
+    home: str | Path | None = None,
+    url: str | None = None,
+    api_key: str | None = None,
+    types: Sequence[str] | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    command: str | None = None,
+    transport: AsyncTransport | None = None,
+) -> AuditTrail:
+    """The audit trail of any sandbox, also one that has been destroyed.
+
+    Raises:
+        SandboxNotFound: no trail exists for that id.
+    """
+    async with ausing_transport(transport, home, url, api_key) as opened:
+        return await opened.audit_trail(sandbox_id, types=types, since=since, until=until,
+                                        command=command)
+
+
+class _State(enum.Enum):
+    """The connection's state; whether the sandbox was killed is ``_killed`` (a killed
+    sandbox's connection stays open so its audit trail stays readable)."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class AsyncSandbox:
+    """A sandbox: an isolated Linux environment with one writable directory, ``/workspace``.
+
+    Use it as a context manager, which kills the sandbox and then closes the connection on
+    exit. Without one, ``kill()`` destroys it and ``aclose()`` releases the connection
+    (``aclose()`` alone detaches and leaves the sandbox running, for ``connect()`` later).
+
+    Example:
+        >>> from corral import AsyncSandbox
+        >>> async with await AsyncSandbox.create() as sb:
+        ...     await sb.files.write("hello.py", "print('hi')")
+        ...     print((await sb.commands.run("python3 hello.py")).stdout)
+        hi
+    """
+
+    def __init__(self, info: SandboxInfo, transport: AsyncTransport) -> None:
+        self._info = info
+        self._mgr = transport
+        self._state = _State.OPEN
+        self._killed = False
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+        self.audit = AsyncAudit(self)
+        self.network = AsyncNetwork(self)
+        self.processes = AsyncProcesses(self)
+
+    @classmethod
+    async def create(
+        cls,
+        template: str | None = None,
+        *,
+        resources: str = "small",
+        timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        network: str | Mapping[str, Sequence[str]] | None = None,
+        secrets: Sequence[str] | None = None,
+        idle_timeout: float | None = None,
+        isolation: str | None = None,
+        snapshot: str | SnapshotInfo | None = None,
+        home: str | Path | None = None,
+        url: str | None = None,
+        api_key: str | None = None,
+        transport: AsyncTransport | None = None,
+    ) -> AsyncSandbox:
+        """Create a sandbox.
+
+        Args:
+            template: root filesystem; ``base`` (the default) is the host's system, read-only;
+                others are built with ``corral templates build``. From a snapshot, the
+                snapshot's template.
+            resources: tier name, ``small`` or ``large`` (limits are in the README).
+            timeout: lifetime in seconds (default: the tier's); it is destroyed after that.
+            labels: free-form string labels, shown by ``list()``.
+            network: ``"none"`` (default: no network at all) or
+                ``{"allow": ["pypi.org", "*.github.com"], "deny": [...]}``; allowed traffic goes
+                through the audited egress gateway (HTTP_PROXY and friends are set).
+            secrets: names of host secrets (``corral secrets add``) to expose: the sandbox sees
+                a placeholder in env ``NAME``; the gateway swaps in the value for the hosts the
+                secret is bound to.
+            idle_timeout: destroy it after this many seconds without a command or file
+                operation (and nothing running); enforced by the service's reaper and by
+                ``corral reap``.
+            isolation: the isolation tier, ``"namespace"`` (default) or ``"gvisor"`` (a
+                user-space kernel between the code and the host; ``corral doctor`` says which
+                tiers this host supports).
+            snapshot: start from this snapshot's workspace (a ``SnapshotInfo``, id or name).
+            home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
+            url: a Corral service to use (default ``CORRAL_URL``; embedded when unset).
+            api_key: its API key (default ``CORRAL_API_KEY``).
+            transport: use this transport instead (``home``/``url``/``api_key`` are then
+                ignored); closing the sandbox closes it.
+
+        Raises:
+            UsageError: unknown template or tier, bad timeout or labels.
+            SnapshotNotFound: no such snapshot (or not yours, on a service).
+            BackendUnavailable: the host lacks something the sandbox needs (see ``corral doctor``).
+            TransportError: the service at ``url`` cannot be reached.
+        """
+        opened = transport or await aopen_transport(home, url, api_key)
+        try:
+            info = await opened.create(template=template, resources=resources,
+                                       timeout=timeout, labels=labels, network=network,
+                                       secrets=secrets, idle_timeout=idle_timeout,
+                                       isolation=isolation,
+                                       snapshot=_wire.snapshot_ref(snapshot))
+        except BaseException:
+            if transport is None:  # one passed in stays its owner's to close
+                await opened.aclose()
+            raise
+        return cls(info, opened)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, home: str | Path | None = None,
+                      url: str | None = None, api_key: str | None = None,
+                      transport: AsyncTransport | None = None) -> AsyncSandbox:
+        """Attach to an existing sandbox (also one created by another process)."""
+        opened = transport or await aopen_transport(home, url, api_key)
+        try:
+            info = await opened.get(sandbox_id)
+        except BaseException:
+            if transport is None:  # one passed in stays its owner's to close
+                await opened.aclose()
+            raise
+        return cls(info, opened)
+
+    @classmethod
+    async def list(cls, *, home: str | Path | None = None, url: str | None = None,
+                   api_key: str | None = None, transport: AsyncTransport | None = None
+                   ) -> builtins.list[SandboxInfo]:
+        """Every live sandbox (of the data directory, or of your tenant on a service)."""
+        async with ausing_transport(transport, home, url, api_key) as opened:
+            return await opened.list()
+
+    @classmethod
+    async def list_snapshots(cls, *, home: str | Path | None = None, url: str | None = None,
+                             api_key: str | None = None, transport: AsyncTransport | None = None
+                             ) -> builtins.list[SnapshotInfo]:
+        """Every snapshot (of the data directory, or of your tenant on a service)."""
+        async with ausing_transport(transport, home, url, api_key) as opened:
+            return await opened.list_snapshots()
+
+    @classmethod
+    async def get_snapshot(cls, snapshot: str, *, home: str | Path | None = None,
+                           url: str | None = None, api_key: str | None = None,
+                           transport: AsyncTransport | None = None) -> SnapshotInfo:
+        """A snapshot by id or name. Raises ``SnapshotNotFound``."""
+        async with ausing_transport(transport, home, url, api_key) as opened:
+            return await opened.get_snapshot(snapshot)
+
+    @classmethod
+    async def delete_snapshot(cls, snapshot: str | SnapshotInfo, *,
+                              home: str | Path | None = None, url: str | None = None,
+                              api_key: str | None = None,
+                              transport: AsyncTransport | None = None) -> None:
+        """Delete a snapshot. Raises ``SnapshotInUse`` while a sandbox is built on it."""
+        async with ausing_transport(transport, home, url, api_key) as opened:
+            await opened.delete_snapshot(_wire.snapshot_ref(snapshot))
+
+    async def snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Seal the workspace's current state as a snapshot, in O(1) of its size; the sandbox
+        goes on from there. Nothing may be running in it (``SandboxBusy`` otherwise)."""
+        return await self._transport().snapshot(self._live_id(), name=name)
+
+    async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
+        """``n`` new sandboxes starting from this one's workspace as it is now (sharing its
+        read-only layers), with its template, tier, isolation, network policy and secrets.
+
+        Each has a connection of its own: use each as a context manager, or ``kill()`` and
+        close each, as for a sandbox from ``create()``."""
+        transport = self._transport()
+        infos = await transport.fork(self._live_id(), n)
+        return [AsyncSandbox(info, transport.sibling()) for info in infos]
+
+    async def restore(self, snapshot: str | SnapshotInfo) -> None:
+        """Put the workspace back exactly as it was in ``snapshot``; changes made since (and
+        not in a snapshot) are gone. Nothing may be running in it."""
+        self._info = await self._transport().restore(self._live_id(),
+                                                     _wire.snapshot_ref(snapshot))
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    async def get_info(self) -> SandboxInfo:
+        """Fresh metadata from the store."""
+        self._info = await self._transport().get(self._live_id())
+        return self._info
+
+    async def pause(self) -> None:
+        """Freeze every process in the sandbox (files stay reachable); ``resume()`` goes on.
+        Commands cannot start while paused; lifetimes and timeouts keep counting."""
+        self._info = await self._transport().pause(self._live_id())
+
+    async def resume(self) -> None:
+        self._info = await self._transport().resume(self._live_id())
+
+    async def set_timeout(self, timeout: float) -> None:
+        """Set the remaining lifetime to ``timeout`` seconds from now."""
+        self._info = await self._transport().set_timeout(self._live_id(), timeout)
+
+    async def kill(self) -> None:
+        """Destroy the sandbox: kill its processes, delete its workspace. Idempotent."""
+        if not self._killed:
+            transport = self._transport()  # closed: refuse rather than silently not destroy
+            self._killed = True
+            try:
+                await transport.destroy(self._info.id)
+            except SandboxNotFound:
+                pass
+
+    async def aclose(self) -> None:
+        """Release the connection (the sandbox itself stays unless killed). Idempotent."""
+        if self._state is not _State.CLOSED:
+            self._state = _State.CLOSED
+            await self._mgr.aclose()
+
+    close = aclose  # async-only: ``await sb.close()`` reads as well (E2B's name)
+
+    def _transport(self) -> AsyncTransport:
+        if self._state is _State.CLOSED:
+            raise UsageError(f"this {type(self).__name__} for {self._info.id} was closed; "
+                             "connect() attaches again")
+        return self._mgr
+
+    def _live_id(self) -> str:
+        if self._killed:
+            raise UsageError(f"sandbox {self._info.id} was killed; create a new one")
+        return self._info.id
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with ashielded():
+            try:
+                if self._state is _State.OPEN:
+                    await self.kill()
+            finally:
+                await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._info.id} {self._info.resources}>"

@@ -1,0 +1,201 @@
+"""The embedded transport: the control plane in this process, called directly.
+
+``_aembedded.AsyncEmbeddedTransport`` runs each of these same calls in a worker thread. The two
+are written by hand (not generated): this one *is* the call, the async one wraps it, one line
+per method. ``caller`` is who asks (a tenant and its ceiling; the operator when ``None``), as
+the service passes for an API key. Importing this loads neither anyio nor httpx (the CLI's
+embedded start-up); the HTTP transport is imported when a URL is used.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from .._audit.log import AuditTrail
+from .._settings import Settings
+from ..backends import OutputCallback
+from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
+from ._wire import ProcessInfo, shaped
+
+if TYPE_CHECKING:
+    from .._control.manager import Manager
+    from .._control.tenants import Tenant
+    from ._sync.transport import Transport
+
+__all__ = ["EmbeddedTransport", "embedded_target", "open_transport", "using_transport"]
+
+class EmbeddedTransport:
+    """The in-process control plane. Closing it releases nothing: the manager is the
+    process's (``get_manager``)."""
+
+    def __init__(self, manager: Manager, *, caller: Tenant | None = None) -> None:
+        self.manager = manager
+        self.caller = caller
+
+    def sibling(self) -> EmbeddedTransport:
+        return self
+
+    def create(self, *, template: str | None, resources: str, timeout: float | None,
+               labels: Mapping[str, str] | None, network: Any, secrets: Sequence[str] | None,
+               idle_timeout: float | None, isolation: str | None,
+               snapshot: str | None) -> SandboxInfo:
+        return self.manager.create(template=template, resources=resources, timeout=timeout,
+                                   labels=labels, network=network, secrets=secrets,
+                                   idle_timeout=idle_timeout, isolation=isolation,
+                                   snapshot=snapshot, caller=self.caller)
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return self.manager.get(sandbox_id)
+
+    def list(self) -> builtins.list[SandboxInfo]:
+        return self.manager.list()
+
+    def destroy(self, sandbox_id: str) -> None:
+        self.manager.destroy(sandbox_id)
+
+    def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        return self.manager.set_timeout(sandbox_id, timeout)
+
+    def set_network(self, sandbox_id: str, network: Any) -> SandboxInfo:
+        return self.manager.set_network(sandbox_id, network)
+
+    def pause(self, sandbox_id: str) -> SandboxInfo:
+        return self.manager.pause(sandbox_id)
+
+    def resume(self, sandbox_id: str) -> SandboxInfo:
+        return self.manager.resume(sandbox_id)
+
+    def run(self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None,
+            envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
+            on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+            context: Mapping[str, Any] | None, output: str) -> CommandResult:
+        return shaped(self.manager.run(sandbox_id, cmd, timeout=timeout, envs=envs, cwd=cwd,
+                                       stdin=stdin, on_stdout=on_stdout, on_stderr=on_stderr,
+                                       context=context, caller=self.caller), output)
+
+    def kill_command(self, sandbox_id: str, command_id: str) -> None:
+        self.manager.kill_command(sandbox_id, command_id)
+
+    def start_process(self, sandbox_id: str, cmd: str | Sequence[str], *,
+                      envs: Mapping[str, str] | None, cwd: str | None,
+                      context: Mapping[str, Any] | None) -> ProcessInfo:
+        return self.manager.processes.start(sandbox_id, cmd, envs=envs, cwd=cwd,
+                                            context=context, caller=self.caller).to_dict()
+
+    def get_process(self, sandbox_id: str, process_id: str) -> ProcessInfo:
+        return self.manager.processes.get(sandbox_id, process_id).to_dict()
+
+    def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
+        return [p.to_dict() for p in self.manager.processes.list(sandbox_id)]
+
+    def process_output(self, sandbox_id: str, process_id: str, offset: int, *, follow: bool,
+                       wait_s: float | None) -> Iterator[tuple[int, str, str]]:
+        process = self.manager.processes.get(sandbox_id, process_id)
+        return iter(process.output(offset, follow=follow, wait_s=wait_s))
+
+    def send_process(self, sandbox_id: str, process_id: str, data: bytes) -> None:
+        self.manager.processes.get(sandbox_id, process_id).send(data)
+
+    def kill_process(self, sandbox_id: str, process_id: str) -> None:
+        self.manager.processes.kill(sandbox_id, process_id)
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return self.manager.files(sandbox_id).read(path)
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes) -> FileEntry:
+        return self.manager.files(sandbox_id).write(path, data)
+
+    def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
+        return self.manager.files(sandbox_id).list(path)
+
+    def stat_file(self, sandbox_id: str, path: str) -> FileEntry:
+        return self.manager.files(sandbox_id).stat(path)
+
+    def file_exists(self, sandbox_id: str, path: str) -> bool:
+        return self.manager.files(sandbox_id).exists(path)
+
+    def remove_file(self, sandbox_id: str, path: str) -> None:
+        self.manager.files(sandbox_id).remove(path)
+
+    def make_dir(self, sandbox_id: str, path: str) -> bool:
+        return self.manager.files(sandbox_id).make_dir(path)
+
+    def rename_file(self, sandbox_id: str, src: str, dst: str) -> FileEntry:
+        return self.manager.files(sandbox_id).rename(src, dst)
+
+    def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
+        return dict(self.manager.upload(sandbox_id, path, stream))
+
+    def download(self, sandbox_id: str, path: str, *, gzip: bool) -> Iterator[bytes]:
+        return self.manager.download(sandbox_id, path, gzip=gzip)
+
+    def audit_trail(self, sandbox_id: str, *, types: Sequence[str] | None,
+                    since: float | None, until: float | None,
+                    command: str | None) -> AuditTrail:
+        return self.manager.auditor.trail(sandbox_id, types=types, since=since, until=until,
+                                          command=command)
+
+    def snapshot(self, sandbox_id: str, *, name: str | None) -> SnapshotInfo:
+        return self.manager.snapshot(sandbox_id, name=name)
+
+    def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
+        return self.manager.fork(sandbox_id, count, caller=self.caller)
+
+    def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
+        return self.manager.restore(sandbox_id, snapshot, caller=self.caller)
+
+    def get_snapshot(self, ref: str) -> SnapshotInfo:
+        return self.manager.get_snapshot(ref)
+
+    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+        return self.manager.list_snapshots()
+
+    def delete_snapshot(self, ref: str) -> None:
+        self.manager.delete_snapshot(ref)
+
+    def close(self) -> None:
+        """Nothing to release: the manager is shared by the process."""
+
+
+def embedded_target(home: str | Path | None, url: str | None,
+            api_key: str | None) -> tuple[str, str | None] | Manager:
+    """Embedded (this process runs the sandboxes) unless a service URL is given or set in
+    ``CORRAL_URL``: the URL and key, or the manager."""
+    from .._control.manager import get_manager
+
+    settings = Settings(home=Path(home)) if home is not None else Settings()
+    target = url or settings.url
+    if target and home is None:
+        key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None)
+        return target, key
+    return get_manager(settings)
+
+
+def open_transport(home: str | Path | None, url: str | None, api_key: str | None
+                   ) -> Transport:
+    from ._sync.http import HTTPTransport
+
+    target = embedded_target(home, url, api_key)
+    if isinstance(target, tuple):
+        return HTTPTransport(*target)
+    return EmbeddedTransport(target)
+
+
+@contextmanager
+def using_transport(transport: Transport | None, home: str | Path | None, url: str | None,
+                    api_key: str | None) -> Iterator[Transport]:
+    """``transport``, or one opened for this block and closed after it."""
+    if transport is not None:
+        yield transport
+        return
+    opened = open_transport(home, url, api_key)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+

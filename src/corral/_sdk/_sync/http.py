@@ -1,0 +1,274 @@
+# Generated from src/corral/_sdk/_async/http.py by scripts/unasync: do not edit.
+# Change the async source and run scripts/unasync.
+"""``HTTPTransport``: the SDK's calls over the HTTP API with ``httpx.Client``.
+
+Pass ``client=`` to use a client of your own: ``httpx.Client(transport=
+httpx.ASGITransport(app))`` drives the app in-process, without a server (``corral.testing``).
+Request building, response parsing and error mapping are ``_wire``'s; this module only does I/O.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, BinaryIO
+
+import httpx
+
+from ..._audit.log import AuditTrail
+from ...errors import FileNotFound, TransportError
+from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
+from .. import _wire
+from .._io import Pool, http_pool, read_chunk, release
+from .._wire import OutputCallback, ProcessInfo, deliver
+
+__all__ = ["HTTPTransport"]
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        error = _wire.error_for(response.status_code, response.read())
+        if error is not None:
+            raise error
+
+
+def _sandbox(sandbox_id: str) -> str:
+    return f"/v1/sandboxes/{sandbox_id}"
+
+
+class HTTPTransport:
+    """Talks to ``corral serve`` at ``url`` (or through ``client``). Close it with
+    ``close()``; a client passed in is closed too (it is the transport's from then on)."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None, *,
+                 timeout_s: float = 30.0, client: httpx.Client | None = None) -> None:
+        self._pool: Pool | None = None
+        if client is None:
+            if url is None:
+                raise ValueError("pass url= (the service) or client= (an httpx client)")
+            self._pool = http_pool(url, api_key, timeout_s)
+            client = self._pool.client
+        self._args = (url, api_key, timeout_s)
+        self._client = client
+
+    def sibling(self) -> HTTPTransport:
+        url, api_key, timeout_s = self._args
+        if url is None:  # a client of the caller's: share it (its owner closes it)
+            return _Borrowed(self._client)
+        return HTTPTransport(url, api_key, timeout_s=timeout_s)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            with _wire.encodable(kwargs):
+                response = self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise _wire.unreachable(self._client.base_url, exc) from exc
+        _raise_for(response)
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return (self.request(method, path, **kwargs)).json()
+
+    @contextmanager
+    def _stream(self, method: str, path: str, **kwargs: Any
+                      ) -> Iterator[httpx.Response]:
+        try:
+            with _wire.encodable(kwargs):
+                with self._client.stream(method, path, **kwargs) as response:
+                    _raise_for(response)
+                    yield response
+        except httpx.HTTPError as exc:
+            raise TransportError(f"connection to {self._client.base_url} failed: {exc}") from exc
+
+    # -- sandboxes --------------------------------------------------------------------------
+
+    def create(self, *, template: str | None, resources: str, timeout: float | None,
+                     labels: Mapping[str, str] | None, network: Any,
+                     secrets: Sequence[str] | None, idle_timeout: float | None,
+                     isolation: str | None, snapshot: str | None) -> SandboxInfo:
+        body = _wire.create_body(template=template, resources=resources, timeout=timeout,
+                                 labels=labels, network=network, secrets=secrets,
+                                 idle_timeout=idle_timeout, isolation=isolation,
+                                 snapshot=snapshot)
+        return _wire.sandbox_info(self._json("POST", "/v1/sandboxes", json=body))
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return _wire.sandbox_info(self._json("GET", _sandbox(sandbox_id)))
+
+    def list(self) -> builtins.list[SandboxInfo]:
+        return [_wire.sandbox_info(d) for d in self._json("GET", "/v1/sandboxes")]
+
+    def destroy(self, sandbox_id: str) -> None:
+        self.request("DELETE", _sandbox(sandbox_id))
+
+    def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
+        return _wire.sandbox_info(self._json(
+            "POST", f"{_sandbox(sandbox_id)}/timeout", json={"timeout": timeout}))
+
+    def set_network(self, sandbox_id: str, network: Any) -> SandboxInfo:
+        return _wire.sandbox_info(self._json(
+            "PUT", f"{_sandbox(sandbox_id)}/network", json=_wire.network_body(network)))
+
+    def pause(self, sandbox_id: str) -> SandboxInfo:
+        return _wire.sandbox_info(self._json("POST", f"{_sandbox(sandbox_id)}/pause"))
+
+    def resume(self, sandbox_id: str) -> SandboxInfo:
+        return _wire.sandbox_info(self._json("POST", f"{_sandbox(sandbox_id)}/resume"))
+
+    # -- commands and processes -------------------------------------------------------------
+
+    def run(self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None,
+                  envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
+                  on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+                  context: Mapping[str, Any] | None, output: str) -> CommandResult:
+        stream = on_stdout is not None or on_stderr is not None
+        body = _wire.run_body(cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
+                              context=context, stream=stream, output=output)
+        path = f"{_sandbox(sandbox_id)}/commands"
+        if not stream:
+            return _wire.command_result(self._json("POST", path, json=body))
+        events = _wire.CommandStream()
+        with self._stream("POST", path, json=body) as response:
+            for line in response.iter_lines():
+                piece = events.feed(line)
+                if piece is not None:
+                    deliver(on_stdout if piece[0] == "stdout" else on_stderr, piece[1])
+        return events.finished()
+
+    def kill_command(self, sandbox_id: str, command_id: str) -> None:
+        self.request("POST", f"{_sandbox(sandbox_id)}/commands/{command_id}/kill")
+
+    def start_process(self, sandbox_id: str, cmd: str | Sequence[str], *,
+                            envs: Mapping[str, str] | None, cwd: str | None,
+                            context: Mapping[str, Any] | None) -> ProcessInfo:
+        body = _wire.process_body(cmd, envs=envs, cwd=cwd, context=context)
+        return dict(self._json("POST", f"{_sandbox(sandbox_id)}/processes", json=body))
+
+    def get_process(self, sandbox_id: str, process_id: str) -> ProcessInfo:
+        return dict(self._json("GET",
+                                     f"{_sandbox(sandbox_id)}/processes/{process_id}"))
+
+    def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
+        return builtins.list(self._json("GET", f"{_sandbox(sandbox_id)}/processes"))
+
+    def process_output(self, sandbox_id: str, process_id: str, offset: int, *,
+                             follow: bool, wait_s: float | None
+                             ) -> Iterator[tuple[int, str, str]]:
+        params: dict[str, Any] = {"offset": offset, "follow": follow}
+        if wait_s is not None:
+            params["wait_s"] = wait_s
+        path = f"{_sandbox(sandbox_id)}/processes/{process_id}/output"
+        with self._stream("GET", path, params=params) as response:
+            for line in response.iter_lines():
+                event = _wire.process_event(line)
+                if event is not None:
+                    yield event
+
+    def send_process(self, sandbox_id: str, process_id: str, data: bytes) -> None:
+        self.request("POST", f"{_sandbox(sandbox_id)}/processes/{process_id}/input",
+                           content=data)
+
+    def kill_process(self, sandbox_id: str, process_id: str) -> None:
+        self.request("POST", f"{_sandbox(sandbox_id)}/processes/{process_id}/kill")
+
+    # -- files ------------------------------------------------------------------------------
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        response = self.request("GET", f"{_sandbox(sandbox_id)}/files/content",
+                                      params={"path": path})
+        return response.content
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes) -> FileEntry:
+        return _wire.file_entry(self._json(
+            "PUT", f"{_sandbox(sandbox_id)}/files/content", params={"path": path},
+            content=data))
+
+    def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
+        entries = self._json("GET", f"{_sandbox(sandbox_id)}/files",
+                                   params={"path": path})
+        return [_wire.file_entry(e) for e in entries]
+
+    def stat_file(self, sandbox_id: str, path: str) -> FileEntry:
+        return _wire.file_entry(self._json(
+            "GET", f"{_sandbox(sandbox_id)}/files/stat", params={"path": path}))
+
+    def file_exists(self, sandbox_id: str, path: str) -> bool:
+        try:
+            self.stat_file(sandbox_id, path)
+        except FileNotFound:
+            return False
+        return True
+
+    def remove_file(self, sandbox_id: str, path: str) -> None:
+        self.request("DELETE", f"{_sandbox(sandbox_id)}/files", params={"path": path})
+
+    def make_dir(self, sandbox_id: str, path: str) -> bool:
+        data = self._json("POST", f"{_sandbox(sandbox_id)}/files/mkdir",
+                                params={"path": path})
+        return bool(data["created"])
+
+    def rename_file(self, sandbox_id: str, src: str, dst: str) -> FileEntry:
+        return _wire.file_entry(self._json(
+            "POST", f"{_sandbox(sandbox_id)}/files/rename", params={"src": src, "dst": dst}))
+
+    def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
+        def chunks() -> Iterator[bytes]:
+            while chunk := read_chunk(stream):
+                yield chunk
+
+        return dict(self._json("PUT", f"{_sandbox(sandbox_id)}/archive",
+                                     params={"path": path}, content=chunks()))
+
+    def download(self, sandbox_id: str, path: str, *, gzip: bool
+                       ) -> Iterator[bytes]:
+        with self._stream("GET", f"{_sandbox(sandbox_id)}/archive",
+                                params={"path": path, "gzip": gzip}) as response:
+            yield from response.iter_bytes()
+
+    # -- audit and snapshots (scoped to the API key's tenant by the service) ----------------
+
+    def audit_trail(self, sandbox_id: str, *, types: Sequence[str] | None,
+                          since: float | None, until: float | None,
+                          command: str | None) -> AuditTrail:
+        response = self.request(
+            "GET", f"{_sandbox(sandbox_id)}/audit",
+            params=_wire.audit_params(types, since, until, command))
+        return _wire.audit_trail(response.text, response.headers.get("x-corral-torn-tail"))
+
+    def snapshot(self, sandbox_id: str, *, name: str | None) -> SnapshotInfo:
+        return _wire.snapshot_info(self._json(
+            "POST", f"{_sandbox(sandbox_id)}/snapshots", json={"name": name}))
+
+    def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
+        data = self._json("POST", f"{_sandbox(sandbox_id)}/fork", json={"count": count})
+        return [_wire.sandbox_info(d) for d in data]
+
+    def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
+        return _wire.sandbox_info(self._json(
+            "POST", f"{_sandbox(sandbox_id)}/restore", json={"snapshot": snapshot}))
+
+    def get_snapshot(self, ref: str) -> SnapshotInfo:
+        return _wire.snapshot_info(self._json("GET", _wire.snapshot_path(ref)))
+
+    def list_snapshots(self) -> builtins.list[SnapshotInfo]:
+        return [_wire.snapshot_info(d) for d in self._json("GET", "/v1/snapshots")]
+
+    def delete_snapshot(self, ref: str) -> None:
+        self.request("DELETE", _wire.snapshot_path(ref))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            release(self._pool)
+        else:
+            self._client.close()
+
+
+class _Borrowed(HTTPTransport):
+    """A fork's transport over the parent's own client: closing it leaves the client open."""
+
+    def __init__(self, client: httpx.Client) -> None:
+        super().__init__(client=client)
+
+    def close(self) -> None:
+        pass
