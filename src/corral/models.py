@@ -1,4 +1,11 @@
-"""Public result and description types, shared by the SDK, the CLI and (later) the HTTP API."""
+"""Public result and description types, defined once and shared by the SDK (embedded and
+remote), the HTTP API, MCP and the CLI's ``--json``.
+
+``SandboxInfo`` and ``SnapshotInfo`` are the wire schema itself (pydantic): the server answers
+with them, and the remote SDK parses its answers into them, ignoring fields it does not know
+(so an older client works against a newer server). What the control plane keeps about a
+sandbox beyond them (its host uid, secret placeholders, last activity) is not public.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 __all__ = [
     "CommandResult",
     "FileEntry",
+    "ProcessInfo",
     "ResourceTier",
     "SandboxInfo",
     "SandboxState",
@@ -114,9 +124,20 @@ class CommandResult:
         return data
 
 
-@dataclass(frozen=True, slots=True)
-class SandboxInfo:
-    """A sandbox's metadata as the store holds it."""
+class _Public(BaseModel):
+    # Frozen like the dataclasses; unknown fields from a newer server are ignored. Defaults are
+    # for parsing an older server's answers: this one always sends every field, so the
+    # document says so (serialization schema: all required).
+    model_config = ConfigDict(frozen=True, extra="ignore",
+                              json_schema_serialization_defaults_required=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready form (the wire form, and the CLI's ``--json``)."""
+        return self.model_dump(mode="json")
+
+
+class SandboxInfo(_Public):
+    """A sandbox, as every surface describes it."""
 
     id: str
     template: str
@@ -124,35 +145,42 @@ class SandboxInfo:
     state: SandboxState
     created_at: float
     expires_at: float
-    uid: int
-    labels: dict[str, str] = field(default_factory=dict)
-    network: dict[str, Any] = field(default_factory=dict)
-    secrets: dict[str, str] = field(default_factory=dict)  # name -> placeholder
-    tenant: str = "local"
-    idle_timeout: float | None = None  # destroyed after this long without commands or file use
-    last_active: float = 0.0
-    isolation: str = "namespace"  # the isolation tier: "namespace" or "gvisor"
-    layer: str | None = None  # top read-only workspace layer (from a snapshot or fork), if any
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    labels: dict[str, str] = Field(default_factory=dict)
+    network: dict[str, Any] = Field(default_factory=dict)
+    secrets: list[str] = Field(default_factory=list, description="Names of its secrets.")
+    idle_timeout: float | None = Field(
+        default=None, description="Destroyed after this long without commands or file use.")
+    # An older server sends neither: it only has the one (namespace) tier and no layers.
+    isolation: str = Field(default="namespace", description="The isolation tier it runs on.")
+    layer: str | None = Field(
+        default=None, description="The top read-only layer of its workspace (from a snapshot, "
+                                  "fork or restore); null for a fresh workspace.")
 
 
-@dataclass(frozen=True, slots=True)
-class SnapshotInfo:
+class SnapshotInfo(_Public):
     """A sealed, read-only state of a sandbox's workspace that sandboxes can start from."""
 
     id: str
     name: str | None
-    sandbox: str  # the sandbox it was taken from
+    sandbox: str = Field(description="The sandbox it was taken from.")
     template: str
     created_at: float
-    size_bytes: int  # the bytes this snapshot's own layer adds
-    depth: int  # layers under a sandbox started from it
-    tenant: str = "local"
+    size_bytes: int = Field(description="Bytes its own layer adds.")
+    depth: int = Field(description="Layers under a sandbox started from it.")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+
+class ProcessInfo(_Public):
+    """A background process of a sandbox, as the service describes it."""
+
+    id: str
+    sandbox_id: str
+    argv: list[str]
+    started_at: float
+    state: Literal["starting", "running", "exited"]
+    exit_code: int | None = None
+    command_id: str = Field(description="Its command's id in the audit trail.")
+    error: str | None = Field(default=None, description="Why it could not run, if so.")
+    output_bytes: int = Field(default=0, description="Bytes of output so far (the next offset).")
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["host_procs_of_uid", "status_field"]
+__all__ = ["host_procs_of_uid", "host_uid", "status_field"]
+
+
+def host_uid(sandbox_id: str) -> int:
+    """The host uid a sandbox of this process runs as: the store's record has it (it is the
+    operator's business, so the public SandboxInfo does not)."""
+    from corral._control.manager import _managers
+
+    for manager in list(_managers.values()):
+        record = manager.store.get(sandbox_id)
+        if record is not None:
+            return record.uid
+    raise LookupError(f"no manager of this process knows {sandbox_id}")
 
 
 def status_field(status: str, name: str) -> str:

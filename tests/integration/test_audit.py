@@ -293,6 +293,35 @@ def test_metrics_parse_and_count_the_session(home: str, manager: Manager) -> Non
         after, "corral_command_duration_seconds_count")
 
 
+def test_counts_made_in_another_process_reach_corral_metrics(settings: Settings,
+                                                            manager: Manager) -> None:
+    """Counters are batched in memory (no SQLite write per command); a process that exits
+    without closing anything still adds its counts, and the service's reader sees them."""
+
+    def started(text: str) -> float:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "corral_commands_started_total":
+                    return float(sample.value)
+        return 0.0
+
+    before = started(render(manager.store))
+    env = {**os.environ, "CORRAL_HOME": str(settings.home),
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    code = textwrap.dedent("""
+        from corral import Sandbox
+        sb = Sandbox.create()
+        sb.commands.run("true")
+        sb.commands.run("true")
+        sb.kill()
+    """)  # and exit: no close(), as a script or a CLI call ends
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert started(render(manager.store)) - before == 2
+
+
 @pytest.fixture(scope="module")
 def spans() -> InMemorySpanExporter:
     exporter = InMemorySpanExporter()

@@ -30,6 +30,7 @@ import pytest
 from corral import PathRefused, Sandbox
 
 from .hostprocs import host_procs_of_uid, status_field
+from .hostprocs import host_uid as uid_of
 
 pytestmark = pytest.mark.needs_root
 
@@ -180,7 +181,7 @@ def test_host_sees_commands_running_as_the_sandbox_uid_never_root(
     command's code), and they run as the sandbox's runtime uid (its uid + 2**31) in a user
     namespace of their own, so the capabilities they hold there are none on the host; nothing
     at all runs as the uid that owns the workspace."""
-    uid = sandbox.get_info().uid
+    uid = uid_of(sandbox.id)
     assert uid != 0
     host_uid = uid
     if isolation == "gvisor":
@@ -344,7 +345,7 @@ def test_other_sandbox_workspace_is_invisible(sandbox: Sandbox, home: str, isola
 
     other = Sandbox.create(home=home, isolation=isolation)
     try:
-        assert other.get_info().uid != victim.get_info().uid
+        assert uid_of(other.id) != uid_of(victim.id)
         r = other.commands.run(
             f"cat /workspace/secret-{token}.txt; ls -la /workspace; "
             f"cat {host_path}; ls {host_path.parent}; ls {home}; ls {Path(home) / 'sandboxes'}; "
@@ -379,7 +380,7 @@ def test_other_sandbox_workspace_unreadable_by_another_sandbox_uid_on_host(
     ws = Path(home) / "sandboxes" / sandbox.id / "workspace"
     other = Sandbox.create(home=home, isolation=isolation)
     try:
-        other_uid = other.get_info().uid
+        other_uid = uid_of(other.id)
         attempts = {
             "cat": ["cat", str(ws / "secret.txt")],
             "ls": ["ls", str(ws)],
@@ -419,7 +420,7 @@ def test_only_own_processes_are_visible(sandbox: Sandbox, isolation: str) -> Non
 
 
 def test_cannot_signal_host_processes(sandbox: Sandbox) -> None:
-    uid = sandbox.get_info().uid
+    uid = uid_of(sandbox.id)
     # A disposable host process running under the very same uid as the sandbox: without the
     # PID namespace, the sandbox could signal it.
     decoy = subprocess.Popen(["sleep", "60"], user=uid, group=uid, extra_groups=[],
@@ -458,7 +459,7 @@ print(n)
 
 
 def test_no_process_survives_its_command(sandbox: Sandbox) -> None:
-    uid = sandbox.get_info().uid
+    uid = uid_of(sandbox.id)
     token = secrets.token_hex(6)
     m1, m2, m3 = (f"corral-linger{i}-{token}" for i in range(3))
     sandbox.files.write("count.py", _COUNT_MARKED)

@@ -16,7 +16,7 @@ from corral import Sandbox, SandboxExpired, SandboxNotFound
 from corral._control.manager import Manager
 from corral._settings import Settings
 
-from .hostprocs import host_procs_of_uid
+from .hostprocs import host_procs_of_uid, host_uid
 
 pytestmark = pytest.mark.needs_root
 
@@ -51,7 +51,7 @@ def test_destroy_removes_every_runtime_piece_and_frees_the_uid(
     home: str, settings: Settings
 ) -> None:
     sb = Sandbox.create(home=home)
-    uid = sb.get_info().uid
+    uid = host_uid(sb.id)
     sb.commands.run("echo hi > f")
     assert all(_runtime_pieces(settings, sb.id).values())
     sb.kill()
@@ -59,7 +59,7 @@ def test_destroy_removes_every_runtime_piece_and_frees_the_uid(
     assert _uid_processes(uid) == []
     again = Sandbox.create(home=home)
     try:
-        assert again.get_info().uid == uid  # released, so the lowest free uid is reused
+        assert host_uid(again.id) == uid  # released, so the lowest free uid is reused
     finally:
         again.kill()
 
@@ -67,7 +67,7 @@ def test_destroy_removes_every_runtime_piece_and_frees_the_uid(
 def test_each_sandbox_gets_its_own_uid(home: str) -> None:
     first, second = Sandbox.create(home=home), Sandbox.create(home=home)
     try:
-        assert first.get_info().uid != second.get_info().uid
+        assert host_uid(first.id) != host_uid(second.id)
         assert first.commands.run(["id", "-u"]).stdout == "1000\n"  # mapped inside
     finally:
         first.kill()
@@ -107,6 +107,7 @@ def test_set_timeout_extends_the_lifetime(home: str) -> None:
 def test_sandboxes_survive_a_restart_of_the_process(home: str, settings: Settings) -> None:
     proc = _python(settings, """
         from corral import Sandbox
+        from corral._control.manager import get_manager
         sb = Sandbox.create()
         sb.files.write("kept.txt", "from the first process")
         sb.commands.run("echo more >> kept.txt")
@@ -129,9 +130,10 @@ def test_sigkill_during_a_command_leaves_nothing_the_next_start_does_not_clean(
     proc = _python(settings, """
         import sys
         from corral import Sandbox
+        from corral._control.manager import get_manager
         sb = Sandbox.create()
         sb.files.write("before.txt", "safe")
-        print(sb.id, sb.get_info().uid, flush=True)
+        print(sb.id, get_manager().store.get(sb.id).uid, flush=True)
         sb.commands.run("sleep 300 & sleep 300; echo never", timeout=60)
     """)
     assert proc.stdout is not None

@@ -18,7 +18,7 @@ import pytest
 
 from corral import Sandbox
 
-from .hostprocs import host_procs_of_uid, status_field
+from .hostprocs import host_procs_of_uid, host_uid, status_field
 
 pytestmark = pytest.mark.needs_root
 
@@ -42,7 +42,7 @@ def live_host_procs_of_uid(uid: int) -> list[str]:
 def assert_host_and_sandbox_fine(sb: Sandbox) -> None:
     """Nothing of the sandbox still runs on the host, the host can start processes, and the
     sandbox's next command works."""
-    assert live_host_procs_of_uid(sb.get_info().uid) == []
+    assert live_host_procs_of_uid(host_uid(sb.id)) == []
     host = subprocess.run(["sh", "-c", "echo host-ok"], capture_output=True, text=True, timeout=10)
     assert host.stdout == "host-ok\n"
     started = time.monotonic()
@@ -248,7 +248,7 @@ def test_two_busy_processes_share_one_core(sandbox: Sandbox) -> None:
     ids=["children", "setsid", "ignores-term", "double-fork"],
 )
 def test_timeout_kills_the_whole_tree(sandbox: Sandbox, script: str) -> None:
-    uid = sandbox.get_info().uid
+    uid = host_uid(sandbox.id)
     started = time.monotonic()
     r = sandbox.commands.run(script, timeout=1)
     assert time.monotonic() - started < 10

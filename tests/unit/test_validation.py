@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from corral import CommandError, PathRefused, UsageError
-from corral._control.manager import _validate_command
+from corral._control.validate import command as _validate_command
 from corral._core.resources import TIERS, get_tier
 
 

@@ -8,19 +8,27 @@ import threading
 import unicodedata
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import CorralError, SandboxNotFound
 from .log import AuditLog, AuditTrail, Record, read_trail
-from .metrics import Metrics
+from .metrics import CounterSink, Metrics
 from .recorder import CommandRecorder, new_command_id
 from .redact import Redactor
 
-if TYPE_CHECKING:
-    from .._control.secrets import SecretStore
-    from .._control.store import Store
+__all__ = ["Auditor", "PlaceholderSource", "SecretValues", "new_command_id"]
 
-__all__ = ["Auditor", "new_command_id"]
+
+class SecretValues(Protocol):
+    """Every secret value there is (redacted wherever it appears)."""
+
+    def values(self) -> Iterable[str]: ...
+
+
+class PlaceholderSource(Protocol):
+    """The placeholders a sandbox was handed for its secrets (empty for an unknown one)."""
+
+    def placeholders(self, sandbox_id: str) -> Iterable[str]: ...
 
 _ID_RE = re.compile(r"^sbx_[0-9a-z]{12}$")
 # A refused path is the caller's text, chosen by whoever steers it: kept one line and bounded.
@@ -53,15 +61,16 @@ class Auditor:
     With ``enabled`` False nothing is written: neither events nor metrics.
     """
 
-    def __init__(self, *, directory: Path, store: Store, secrets: SecretStore, enabled: bool,
+    def __init__(self, *, directory: Path, secrets: SecretValues,
+                 placeholders: PlaceholderSource, counters: CounterSink, enabled: bool,
                  output_limit_bytes: int) -> None:
         self.directory = directory
         self.enabled = enabled
         self.output_limit_bytes = output_limit_bytes
         self._secrets = secrets
+        self._placeholders = placeholders
         self._extra_literals: set[str] = set()
-        self.metrics = Metrics(store)
-        self._store = store
+        self.metrics = Metrics(counters)
         self._logs: dict[str, AuditLog] = {}
         self._lock = threading.Lock()
 
@@ -85,10 +94,7 @@ class Auditor:
         # Read per use: another process may have registered a secret a moment ago.
         # Secret values: all of them (cached, re-read when the secret store changes). Placeholders:
         # the sandbox's own, the only ones its commands can print.
-        placeholders: list[str] = []
-        if sandbox_id is not None:
-            info = self._store.get(sandbox_id)
-            placeholders = list(info.secrets.values()) if info is not None else []
+        placeholders = [] if sandbox_id is None else self._placeholders.placeholders(sandbox_id)
         return Redactor([*self._secrets.values(), *placeholders, *self._extra_literals])
 
     # -- writing ------------------------------------------------------------------------------

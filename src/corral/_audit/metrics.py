@@ -1,19 +1,36 @@
-"""Prometheus metrics, kept as counters in the store so every process (CLI calls, the service)
-adds to the same numbers and ``corral metrics`` prints the totals.
+"""Prometheus metrics, kept as counters in a shared sink (the control plane's store) so every
+process (CLI calls, the service) adds to the same numbers and ``corral metrics`` prints the totals.
+
+This module knows the sink and the source only as the two protocols below; it does not know
+where they live or how they batch.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from .._control.store import Store
+__all__ = ["DURATION_BUCKETS", "MEMORY_BUCKETS", "CounterSink", "MetricsSource", "Metrics",
+           "render"]
 
-__all__ = ["DURATION_BUCKETS", "MEMORY_BUCKETS", "Metrics", "render"]
+
+class CounterSink(Protocol):
+    """Where counts go: each row is (name, labels as sorted JSON, amount), added to a sum."""
+
+    def add_counters(self, rows: Sequence[tuple[str, str, float]]) -> None: ...
+
+
+class MetricsSource(Protocol):
+    """What ``render`` reads: the counters' totals, and how many sandboxes are in each state."""
+
+    def counters(self) -> Mapping[tuple[str, str], float]: ...
+
+    def state_counts(self) -> Mapping[str, int]: ...
+
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     300.0, 600.0)
@@ -43,14 +60,14 @@ def _key(labels: dict[str, str]) -> str:
 
 
 class Metrics:
-    """Adds to the store's counters; each call is one small transaction."""
+    """Adds to the sink's counters (one ``add_counters`` call per event)."""
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
+    def __init__(self, sink: CounterSink) -> None:
+        self._sink = sink
 
     def inc(self, name: str, *, amount: float = 1.0,
             labels: Mapping[str, str] | None = None) -> None:
-        self._store.add_counters([(name, _key(dict(labels or {})), amount)])
+        self._sink.add_counters([(name, _key(dict(labels or {})), amount)])
 
     def command_finished(self, *, outcome: str, duration_s: float, cpu_s: float,
                          peak_memory_bytes: int) -> None:
@@ -65,12 +82,12 @@ class Metrics:
             bound = next((b for b in buckets if value <= b), float("inf"))
             rows += [(f"{name}:bucket", _key({"le": repr(bound)}), 1.0),
                      (f"{name}:sum", _key({}), value)]
-        self._store.add_counters(rows)
+        self._sink.add_counters(rows)
 
 
-class _StoreCollector:
-    def __init__(self, store: Store) -> None:
-        self._store = store
+class _Collector:
+    def __init__(self, source: MetricsSource) -> None:
+        self._source = source
 
     def collect(self) -> Iterator[Metric]:
         # Imported here: every command counts through `Metrics`, only `render` needs the client
@@ -81,12 +98,9 @@ class _StoreCollector:
             HistogramMetricFamily,
         )
 
-        rows = self._store.counters()
+        rows = self._source.counters()
         states = GaugeMetricFamily("corral_sandboxes", "Sandboxes by state.", labels=["state"])
-        counts: dict[str, int] = {"creating": 0, "running": 0, "destroying": 0}
-        for info in self._store.list():
-            counts[info.state] = counts.get(info.state, 0) + 1
-        for state, count in sorted(counts.items()):
+        for state, count in sorted(self._source.state_counts().items()):
             states.add_metric([state], count)
         yield states
         for name, (doc, label_names) in _COUNTERS.items():
@@ -110,10 +124,10 @@ class _StoreCollector:
             yield histogram
 
 
-def render(store: Store) -> str:
+def render(source: MetricsSource) -> str:
     """Every metric in Prometheus' text exposition format."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StoreCollector(store))
+    registry.register(_Collector(source))
     return generate_latest(registry).decode()

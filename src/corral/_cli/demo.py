@@ -48,6 +48,18 @@ ESCAPES: list[tuple[str, str]] = [
 ]
 
 
+def _host_uid(home: Path | None, sandbox_id: str) -> int:
+    """The sandbox's host uid: the operator's business, so in the store, not in SandboxInfo."""
+    from .._control.manager import get_manager
+    from .._settings import Settings
+
+    settings = Settings(home=home) if home is not None else Settings()
+    if settings.url and home is None:
+        return -1  # the sandbox runs in a service; its uid is that host's
+    record = get_manager(settings).store.get(sandbox_id)
+    return record.uid if record is not None else -1
+
+
 def _mib(n: int) -> str:
     if n >= 1024**3:
         return f"{n / 1024**3:g} GiB"
@@ -74,11 +86,12 @@ def run_demo(*, home: Path | None, console: Console | None = None) -> dict[str, 
     try:
         info = sb.get_info()
         tier = get_tier(info.resources)
-        summary.update(sandbox_id=sb.id, uid=info.uid, tier=tier.to_dict(),
+        uid = _host_uid(home, sb.id)
+        summary.update(sandbox_id=sb.id, uid=uid, tier=tier.to_dict(),
                        create_ms=round((time.perf_counter() - started) * 1000, 1))
         console.print(
             f"[green]1.[/green] created sandbox [bold]{sb.id}[/bold] in "
-            f"{(time.perf_counter() - started) * 1000:.0f} ms — host uid {info.uid}, "
+            f"{(time.perf_counter() - started) * 1000:.0f} ms — host uid {uid}, "
             f"tier {tier.name}: {tier.cpus:g} CPU, {_mib(tier.memory_bytes)} memory, "
             f"{tier.pids} processes, {_mib(tier.disk_bytes)} disk, no network"
         )

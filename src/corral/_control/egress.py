@@ -21,7 +21,7 @@ from ..errors import BackendError, UsageError
 from .secrets import SecretStore
 from .store import Store
 
-__all__ = ["EgressBroker", "NetworkSpec"]
+__all__ = ["EgressBroker", "NetworkSpec", "network_spec", "policy_from"]
 
 NetworkSpec = str | Mapping[str, Iterable[str]] | None
 
@@ -134,3 +134,10 @@ class EgressBroker:
     def close(self) -> None:
         if self._gateway is not None:
             self._gateway.close()
+
+
+def network_spec(network: Mapping[str, Any]) -> NetworkSpec:
+    """A stored policy back in the form ``create`` takes."""
+    if not network or network.get("mode") == "none" and not network.get("deny"):
+        return "none"
+    return {"allow": list(network.get("allow") or []), "deny": list(network.get("deny") or [])}

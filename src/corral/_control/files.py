@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import BinaryIO
 
 from .._audit.auditor import Auditor
+from .._core.resources import get_tier
 from .._workspace.archive import ExtractReport, create_tar, extract_tar
 from .._workspace.files import to_relative
 from ..backends import WorkspaceFS
 from ..errors import CorralError, PathRefused
 from ..models import FileEntry
+from .sandboxes import Sandboxes
+from .store import Store
 
-__all__ = ["AuditedFiles"]
+__all__ = ["AuditedFiles", "Files"]
 
 
 def _shown(path: str) -> str:
@@ -135,3 +139,30 @@ class AuditedFiles:
 def _counts(report: ExtractReport) -> dict[str, int]:
     return {"entries": report.entries, "files": report.files, "dirs": report.dirs,
             "symlinks": report.symlinks, "bytes": report.bytes}
+
+
+class Files:
+    """File access to a sandbox's workspace; using it counts as activity (idle timeout)."""
+
+    def __init__(self, *, store: Store, sandboxes: Sandboxes, auditor: Auditor) -> None:
+        self._store = store
+        self._sandboxes = sandboxes
+        self._auditor = auditor
+
+    def open(self, sandbox_id: str) -> AuditedFiles:
+        info = self._sandboxes.get(sandbox_id)
+        if info.idle_timeout is not None:
+            self._store.touch(sandbox_id)
+        files = self._sandboxes.backend(info).files(self._sandboxes.spec(info))
+        return AuditedFiles(files, self._auditor, sandbox_id)
+
+    def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
+        info = self._sandboxes.get(sandbox_id)
+        report = self.open(sandbox_id).upload(
+            path, stream, max_bytes=get_tier(info.resources).disk_bytes)
+        return dataclasses.asdict(report)
+
+    def download(self, sandbox_id: str, path: str, *, gzip: bool = False) -> Iterator[bytes]:
+        info = self._sandboxes.get(sandbox_id)
+        return self.open(sandbox_id).download(
+            path, max_bytes=get_tier(info.resources).disk_bytes, gzip=gzip)

@@ -12,23 +12,40 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .._audit.recorder import new_command_id
-from ..backends import ProcessIO
+from ..backends import OutputCallback, ProcessIO
 from ..errors import CommandNotFound, CorralError, UsageError
-from ..models import CommandResult
+from ..models import CommandResult, ProcessInfo
 
 if TYPE_CHECKING:
-    from .manager import Manager
     from .tenants import Tenant
 
-__all__ = ["BackgroundProcess", "EmbeddedProcessAPI", "ProcessTable"]
+__all__ = ["BackgroundProcess", "CommandRunner", "EmbeddedProcessAPI", "ProcessTable"]
 
 _KEEP_BYTES = 4 * 1024 * 1024
 _KEEP_EXITED = 100
+
+
+class CommandRunner(Protocol):
+    """What a background process needs of the control plane to run as one command (the
+    commands service implements it; this table knows nothing else of the control plane)."""
+
+    def admit_background(self, sandbox_id: str, caller: Tenant | None) -> str:
+        """Check the sandbox is usable and count the start; return its id."""
+        ...
+
+    def run(self, sandbox_id: str, cmd: str | Sequence[str], *,
+            envs: Mapping[str, str] | None, cwd: str | None,
+            context: Mapping[str, Any] | None, interactive: bool,
+            on_start: Callable[[ProcessIO], None] | None, lifetime: bool,
+            command_id: str | None, on_stdout: OutputCallback | None,
+            on_stderr: OutputCallback | None) -> CommandResult: ...
+
+    def kill(self, sandbox_id: str, command_id: str) -> None: ...
 
 
 @dataclass
@@ -47,14 +64,15 @@ class BackgroundProcess:
     _io: ProcessIO | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
 
+    def info(self) -> ProcessInfo:
+        return ProcessInfo(
+            id=self.id, sandbox_id=self.sandbox_id, argv=self.argv,
+            started_at=self.started_at, state=self.state,
+            exit_code=self.result.exit_code if self.result else None,
+            command_id=self.command_id, error=self.error, output_bytes=self._end)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "sandbox_id": self.sandbox_id, "argv": self.argv,
-            "started_at": self.started_at, "state": self.state,
-            "exit_code": self.result.exit_code if self.result else None,
-            "command_id": self.command_id,
-            "error": self.error, "output_bytes": self._end,
-        }
+        return self.info().to_dict()
 
     def _feed(self, stream: str, text: str) -> None:
         with self._cond:
@@ -125,10 +143,11 @@ class BackgroundProcess:
 
 
 class ProcessTable:
-    """The background processes started through one manager."""
+    """The background processes started through one control plane; each is one command of
+    ``runner`` (which knows nothing of this table: the dependency goes one way)."""
 
-    def __init__(self, manager: Manager) -> None:
-        self._manager = manager
+    def __init__(self, runner: CommandRunner) -> None:
+        self._runner = runner
         self._processes: dict[str, BackgroundProcess] = {}
         self._lock = threading.Lock()
 
@@ -138,16 +157,15 @@ class ProcessTable:
               caller: Tenant | None = None) -> BackgroundProcess:
         """Start ``cmd`` in the background; with ``caller``, it counts against its commands
         per minute like any command (counted here, before the thread starts)."""
-        info = self._manager.get(sandbox_id)
-        self._manager.admit(caller)
+        checked_id = self._runner.admit_background(sandbox_id, caller)
         argv = [cmd] if isinstance(cmd, str) else list(cmd)
-        process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=info.id,
+        process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=checked_id,
                                     command_id=new_command_id(), argv=argv,
                                     started_at=time.time())
 
         def run() -> None:
             try:
-                result = self._manager.run(
+                result = self._runner.run(
                     sandbox_id, cmd, envs=envs, cwd=cwd, context=context, interactive=True,
                     on_start=process._started, lifetime=True, command_id=process.command_id,
                     on_stdout=lambda text: process._feed("stdout", text),
@@ -184,11 +202,15 @@ class ProcessTable:
         with self._lock:
             return [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
 
+    def any_live(self, sandbox_id: str) -> bool:
+        """True while a background process of the sandbox has not exited."""
+        return any(p.state != "exited" for p in self.list(sandbox_id))
+
     def kill(self, sandbox_id: str, process_id: str) -> None:
         process = self.get(sandbox_id, process_id)
         if process.state == "exited":
             return
-        self._manager.kill_command(sandbox_id, process.command_id)
+        self._runner.kill(sandbox_id, process.command_id)
 
 
 class EmbeddedProcessAPI:

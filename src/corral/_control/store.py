@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QuotaExceeded, UsageError
-from ..models import SandboxInfo, SnapshotInfo
+from ..models import SnapshotInfo
+from .counters import CounterBuffer
+from .records import SandboxRecord
 
 __all__ = ["Store"]
 
@@ -78,8 +80,8 @@ CREATE TABLE IF NOT EXISTS counters (
 """
 
 
-def _row_to_info(row: sqlite3.Row) -> SandboxInfo:
-    return SandboxInfo(
+def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
+    return SandboxRecord(
         id=row["id"], template=row["template"], resources=row["resources"],
         state=row["state"], created_at=row["created_at"], expires_at=row["expires_at"],
         uid=row["uid"], labels=json.loads(row["labels"]),
@@ -94,7 +96,6 @@ def _row_to_snapshot(row: sqlite3.Row) -> SnapshotInfo:
     return SnapshotInfo(
         id=row["id"], name=row["name"], sandbox=row["sandbox"], template=row["template"],
         created_at=row["created_at"], size_bytes=row["bytes"], depth=row["depth"],
-        tenant=row["tenant"],
     )
 
 
@@ -130,6 +131,7 @@ class Store:
         self._db.execute("INSERT OR IGNORE INTO flags SELECT 'keys_have_existed', ? "
                          "WHERE EXISTS (SELECT 1 FROM api_keys)", (time.time(),))
         path.chmod(0o600)
+        self._counters = CounterBuffer(self._write_counters)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -149,7 +151,7 @@ class Store:
         tenant: str = "local", max_for_tenant: int | None = None,
         idle_timeout: float | None = None, isolation: str = "namespace",
         layer: str | None = None,
-    ) -> SandboxInfo:
+    ) -> SandboxRecord:
         """Insert a sandbox in state ``creating``; its uid is what the tier's ``allocate_uid``
         picks among the ones not recorded here, inside the insert's transaction.
 
@@ -178,12 +180,12 @@ class Store:
         assert info is not None
         return info
 
-    def get(self, sandbox_id: str) -> SandboxInfo | None:
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
         return _row_to_info(row) if row else None
 
-    def list(self) -> list[SandboxInfo]:
+    def list(self) -> list[SandboxRecord]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
         return [_row_to_info(r) for r in rows]
@@ -371,17 +373,37 @@ class Store:
                 "SELECT 1 FROM flags WHERE name = 'keys_have_existed'").fetchone() is not None
 
     def add_counters(self, rows: Sequence[tuple[str, str, float]]) -> None:
-        """Add to metric counters, creating them at zero; one transaction for all rows."""
+        """Add to metric counters (batched in memory: see ``CounterBuffer``)."""
+        self._counters.add(rows)
+
+    def _write_counters(self, rows: Sequence[tuple[str, str, float]]) -> None:
         with self._tx() as db:
             db.executemany(
                 "INSERT INTO counters (name, labels, value) VALUES (?, ?, ?) "
                 "ON CONFLICT (name, labels) DO UPDATE SET value = value + excluded.value", rows)
 
     def counters(self) -> dict[tuple[str, str], float]:
+        self._counters.flush()  # this process's own counts are part of the answer
         with self._lock:
             rows = self._db.execute("SELECT name, labels, value FROM counters").fetchall()
         return {(r[0], r[1]): r[2] for r in rows}
 
+    def placeholders(self, sandbox_id: str) -> builtins.list[str]:
+        """The secret placeholders handed to a sandbox (none once it is gone)."""
+        info = self.get(sandbox_id)
+        return list(info.secrets.values()) if info is not None else []
+
+    def state_counts(self) -> dict[str, int]:
+        """Sandboxes by state; every state appears, at zero when none is in it."""
+        counts = {"creating": 0, "running": 0, "paused": 0, "destroying": 0}
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT state, COUNT(*) FROM sandboxes GROUP BY state").fetchall()
+        for state, count in rows:
+            counts[state] = count
+        return counts
+
     def close(self) -> None:
+        self._counters.close()
         with self._lock:
             self._db.close()

@@ -31,8 +31,8 @@ from .._settings import Settings
 from ..errors import AuthError, CeilingExceeded, QuotaExceeded, UsageError
 from .store import Store
 
-__all__ = ["LOCAL_TENANT", "Ceiling", "CommandWindows", "Tenant", "TenantDirectory", "check",
-           "covers", "local_tenant", "new_key"]
+__all__ = ["LOCAL_TENANT", "Admission", "Ceiling", "CommandWindows", "Tenant", "TenantDirectory",
+           "check", "covers", "local_tenant", "new_key"]
 
 LOCAL_TENANT = "local"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -318,3 +318,31 @@ class TenantDirectory:
         if row is None:
             raise AuthError("the key's tenant no longer exists")
         return _tenant_of(row)
+
+
+class Admission:
+    """The tenancy rules the control plane applies to every call: ceilings and the
+    commands-per-minute quota, the same for every surface."""
+
+    def __init__(self, default: Ceiling) -> None:
+        self.ceiling = default  # the operator's (CORRAL_CEILING_*), for callers without one
+        self.starts = CommandWindows()
+
+    def ceiling_for(self, caller: Tenant | None) -> Ceiling:
+        """The caller's ceiling, the server default filling the fields it leaves open."""
+        return self.ceiling if caller is None else caller.ceiling.over(self.ceiling)
+
+    def admit(self, caller: Tenant | None) -> None:
+        """Count one start of code (command, background process, terminal) against the
+        caller's commands-per-minute; the one quota path every surface goes through."""
+        if caller is not None:
+            self.starts.count(caller)
+
+    def check_policy(self, *, caller: Tenant | None, tenant: str, template: str,
+                     isolation: str, resources: str, network: NetworkPolicy,
+                     secrets: Sequence[str]) -> None:
+        """Refuse to carry an existing sandbox's policy on (fork, restore) beyond the ceiling
+        the caller has now: it may have been created under a wider one."""
+        check(self.ceiling_for(caller), tenant=caller.name if caller else tenant,
+              template=template, isolation=isolation, resources=resources,
+              network=network, secrets=sorted(secrets))

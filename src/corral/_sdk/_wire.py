@@ -96,24 +96,11 @@ def shaped(result: CommandResult, output: str) -> CommandResult:
 
 
 def sandbox_info(data: Mapping[str, Any]) -> SandboxInfo:
-    return SandboxInfo(
-        id=data["id"], template=data["template"], resources=data["resources"],
-        state=data["state"], created_at=data["created_at"], expires_at=data["expires_at"],
-        uid=-1,  # host uids are the operator's business, not the API's
-        labels=dict(data.get("labels", {})), network=dict(data.get("network", {})),
-        secrets={name: "" for name in data.get("secrets", [])},
-        idle_timeout=data.get("idle_timeout"),
-        # An older server sends neither: it only has the one (namespace) tier and no layers.
-        isolation=data.get("isolation", "namespace"), layer=data.get("layer"),
-    )
+    return SandboxInfo.model_validate(data)  # the wire schema itself; unknown fields ignored
 
 
 def snapshot_info(data: Mapping[str, Any]) -> SnapshotInfo:
-    return SnapshotInfo(
-        id=data["id"], name=data.get("name"), sandbox=data["sandbox"],
-        template=data["template"], created_at=data["created_at"],
-        size_bytes=data["size_bytes"], depth=data["depth"],
-    )
+    return SnapshotInfo.model_validate(data)
 
 
 def file_entry(data: Mapping[str, Any]) -> FileEntry:

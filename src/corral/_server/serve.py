@@ -3,44 +3,18 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import uvicorn
 
 from .._control.manager import Manager
+from .._control.recovery import Reaper
 from ..errors import ConfigError
 from .app import _is_loopback, create_app
 
 __all__ = ["Reaper", "serve"]
 
 logger = logging.getLogger(__name__)
-
-
-class Reaper:
-    """Destroys expired sandboxes and sweeps leftovers every ``interval_s`` seconds."""
-
-    def __init__(self, manager: Manager, interval_s: float = 5.0) -> None:
-        self._manager = manager
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="corral-reaper", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                removed = self._manager.recover()
-                if removed:
-                    logger.info("reaper removed %s", ", ".join(removed))
-            except Exception:  # keep reaping: one bad sandbox must not stop the others
-                logger.exception("reaper pass failed")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] = (),
@@ -64,7 +38,7 @@ def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] =
         logger.warning("serving keyless although API keys existed (--allow-keyless): any local "
                        "process may run code here")
     manager.recover()
-    reaper = Reaper(manager)
+    reaper = Reaper(manager.recover)
     reaper.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)

@@ -1,0 +1,176 @@
+"""Running commands: validate, admit, audit, trace, count, then hand them to the backend.
+
+Background processes and terminals are commands too (``interactive``); the process table reaches
+this service through the narrow ``CommandRunner`` protocol (``processes.py``) it implements, so
+nothing here knows about them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .._audit.auditor import Auditor, new_command_id
+from .._audit.tracing import tracer
+from .._core.resources import get_tier
+from ..backends import ExecRequest, OutputCallback, ProcessIO
+from ..errors import CommandError, CommandNotFound, FileError, FileNotFound, SandboxBusy
+from ..models import CommandResult, ResourceTier
+from . import validate
+from .egress import EgressBroker
+from .locks import WorkspaceLocks
+from .records import SandboxRecord
+from .sandboxes import Sandboxes
+from .store import Store
+from .tenants import Admission, Tenant
+
+__all__ = ["Commands"]
+
+logger = logging.getLogger(__name__)
+
+
+def _outcome(result: CommandResult) -> str:
+    if result.timed_out:
+        return "timeout"
+    if result.usage.oom_killed:
+        return "oom"
+    return "ok" if result.exit_code == 0 else "error"
+
+
+class Commands:
+    """The commands service (a ``processes.CommandRunner``)."""
+
+    def __init__(self, *, store: Store, sandboxes: Sandboxes, auditor: Auditor,
+                 egress: EgressBroker, admission: Admission, locks: WorkspaceLocks,
+                 ready: Callable[[], None]) -> None:
+        self._store = store
+        self._sandboxes = sandboxes
+        self._auditor = auditor
+        self._egress = egress
+        self._admission = admission
+        self._locks = locks
+        self._ready = ready  # recovery, before the first command (see Sandboxes)
+
+    def admit_background(self, sandbox_id: str, caller: Tenant | None) -> str:
+        info = self._sandboxes.get(sandbox_id)
+        self._admission.admit(caller)
+        return info.id
+
+    def run(
+        self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None = None,
+        envs: Mapping[str, str] | None = None, cwd: str | None = None,
+        stdin: str | bytes | None = None, on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None, context: Mapping[str, Any] | None = None,
+        interactive: bool = False, pty: tuple[int, int] | None = None,
+        on_start: Callable[[ProcessIO], None] | None = None, lifetime: bool = False,
+        command_id: str | None = None, caller: Tenant | None = None,
+    ) -> CommandResult:
+        """Run a command to completion (see ``Manager.run``)."""
+        command, info, tier, limit = self.prepare(sandbox_id, cmd, timeout=timeout, envs=envs,
+                                                  cwd=cwd, stdin=stdin, context=context,
+                                                  lifetime=lifetime, caller=caller)
+        if info.idle_timeout is not None:
+            self._store.touch(sandbox_id)
+        # A command never outlives its sandbox.
+        limit = max(0.001, min(limit, info.expires_at - time.time()))
+        recorder = self._auditor.command(sandbox_id, command_id)
+        command_id = recorder.command_id if recorder else (command_id or new_command_id())
+        with tracer.start_as_current_span("corral.command", attributes={
+            "corral.sandbox.id": sandbox_id, "corral.command.id": command_id,
+            "corral.tier": tier.name, "corral.backend": info.isolation,
+        }) as span:
+            if recorder is not None:
+                recorder.started(argv=command.argv, cwd=command.cwd, env=command.env,
+                                 timeout_s=limit, context=context)
+            self._auditor.count("corral_commands_started")
+            started = time.monotonic()
+            spec = self._sandboxes.spec(info)
+            backend = self._sandboxes.backend(info)
+            try:
+                with self._locks.hold(sandbox_id, exclusive=False), \
+                        self._egress.for_command(backend, spec, network=info.network,
+                                                 placeholders=info.secrets,
+                                                 command_id=command_id) as egress_env:
+                    outcome = backend.exec(spec, ExecRequest(
+                        command_id=command_id,
+                        argv=command.argv, cwd=command.cwd, env={**command.env, **egress_env},
+                        timeout_s=limit, stdin=command.stdin,
+                        output_limit_bytes=tier.output_limit_bytes,
+                        on_stdout=self._auditor.recorded_callback(recorder, "stdout", on_stdout),
+                        on_stderr=self._auditor.recorded_callback(recorder, "stderr", on_stderr),
+                        interactive=interactive, pty=pty, on_start=on_start,
+                    ))
+            except BaseException as exc:
+                span.set_attribute("corral.outcome", "failed")
+                if recorder is not None:
+                    recorder.finished(None, error=f"{type(exc).__name__}: {exc}")
+                self._auditor.count("corral_commands_finished", outcome="failed")
+                raise
+            result = CommandResult(
+                exit_code=outcome.exit_code, stdout=outcome.stdout, stderr=outcome.stderr,
+                timed_out=outcome.timed_out, duration_s=time.monotonic() - started,
+                usage=outcome.usage, stdout_truncated=outcome.stdout_truncated,
+                stderr_truncated=outcome.stderr_truncated, command_id=command_id,
+                stdout_bytes=outcome.stdout_bytes, stderr_bytes=outcome.stderr_bytes,
+            )
+            verdict = _outcome(result)
+            span.set_attributes({"corral.outcome": verdict, "corral.exit_code": result.exit_code})
+            with tracer.start_as_current_span("corral.audit.commit"):
+                if recorder is not None:
+                    recorder.finished(result)
+                if self._auditor.enabled:
+                    self._auditor.metrics.command_finished(
+                        outcome=verdict, duration_s=result.duration_s,
+                        cpu_s=result.usage.cpu_s,
+                        peak_memory_bytes=result.usage.peak_memory_bytes)
+        logger.debug("ran %s in %s: exit %d", shlex.join(command.argv)[:200], sandbox_id,
+                     outcome.exit_code)
+        return result
+
+    def prepare(
+        self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None,
+        envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
+        context: Mapping[str, Any] | None, lifetime: bool, caller: Tenant | None = None,
+    ) -> tuple[validate.Command, SandboxRecord, ResourceTier, float]:
+        """Everything ``run`` refuses, refused before anything runs; with ``caller``, the
+        start is counted (last, so a refused command does not use up the quota)."""
+        command = validate.command(cmd, cwd, envs, stdin)
+        validate.context(context)
+        info = self._sandboxes.get(sandbox_id)
+        if info.state == "paused":
+            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to run commands")
+        self._ready()
+        tier = get_tier(info.resources)
+        if lifetime:
+            limit = info.expires_at - time.time()
+        else:
+            limit = validate.command_timeout(timeout, tier)
+        if command.cwd != "/workspace":
+            self._check_cwd(info, command.cwd)
+        self._admission.admit(caller)
+        return command, info, tier, limit
+
+    def _check_cwd(self, info: SandboxRecord, cwd: str) -> None:
+        files = self._sandboxes.backend(info).files(self._sandboxes.spec(info))
+        try:
+            entry = files.stat(cwd)
+        except FileNotFound:
+            raise CommandError(f"the working directory {cwd} does not exist") from None
+        except FileError as exc:
+            raise CommandError(f"cannot use {cwd} as working directory: {exc.message}") from None
+        if entry.type != "dir":
+            raise CommandError(f"the working directory {cwd} is not a directory")
+
+    def kill(self, sandbox_id: str, command_id: str) -> None:
+        """Kill a running command (from any process); its run() returns exit code 137."""
+        info = self._sandboxes.get(sandbox_id)
+        if info.state == "paused":
+            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume it before killing "
+                              "commands")
+        validate.command_id(command_id)
+        if not self._sandboxes.backend(info).kill_command(self._sandboxes.spec(info),
+                                                          command_id):
+            raise CommandNotFound(f"command {command_id} is not running in {sandbox_id}")

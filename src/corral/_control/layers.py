@@ -1,0 +1,50 @@
+"""Read-only workspace layers: deleting the ones nothing uses any more."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from ..backends import IsolationBackend
+from .store import Store
+
+__all__ = ["Layers"]
+
+
+class Layers:
+    """Garbage collection of layers (snapshots and sandboxes hold them; the store counts)."""
+
+    def __init__(self, store: Store, backend: IsolationBackend, directory: Path) -> None:
+        self._store = store
+        self._backend = backend  # layers live in the default tier's layered storage
+        self._directory = directory
+        # Held while deciding a layer is unused and while making a layer used, so a snapshot
+        # deleted now cannot lose its layer to a sandbox being started from it.
+        self.lock = threading.RLock()
+
+    def collect(self) -> list[str]:
+        """Delete the layers no snapshot or sandbox uses; return their ids."""
+        with self.lock:
+            unused = self._store.unused_layers()
+            for layer in unused:
+                self._backend.remove_layer(layer)
+        return unused
+
+    def sweep(self) -> list[str]:
+        """``collect``, and delete layer directories a crash left without a record."""
+        removed = [f"layer {layer}" for layer in self.collect()]
+        known = self._store.layer_ids()
+        for layer in self._backend.layer_ids():
+            # A seal in another process records its layer a moment after making it.
+            if layer not in known and _age(self._directory / layer) > 60:
+                self._backend.remove_layer(layer)
+                removed.append(f"layer {layer}")
+        return removed
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0

@@ -1,0 +1,48 @@
+"""The per-sandbox workspace lock, shared by every process of one data directory."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import SandboxBusy
+
+__all__ = ["WorkspaceLocks"]
+
+
+class WorkspaceLocks:
+    """Commands hold a sandbox's lock shared; snapshot and restore exclusively (across
+    processes too), so no command starts on a workspace that is being sealed or replaced."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = directory
+
+    @contextlib.contextmanager
+    def hold(self, sandbox_id: str, *, exclusive: bool) -> Iterator[None]:
+        self._directory.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(self._directory / sandbox_id, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if not exclusive:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            else:
+                deadline = time.monotonic() + 1.0
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise SandboxBusy(
+                                f"commands are running in sandbox {sandbox_id}; wait for them "
+                                "(or kill them) and retry") from None
+                        time.sleep(0.02)
+            yield
+        finally:
+            os.close(fd)
+
+    def remove(self, sandbox_id: str) -> None:
+        (self._directory / sandbox_id).unlink(missing_ok=True)

@@ -1,0 +1,40 @@
+"""What the control plane keeps about a sandbox: the public ``SandboxInfo`` plus what is the
+operator's business only (its host uid, the placeholders standing in for its secrets, when it
+was last active). Converted to the public form once, at the Manager's edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..models import SandboxInfo, SandboxState
+
+__all__ = ["SandboxRecord"]
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxRecord:
+    """A sandbox as the store holds it."""
+
+    id: str
+    template: str
+    resources: str
+    state: SandboxState
+    created_at: float
+    expires_at: float
+    uid: int
+    labels: dict[str, str] = field(default_factory=dict)
+    network: dict[str, Any] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict)  # name -> placeholder
+    tenant: str = "local"
+    idle_timeout: float | None = None  # destroyed after this long without commands or file use
+    last_active: float = 0.0
+    isolation: str = "namespace"  # the isolation tier: "namespace" or "gvisor"
+    layer: str | None = None  # top read-only workspace layer (from a snapshot or fork), if any
+
+    def public(self) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id, template=self.template, resources=self.resources, state=self.state,
+            created_at=self.created_at, expires_at=self.expires_at, labels=self.labels,
+            network=self.network, secrets=sorted(self.secrets),
+            idle_timeout=self.idle_timeout, isolation=self.isolation, layer=self.layer)

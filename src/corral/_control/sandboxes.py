@@ -1,0 +1,266 @@
+"""Sandbox lifecycle: create, look up (expiring what is past its lifetime), list, change
+lifetime and network policy, pause, resume and destroy.
+
+An expired sandbox is destroyed the next time anything looks at it (and by the reaper), so a
+sandbox never outlives its TTL as something usable.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .._audit.auditor import Auditor
+from .._backends._linux.template import require_template
+from .._core.resources import get_tier
+from .._settings import Settings
+from ..backends import IsolationBackend, SandboxSpec
+from ..errors import (
+    QuotaExceeded,
+    SandboxBusy,
+    SandboxExpired,
+    SandboxNotFound,
+    SnapshotNotFound,
+)
+from ..models import SnapshotInfo
+from . import validate
+from .egress import EgressBroker, NetworkSpec, policy_from
+from .layers import Layers
+from .locks import WorkspaceLocks
+from .records import SandboxRecord
+from .registry import BackendRegistry
+from .store import Store
+from .tenants import Admission, Tenant
+from .tenants import check as check_ceiling
+
+__all__ = ["Sandboxes", "find_snapshot", "new_id"]
+
+logger = logging.getLogger(__name__)
+
+
+def new_id(prefix: str = "sbx") -> str:
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+    return f"{prefix}_" + "".join(secrets.choice(alphabet) for _ in range(12))
+
+
+def find_snapshot(store: Store, ref: str, *, tenant: str | None) -> SnapshotInfo:
+    """The snapshot ``ref`` (id or name) among ``tenant``'s (everyone's with None)."""
+    validate.snapshot_ref(ref)
+    snap = store.snapshot(ref, tenant=tenant)
+    if snap is None:
+        raise SnapshotNotFound(f"snapshot {ref!r} does not exist; `corral snapshots ls` "
+                               "lists them")
+    return snap
+
+
+class Sandboxes:
+    """The lifecycle service; everything else reaches a sandbox through ``get``."""
+
+    def __init__(self, *, settings: Settings, store: Store, backends: BackendRegistry,
+                 auditor: Auditor, egress: EgressBroker, admission: Admission, layers: Layers,
+                 locks: WorkspaceLocks, ready: Callable[[], None]) -> None:
+        self._settings = settings
+        self._store = store
+        self._backends = backends
+        self._auditor = auditor
+        self._egress = egress
+        self._admission = admission
+        self._layers = layers
+        self._locks = locks
+        # Recovery, before the first create or list: injected, because recovery is built on
+        # this service (the call goes up; the dependency does not).
+        self._ready = ready
+        self._destroying: set[str] = set()
+        self._destroying_lock = threading.Lock()
+
+    # -- what the other services share ---------------------------------------------------------
+
+    def backend(self, info: SandboxRecord) -> IsolationBackend:
+        return self._backends.get(info.isolation)
+
+    def spec(self, info: SandboxRecord) -> SandboxSpec:
+        return SandboxSpec(id=info.id, uid=info.uid, template=info.template,
+                           tier=get_tier(info.resources),
+                           layers=self._store.layer_chain(info.layer))
+
+    def busy(self, info: SandboxRecord) -> bool:
+        """True while any command runs in it (from any process); background processes are
+        the process table's to report."""
+        return self.backend(info).busy(self.spec(info))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def create(
+        self, *, template: str | None, resources: str, timeout: float | None,
+        labels: Mapping[str, str] | None, network: NetworkSpec,
+        secrets: Sequence[str] | None, tenant: str | None, max_for_tenant: int | None,
+        idle_timeout: float | None, isolation: str | None, snapshot: str | None,
+        caller: Tenant | None, parent_layer: str | None = None,
+        origin: Mapping[str, Any] | None = None,
+    ) -> SandboxRecord:
+        """A running sandbox (see ``Manager.create``). A fork passes ``parent_layer``, the
+        sealed workspace it starts from, and ``origin``, added to its ``sandbox.created``
+        event."""
+        tier = get_tier(resources)
+        if tenant is None:
+            tenant = caller.name if caller is not None else "local"
+        if caller is not None and not caller.is_local:
+            if max_for_tenant is None:
+                max_for_tenant = caller.max_sandboxes
+            if resources not in caller.tiers:
+                raise QuotaExceeded(f"tenant {caller.name!r} may not use the {resources!r} tier "
+                                    f"(allowed: {', '.join(caller.tiers)})")
+        isolation = validate.isolation(self._settings.backend if isolation is None
+                                       else isolation)
+        layer = parent_layer
+        if snapshot is not None:
+            snap = find_snapshot(self._store, snapshot, tenant=tenant)
+            layer = self._store.snapshot_layer(snap.id)
+            template = snap.template if template is None else template
+            origin = {"snapshot": snapshot, "layer": layer, **(origin or {})}
+        template = "base" if template is None else template
+        policy = policy_from(network)
+        names = validate.secret_names(secrets)
+        placeholders = self._egress.placeholders_for(names)
+        if idle_timeout is not None:
+            idle_timeout = validate.ttl(idle_timeout, tier.max_ttl_s)
+        template = validate.template(template)
+        ceiling = self._admission.ceiling_for(caller)
+        ttl = tier.ttl_s if timeout is None else validate.ttl(timeout, tier.max_ttl_s)
+        if timeout is None and ceiling.max_lifetime_s is not None:
+            ttl = min(ttl, float(ceiling.max_lifetime_s))  # the default fits the ceiling
+        check_ceiling(ceiling, tenant=caller.name if caller else tenant, template=template,
+                      isolation=isolation, resources=resources, network=policy,
+                      secrets=names, lifetime_s=ttl)
+        backend = self._backends.get(isolation)
+        clean_labels = validate.labels(labels)
+        self._ready()
+        require_template(template, self._settings.home / "templates")
+        info = self._store.insert(
+            sandbox_id=new_id(), template=template, resources=resources, ttl_s=ttl,
+            labels=clean_labels, allocate_uid=backend.allocate_uid,
+            network=policy.to_json(), secrets=placeholders,
+            tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
+            isolation=isolation, layer=layer,
+        )
+        try:
+            backend.create(self.spec(info))
+        except BaseException:
+            self._store.delete(info.id)
+            raise
+        self._store.set_state(info.id, "running")
+        info = dataclasses.replace(info, state="running")
+        self._auditor.event(info.id, "sandbox.created", {
+            "template": template, "resources": resources, "uid": info.uid,
+            "expires_at": info.expires_at, "labels": clean_labels, "limits": tier.to_dict(),
+            "backend": backend.name, "isolation": isolation, "network": policy.to_json(),
+            "secrets": sorted(placeholders), "tenant": tenant, **(origin or {}),
+        })
+        self._auditor.count("corral_sandboxes_created")
+        logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
+        return info
+
+    def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxRecord:
+        """The sandbox; with ``tenant``, only if it belongs to that tenant (else not found)."""
+        validate.sandbox_id(sandbox_id)
+        info = self._store.get(sandbox_id)
+        if info is None or (tenant is not None and info.tenant != tenant):
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist; `corral ls` lists them")
+        if info.state == "destroying":
+            raise SandboxNotFound(f"sandbox {sandbox_id} is being destroyed")
+        if info.state == "creating":
+            raise SandboxBusy(f"sandbox {sandbox_id} is still being created; try again shortly")
+        if info.expires_at <= time.time():
+            self.expire(info)
+            raise SandboxExpired(
+                f"sandbox {sandbox_id} reached the end of its lifetime and was destroyed; pass a "
+                "longer timeout= when creating it, or extend it with set_timeout()"
+            )
+        return info
+
+    def list(self, *, tenant: str | None = None) -> builtins.list[SandboxRecord]:
+        self._ready()
+        now = time.time()
+        live = []
+        for info in self._store.list():
+            if info.expires_at <= now and info.state in ("running", "paused"):
+                self.expire(info)
+            elif info.state in ("running", "paused") and (tenant is None
+                                                          or info.tenant == tenant):
+                live.append(info)
+        return live
+
+    def set_timeout(self, sandbox_id: str, timeout: float, *,
+                    caller: Tenant | None) -> SandboxRecord:
+        info = self.get(sandbox_id)
+        ttl = validate.ttl(timeout, get_tier(info.resources).max_ttl_s)
+        # The ceiling bounds the whole life, so extending again and again cannot pass it.
+        check_ceiling(self._admission.ceiling_for(caller),
+                      tenant=caller.name if caller else info.tenant,
+                      lifetime_s=time.time() + ttl - info.created_at)
+        self._store.set_expiry(sandbox_id, time.time() + ttl)
+        info = self.get(sandbox_id)
+        self._auditor.event(sandbox_id, "sandbox.timeout_changed",
+                            {"expires_at": info.expires_at})
+        return info
+
+    def set_network(self, sandbox_id: str, network: NetworkSpec, *,
+                    caller: Tenant | None) -> SandboxRecord:
+        policy = policy_from(network)
+        info = self.get(sandbox_id)
+        check_ceiling(self._admission.ceiling_for(caller),
+                      tenant=caller.name if caller else info.tenant, network=policy)
+        self._store.set_network(sandbox_id, policy.to_json())
+        self._auditor.event(sandbox_id, "sandbox.policy_changed", {"network": policy.to_json()})
+        return self.get(sandbox_id)
+
+    def pause(self, sandbox_id: str) -> SandboxRecord:
+        info = self.get(sandbox_id)
+        if info.state == "paused":
+            return info
+        self.backend(info).pause(self.spec(info), True)
+        self._store.set_state(sandbox_id, "paused")
+        self._auditor.event(sandbox_id, "sandbox.paused", {})
+        return self.get(sandbox_id)
+
+    def resume(self, sandbox_id: str) -> SandboxRecord:
+        info = self.get(sandbox_id)
+        if info.state != "paused":
+            return info
+        self.backend(info).pause(self.spec(info), False)
+        self._store.set_state(sandbox_id, "running")
+        self._auditor.event(sandbox_id, "sandbox.resumed", {})
+        return self.get(sandbox_id)
+
+    def expire(self, info: SandboxRecord) -> None:
+        self._auditor.event(info.id, "sandbox.expired", {"expires_at": info.expires_at})
+        self.destroy(info, reason="expired")
+
+    def destroy(self, info: SandboxRecord, *, reason: str) -> None:
+        # One destroy per sandbox at a time in this process: the reaper finishing a
+        # "destroying" row must not race the request that is destroying it right now.
+        with self._destroying_lock:
+            if info.id in self._destroying:
+                return
+            self._destroying.add(info.id)
+        try:
+            # Mark first: a crash in the middle leaves a row that the next start finishes off.
+            self._store.set_state(info.id, "destroying")
+            self.backend(info).destroy(self.spec(info))
+            self._store.delete(info.id)
+            self._locks.remove(info.id)
+            if info.layer is not None:
+                self._layers.collect()
+            self._auditor.event(info.id, "sandbox.destroyed", {"reason": reason}, sync=True)
+            self._auditor.close_log(info.id)
+            self._auditor.count("corral_sandboxes_destroyed", reason=reason)
+            logger.info("destroyed sandbox %s (%s)", info.id, reason)
+        finally:
+            with self._destroying_lock:
+                self._destroying.discard(info.id)

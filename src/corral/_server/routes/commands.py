@@ -1,0 +1,113 @@
+"""Commands: run (to completion, or streamed as NDJSON) and kill."""
+
+from __future__ import annotations
+
+import base64
+import json
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
+
+from ..._control.manager import Manager
+from ...backends import OutputCut
+from ...errors import CorralError
+from ...models import CommandResult
+from ..deps import ManagerDep, TenantDep, owned
+from ..schemas import _NDJSON, RunCommand
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/kill", status_code=204)
+def kill_command(sandbox_id: str, command_id: str, who: TenantDep, manager: ManagerDep) -> Response:
+    owned(manager, sandbox_id, who)
+    manager.kill_command(sandbox_id, command_id)
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/commands", response_model=None,
+             responses={200: {"content": {"application/json": {}, **_NDJSON},
+                              "description": "The result, or NDJSON events with stream=true."}})
+def run_command(sandbox_id: str, body: RunCommand, who: TenantDep, manager: ManagerDep
+                ) -> dict[str, Any] | StreamingResponse:
+    owned(manager, sandbox_id, who)
+    kwargs: dict[str, Any] = {"timeout": body.timeout, "envs": body.envs, "cwd": body.cwd,
+                              "stdin": body.stdin, "context": body.context}
+    if not body.stream:
+        return _result_out(manager.run(sandbox_id, body.cmd, caller=who, **kwargs),
+                           body.output)
+    # Refuse bad input (and a spent quota) with a status, before the 200 of a stream is
+    # sent; check_run counts the start, so the streamed run does not count it again.
+    manager.check_run(sandbox_id, body.cmd, caller=who, **kwargs)
+    return StreamingResponse(_stream(manager, sandbox_id, body.cmd, kwargs, body.output),
+                             media_type="application/x-ndjson")
+
+
+def _result_out(result: CommandResult, output: str,
+                streamed: dict[str, str] | None = None) -> dict[str, Any]:
+    """A result on the wire. ``output="bytes"`` adds the exact bytes, base64-encoded. After a
+    stream (``streamed``: the text each stream's events carried), the text is not sent again:
+    only ``{stream}_tail``, what the events did not carry (the closing cut notice)."""
+    data = result.to_dict()
+    if output == "bytes":
+        for name, raw in (("stdout", result.stdout_bytes), ("stderr", result.stderr_bytes)):
+            data[f"{name}_b64"] = base64.b64encode(raw or b"").decode()
+    for name, sent in (streamed or {}).items():
+        text: str = data[name]
+        if text.startswith(sent):  # else (never expected): send it whole, as before
+            del data[name]
+            data[f"{name}_tail"] = text[len(sent):]
+    return data
+
+
+def _stream(manager: Manager, sandbox_id: str, cmd: str | list[str],
+            kwargs: dict[str, Any], output: str = "text") -> Iterator[bytes]:
+    """Run in a worker thread; yield NDJSON lines as output arrives, then the result.
+
+    Events: ``{"type": "stdout"|"stderr", "data"}`` (each piece of output once), ``{"type":
+    "truncated", "stream", "limit"}`` when a stream reaches its cap (live, not only at the
+    end), ``{"type": "keepalive"}``, then ``{"type": "result", ...}`` without the output the
+    events carried, or ``{"type": "error", "error", "message"}``."""
+    events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    sent: dict[str, list[str]] = {"stdout": [], "stderr": []}
+
+    def emit(stream: str) -> Callable[[str], None]:
+        def on_output(text: str) -> None:
+            if isinstance(text, OutputCut):
+                # Its text is in the result as well: sent with the event, not again after.
+                sent[stream].append(text)
+                events.put({"type": "truncated", "stream": text.stream, "limit": text.limit,
+                            "data": str(text)})
+            else:
+                sent[stream].append(text)
+                events.put({"type": stream, "data": text})
+        return on_output
+
+    def work() -> None:
+        try:
+            result = manager.run(sandbox_id, cmd, **kwargs, on_stdout=emit("stdout"),
+                                 on_stderr=emit("stderr"))
+            streamed = {name: "".join(parts) for name, parts in sent.items()}
+            events.put({"type": "result", **_result_out(result, output, streamed)})
+        except CorralError as exc:
+            events.put({"type": "error", "error": exc.code, "message": exc.message})
+        finally:
+            events.put(None)
+
+    threading.Thread(target=work, name="corral-command", daemon=True).start()
+    while True:
+        try:
+            event = events.get(timeout=15)
+        except queue.Empty:
+            # Keep idle connections alive through proxies while a quiet command runs.
+            yield b'{"type":"keepalive"}\n'
+            continue
+        if event is None:
+            return
+        yield (json.dumps(event) + "\n").encode()

@@ -1,0 +1,74 @@
+"""Sandboxes: create, list, look up, destroy; lifetime, network policy, pause and resume."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+
+from ...models import SandboxInfo
+from ..deps import ManagerDep, TenantDep, owned
+from ..schemas import CreateSandbox, NetworkBody, SetTimeout
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
+def create_sandbox(body: CreateSandbox, who: TenantDep, manager: ManagerDep) -> SandboxInfo:
+    network = body.network if isinstance(body.network, str) else body.network.model_dump()
+    # The snapshot is looked up among this tenant's own, so another's answers 404.
+    info = manager.create(template=body.template, resources=body.resources,
+                          timeout=body.timeout, labels=body.labels, network=network,
+                          secrets=body.secrets, caller=who,
+                          idle_timeout=body.idle_timeout,
+                          isolation=body.isolation, snapshot=body.snapshot)
+    return (info)
+
+
+@router.get("/v1/sandboxes", response_model=list[SandboxInfo])
+def list_sandboxes(who: TenantDep, manager: ManagerDep,
+                   label: Annotated[list[str] | None, Query()] = None) -> list[SandboxInfo]:
+    wanted = dict(item.partition("=")[::2] for item in (label or []))
+    infos = manager.list(tenant=None if who.name == "local" else who.name)
+    return [i for i in infos
+            if all(i.labels.get(k) == v for k, v in wanted.items())]
+
+
+@router.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+def get_sandbox(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> SandboxInfo:
+    return owned(manager, sandbox_id, who)
+
+
+@router.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
+def delete_sandbox(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> Response:
+    owned(manager, sandbox_id, who)
+    manager.destroy(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=SandboxInfo)
+def set_timeout(sandbox_id: str, body: SetTimeout,
+                who: TenantDep, manager: ManagerDep) -> SandboxInfo:
+    owned(manager, sandbox_id, who)
+    return manager.set_timeout(sandbox_id, body.timeout, caller=who)
+
+
+@router.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxInfo)
+def set_network(sandbox_id: str, body: NetworkBody,
+                who: TenantDep, manager: ManagerDep) -> SandboxInfo:
+    owned(manager, sandbox_id, who)
+    return manager.set_network(sandbox_id, body.model_dump(), caller=who)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
+def pause(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> SandboxInfo:
+    owned(manager, sandbox_id, who)
+    return manager.pause(sandbox_id)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
+def resume(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> SandboxInfo:
+    owned(manager, sandbox_id, who)
+    return manager.resume(sandbox_id)
