@@ -155,19 +155,40 @@ def test_new_public_names_are_exported() -> None:
 
 
 def test_sdk_over_asgi_with_the_in_memory_backend(tmp_path: Path) -> None:
-    """The whole stack without root: SDK -> ASGI -> app -> control plane -> in-memory backend.
-    Skips until ``corral.testing.backend`` exists (the backends part of issue 12)."""
-    backend_mod = pytest.importorskip("corral.testing.backend")
-    make = getattr(backend_mod, "memory_manager", None)
-    if make is None:
-        pytest.skip("corral.testing.backend has no memory_manager(home) yet")
+    """The whole stack without root: SDK -> ASGI -> app -> control plane -> in-memory backend."""
     from corral._server.app import create_app
-    from corral.testing import asgi_transport
+    from corral.testing import asgi_transport, memory_manager
 
-    manager: Any = make(tmp_path)
+    manager = memory_manager(tmp_path, uid_start=100_000, uid_count=100)
     try:
         with Sandbox.create(transport=asgi_transport(create_app(manager))) as sb:
-            assert sb.commands.run("echo hi").exit_code == 0
+            result = sb.commands.run("echo hi")
+            assert (result.exit_code, result.stdout) == (0, "hi\n")
+            sb.files.write("notes.txt", "kept")
+            assert sb.files.read("notes.txt") == "kept"
+            assert [e.name for e in sb.files.list()] == ["notes.txt"]
+            events = [e.type for e in sb.audit.events()]
+            assert "command.finished" in events and "file.write" in events
+        assert manager.list() == []
+    finally:
+        manager.close()
+
+
+def test_the_control_plane_enforces_ceilings_without_root(tmp_path: Path) -> None:
+    """Tenancy is the control plane's: the same ceiling holds embedded, with no HTTP layer."""
+    from corral import CeilingExceeded
+    from corral.testing import memory_manager
+
+    manager = memory_manager(tmp_path, uid_start=100_000, uid_count=100, ceiling_hosts="",
+                             ceiling_max_lifetime_s=600)
+    try:
+        with pytest.raises(CeilingExceeded, match="hosts ceiling"):
+            manager.create(network={"allow": ["pypi.org"]})
+        with pytest.raises(CeilingExceeded, match="lifetime"):
+            manager.create(timeout=3600)
+        info = manager.create(timeout=60)
+        assert manager.run(info.id, "echo ok").stdout == "ok\n"
+        manager.destroy(info.id)
     finally:
         manager.close()
 

@@ -14,7 +14,6 @@ is built on those services.
 from __future__ import annotations
 
 import builtins
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any, BinaryIO
 from .._audit.auditor import Auditor
 from .._settings import Settings
 from ..backends import IsolationBackend, OutputCallback, ProcessIO, SandboxSpec
-from ..errors import BackendUnavailable, ConfigError, SandboxNotFound
+from ..errors import SandboxNotFound
 from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .commands import Commands
 from .egress import EgressBroker, NetworkSpec
@@ -46,22 +45,14 @@ __all__ = ["Manager", "get_manager"]
 class Manager:
     """Owns the store, the backends and the services of one data directory."""
 
-    def __init__(self, settings: Settings) -> None:
-        if os.geteuid() != 0:
-            raise BackendUnavailable(
-                "Corral must run as root: each sandbox gets its own unprivileged host uid, and "
-                "setting that up needs root. Run `corral doctor` for the full host check."
-            )
+    def __init__(self, settings: Settings, *, backend: IsolationBackend | None = None) -> None:
+        """``backend`` replaces the default tier's (tests: ``corral.testing.memory_manager``);
+        a host-backed tier checks its own preconditions (root, a traversable data directory)
+        when it is loaded."""
         self.settings = settings
+        # First: a tier that cannot run here refuses before anything is written to the home.
+        self._registry = BackendRegistry(settings, default=backend)
         settings.home.mkdir(parents=True, exist_ok=True, mode=0o711)
-        os.chmod(settings.home, 0o711)
-        for parent in settings.home.parents:
-            # bwrap runs as the sandbox's uid and must reach the template and the workspace.
-            if not os.stat(parent).st_mode & 0o001:
-                raise ConfigError(
-                    f"{parent} is not traversable by other users (mode "
-                    f"{os.stat(parent).st_mode & 0o777:o}), so sandboxes cannot reach "
-                    f"{settings.home}; `chmod o+x {parent}` or choose another CORRAL_HOME")
         self.store = Store(settings.home / "corral.db")
         self.secrets = SecretStore(settings.home / "secrets.db")
         self.auditor = Auditor(directory=settings.home / "audit", secrets=self.secrets,
@@ -69,7 +60,6 @@ class Manager:
                                enabled=settings.audit,
                                output_limit_bytes=settings.audit_output_bytes)
         self.egress = EgressBroker(settings, self.store, self.secrets, self.auditor)
-        self._registry = BackendRegistry(settings)
         self.backend: IsolationBackend = self._registry.default  # the default tier
         self.admission = Admission(Ceiling.from_settings(settings))
         locks = WorkspaceLocks(settings.home / "locks")

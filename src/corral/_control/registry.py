@@ -15,9 +15,9 @@ __all__ = ["BackendRegistry"]
 class BackendRegistry:
     """The default tier's backend, loaded now; any other tier's when first asked for."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, default: IsolationBackend | None = None) -> None:
         self._settings = settings
-        self.default: IsolationBackend = load_backend(settings)
+        self.default: IsolationBackend = default or load_backend(settings)
         self.loaded: dict[str, IsolationBackend] = {self.default.name: self.default}
         # Its own lock: recovery loads backends while it holds the recovery lock.
         self._lock = threading.Lock()

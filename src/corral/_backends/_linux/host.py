@@ -22,7 +22,7 @@ from typing import Protocol
 from ..._settings import Settings
 from ..._workspace.files import WorkspaceFiles
 from ...backends import EgressEndpoint, ExecRequest, Leftover, SandboxSpec, SealResult, WorkspaceFS
-from ...errors import BackendError
+from ...errors import BackendError, BackendUnavailable, ConfigError
 from ...models import ResourceTier
 from . import netns
 from .cgroups import CgroupDriver
@@ -58,11 +58,31 @@ class TierLauncher(Protocol):
     def spawner(self) -> netns.Spawner: ...
 
 
+def require_host_access(home: Path) -> None:
+    """What every host-backed tier needs before anything else: root, and a data directory the
+    sandboxes' own uids can reach."""
+    if os.geteuid() != 0:
+        raise BackendUnavailable(
+            "Corral must run as root: each sandbox gets its own unprivileged host uid, and "
+            "setting that up needs root. Run `corral doctor` for the full host check."
+        )
+    home.mkdir(parents=True, exist_ok=True, mode=0o711)
+    os.chmod(home, 0o711)
+    for parent in home.parents:
+        # bwrap runs as the sandbox's uid and must reach the template and the workspace.
+        if not os.stat(parent).st_mode & 0o001:
+            raise ConfigError(
+                f"{parent} is not traversable by other users (mode "
+                f"{os.stat(parent).st_mode & 0o777:o}), so sandboxes cannot reach "
+                f"{home}; `chmod o+x {parent}` or choose another CORRAL_HOME")
+
+
 class HostBackedBackend:
     """The shared half of a tier. Subclasses call ``_attach_cgroups`` from ``_ready`` and
     implement ``_ready`` (returning their ``TierLauncher``), ``check_host`` and ``exec``."""
 
     def __init__(self, settings: Settings) -> None:
+        require_host_access(settings.home)
         self._settings = settings
         self._instance = f"corral-{settings.instance}"
         self._store = WorkspaceStore(settings.home / "sandboxes")
