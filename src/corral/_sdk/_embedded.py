@@ -177,10 +177,10 @@ def embedded_target(home: str | Path | None, url: str | None,
 
 def open_transport(home: str | Path | None, url: str | None, api_key: str | None
                    ) -> Transport:
-    from ._sync.http import HTTPTransport
-
     target = embedded_target(home, url, api_key)
     if isinstance(target, tuple):
+        from ._sync.http import HTTPTransport  # httpx only for a service: embedded stays lean
+
         return HTTPTransport(*target)
     return EmbeddedTransport(target)
 
