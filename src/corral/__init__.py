@@ -38,7 +38,6 @@ from .errors import (
     TransportError,
     UsageError,
 )
-from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, SnapshotInfo, Usage
 
 if TYPE_CHECKING:
     from ._audit.events import AuditEvent
@@ -46,10 +45,11 @@ if TYPE_CHECKING:
     from ._sdk.async_sandbox import AsyncProcess, AsyncSandbox, aread_audit
     from ._sdk.sandbox import Audit, Commands, Files, Network, Process, Sandbox, read_audit
     from .backends import OutputCut
+    from .models import CommandResult, FileEntry, ResourceTier, SandboxInfo, SnapshotInfo, Usage
 
 # The SDK is imported on first use, not with the package: `corral` is also the CLI's package,
 # and `corral run` must not pay for the async SDK, the HTTP client and their imports
-# (PEP 562). Errors and models stay eager: they are light and every caller needs them.
+# (PEP 562). The models too (pydantic's import is most of `corral --help`); errors stay eager.
 _LAZY = {
     "AuditEvent": "._audit.events",
     "AuditTrail": "._audit.log",
@@ -57,6 +57,8 @@ _LAZY = {
     **dict.fromkeys(("Audit", "Commands", "Files", "Network", "Process", "Sandbox",
                      "read_audit"), "._sdk.sandbox"),
     "OutputCut": ".backends",
+    **dict.fromkeys(("CommandResult", "FileEntry", "ResourceTier", "SandboxInfo",
+                     "SnapshotInfo", "Usage"), ".models"),
 }
 
 
