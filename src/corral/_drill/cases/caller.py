@@ -594,6 +594,21 @@ def _cl_te(host: str, port: int) -> str:
             f"Connection: close\r\n\r\n{body}")
 
 
+def _host_mismatch(host: str, port: int) -> str:
+    # An absolute-form target the gateway vets, with a Host header naming another site: an
+    # upstream (or a CDN in front of it) that routes by Host would serve the other site.
+    return (f"GET http://{host}:{port}/x HTTP/1.1\r\nHost: {_SMUGGLED}\r\n"
+            "Connection: close\r\n\r\n")
+
+
+def _pipelined(host: str, port: int) -> str:
+    # A vetted first request, then a second one for another host on the same connection: a
+    # gateway that keeps the connection to the first upstream would hand it the second.
+    return (f"GET http://{host}:{port}/a HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n"
+            f"GET http://{_SMUGGLED}/smuggled HTTP/1.1\r\nHost: {_SMUGGLED}\r\n"
+            "Connection: close\r\n\r\n")
+
+
 def _gateway_framing(build: Callable[[str, int], str], what: str) -> Run:
     def run(ctx: DrillContext) -> Outcome:
         from ..upstream import Upstream
@@ -699,6 +714,13 @@ CASES = [
          "Transfer-Encoding through the gateway, smuggling a second request for another host",
          "the upstream sees at most one request, never the smuggled one",
          _gateway_framing(_cl_te, "CL+TE smuggling"), UPSTREAM),
+    Case("caller.gateway-host-mismatch", "caller", "an absolute-form request the gateway vets, "
+         "with a Host header naming another site", "the upstream never sees the other Host",
+         _gateway_framing(_host_mismatch, "absolute-form with a foreign Host"), UPSTREAM),
+    Case("caller.gateway-pipelined", "caller", "a vetted request, then a second one for another "
+         "host on the same client connection", "the upstream sees at most one request, never "
+         "the second", _gateway_framing(_pipelined, "a pipelined request for another host"),
+         UPSTREAM),
     # Ceilings.
     Case("caller.ceiling-host", "caller", "create a sandbox allowing a host beyond the "
          "tenant's ceiling", "ceiling_exceeded",
