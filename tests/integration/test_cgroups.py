@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -114,12 +117,24 @@ def test_v2_placement_and_cgroup_kill_without_controllers() -> None:
     assert not (root / prefix).exists()
 
 
-def test_one_home_path_in_two_mount_namespaces_names_two_instances(tmp_path: Path) -> None:
+@pytest.fixture
+def traversable_dir() -> Iterator[Path]:
+    """A fresh directory the sandboxes' uids can pass through (pytest's tmp_path is 0700, and
+    a host-backed tier refuses a home they cannot reach)."""
+    path = Path(tempfile.mkdtemp(prefix="corral-test-instance-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_one_home_path_in_two_mount_namespaces_names_two_instances(
+        traversable_dir: Path) -> None:
     """Two Corral instances (two containers, say) that both see their own data at the same
     CORRAL_HOME path must not name their cgroups and netns pins the same: each would sweep the
     other's as leftovers."""
     import sys
 
+    tmp_path = traversable_dir
     shown = tmp_path / "corral-home"  # the one path both instances use
     shown.mkdir()
     probe = ("import sys; from corral._settings import Settings; "
