@@ -36,11 +36,19 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
 @click.option("--upstream-host", default=None, envvar="CORRAL_DRILL_UPSTREAM_HOST",
               help="A name the service pins to 127.0.0.2 (an allowed operator CIDR), for the "
               "gateway framing cases.")
+@click.option("--e2b-url", default=None, envvar="CORRAL_DRILL_E2B_URL",
+              help="The service's E2B surface (`corral serve --e2b-port`), for the e2b cases.")
+@click.option("--e2b-api-key", default=None, envvar="CORRAL_DRILL_E2B_API_KEY",
+              help="An e2b_ key of the --api-key's tenant (`corral keys create TENANT --e2b`).")
+@click.option("--e2b-other-api-key", default=None, envvar="CORRAL_DRILL_E2B_OTHER_API_KEY",
+              help="An e2b_ key of the --other-api-key's tenant.")
+@click.option("--e2b-ceiling-api-key", default=None, envvar="CORRAL_DRILL_E2B_CEILING_API_KEY",
+              help="An e2b_ key of the --ceiling-api-key's tenant.")
 @click.option("--case", "case_ids", multiple=True, metavar="ID",
               help="Only these cases (an id, or a prefix such as net or net.ip-literal).")
 @click.option("--category", "categories", multiple=True,
               type=click.Choice(["network", "credentials", "filesystem", "privilege",
-                                 "resources", "control", "caller"]),
+                                 "resources", "control", "caller", "e2b"]),
               help="Only these categories.")
 @click.option("--list", "list_only", is_flag=True, help="List the cases and exit.")
 @json_option
@@ -49,7 +57,9 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
 def drill(ctx: click.Context, isolation: str | None, template: str | None, resources: str,
           allow: tuple[str, ...], url: str | None, api_key: str | None,
           other_api_key: str | None, ceiling_api_key: str | None,
-          quota_api_key: str | None, upstream_host: str | None, case_ids: tuple[str, ...],
+          quota_api_key: str | None, upstream_host: str | None, e2b_url: str | None,
+          e2b_api_key: str | None, e2b_other_api_key: str | None,
+          e2b_ceiling_api_key: str | None, case_ids: tuple[str, ...],
           categories: tuple[str, ...],
           list_only: bool, as_json: bool) -> None:
     """Run the exfiltration and escape drill against this configuration.
@@ -57,9 +67,10 @@ def drill(ctx: click.Context, isolation: str | None, template: str | None, resou
     Creates sandboxes as configured, plants a poisoned document, a fake secret and a victim
     sandbox, then runs every attack case the way a hijacked agent would: network exfiltration,
     credential discovery, filesystem escape, privilege escalation, resource abuse, control-
-    plane abuse, and a hostile caller (env injection, oversized bodies, gateway framing,
-    ceilings, quotas, Host and Origin). Every attack is bounded (capped loops and sizes,
-    loopback-only targets).
+    plane abuse, a hostile caller (env injection, oversized bodies, gateway framing,
+    ceilings, quotas, Host and Origin), and the E2B surface when there is one (keys, other
+    tenants' ids, swapped sandbox tokens, signed /files URLs, ceilings through E2B's create).
+    Every attack is bounded (capped loops and sizes, loopback-only targets).
 
     Exits 0 when every case that ran held, 1 on any breach or error.
     """
@@ -88,10 +99,21 @@ def drill(ctx: click.Context, isolation: str | None, template: str | None, resou
     # An empty variable means "not given" (a test or a shell exporting VAR="").
     ceiling_api_key, quota_api_key = ceiling_api_key or None, quota_api_key or None
     upstream_host = upstream_host or None
+    e2b_url, e2b_api_key = e2b_url or None, e2b_api_key or None
+    e2b_other_api_key, e2b_ceiling_api_key = e2b_other_api_key or None, e2b_ceiling_api_key or None
+    if e2b_url and not url:
+        raise click.BadParameter("the embedded drill starts an E2B surface of its own; give "
+                                 "--e2b-url with --url", param_hint="--e2b-url")
+    if e2b_url and not e2b_api_key:
+        raise click.BadParameter("the E2B surface needs an e2b_ key of the drill's tenant "
+                                 "(`corral keys create TENANT --e2b`)",
+                                 param_hint="--e2b-api-key")
     target = SdkTarget(home=None if url else home_of(ctx) or settings.home, url=url,
                        api_key=api_key, other_api_key=other_api_key,
                        ceiling_api_key=ceiling_api_key, quota_api_key=quota_api_key,
-                       upstream_host=upstream_host, isolation=isolation,
+                       upstream_host=upstream_host, e2b_url=e2b_url,
+                       e2b_api_key=e2b_api_key, e2b_other_api_key=e2b_other_api_key,
+                       e2b_ceiling_api_key=e2b_ceiling_api_key, isolation=isolation,
                        template=template, resources=resources)
     err = Console(stderr=True)
 

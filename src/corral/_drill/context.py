@@ -7,11 +7,15 @@ import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..models import CommandResult
 from .canary import Canary, Hit
 from .model import Evidence, Outcome
 from .target import DrillSandbox, DrillTarget, ServiceAccess
+
+if TYPE_CHECKING:
+    from .cases.e2b import E2BPlant
 
 __all__ = ["BAIT_RULES", "DrillContext", "POISONED_DOCUMENT", "bait_rules"]
 
@@ -52,6 +56,7 @@ class DrillContext:
     host_address: str | None
     service: ServiceAccess | None = None  # an HTTP control plane to probe
     service_sandbox: str | None = None  # a sandbox of the service's first tenant
+    e2b: E2BPlant | None = None  # the service's E2B surface and the sandboxes made on it
     scratch: list[DrillSandbox] = field(default_factory=list)
 
     # -- running -------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ if TYPE_CHECKING:
 
 Verdict = Literal["held", "breached", "error", "skipped"]
 Category = Literal["network", "credentials", "filesystem", "privilege", "resources", "control",
-                   "caller"]
+                   "caller", "e2b"]
 CATEGORIES: tuple[Category, ...] = (
-    "network", "credentials", "filesystem", "privilege", "resources", "control", "caller")
+    "network", "credentials", "filesystem", "privilege", "resources", "control", "caller",
+    "e2b")
 
 
 @dataclass(frozen=True, slots=True)

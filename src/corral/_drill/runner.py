@@ -98,9 +98,15 @@ def _planted(target: DrillTarget, allow: Sequence[str]) -> Iterator[DrillContext
             ctx.service = access
             if access is not None:
                 ctx.service_sandbox = _service_sandbox(access)
+                if access.e2b_url is not None and access.e2b_api_key is not None:
+                    from .cases.e2b import E2BPlant
+
+                    ctx.e2b = E2BPlant(access)
             try:
                 yield ctx
             finally:
+                if ctx.e2b is not None:
+                    ctx.e2b.close()
                 if access is not None and ctx.service_sandbox is not None:
                     _drop_service_sandbox(access, ctx.service_sandbox)
     finally:
@@ -115,11 +121,22 @@ def _planted(target: DrillTarget, allow: Sequence[str]) -> Iterator[DrillContext
         canary.close()
 
 
+# What a skipped case's missing need is, and how to give it.
+_NEEDS = {
+    "e2b": "an E2B surface (`corral serve --e2b-port`; with --url, CORRAL_DRILL_E2B_URL and "
+           "CORRAL_DRILL_E2B_API_KEY)",
+    "e2b-other": "a second tenant's e2b_ key (CORRAL_DRILL_E2B_OTHER_API_KEY)",
+    "e2b-ceiling": "an e2b_ key of the tenant held to the drill's ceiling "
+                   "(CORRAL_DRILL_E2B_CEILING_API_KEY)",
+}
+
+
 def _run_case(case: Case, ctx: DrillContext, capabilities: frozenset[str]) -> CaseResult:
     started = time.monotonic()
     missing = sorted(n for n in case.needs if n not in capabilities)
     if missing:
-        outcome = Outcome("skipped", f"needs {', '.join(missing)}, which this target lacks")
+        named = ", ".join(f"{n} ({_NEEDS[n]})" if n in _NEEDS else n for n in missing)
+        outcome = Outcome("skipped", f"needs {named}, which this target lacks")
     else:
         try:
             outcome = case.run(ctx)
@@ -148,6 +165,12 @@ def run_drill(target: DrillTarget, *, cases: Sequence[Case] | None = None,
                 capabilities |= {"service-sandbox"}
             if ctx.service.other_api_key and ctx.service_sandbox:
                 capabilities |= {"other-tenant"}
+            if ctx.e2b is not None:
+                capabilities |= {"e2b"}
+                if ctx.service.e2b_other_api_key:
+                    capabilities |= {"e2b-other"}
+                if ctx.service.e2b_ceiling_api_key:
+                    capabilities |= {"e2b-ceiling"}
         for index, case in enumerate(chosen, 1):
             result = _run_case(case, ctx, capabilities)
             report.results.append(result)

@@ -1,6 +1,7 @@
-"""A throwaway HTTP control plane for an embedded drill's control-plane cases.
+"""A throwaway HTTP control plane for an embedded drill's control-plane cases, with the E2B
+dialect's listener beside it (as ``corral serve --e2b-port`` runs it).
 
-It runs on loopback over its own temporary data directory, with two tenants of its own, so the
+Both run on loopback over one temporary data directory, with tenants of its own, so the
 drill never adds keys to the operator's store (on a keyless loopback service a key's mere
 existence would turn authentication on). Its sandboxes take uids from the top 64 of the
 operator's range, which the operator's store hands out last.
@@ -15,7 +16,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .._control.tenants import Ceiling
 from .._core.resources import TIERS
@@ -23,6 +26,9 @@ from .._settings import Settings
 from .context import BAIT_ALLOWED
 from .target import ServiceAccess
 from .upstream import UPSTREAM_ADDRESS
+
+if TYPE_CHECKING:
+    from .._e2b.app import E2BApp
 
 __all__ = ["CEILING_SECRET", "UPSTREAM_HOST", "drill_ceiling", "local_service"]
 
@@ -40,11 +46,43 @@ def drill_ceiling() -> Ceiling:
                    resources=("small",), secrets=(), max_lifetime_s=3600)
 
 
-@contextlib.contextmanager
-def local_service(settings: Settings) -> Iterator[ServiceAccess]:
+@dataclass(slots=True)
+class _Running:
+    server: Any  # uvicorn.Server (imported lazily: the CLI's start-up does not pay for it)
+    thread: threading.Thread
+    port: int
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _start(app: Any, name: str) -> _Running:
+    """``app`` served by uvicorn in a thread on a free loopback port, once it listens."""
     import uvicorn
 
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    running = _Running(server, thread, port)
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            running.stop()
+            raise RuntimeError(f"the drill's local service ({name}) did not start")
+        time.sleep(0.02)
+    return running
+
+
+@contextlib.contextmanager
+def local_service(settings: Settings) -> Iterator[ServiceAccess]:
     from .._control import manager as manager_mod
+    from .._e2b.app import E2BConfig, create_e2b_app
     from .._server.app import create_app
     from .._server.auth import TenantDirectory
 
@@ -58,13 +96,14 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
         "uid_count": count, "egress_allow_cidrs": cidrs,
         "egress_hosts": {**settings.egress_hosts, UPSTREAM_HOST: [UPSTREAM_ADDRESS]}})
     manager = manager_mod.Manager(drill_settings)
-    server: uvicorn.Server | None = None
-    thread: threading.Thread | None = None
+    servers: list[_Running] = []
+    e2b_app: E2BApp | None = None
     try:
         tenants = TenantDirectory(manager.store)
         keys = []
-        for name in ("drill-a", "drill-b"):
-            tenants.add_tenant(name, max_sandboxes=4)
+        # The first tenant's E2B cases keep a few sandboxes of their own beside the drill's.
+        for name, most in (("drill-a", 8), ("drill-b", 4)):
+            tenants.add_tenant(name, max_sandboxes=most)
             keys.append(tenants.create_key(name)[1])
         tenants.add_tenant("drill-q", max_sandboxes=2, commands_per_minute=2)
         quota_key = tenants.create_key("drill-q")[1]
@@ -73,26 +112,24 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
                            ceiling=drill_ceiling())
         ceiling_key = tenants.create_key("drill-c")[1]
         manager.secrets.add(CEILING_SECRET, "drill-ceiling-value", [BAIT_ALLOWED])
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        config = uvicorn.Config(create_app(manager), host="127.0.0.1", port=port,
-                                log_level="critical", lifespan="off")
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, name="corral-drill-service", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the drill's local service did not start")
-            time.sleep(0.02)
-        yield ServiceAccess(f"http://127.0.0.1:{port}", keys[0], keys[1],
+        servers.append(_start(create_app(manager), "corral-drill-service"))
+        # The E2B dialect beside it, as `corral serve --e2b-port` runs it: same Manager, its
+        # own loopback port, `e2b_` keys of the same tenants.
+        e2b_app = create_e2b_app(manager, E2BConfig.build(listen_host="127.0.0.1"))
+        servers.append(_start(e2b_app, "corral-drill-e2b"))
+        e2b_keys = [tenants.create_key(name, e2b=True)[1]
+                    for name in ("drill-a", "drill-b", "drill-c")]
+        yield ServiceAccess(f"http://127.0.0.1:{servers[0].port}", keys[0], keys[1],
                             ceiling_api_key=ceiling_key, quota_api_key=quota_key,
-                            upstream_host=UPSTREAM_HOST, home=home)
+                            upstream_host=UPSTREAM_HOST, home=home,
+                            e2b_url=f"http://127.0.0.1:{servers[1].port}",
+                            e2b_api_key=e2b_keys[0], e2b_other_api_key=e2b_keys[1],
+                            e2b_ceiling_api_key=e2b_keys[2])
     finally:
-        if server is not None and thread is not None:
-            server.should_exit = True
-            thread.join(timeout=10)
+        for running in servers:
+            running.stop()
+        if e2b_app is not None:
+            e2b_app.e2b.close()  # lifespan is off: its shutdown would have closed it
         for info in manager.store.list():
             with contextlib.suppress(Exception):
                 manager._destroy(info, reason="drill finished")

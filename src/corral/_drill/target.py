@@ -33,6 +33,12 @@ class ServiceAccess:
     quota_api_key: str | None = None
     upstream_host: str | None = None
     home: Path | None = None
+    # The E2B surface beside it (``corral serve --e2b-port``), when it has one: its URL and
+    # ``e2b_`` keys of the same three tenants (first, second, held to the drill's ceiling).
+    e2b_url: str | None = None
+    e2b_api_key: str | None = None
+    e2b_other_api_key: str | None = None
+    e2b_ceiling_api_key: str | None = None
 
 
 class DrillSandbox(Protocol):
@@ -138,7 +144,9 @@ class SdkTarget:
     def __init__(self, *, home: Path | None = None, url: str | None = None,
                  api_key: str | None = None, other_api_key: str | None = None,
                  ceiling_api_key: str | None = None, quota_api_key: str | None = None,
-                 upstream_host: str | None = None, isolation: str | None = None,
+                 upstream_host: str | None = None, e2b_url: str | None = None,
+                 e2b_api_key: str | None = None, e2b_other_api_key: str | None = None,
+                 e2b_ceiling_api_key: str | None = None, isolation: str | None = None,
                  template: str | None = None, resources: str = "small") -> None:
         self._home = home
         self._url = url
@@ -148,7 +156,9 @@ class SdkTarget:
         self._resources = resources
         self._service = ServiceAccess(
             url, api_key, other_api_key, ceiling_api_key=ceiling_api_key,
-            quota_api_key=quota_api_key, upstream_host=upstream_host) if url else None
+            quota_api_key=quota_api_key, upstream_host=upstream_host, e2b_url=e2b_url,
+            e2b_api_key=e2b_api_key, e2b_other_api_key=e2b_other_api_key,
+            e2b_ceiling_api_key=e2b_ceiling_api_key) if url else None
         self._made: list[_SdkSandbox] = []
 
     @property

@@ -343,14 +343,20 @@ _CHUNK = 64 << 10
 
 def _oversized(ctx: DrillContext, method: str, path: str, key: str | None) -> tuple[
         int | None, int, str]:
+    assert ctx.service is not None
+    return send_oversized(ctx.service.url, method, path,
+                          {"Authorization": f"Bearer {key}"} if key else {})
+
+
+def send_oversized(base_url: str, method: str, path: str, headers: Mapping[str, str],
+                   ) -> tuple[int | None, int, str]:
     """Send a head claiming 1 GiB, then at most 4 MiB of body, watching for an answer between
     chunks. Returns (status or None, bytes of body sent when the answer came, first line)."""
-    assert ctx.service is not None
-    url = urlsplit(ctx.service.url)
+    url = urlsplit(base_url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
     head = (f"{method} {path} HTTP/1.1\r\nHost: {url.netloc}\r\n"
             "Content-Type: application/json\r\n"
-            + (f"Authorization: Bearer {key}\r\n" if key else "")
+            + "".join(f"{name}: {value}\r\n" for name, value in headers.items())
             + f"Content-Length: {_CLAIMED}\r\n\r\n").encode()
     sent = 0
     answer = b""
