@@ -7,6 +7,7 @@ import threading
 import time
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from corral._control.manager import Manager
 from corral._server.app import create_app
@@ -23,10 +24,11 @@ def free_port() -> int:
 class Server:
     """uvicorn in a thread, on loopback."""
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, manager: Manager, app: ASGIApp | None = None) -> None:
+        """``app``: another app over ``manager`` (the E2B surface) instead of the native API."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(manager), host="127.0.0.1", port=self.port,
+        config = uvicorn.Config(app or create_app(manager), host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

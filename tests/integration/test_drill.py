@@ -28,6 +28,7 @@ from corral._drill.runner import run_drill, select_cases
 from corral._drill.service import CEILING_SECRET, UPSTREAM_HOST, drill_ceiling
 from corral._drill.target import SdkTarget, ServiceAccess
 from corral._drill.upstream import UPSTREAM_ADDRESS
+from corral._e2b.app import E2BConfig, create_e2b_app
 from corral._server.auth import TenantDirectory
 from corral._settings import Settings
 from corral.models import CommandResult, Usage
@@ -58,7 +59,12 @@ def test_the_drill_holds_on_the_default_configuration(embedded_report: DrillRepo
     assert report.ok
     assert len(report.results) >= 50
     assert {r.category for r in report.results} == {
-        "network", "credentials", "filesystem", "privilege", "resources", "control", "caller"}
+        "network", "credentials", "filesystem", "privilege", "resources", "control", "caller",
+        "e2b"}
+    # The throwaway local service brings the E2B surface along: every E2B case ran.
+    e2b = [r for r in report.results if r.category == "e2b"]
+    assert len(e2b) == len(select_cases(categories=["e2b"])) >= 25
+    assert all(r.verdict == "held" for r in e2b)
 
 
 def test_every_held_case_cites_evidence_that_is_in_the_trail(
@@ -104,7 +110,9 @@ def service() -> Iterator[tuple[ServiceAccess, dict[str, str]]]:
     """A service with tenants of its own on its own data directory (keys would turn on auth
     for the session's shared server): two ordinary ones, one with a small commands-per-minute
     quota, one held to the drill's ceiling (where ceilings exist), and the drill's upstream
-    name pinned to its loopback address, which is allowed as an operator CIDR."""
+    name pinned to its loopback address, which is allowed as an operator CIDR. The E2B surface
+    listens beside it (as `corral serve --e2b-port` runs it), with `e2b_` keys of the first two
+    tenants and the ceiling tenant."""
     home = Path(tempfile.mkdtemp(prefix="corral-test-drill-svc-"))
     start = 2_140_000_000 + random.randrange(0, 1000) * 1000
     settings = Settings(home=home, uid_start=start, uid_count=1000,
@@ -126,9 +134,17 @@ def service() -> Iterator[tuple[ServiceAccess, dict[str, str]]]:
                            ceiling=drill_ceiling())
         ceiling_key = tenants.create_key("team-c")[1]
         manager.secrets.add(CEILING_SECRET, "drill-ceiling-value", ["allowed.drill.invalid"])
-        with Server(manager) as server:
-            yield ServiceAccess(server.url, keys[0], keys[1], ceiling_api_key=ceiling_key,
-                                upstream_host=UPSTREAM_HOST), quota_keys
+        e2b_keys = [tenants.create_key(name, e2b=True)[1]
+                    for name in ("team-a", "team-b", "team-c")]
+        e2b_app = create_e2b_app(manager, E2BConfig.build())
+        try:
+            with Server(manager) as server, Server(manager, e2b_app) as e2b:
+                yield ServiceAccess(server.url, keys[0], keys[1], ceiling_api_key=ceiling_key,
+                                    upstream_host=UPSTREAM_HOST, e2b_url=e2b.url,
+                                    e2b_api_key=e2b_keys[0], e2b_other_api_key=e2b_keys[1],
+                                    e2b_ceiling_api_key=e2b_keys[2]), quota_keys
+        finally:
+            e2b_app.e2b.close()
     shutil.rmtree(home, ignore_errors=True)
 
 
@@ -145,7 +161,12 @@ def test_the_drill_holds_over_the_service(
                                "CORRAL_DRILL_OTHER_API_KEY": access.other_api_key or "",
                                "CORRAL_DRILL_CEILING_API_KEY": access.ceiling_api_key or "",
                                "CORRAL_DRILL_QUOTA_API_KEY": quota_keys[isolation],
-                               "CORRAL_DRILL_UPSTREAM_HOST": access.upstream_host or ""},
+                               "CORRAL_DRILL_UPSTREAM_HOST": access.upstream_host or "",
+                               "CORRAL_DRILL_E2B_URL": access.e2b_url or "",
+                               "CORRAL_DRILL_E2B_API_KEY": access.e2b_api_key or "",
+                               "CORRAL_DRILL_E2B_OTHER_API_KEY": access.e2b_other_api_key or "",
+                               "CORRAL_DRILL_E2B_CEILING_API_KEY":
+                                   access.e2b_ceiling_api_key or ""},
                           capture_output=True, text=True, timeout=900)
     report = json.loads(proc.stdout)
     not_held = [(r["id"], r["verdict"], r["observed"]) for r in report["results"]
@@ -158,7 +179,12 @@ def test_the_drill_holds_over_the_service(
     assert skipped == {"net.secret-wrong-host"}
     assert {r["id"] for r in report["results"]} >= {"ctl.other-tenant-run", "ctl.forged-key",
                                                     "caller.env-ld-preload-http",
-                                                    "caller.gateway-cl-te"}
+                                                    "caller.gateway-cl-te",
+                                                    "e2b.token-other-tenant",
+                                                    "e2b.internet-ceiling"}
+    e2b = [r for r in report["results"] if r["category"] == "e2b"]
+    assert len(e2b) == len(select_cases(categories=["e2b"]))
+    assert all(r["verdict"] == "held" for r in e2b), [(r["id"], r["observed"]) for r in e2b]
 
 
 # -- a runner with no sandbox: the drill must catch it -----------------------------------------
@@ -364,3 +390,6 @@ def test_case_selection() -> None:
     assert {c.category for c in caller} == {"caller"} and len(caller) >= 20
     assert {c.id for c in caller} >= {"caller.env-ld-preload", "caller.body-unauthenticated",
                                       "caller.gateway-cl-te", "caller.quota-terminals"}
+    e2b = select_cases(categories=["e2b"])
+    assert {c.category for c in e2b} == {"e2b"} and all(c.id.startswith("e2b.") for c in e2b)
+    assert all("e2b" in c.needs for c in e2b)

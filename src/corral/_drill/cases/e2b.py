@@ -669,12 +669,12 @@ CASES = [
          "long, upper-case, a Bearer prefix, in Authorization, a sandbox's envd token, 4 KB",
          "every one 401 {code, message}",
          _key_case(_malformed_keys, "every malformed key is refused 401"), E2B),
-    # Another tenant's key on A's sandbox.
+    # Another tenant's key on A's sandbox (kill last: were it to work, A would be gone).
+    Case("e2b.other-tenant-list", "e2b", "list sandboxes (v1, v2) and A's snapshots with "
+         "tenant B's key", "A's sandbox is in none of them", _other_tenant_list, OTHER),
     *(Case(f"e2b.other-tenant-{op}", "e2b", f"{op} tenant A's sandbox with tenant B's key",
            "404, and A's sandbox still running, deadline and trail untouched",
            _other_tenant(op), OTHER) for op in _OTHER_OPS),
-    Case("e2b.other-tenant-list", "e2b", "list sandboxes (v1, v2) and A's snapshots with "
-         "tenant B's key", "A's sandbox is in none of them", _other_tenant_list, OTHER),
     # Tokens on the sandbox plane.
     Case("e2b.token-same-tenant", "e2b", "A's envd and traffic tokens with the id of another "
          "sandbox of the same tenant: /health, process.Process/List, filesystem.Filesystem/"
