@@ -188,9 +188,14 @@ CASES = [
                   "[ -e $d ] && echo ESCAPED $d; done; echo done", "device nodes")),
     Case("fs.proc-root", "filesystem", "walk out through /proc/1/root and /proc/self/cwd",
          "they lead only to the sandbox's own root",
+         # /home/user is the workspace's second mount (the E2B surface's home): it may be
+         # there, as the workspace itself and alone.
          _refused("cat /proc/1/root/etc/shadow 2>/dev/null && echo ESCAPED; "
-                  "ls /proc/1/root/home /proc/1/root/root 2>/dev/null | grep -q . && "
-                  "echo ESCAPED home; echo done", "/proc/*/root")),
+                  "ls -A /proc/1/root/home 2>/dev/null | grep -vqx user && echo ESCAPED home; "
+                  "ls -A /proc/1/root/root 2>/dev/null | grep -q . && echo ESCAPED root; "
+                  "h=$(stat -c %d:%i /proc/1/root/home/user 2>/dev/null) && "
+                  "[ \"$h\" != \"$(stat -c %d:%i /workspace)\" ] && echo ESCAPED home/user; "
+                  "echo done", "/proc/*/root")),
 ]
 
 
