@@ -25,7 +25,7 @@ from corral._audit.events import AuditEvent
 from corral._core.resources import TIERS
 from corral._drill.model import DrillReport
 from corral._drill.runner import run_drill, select_cases
-from corral._drill.service import CEILING_SECRET, UPSTREAM_HOST, drill_ceiling
+from corral._drill.service import CEILING_SECRET, E2B_DOMAIN, UPSTREAM_HOST, drill_ceiling
 from corral._drill.target import SdkTarget, ServiceAccess
 from corral._drill.upstream import UPSTREAM_ADDRESS
 from corral._e2b.app import E2BConfig, create_e2b_app
@@ -136,13 +136,15 @@ def service() -> Iterator[tuple[ServiceAccess, dict[str, str]]]:
         manager.secrets.add(CEILING_SECRET, "drill-ceiling-value", ["allowed.drill.invalid"])
         e2b_keys = [tenants.create_key(name, e2b=True)[1]
                     for name in ("team-a", "team-b", "team-c")]
-        e2b_app = create_e2b_app(manager, E2BConfig.build())
+        # In domain mode, which serves URL mode too (a loopback Host): both kinds of case run.
+        e2b_app = create_e2b_app(manager, E2BConfig.build(domain=E2B_DOMAIN))
         try:
             with Server(manager) as server, Server(manager, e2b_app) as e2b:
                 yield ServiceAccess(server.url, keys[0], keys[1], ceiling_api_key=ceiling_key,
                                     upstream_host=UPSTREAM_HOST, e2b_url=e2b.url,
                                     e2b_api_key=e2b_keys[0], e2b_other_api_key=e2b_keys[1],
-                                    e2b_ceiling_api_key=e2b_keys[2]), quota_keys
+                                    e2b_ceiling_api_key=e2b_keys[2],
+                                    e2b_domain=E2B_DOMAIN), quota_keys
         finally:
             e2b_app.e2b.close()
     shutil.rmtree(home, ignore_errors=True)
@@ -166,7 +168,8 @@ def test_the_drill_holds_over_the_service(
                                "CORRAL_DRILL_E2B_API_KEY": access.e2b_api_key or "",
                                "CORRAL_DRILL_E2B_OTHER_API_KEY": access.e2b_other_api_key or "",
                                "CORRAL_DRILL_E2B_CEILING_API_KEY":
-                                   access.e2b_ceiling_api_key or ""},
+                                   access.e2b_ceiling_api_key or "",
+                               "CORRAL_DRILL_E2B_DOMAIN": access.e2b_domain or ""},
                           capture_output=True, text=True, timeout=900)
     report = json.loads(proc.stdout)
     not_held = [(r["id"], r["verdict"], r["observed"]) for r in report["results"]

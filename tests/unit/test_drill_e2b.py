@@ -17,7 +17,7 @@ from corral._control.tenants import TenantDirectory
 from corral._core.resources import TIERS
 from corral._drill.model import DrillReport
 from corral._drill.runner import run_drill, select_cases
-from corral._drill.service import drill_ceiling
+from corral._drill.service import E2B_DOMAIN, drill_ceiling
 from corral._drill.target import ServiceAccess
 from corral._e2b.app import E2BApp, E2BConfig, create_e2b_app
 from corral._e2b.ids import from_e2b
@@ -136,12 +136,15 @@ def keys(manager: Manager) -> dict[str, str]:
 
 def _drill(manager: Manager, keys: dict[str, str], e2b_app: ASGIApp, *,
            with_e2b: bool = True, other: bool = True) -> DrillReport:
-    with Server(manager) as native, Server(manager, e2b_app) as e2b:
+    domain_app = create_e2b_app(manager, E2BConfig.build(domain=E2B_DOMAIN))
+    with Server(manager) as native, Server(manager, e2b_app) as e2b, \
+            Server(manager, domain_app) as by_domain:
         access = ServiceAccess(
             native.url, keys["a"], keys["b"], ceiling_api_key=keys["c"],
             e2b_url=e2b.url if with_e2b else None, e2b_api_key=keys["e2b-a"],
             e2b_other_api_key=keys["e2b-b"] if other else None,
-            e2b_ceiling_api_key=keys["e2b-c"])
+            e2b_ceiling_api_key=keys["e2b-c"], e2b_domain=E2B_DOMAIN,
+            e2b_domain_url=by_domain.url)
         return run_drill(_Target(access), cases=E2B_CASES)
 
 
@@ -198,6 +201,7 @@ def test_a_gate_that_ignores_sandbox_tokens_is_caught(manager: Manager,
     assert verdicts["e2b.token-same-tenant"] == "breached"
     assert verdicts["e2b.token-other-tenant"] == "breached"
     assert verdicts["e2b.no-token"] == "breached"
+    assert verdicts["e2b.domain-token-swap"] == "held"  # the domain listener is not broken
     assert verdicts["e2b.other-tenant-get"] == "held"  # the control plane is still sound
 
 

@@ -44,6 +44,9 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
               help="An e2b_ key of the --other-api-key's tenant.")
 @click.option("--e2b-ceiling-api-key", default=None, envvar="CORRAL_DRILL_E2B_CEILING_API_KEY",
               help="An e2b_ key of the --ceiling-api-key's tenant.")
+@click.option("--e2b-domain", default=None, envvar="CORRAL_DRILL_E2B_DOMAIN",
+              help="The --e2b-domain the E2B surface serves (domain mode), for the Host "
+              "routing cases; --e2b-url is then its https://api.<domain> address.")
 @click.option("--case", "case_ids", multiple=True, metavar="ID",
               help="Only these cases (an id, or a prefix such as net or net.ip-literal).")
 @click.option("--category", "categories", multiple=True,
@@ -59,7 +62,8 @@ def drill(ctx: click.Context, isolation: str | None, template: str | None, resou
           other_api_key: str | None, ceiling_api_key: str | None,
           quota_api_key: str | None, upstream_host: str | None, e2b_url: str | None,
           e2b_api_key: str | None, e2b_other_api_key: str | None,
-          e2b_ceiling_api_key: str | None, case_ids: tuple[str, ...],
+          e2b_ceiling_api_key: str | None, e2b_domain: str | None,
+          case_ids: tuple[str, ...],
           categories: tuple[str, ...],
           list_only: bool, as_json: bool) -> None:
     """Run the exfiltration and escape drill against this configuration.
@@ -101,6 +105,7 @@ def drill(ctx: click.Context, isolation: str | None, template: str | None, resou
     upstream_host = upstream_host or None
     e2b_url, e2b_api_key = e2b_url or None, e2b_api_key or None
     e2b_other_api_key, e2b_ceiling_api_key = e2b_other_api_key or None, e2b_ceiling_api_key or None
+    e2b_domain = e2b_domain or None
     if e2b_url and not url:
         raise click.BadParameter("the embedded drill starts an E2B surface of its own; give "
                                  "--e2b-url with --url", param_hint="--e2b-url")
@@ -113,7 +118,8 @@ def drill(ctx: click.Context, isolation: str | None, template: str | None, resou
                        ceiling_api_key=ceiling_api_key, quota_api_key=quota_api_key,
                        upstream_host=upstream_host, e2b_url=e2b_url,
                        e2b_api_key=e2b_api_key, e2b_other_api_key=e2b_other_api_key,
-                       e2b_ceiling_api_key=e2b_ceiling_api_key, isolation=isolation,
+                       e2b_ceiling_api_key=e2b_ceiling_api_key, e2b_domain=e2b_domain,
+                       isolation=isolation,
                        template=template, resources=resources)
     err = Console(stderr=True)
 

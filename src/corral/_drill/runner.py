@@ -128,6 +128,7 @@ _NEEDS = {
     "e2b-other": "a second tenant's e2b_ key (CORRAL_DRILL_E2B_OTHER_API_KEY)",
     "e2b-ceiling": "an e2b_ key of the tenant held to the drill's ceiling "
                    "(CORRAL_DRILL_E2B_CEILING_API_KEY)",
+    "e2b-domain": "an E2B surface in domain mode (`--e2b-domain`; CORRAL_DRILL_E2B_DOMAIN)",
 }
 
 
@@ -171,6 +172,8 @@ def run_drill(target: DrillTarget, *, cases: Sequence[Case] | None = None,
                     capabilities |= {"e2b-other"}
                 if ctx.service.e2b_ceiling_api_key:
                     capabilities |= {"e2b-ceiling"}
+                if ctx.service.e2b_domain:
+                    capabilities |= {"e2b-domain"}
         for index, case in enumerate(chosen, 1):
             result = _run_case(case, ctx, capabilities)
             report.results.append(result)

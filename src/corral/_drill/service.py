@@ -30,11 +30,13 @@ from .upstream import UPSTREAM_ADDRESS
 if TYPE_CHECKING:
     from .._e2b.app import E2BApp
 
-__all__ = ["CEILING_SECRET", "UPSTREAM_HOST", "drill_ceiling", "local_service"]
+__all__ = ["CEILING_SECRET", "E2B_DOMAIN", "UPSTREAM_HOST", "drill_ceiling", "local_service"]
 
 # The name the drill's service pins to the drill's upstream (an operator setting; a sandbox
 # still has to allow it).
 UPSTREAM_HOST = "upstream.drill.invalid"
+# The local service's E2B domain-mode listener answers for this domain.
+E2B_DOMAIN = "e2b.drill.invalid"
 # A secret the ceiling tenant's ceiling does not let it bind.
 CEILING_SECRET = "CORRAL_DRILL_CEILING_SECRET"
 
@@ -98,6 +100,7 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
     manager = manager_mod.Manager(drill_settings)
     servers: list[_Running] = []
     e2b_app: E2BApp | None = None
+    e2b_domain_app: E2BApp | None = None
     try:
         tenants = TenantDirectory(manager.store)
         keys = []
@@ -117,6 +120,11 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
         # own loopback port, `e2b_` keys of the same tenants.
         e2b_app = create_e2b_app(manager, E2BConfig.build(listen_host="127.0.0.1"))
         servers.append(_start(e2b_app, "corral-drill-e2b"))
+        # And in domain mode, routed by `Host: <port>-<id>.<domain>` (plain HTTP here: the
+        # drill names the host itself, so neither TLS nor DNS is needed for the routing cases).
+        e2b_domain_app = create_e2b_app(manager, E2BConfig.build(
+            listen_host="127.0.0.1", domain=E2B_DOMAIN))
+        servers.append(_start(e2b_domain_app, "corral-drill-e2b-domain"))
         e2b_keys = [tenants.create_key(name, e2b=True)[1]
                     for name in ("drill-a", "drill-b", "drill-c")]
         yield ServiceAccess(f"http://127.0.0.1:{servers[0].port}", keys[0], keys[1],
@@ -124,12 +132,14 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
                             upstream_host=UPSTREAM_HOST, home=home,
                             e2b_url=f"http://127.0.0.1:{servers[1].port}",
                             e2b_api_key=e2b_keys[0], e2b_other_api_key=e2b_keys[1],
-                            e2b_ceiling_api_key=e2b_keys[2])
+                            e2b_ceiling_api_key=e2b_keys[2], e2b_domain=E2B_DOMAIN,
+                            e2b_domain_url=f"http://127.0.0.1:{servers[2].port}")
     finally:
         for running in servers:
             running.stop()
-        if e2b_app is not None:
-            e2b_app.e2b.close()  # lifespan is off: its shutdown would have closed it
+        for app in (e2b_app, e2b_domain_app):
+            if app is not None:
+                app.e2b.close()  # lifespan is off: its shutdown would have closed it
         for info in manager.store.list():
             with contextlib.suppress(Exception):
                 manager._destroy(info, reason="drill finished")

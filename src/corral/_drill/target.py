@@ -39,6 +39,10 @@ class ServiceAccess:
     e2b_api_key: str | None = None
     e2b_other_api_key: str | None = None
     e2b_ceiling_api_key: str | None = None
+    # Domain mode (``--e2b-domain``): the domain, and the listener that routes by it when it is
+    # not ``e2b_url`` itself (the local service keeps its URL-mode listener plain).
+    e2b_domain: str | None = None
+    e2b_domain_url: str | None = None
 
 
 class DrillSandbox(Protocol):
@@ -146,7 +150,8 @@ class SdkTarget:
                  ceiling_api_key: str | None = None, quota_api_key: str | None = None,
                  upstream_host: str | None = None, e2b_url: str | None = None,
                  e2b_api_key: str | None = None, e2b_other_api_key: str | None = None,
-                 e2b_ceiling_api_key: str | None = None, isolation: str | None = None,
+                 e2b_ceiling_api_key: str | None = None, e2b_domain: str | None = None,
+                 isolation: str | None = None,
                  template: str | None = None, resources: str = "small") -> None:
         self._home = home
         self._url = url
@@ -158,7 +163,7 @@ class SdkTarget:
             url, api_key, other_api_key, ceiling_api_key=ceiling_api_key,
             quota_api_key=quota_api_key, upstream_host=upstream_host, e2b_url=e2b_url,
             e2b_api_key=e2b_api_key, e2b_other_api_key=e2b_other_api_key,
-            e2b_ceiling_api_key=e2b_ceiling_api_key) if url else None
+            e2b_ceiling_api_key=e2b_ceiling_api_key, e2b_domain=e2b_domain) if url else None
         self._made: list[_SdkSandbox] = []
 
     @property

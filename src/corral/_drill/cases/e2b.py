@@ -42,6 +42,7 @@ JUPYTER_PORT = 49999
 E2B = frozenset({"e2b"})
 OTHER = frozenset({"e2b", "e2b-other"})
 CEILING = frozenset({"e2b", "e2b-ceiling"})
+DOMAIN = frozenset({"e2b", "e2b-domain"})
 _TIMEOUT = 10.0  # no answer on loopback within this is a hang, not a slow server
 _GONE_MESSAGE = "The sandbox was not found"
 
@@ -657,6 +658,90 @@ def _foreign_host(ctx: DrillContext) -> Outcome:
                     "421 for Host: evil.test on both planes (DNS rebinding)")
 
 
+# -- domain mode: routed by Host ----------------------------------------------------------------
+
+
+def _by_host(plant: E2BPlant, host: str, method: str, path: str, *,
+             headers: Mapping[str, str] | None = None, body: Any = None) -> httpx.Response:
+    """One request to the domain-mode listener naming ``host`` (as `<port>-<id>.<domain>`
+    would arrive through DNS and TLS; the routing is by the header alone)."""
+    access = plant.access
+    with httpx.Client(base_url=access.e2b_domain_url or plant.url, timeout=_TIMEOUT) as api:
+        return api.request(method, path, headers={"Host": host, **(headers or {})},
+                           json=body if body is not None else None)
+
+
+def _domain(ctx: DrillContext) -> str:
+    domain = _plant(ctx).access.e2b_domain
+    if domain is None:
+        raise RuntimeError("this target's E2B surface has no domain")
+    return domain
+
+
+def _domain_mismatch(ctx: DrillContext) -> Outcome:
+    """``Host`` names one sandbox (or port), the ``E2b-Sandbox-*`` headers another: refused
+    400, rather than routed by either."""
+    plant, domain = _plant(ctx), _domain(ctx)
+    a, a2 = plant.sandbox("a"), plant.sandbox("a2")
+    token = str(a["envdAccessToken"])
+    host = f"{ENVD_PORT}-{a['sandboxID']}.{domain}"
+    # The Host alone routes A's token to A: the listener is in domain mode.
+    control = _by_host(plant, host, "GET", "/health", headers={"X-Access-Token": token})
+    if control.status_code != 204:
+        return Outcome("error", f"the domain-mode listener does not route {host} with A's own "
+                       f"token, so this case proves nothing: {_shown(control)}",
+                       (Evidence("response", _shown(control)),))
+    answers = [
+        _by_host(plant, host, "GET", "/health", headers={
+            "X-Access-Token": token, "E2b-Sandbox-Id": str(a2["sandboxID"])}),
+        _by_host(plant, host, "POST", "/process.Process/List", body={}, headers={
+            "X-Access-Token": token, "E2b-Sandbox-Id": str(a2["sandboxID"]),
+            "Connect-Protocol-Version": "1"}),
+        _by_host(plant, host, "GET", "/health", headers={
+            "X-Access-Token": token, "E2b-Sandbox-Id": str(a["sandboxID"]),
+            "E2b-Sandbox-Port": str(JUPYTER_PORT)}),
+    ]
+    return _verdict([(r, r.status_code == 400) for r in answers],
+                    "400 when Host and E2b-Sandbox-Id/-Port disagree",
+                    (Evidence("response", f"control, Host {host} and A's token: "
+                                          f"{_shown(control)}"),),
+                    labels=["A's host, A2's id", "A's host, A2's id (RPC)",
+                            "A's host, port 49999 header"])
+
+
+def _domain_token_swap(ctx: DrillContext) -> Outcome:
+    plant, domain = _plant(ctx), _domain(ctx)
+    a = plant.sandbox("a")
+    token = str(a["envdAccessToken"])
+    answers, labels = [], []
+    for victim in ("a2", "b") if ctx.service and ctx.service.e2b_other_api_key else ("a2",):
+        host = f"{ENVD_PORT}-{plant.sandbox(victim)['sandboxID']}.{domain}"
+        for method, path, body in (("GET", "/health", None),
+                                   ("POST", "/filesystem.Filesystem/Stat", {"path": "/"})):
+            answers.append(_by_host(plant, host, method, path, body=body, headers={
+                "X-Access-Token": token, "Connect-Protocol-Version": "1"}))
+            labels.append(f"Host of {victim}")
+    return _verdict([(r, _unauthenticated(r)) for r in answers],
+                    "A's token on another sandbox's host name: 401", labels=labels)
+
+
+def _domain_hosts(ctx: DrillContext) -> Outcome:
+    plant, domain = _plant(ctx), _domain(ctx)
+    a = plant.sandbox("a")
+    token = {"X-Access-Token": str(a["envdAccessToken"])}
+    wrong = [f"{ENVD_PORT}-{a['sandboxID']}.evil.test",
+             f"{ENVD_PORT}-{a['sandboxID']}.{domain}.evil.test",
+             f"{ENVD_PORT}-{a['sandboxID']}.x{domain}", "evil.test"]
+    answers = [(_by_host(plant, host, "GET", "/health", headers=token), True) for host in wrong]
+    answers = [(r, _e2b_error(r, 421)) for r, _ in answers]
+    never = f"sbx-{_secrets.token_hex(6)}"
+    gone = _by_host(plant, f"{ENVD_PORT}-{never}.{domain}", "GET", "/health", headers=token)
+    answers.append((gone, gone.status_code == 502 and _body(gone) == {
+        "sandboxId": never, "message": _GONE_MESSAGE, "code": 502}))
+    return _verdict(answers, "421 for host names outside the domain; 502 not-found for an "
+                    "unknown sandbox's", labels=[*wrong, "an unknown sandbox's host"])
+
+
 CASES = [
     # Keys on the control plane.
     Case("e2b.wrong-key", "e2b", "call the E2B API with a well-formed key nobody issued",
@@ -723,4 +808,11 @@ CASES = [
          "claiming 1 GiB", "401 or 413 before the body", _oversized("files"), E2B),
     Case("e2b.host-rebinding", "e2b", "the E2B API and a sandbox's envd with Host: evil.test",
          "421 on both", _foreign_host, E2B),
+    # Domain mode.
+    Case("e2b.domain-host-header-mismatch", "e2b", "Host naming sandbox A, E2b-Sandbox-Id "
+         "(or -Port) naming another", "400, routed by neither", _domain_mismatch, DOMAIN),
+    Case("e2b.domain-token-swap", "e2b", "A's token on another sandbox's host name "
+         "(49983-<id>.<domain>)", "401", _domain_token_swap, DOMAIN),
+    Case("e2b.domain-foreign-hosts", "e2b", "host names that end like the domain but are not "
+         "in it, and an unknown sandbox's host", "421; 502 not-found", _domain_hosts, DOMAIN),
 ]
