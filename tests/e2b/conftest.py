@@ -70,14 +70,16 @@ class Served:
     proc: subprocess.Popen[bytes]
     log: Path
     scratch: Path  # HOME for clients; per-run temp files
+    host: str = "127.0.0.1"
+    domain: str | None = None  # domain mode (TLS on e2b_port)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def e2b_url(self) -> str:
-        return f"http://127.0.0.1:{self.e2b_port}"
+        return f"http://{self.host}:{self.e2b_port}"
 
     def audit(self, sandbox_id: str) -> list[dict[str, Any]]:
         """The sandbox's audit events (``sbx-`` or ``sbx_`` id), oldest first."""
@@ -110,7 +112,7 @@ def _wait_listening(served: Served, deadline_s: float = 30.0) -> None:
             f"corral serve exited ({served.proc.returncode}):\n{served.log_tail()}")
         try:
             if httpx.get(f"{served.url}/healthz", timeout=1).status_code == 200:
-                with socket.create_connection(("127.0.0.1", served.e2b_port), timeout=1):
+                with socket.create_connection((served.host, served.e2b_port), timeout=1):
                     return
         except (httpx.HTTPError, OSError):
             pass
@@ -119,19 +121,19 @@ def _wait_listening(served: Served, deadline_s: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def corral_serve(*serve_args: str, extra_env: dict[str, str] | None = None,
-                 e2b_port: int | None = None) -> Iterator[Served]:
-    """``corral serve --port P --e2b-port Q *serve_args`` in its own home; leaves nothing behind.
+def corral_serve(*serve_args: str, host: str = "127.0.0.1", e2b_port: int | None = None,
+                 domain: str | None = None, scratch: Path | None = None) -> Iterator[Served]:
+    """``corral serve --host H --port P --e2b-port Q *serve_args`` in its own home; leaves
+    nothing behind.
 
     The home is 0711 (pytest's tmp_path is 0700), so the sandboxes' uids can pass through it."""
     home = Path(tempfile.mkdtemp(prefix="corral-test-e2b-"))
     home.chmod(0o711)
-    scratch = Path(tempfile.mkdtemp(prefix="corral-test-e2b-client-"))
+    scratch = scratch or Path(tempfile.mkdtemp(prefix="corral-test-e2b-client-"))
     settings = Settings(home=home, uid_start=_UID_BASE + secrets.randbelow(900) * 10_000,
                         uid_count=10_000)
     env = {**os.environ, "CORRAL_HOME": str(home), "CORRAL_UID_START": str(settings.uid_start),
-           "CORRAL_UID_COUNT": str(settings.uid_count), "CORRAL_E2B_TEMPLATES": _TEMPLATES,
-           **(extra_env or {})}
+           "CORRAL_UID_COUNT": str(settings.uid_count), "CORRAL_E2B_TEMPLATES": _TEMPLATES}
     keys: dict[str, str] = {}
     for tenant in ("alpha", "beta"):
         _corral(env, "tenants", "add", tenant, "--max-sandboxes", "12",
@@ -144,10 +146,10 @@ def corral_serve(*serve_args: str, extra_env: dict[str, str] | None = None,
     try:
         with log.open("wb") as sink:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "corral", "serve", "--port", str(port),
+                [sys.executable, "-m", "corral", "serve", "--host", host, "--port", str(port),
                  "--e2b-port", str(q), *serve_args],
                 env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-        served = Served(home, port, q, keys, proc, log, scratch)
+        served = Served(home, port, q, keys, proc, log, scratch, host, domain)
         _wait_listening(served)
         yield served
     finally:
@@ -217,10 +219,14 @@ class ClientRun:
 
 
 def _sdk_env(served: Served, key: str, extra: dict[str, str] | None) -> dict[str, str]:
-    return {"PATH": _BASE_PATH, "HOME": str(served.scratch), "LANG": "C.UTF-8",
-            "E2B_API_KEY": key, "E2B_API_URL": served.e2b_url,
-            "E2B_SANDBOX_URL": served.e2b_url, "E2B_DOMAIN": "corral.invalid",
-            "E2B_CONNECTION_RETRIES": "0", **(extra or {})}
+    env = {"PATH": _BASE_PATH, "HOME": str(served.scratch), "LANG": "C.UTF-8",
+           "E2B_API_KEY": key, "E2B_CONNECTION_RETRIES": "0"}
+    if served.domain is None:  # URL mode; the domain is a fail-safe that never resolves
+        env |= {"E2B_API_URL": served.e2b_url, "E2B_SANDBOX_URL": served.e2b_url,
+                "E2B_DOMAIN": "corral.invalid"}
+    else:
+        env["E2B_DOMAIN"] = served.domain
+    return env | (extra or {})
 
 
 def node_problem() -> str | None:
