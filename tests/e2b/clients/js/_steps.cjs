@@ -6,6 +6,17 @@
 const STEP_MS = 40000
 const ATTRS = ['exitCode', 'stdout', 'stderr', 'error']
 
+// SDK objects (a Sandbox, a handle) are not results: report their class, never their fields
+// (they hold access tokens).
+function plain(value) {
+  if (value === undefined) return null
+  if (value && typeof value === 'object' && !Array.isArray(value) &&
+      Object.getPrototypeOf(value) !== Object.prototype) {
+    return `<${value.constructor ? value.constructor.name : 'object'}>`
+  }
+  return value
+}
+
 function emit(record) {
   process.stdout.write(JSON.stringify(record) + '\n')
 }
@@ -22,17 +33,18 @@ function bases(err) {
 
 async function step(name, fn, ms = STEP_MS) {
   let timer
+  const started = Date.now()
   const overrun = new Promise((_, reject) => {
     timer = setTimeout(() => reject(new Error(`step took longer than ${ms} ms`)), ms)
   })
   try {
     const value = await Promise.race([fn(), overrun])
-    emit({ step: name, value: value === undefined ? null : value })
+    emit({ step: name, value: plain(value), ms: Date.now() - started })
     return value
   } catch (err) {
     const attrs = {}
     for (const a of ATTRS) if (err && err[a] !== undefined) attrs[a] = err[a]
-    emit({ step: name, error: (err && err.constructor && err.constructor.name) || 'Error',
+    emit({ step: name, ms: Date.now() - started, error: (err && err.constructor && err.constructor.name) || 'Error',
            bases: err ? bases(err) : [], message: String(err && err.message).slice(0, 2000),
            attrs, trace: String(err && err.stack).slice(0, 3000) })
     return undefined
@@ -43,6 +55,8 @@ async function step(name, fn, ms = STEP_MS) {
 
 function done() {
   emit({ done: true })
+  // The SDKs' keep-alive agents would hold the event loop open for a minute.
+  process.exit(0)
 }
 
 module.exports = { step, done }

@@ -13,6 +13,7 @@ import base64
 import json
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,9 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    return repr(value)
+    # SDK objects (a Sandbox, a handle) are not results: their class only, never their fields
+    # (they hold access tokens).
+    return f"<{type(value).__name__}>"
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -53,6 +56,7 @@ def emit(record: dict[str, Any]) -> None:
 def step(name: str, fn: Callable[[], Any], *, seconds: int = STEP_SECONDS) -> Any:
     """Runs ``fn``, prints its record, returns its value (None when it raised)."""
     signal.alarm(seconds)
+    started = time.monotonic()
     try:
         value = fn()
     except BaseException as exc:  # noqa: BLE001 - every failure is a result to report
@@ -60,13 +64,15 @@ def step(name: str, fn: Callable[[], Any], *, seconds: int = STEP_SECONDS) -> An
         if isinstance(exc, KeyboardInterrupt):
             raise
         attrs = {a: jsonable(getattr(exc, a)) for a in _ATTRS if hasattr(exc, a)}
-        emit({"step": name, "error": type(exc).__name__,
+        emit({"step": name, "ms": round((time.monotonic() - started) * 1000),
+              "error": type(exc).__name__,
               "bases": [c.__name__ for c in type(exc).__mro__[1:]],
               "message": str(exc)[:2000], "attrs": attrs,
               "trace": traceback.format_exc()[-3000:]})
         return None
     signal.alarm(0)
-    emit({"step": name, "value": jsonable(value)})
+    emit({"step": name, "value": jsonable(value),
+          "ms": round((time.monotonic() - started) * 1000)})
     return value
 
 
