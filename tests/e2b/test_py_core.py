@@ -162,7 +162,9 @@ def test_streaming_callbacks(commands: ClientRun) -> None:
 
 def test_timeout_kills(commands: ClientRun, served: Served) -> None:
     got = commands.value("timeout")
-    assert got["error"] == "TimeoutException" and got["seconds"] < 5, got
+    # 2.20.3 and older surface httpx's own ReadTimeout (a TimeoutException too) at the deadline.
+    assert "TimeoutException" in [got["error"], *got.get("bases", [])], got
+    assert got["seconds"] < 5, got
     assert got["left"] == []  # the process is gone, not just the stream
     assert _finished(served, commands.value("id"), "overslept")["exit_code"] != 0
 
