@@ -107,7 +107,7 @@ def test_watch_dir(watch_code: ClientRun) -> None:
 def test_run_code(watch_code: ClientRun) -> None:
     assert watch_code.value("first_cell")["error"] is None
     assert watch_code.value("state_kept")["text"] == "2"
-    assert watch_code.value("stdout")["stdout"] == ["to out\n"]
+    assert "".join(watch_code.value("stdout")["stdout"]) == "to out\n"
     assert watch_code.value("zero_division")["error"]["name"] == "ZeroDivisionError"
     assert any("png" in f for f in watch_code.value("png")["formats"])
     assert watch_code.value("contexts") == {"text": "5", "listed": True}
