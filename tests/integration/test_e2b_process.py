@@ -1,7 +1,7 @@
-"""envd's process.Process service on the wire, as the E2B SDKs speak it (E2B-COMPAT §6, §7, §9):
-Connect-JSON envelopes over real HTTP/1.1 (uvicorn on loopback, so streams stream), against real
-sandboxes. No SDK here: the requests are the SDKs' exact shapes, and the framing is checked
-byte for byte where the SDKs depend on it."""
+"""envd's process.Process service on the wire, as the E2B SDKs speak it (E2B-COMPAT §6, §7,
+§9): Connect-JSON envelopes over real HTTP/1.1 (the E2B app under uvicorn on loopback, so
+streams stream), against real sandboxes. No SDK here: the requests are the SDKs' exact shapes,
+and the framing is checked byte for byte where the SDKs depend on it."""
 
 from __future__ import annotations
 
@@ -16,14 +16,12 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from starlette.applications import Starlette
-from starlette.types import Receive, Scope, Send
 
 from corral import read_audit
 from corral._control.manager import Manager
-from corral._control.tenants import local_tenant
-from corral._e2b import ids, process
-from corral._e2b.target import ENVD_PORT, SCOPE_KEY, SandboxTarget
+from corral._e2b import ids
+from corral._e2b.app import create_e2b_app
+from corral._e2b.target import ENVD_PORT
 
 from .servers import free_port
 
@@ -34,34 +32,15 @@ KEEPALIVE_FRAME = b"\x00\x00\x00\x00\x1a" + b'{"event":{"keepalive":{}}}'
 END_STREAM_OK = b"\x02\x00\x00\x00\x02{}"
 
 
-def _resolving(app: Starlette, manager: Manager) -> Any:
-    """The envd routes behind a stand-in for the E2B app's resolution: the sandbox named by
-    E2b-Sandbox-Id, already authenticated (auth is the app's, tested with it)."""
-
-    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            e2b_id = headers.get(b"e2b-sandbox-id", b"").decode()
-            sandbox_id = ids.from_e2b(e2b_id) or ""
-            scope[SCOPE_KEY] = SandboxTarget(
-                sandbox_id=sandbox_id, e2b_id=e2b_id, owner=local_tenant(), port=ENVD_PORT,
-                envd_token="unused", authenticated=True)
-        await app(scope, receive, send)
-
-    return asgi
-
-
 class _Envd:
-    """uvicorn in a thread, on loopback, serving the process routes."""
+    """The E2B app (``corral serve --e2b-port``'s) under uvicorn in a thread, on loopback."""
 
     def __init__(self, manager: Manager) -> None:
-        app = Starlette(routes=process.routes)
-        app.state.manager = manager
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = int(self.url.rsplit(":", 1)[1])
+        self.app = create_e2b_app(manager)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self._server = uvicorn.Server(uvicorn.Config(
-            _resolving(app, manager), host="127.0.0.1", port=port, log_level="warning",
-            lifespan="off"))
+            self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self) -> _Envd:
@@ -75,6 +54,7 @@ class _Envd:
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+        self.app.e2b.close()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +76,7 @@ def sbx(manager: Manager) -> Iterator[str]:
 @pytest.fixture
 def client(envd: _Envd, sbx: str) -> Iterator[httpx.Client]:
     headers = {"E2b-Sandbox-Id": ids.to_e2b(sbx), "E2b-Sandbox-Port": str(ENVD_PORT),
-               "X-Access-Token": "unused", "connect-protocol-version": "1"}
+               "X-Access-Token": envd.app.tokens.envd(sbx), "connect-protocol-version": "1"}
     with httpx.Client(base_url=envd.url, headers=headers, timeout=30) as c:
         yield c
 
@@ -452,3 +432,14 @@ def test_pty_echo_resize_and_ctrl_d(client: httpx.Client) -> None:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def test_another_sandboxs_token_opens_no_process(client: httpx.Client, envd: _Envd,
+                                                  manager: Manager) -> None:
+    other = manager.create(timeout=60).id
+    try:
+        response = client.post("/process.Process/List", json={},
+                               headers={"X-Access-Token": envd.app.tokens.envd(other)})
+    finally:
+        manager.destroy(other)
+    assert response.status_code == 401 and response.json()["code"] == "unauthenticated"
