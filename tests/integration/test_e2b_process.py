@@ -64,8 +64,9 @@ def envd(manager: Manager) -> Iterator[_Envd]:
 
 
 @pytest.fixture
-def sbx(manager: Manager) -> Iterator[str]:
-    info = manager.create(timeout=300)
+def sbx(manager: Manager, isolation: str) -> Iterator[str]:
+    """A sandbox of each tier in turn: /home/user, PTYs and kills are each tier's own."""
+    info = manager.create(timeout=300, isolation=isolation)
     yield info.id
     try:
         manager.destroy(info.id)
@@ -304,11 +305,22 @@ def test_json_only_application_proto_is_415(client: httpx.Client) -> None:
 # -- background processes ---------------------------------------------------------------------
 
 
-def test_background_cat_survives_disconnect_and_takes_input(client: httpx.Client) -> None:
-    stream = Stream(client, "Start", {"process": {"cmd": "/bin/bash",
-                                                  "args": ["-l", "-c", "cat"]}, "tag": "pet"})
-    pid = stream.wait_for(lambda e: bool(e))[0]["start"]["pid"]
-    stream.close()  # the SDK's disconnect(): the process lives on
+def test_background_cat_survives_disconnect_and_takes_input(
+        client: httpx.Client, manager: Manager, sbx: str) -> None:
+    body = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "cat"]}, "tag": "pet"}
+    # Read on this thread only: a socket closed while another thread reads it is not closed
+    # until that read returns, and the server would never see the disconnect.
+    with client.stream("POST", "/process.Process/Start", content=envelope(body),
+                       headers={"content-type": STREAM}) as response:
+        first = next(response.iter_raw())
+    # Leaving the block closed the connection: the SDK's disconnect(). The process lives on.
+    pid = json.loads(frames(first)[0][1])["event"]["start"]["pid"]
+    table_entry = manager.processes.find(sbx, pid=pid)
+    deadline = time.monotonic() + 10
+    while table_entry._watchers and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not table_entry._watchers, "the server kept following a stream nobody reads"
+    assert table_entry.state == "running"
 
     listed = unary(client, "List", {}).json()["processes"]
     mine = [p for p in listed if p["pid"] == pid]
