@@ -19,6 +19,7 @@ import uvicorn
 
 from corral import read_audit
 from corral._control.manager import Manager
+from corral._control.tenants import TenantDirectory
 from corral._e2b import ids
 from corral._e2b.app import create_e2b_app
 from corral._e2b.target import ENVD_PORT
@@ -455,3 +456,20 @@ def test_another_sandboxs_token_opens_no_process(client: httpx.Client, envd: _En
     finally:
         manager.destroy(other)
     assert response.status_code == 401 and response.json()["code"] == "unauthenticated"
+
+
+def test_starts_count_against_the_owners_commands_per_minute(envd: _Envd,
+                                                             manager: Manager) -> None:
+    tenant = TenantDirectory(manager.store).add_tenant(
+        "e2bquota", max_sandboxes=2, tiers=["small"], commands_per_minute=2)
+    sandbox_id = manager.create(timeout=60, tenant=tenant.name, caller=tenant).id
+    headers = {"E2b-Sandbox-Id": ids.to_e2b(sandbox_id),
+               "X-Access-Token": envd.app.tokens.envd(sandbox_id)}
+    try:
+        with httpx.Client(base_url=envd.url, headers=headers, timeout=30) as owner:
+            assert [start(owner, "true").status_code for _ in range(2)] == [200, 200]
+            refused = start(owner, "true")
+    finally:
+        manager.destroy(sandbox_id)
+    assert refused.status_code == 429
+    assert refused.json()["code"] == "resource_exhausted"
