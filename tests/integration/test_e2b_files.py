@@ -361,6 +361,7 @@ def test_watch_dir_streams_what_a_command_does(app: E2BApp, manager: Manager,
 def test_watch_dir_refuses_a_missing_dir_and_a_file(app: E2BApp, manager: Manager,
                                                     sandbox: SandboxInfo) -> None:
     manager.files(sandbox.id).write("/workspace/plain.txt", b"x")
+    manager.run(sandbox.id, "ln -s /etc /workspace/etc-link && ln -s . /workspace/self")
 
     async def scenario() -> None:
         async with _client(app) as client:
@@ -374,6 +375,12 @@ def test_watch_dir_refuses_a_missing_dir_and_a_file(app: E2BApp, manager: Manage
             r = await _rpc(client, _headers(app, sandbox), "CreateWatcher",
                            {"path": "/home/user/nope"})
             assert r.status_code == 404 and r.json()["code"] == "not_found"
+            # A link never carries a watch: not out of the workspace, not even inside it.
+            for link in ("/home/user/etc-link", "/home/user/self"):
+                r = await client.post("/filesystem.Filesystem/WatchDir", headers=h,
+                                      content=envelope({"path": link}))
+                assert r.status_code in (400, 403), r.text
+                assert r.json()["code"] in ("permission_denied", "invalid_argument")
 
     asyncio.run(scenario())
 

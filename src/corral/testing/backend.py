@@ -183,6 +183,7 @@ class MemoryFS:
             node = self._nodes.get(here)
             if node is None:
                 self._nodes[here] = _Node("dir", mode=0o755)
+                self._notify(here, "create")
             elif node.kind != "dir":
                 raise FileError(f"a component of {_shown(rel)} is not a directory")
 
