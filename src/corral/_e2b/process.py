@@ -212,7 +212,7 @@ def _cwd(manager: Manager, target: SandboxTarget, cwd: str | None) -> str:
 
 
 def _start(manager: Manager, target: SandboxTarget, message: Message,
-           timeout: float | None) -> BackgroundProcess:
+           timeout: float | None, sandbox_envs: Mapping[str, str]) -> BackgroundProcess:
     argv, envs, cwd = _config(message)
     pty = _pty_size(message)
     tag = message.get("tag")
@@ -223,8 +223,9 @@ def _start(manager: Manager, target: SandboxTarget, message: Message,
     if stdin is not None and not isinstance(stdin, bool):
         raise ConnectError("invalid_argument", "stdin must be true or false")
     run_in = _cwd(manager, target, cwd)
-    # envd's environment: PATH (the sandbox's), HOME and USER of the user, then the request's.
-    environment = {"HOME": paths.HOME, "USER": _USER, **envs}
+    # envd's environment: PATH (the sandbox's), HOME and USER of the user, the sandbox's
+    # envVars from create, then the request's.
+    environment = {"HOME": paths.HOME, "USER": _USER, **sandbox_envs, **envs}
     try:
         process = manager.processes.start(
             target.sandbox_id, argv, envs=environment, cwd=run_in, context=_CONTEXT,
@@ -303,7 +304,8 @@ async def _start_stream(message: Message, request: Request) -> AsyncIterator[Mes
     requested_user(request.headers.get("authorization"))
     timeout = timeout_of(request.headers.get("connect-timeout-ms"))
     try:
-        process = await run_in_threadpool(_start, manager, target, message, timeout)
+        process = await run_in_threadpool(_start, manager, target, message, timeout,
+                                          request.app.state.e2b.envs(target.sandbox_id))
     except CommandError as exc:
         raise ConnectError("invalid_argument", exc.message) from None
     async for event in _follow(manager, target, process, 0):
