@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     home.chmod(0o711)  # the sandboxes' uids pass through it
     settings = Settings(home=home, uid_start=UID_START, uid_count=1000)
     env = {**os.environ, "CORRAL_HOME": str(home), "CORRAL_UID_START": str(UID_START),
-           "CORRAL_UID_COUNT": "1000", "PYTHONPATH": str(SRC),
+           "CORRAL_UID_COUNT": "1000", "PYTHONPATH": os.environ.get("PYTHONPATH") or str(SRC),
            "CORRAL_E2B_TEMPLATES": "code-interpreter-v1=base"}
     for name in ("CORRAL_URL", "CORRAL_API_KEY"):
         env.pop(name, None)
