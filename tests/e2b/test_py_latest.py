@@ -1,5 +1,6 @@
-"""PTY, watch, code interpreter and security through the latest Python SDKs (E2B-COMPAT.md §12
-scenarios 4-7, URL mode), asserted on the SDK's results and on Corral's audit trail."""
+"""PTY, watch, code interpreter (also mid) and security through the latest Python SDKs
+(E2B-COMPAT.md §12 scenarios 4-7, URL mode), asserted on the SDK's results and on Corral's audit
+trail."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ def pty_watch(served: Served) -> ClientRun:
     return run_client(served, "latest", "pty_watch.py")
 
 
-@pytest.fixture(scope="module")
-def interp(served: Served) -> ClientRun:
-    return run_client(served, "latest", "interpreter.py", timeout=300)
+@pytest.fixture(scope="module", params=["latest", "mid"])
+def interp(served: Served, request: pytest.FixtureRequest) -> ClientRun:
+    """latest, and mid (e2b-code-interpreter 2.9.0: the first that honours E2B_SANDBOX_URL and
+    sends only the traffic token to /contexts, E2B-COMPAT.md §8.2)."""
+    return run_client(served, str(request.param), "interpreter.py", timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ async function main() {
   await step('kill_again', () => Sandbox.kill(id))
   await step('killed_get_info', () => Sandbox.getInfo(id))
   await step('killed_rpc', () => sb.commands.run('true'))
-  await step('bad_key_create', () => Sandbox.create({ apiKey: 'e2b_' + '0'.repeat(40) }))
+  await step('bad_key_create', () => Sandbox.create({ apiKey: 'e2b_' + '0'.repeat(48) }))
   await step('kill_second', () => other.kill())
   done()
 }
