@@ -75,8 +75,13 @@ def test_watch_async_stream(pty_watch: ClientRun) -> None:
 def test_state_across_cells(interp: ClientRun, served: Served) -> None:
     assert interp.value("first_cell")["error"] is None
     assert interp.value("state_kept")["text"] == "2"
-    assert events_of(served, interp.value("id"), "command.started"), (
-        "the kernel's start is not in the audit trail")
+    sid = interp.value("id")
+    assert events_of(served, sid, "command.started"), "the kernel's start is not audited"
+    # Each cell lands in the same trail as a native run_code: code.started, code.finished.
+    cells = [e["data"]["code"] for e in events_of(served, sid, "code.started")]
+    assert "x = 1" in cells and "x + 1" in cells and "1/0" in cells
+    failed = [e["data"] for e in events_of(served, sid, "code.finished") if e["data"]["error"]]
+    assert any(d["error"]["name"] == "ZeroDivisionError" for d in failed)
 
 
 def test_streams(interp: ClientRun) -> None:
@@ -147,4 +152,9 @@ def test_keys_and_tenants(security: ClientRun) -> None:
 def test_network_refused_by_default(security: ClientRun) -> None:
     for name, got in security.value("network_default").items():
         assert got["exit_code"] not in (0, None), (name, got)
+    asked = security.value("network_asked")
+    if asked["created"]:
+        assert asked["stdout"].endswith("refused\n"), asked
+    else:
+        assert asked["message"], asked  # refused, and it says why
     assert security.value("kill_a") is True and security.value("kill_b") is True

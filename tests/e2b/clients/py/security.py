@@ -83,6 +83,23 @@ def network() -> dict[str, object]:
 
 
 step("network_default", network)
+
+
+def internet_asked() -> dict[str, object]:
+    """allow_internet_access=True (every old SDK sends it) never means raw internet: either the
+    create is refused, or the sandbox still cannot reach out."""
+    try:
+        c = Sandbox.create(timeout=60, allow_internet_access=True)
+    except Exception as exc:  # noqa: BLE001 - a clear refusal is one of the right answers
+        return {"created": False, "error": type(exc).__name__, "message": str(exc)[:300]}
+    try:
+        r = c.commands.run("curl -sS -m 5 -o /dev/null http://example.com/ || echo refused")
+        return {"created": True, "stdout": r.stdout, "stderr": r.stderr[:300]}
+    finally:
+        c.kill()
+
+
+step("network_asked", internet_asked)
 step("kill_a", lambda: a.kill())
 step("kill_b", lambda: b.kill())
 done()
