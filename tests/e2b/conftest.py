@@ -135,15 +135,15 @@ def corral_serve(*serve_args: str, host: str = "127.0.0.1", e2b_port: int | None
     env = {**os.environ, "CORRAL_HOME": str(home), "CORRAL_UID_START": str(settings.uid_start),
            "CORRAL_UID_COUNT": str(settings.uid_count), "CORRAL_E2B_TEMPLATES": _TEMPLATES}
     keys: dict[str, str] = {}
-    for tenant in ("alpha", "beta"):
-        _corral(env, "tenants", "add", tenant, "--max-sandboxes", "12",
-                "--commands-per-minute", "100000")
-        created = json.loads(_corral(env, "keys", "create", tenant, "--e2b", "--json"))
-        keys[tenant] = created["key"]
-    port, q = free_port(), e2b_port or free_port()
-    log = scratch / "serve.log"
     proc = None
     try:
+        for tenant in ("alpha", "beta"):
+            _corral(env, "tenants", "add", tenant, "--max-sandboxes", "12",
+                    "--commands-per-minute", "100000")
+            created = json.loads(_corral(env, "keys", "create", tenant, "--e2b", "--json"))
+            keys[tenant] = created["key"]
+        port, q = free_port(), e2b_port or free_port()
+        log = scratch / "serve.log"
         with log.open("wb") as sink:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "corral", "serve", "--host", host, "--port", str(port),
@@ -161,11 +161,24 @@ def corral_serve(*serve_args: str, host: str = "127.0.0.1", e2b_port: int | None
                 proc.kill()
                 proc.wait()
         # Whatever the clients left (a failed script never reaches its kill): destroyed here,
-        # with the instance's cgroups, netns pins and mounts.
+        # with the instance's cgroups, netns pins and mounts; then checked gone.
         with managed(settings):
             pass
+        left = leftovers(settings)
         shutil.rmtree(home, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
+    assert not left, f"corral serve left these behind: {left}"
+
+
+def leftovers(settings: Settings) -> list[str]:
+    """Host-wide traces of this home's instance (cgroups, netns pins, mounts)."""
+    tag = f"corral-{settings.instance}"
+    found = [str(h / tag) for h in Path("/sys/fs/cgroup").iterdir() if (h / tag).exists()]
+    if settings.run_dir.exists():
+        found += [str(p) for p in settings.run_dir.iterdir() if p.name.startswith(tag)]
+    with open("/proc/mounts") as f:
+        found += [line.strip() for line in f if str(settings.home) in line]
+    return found
 
 
 @pytest.fixture(scope="session")
