@@ -43,7 +43,8 @@ class CommandRunner(Protocol):
             context: Mapping[str, Any] | None, interactive: bool,
             on_start: Callable[[ProcessIO], None] | None, lifetime: bool,
             command_id: str | None, on_stdout: OutputCallback | None,
-            on_stderr: OutputCallback | None) -> CommandResult: ...
+            on_stderr: OutputCallback | None,
+            stream_past_limit: bool = False) -> CommandResult: ...
 
     def kill(self, sandbox_id: str, command_id: str) -> None: ...
 
@@ -154,9 +155,14 @@ class ProcessTable:
     def start(self, sandbox_id: str, cmd: str | Sequence[str], *,
               envs: Mapping[str, str] | None = None, cwd: str | None = None,
               context: Mapping[str, Any] | None = None,
-              caller: Tenant | None = None) -> BackgroundProcess:
+              caller: Tenant | None = None,
+              stream_past_limit: bool = False) -> BackgroundProcess:
         """Start ``cmd`` in the background; with ``caller``, it counts against its commands
-        per minute like any command (counted here, before the thread starts)."""
+        per minute like any command (counted here, before the thread starts).
+
+        ``stream_past_limit``: the tier's output limit caps the result only, not what this
+        table receives (kept in its rolling window): for a kernel, whose protocol must not
+        be cut after the tier's few MiB over a long life."""
         checked_id = self._runner.admit_background(sandbox_id, caller)
         argv = [cmd] if isinstance(cmd, str) else list(cmd)
         process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=checked_id,
@@ -169,7 +175,8 @@ class ProcessTable:
                     sandbox_id, cmd, envs=envs, cwd=cwd, context=context, interactive=True,
                     on_start=process._started, lifetime=True, command_id=process.command_id,
                     on_stdout=lambda text: process._feed("stdout", text),
-                    on_stderr=lambda text: process._feed("stderr", text))
+                    on_stderr=lambda text: process._feed("stderr", text),
+                    stream_past_limit=stream_past_limit)
                 process._finished(result, None)
             except CorralError as exc:
                 process._finished(None, f"{exc.code}: {exc.message}")
