@@ -27,6 +27,7 @@ from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .commands import Commands
 from .egress import EgressBroker, NetworkSpec
 from .files import AuditedFiles, Files
+from .interpreter import Interpreter
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .processes import EmbeddedProcessAPI, ProcessTable
@@ -81,6 +82,8 @@ class Manager:
                                  layers=layers, auditor=self.auditor)
         self.file_access = Files(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor)
+        self.interpreter = Interpreter(sandboxes=self.sandboxes, processes=self.processes,
+                                       auditor=self.auditor)
 
     # -- start-up and backends ------------------------------------------------------------------
 

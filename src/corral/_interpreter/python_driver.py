@@ -381,6 +381,10 @@ def main():
         os.chdir(sys.argv[1])
     sys.path.insert(0, os.getcwd())  # -I drops the cwd; a kernel imports the user's modules
     os.environ.setdefault("MPLBACKEND", "module://" + _InlineBackend.name)
+    # Debian's matplotlib reads /etc/matplotlibrc, which a template built on the host's /usr
+    # alone (base) lacks; the packaged copy under /usr is the same file.
+    if "MATPLOTLIBRC" not in os.environ and not os.path.exists("/etc/matplotlibrc"):
+        os.environ["MATPLOTLIBRC"] = "/usr/share/matplotlib/mpl-data"
     sys.meta_path.append(_InlineBackend())
     forwarder = _Forwarder()
     _FORWARDER.append(forwarder)
