@@ -50,6 +50,7 @@ __all__ = [
     "Interpreter",
     "OutputEvent",
     "ResultEvent",
+    "event_line",
     "normalize_language",
 ]
 
@@ -96,6 +97,23 @@ class EndEvent:
 
 CodeEvent = OutputEvent | ResultEvent | ErrorEvent | CountEvent | EndEvent
 EventCallback = Callable[[CodeEvent], None]
+
+
+def event_line(event: CodeEvent) -> dict[str, Any]:
+    """One event as the native NDJSON stream carries it (``POST /v1/sandboxes/{id}/code``):
+    ``stdout``/``stderr`` {text, timestamp}, ``result`` {is_main_result, data},
+    ``execution_error`` {name, value, traceback}, ``execution_count`` {execution_count},
+    ``end``. The SDK's transports, embedded too, parse these same dicts (``_sdk._wire``)."""
+    if isinstance(event, OutputEvent):
+        return {"type": event.stream, "text": event.text, "timestamp": event.timestamp}
+    if isinstance(event, ResultEvent):
+        return {"type": "result", "is_main_result": event.is_main_result, "data": event.data}
+    if isinstance(event, ErrorEvent):
+        return {"type": "execution_error", "name": event.name, "value": event.value,
+                "traceback": event.traceback}
+    if isinstance(event, CountEvent):
+        return {"type": "execution_count", "execution_count": event.execution_count}
+    return {"type": "end"}
 
 
 def normalize_language(language: str | None) -> str:
