@@ -57,6 +57,9 @@ class Settings(BaseSettings):
             ``localhost``, ``127.0.0.1`` and ``[::1]`` (comma-separated ``host`` or
             ``host:port``); other ``Host`` headers get 421, other browser Origins 403.
             ``CORRAL_SERVER_HOST_NAMES``.
+        e2b_templates: E2B template names and the Corral templates they stand for, over the
+            defaults ``base=base,code-interpreter-v1=code-interpreter`` (comma-separated
+            ``NAME=TEMPLATE``). ``CORRAL_E2B_TEMPLATES``.
         server_allow_keyless: serve keyless on loopback even though API keys once existed
             (all are revoked). Dangerous: any local process, and any web page that reaches
             loopback, may then run code. ``CORRAL_SERVER_ALLOW_KEYLESS``.
@@ -84,6 +87,7 @@ class Settings(BaseSettings):
     ceiling_max_lifetime_s: int | None = Field(default=None, ge=1)
     server_host_names: str = ""
     server_allow_keyless: bool = False
+    e2b_templates: str = ""
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

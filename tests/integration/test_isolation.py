@@ -314,14 +314,14 @@ def test_host_secrets_are_not_visible(sandbox: Sandbox, isolation: str) -> None:
     assert Path("/etc/shadow").exists()  # the host has one; the sandbox must not see it
     r = sandbox.commands.run(
         "cat /etc/shadow; cat /etc/gshadow; cat /proc/1/root/etc/shadow; cat /usr/../etc/shadow; "
-        "ls -la /root; cat /root/.bashrc; ls /home; ls /etc/ssh; ls /etc/ssl/private; "
+        "ls -la /root; cat /root/.bashrc; ls /etc/ssh; ls /etc/ssl/private; "
         "cat /proc/kcore | head -c 16 | wc -c; exit 0"
     )
     assert "root:" not in r.stdout
     assert "$" not in r.stdout.replace("\n", "")  # no password hash of any form
     assert r.stdout.strip() == "0", r.stdout  # only `wc -c` printed, and it counted nothing
     for path in ("/etc/shadow", "/etc/gshadow", "/proc/1/root/etc/shadow", "/root",
-                 "/root/.bashrc", "/home", "/etc/ssh", "/etc/ssl/private"):
+                 "/root/.bashrc", "/etc/ssh", "/etc/ssl/private"):
         refusals = ["No such file or directory"]
         if isolation == "gvisor" and path.startswith("/proc/1/root"):
             # gVisor refuses /proc/<pid>/root outright (EACCES, its ptrace-access check);
@@ -329,6 +329,10 @@ def test_host_secrets_are_not_visible(sandbox: Sandbox, isolation: str) -> None:
             refusals.append("Permission denied")
         assert any(f"{path}: {why}" in r.stderr or f"'{path}': {why}" in r.stderr
                    for why in refusals), f"{path} seems visible:\n{r.stderr}"
+    # /home holds only E2B's /home/user, which is the workspace again, not the host's homes.
+    r = sandbox.commands.run("ls -a /home; echo mark > /workspace/.home-probe; "
+                             "cat /home/user/.home-probe; rm /workspace/.home-probe")
+    assert r.stdout.split() == [".", "..", "user", "mark"], (r.stdout, r.stderr)
     # The user database is the sandbox's own, not the host's.
     r = sandbox.commands.run("getent passwd | cut -d: -f1")
     assert sorted(r.stdout.split()) == ["nobody", "root", "user"], r.stdout

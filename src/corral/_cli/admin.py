@@ -191,14 +191,18 @@ def keys() -> None:
 
 @keys.command(name="create")
 @click.argument("tenant")
+@click.option("--e2b", is_flag=True,
+              help="A key in the E2B SDKs' format (e2b_<hex>) for `corral serve --e2b-port`: "
+                   "set it as E2B_API_KEY. Same tenant, quotas and ceilings as any key.")
 @json_option
 @click.pass_context
 @handle_errors
-def keys_create(ctx: click.Context, tenant: str, as_json: bool) -> None:
+def keys_create(ctx: click.Context, tenant: str, e2b: bool, as_json: bool) -> None:
     """Create a key for TENANT and print it (it cannot be shown again)."""
     from .._control.manager import get_manager
 
-    key_id, key = TenantDirectory(get_manager(ctx.obj["settings"]).store).create_key(tenant)
+    key_id, key = TenantDirectory(get_manager(ctx.obj["settings"]).store).create_key(
+        tenant, e2b=e2b)
     if as_json:
         emit_json({"id": key_id, "tenant": tenant, "key": key})
     else:
@@ -211,7 +215,7 @@ def keys_create(ctx: click.Context, tenant: str, as_json: bool) -> None:
 @click.pass_context
 @handle_errors
 def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
-    """Revoke a key by its id (the 12 hex digits after ck_).
+    """Revoke a key by its id (the 12 hex digits after ck_, or e2b_ and the 12 after it).
 
     \b
     Example:
@@ -219,7 +223,8 @@ def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
     """
     from .._control.manager import get_manager
 
-    revoked = key_id.removeprefix("ck_")[:12]
+    revoked = (key_id[:16] if key_id.startswith("e2b_")
+               else key_id.removeprefix("ck_")[:12])
     if not get_manager(ctx.obj["settings"]).store.revoke_key(revoked):
         raise errors.UsageError(f"no live key with id {key_id!r}")
     if as_json:

@@ -54,19 +54,41 @@ def metrics(ctx: click.Context, as_json: bool) -> None:
                    "revoked. Dangerous: any local process, and any web page that reaches "
                    "loopback, can then run code here; without it the service keeps asking for "
                    "a key (CORRAL_SERVER_ALLOW_KEYLESS).")
+@click.option("--e2b-port", type=click.IntRange(1, 65535), default=None,
+              help="Also serve the E2B dialect on this port (same address): the official E2B "
+                   "SDKs work with E2B_API_URL and E2B_SANDBOX_URL set to http://HOST:PORT and "
+                   "a key from `corral keys create TENANT --e2b`.")
+@click.option("--e2b-domain", default=None, metavar="DOMAIN",
+              help="E2B domain mode: answer api.DOMAIN and <port>-<sandbox>.DOMAIN (for SDKs "
+                   "that only know E2B_DOMAIN); needs --e2b-tls-cert and --e2b-tls-key.")
+@click.option("--e2b-tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM certificate (chain) for api.DOMAIN and *.DOMAIN.")
+@click.option("--e2b-tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM private key of --e2b-tls-cert.")
 @click.pass_context
 @handle_errors
 def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
-          allow_keyless: bool | None) -> None:
-    """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics)."""
+          allow_keyless: bool | None, e2b_port: int | None, e2b_domain: str | None,
+          e2b_tls_cert: str | None, e2b_tls_key: str | None) -> None:
+    """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics), and with
+    --e2b-port the E2B dialect beside it."""
     from .._control.manager import get_manager
+    from .._server.serve import E2BListener
     from .._server.serve import serve as run_server
 
     settings: Settings = ctx.obj["settings"]
     names = [*settings.server_host_names.split(","), *host_names]
+    e2b = None
+    if e2b_port is not None:
+        e2b = E2BListener(port=e2b_port, domain=e2b_domain, tls_cert=e2b_tls_cert,
+                          tls_key=e2b_tls_key, templates=settings.e2b_templates)
+    elif e2b_domain or e2b_tls_cert or e2b_tls_key:
+        from ..errors import UsageError
+
+        raise UsageError("--e2b-domain and --e2b-tls-* need --e2b-port")
     run_server(get_manager(settings), host=host, port=port, host_names=names,
                allow_keyless=settings.server_allow_keyless if allow_keyless is None
-               else allow_keyless)
+               else allow_keyless, e2b=e2b)
 
 
 @click.command()

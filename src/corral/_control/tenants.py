@@ -37,6 +37,9 @@ __all__ = ["LOCAL_TENANT", "Admission", "Ceiling", "CommandWindows", "Tenant", "
 LOCAL_TENANT = "local"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _KEY_RE = re.compile(r"^ck_([0-9a-f]{12})_([A-Za-z0-9_-]{20,100})$")
+# The E2B SDKs check a key's format before sending it (``^e2b_[0-9a-f]+$``, E2B-COMPAT §3), so
+# keys for the E2B surface are 48 hex digits: the first 12 name the key, the rest is the secret.
+_E2B_KEY_RE = re.compile(r"^e2b_([0-9a-f]{12})([0-9a-f]{36})$")
 _FIELDS = ("hosts", "templates", "isolation", "resources", "secrets", "max_lifetime_s")
 
 
@@ -230,9 +233,13 @@ def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def new_key() -> tuple[str, str, str]:
-    """(key id, full key to hand out once, digest to store)."""
+def new_key(*, e2b: bool = False) -> tuple[str, str, str]:
+    """(key id, full key to hand out once, digest to store). ``e2b``: in the E2B SDKs' format
+    (its id is ``e2b_<12 hex>``, so it cannot collide with a Corral key's)."""
     key_id = secrets.token_hex(6)
+    if e2b:
+        secret = secrets.token_hex(18)
+        return f"e2b_{key_id}", f"e2b_{key_id}{secret}", _digest(secret)
     secret = secrets.token_urlsafe(24)
     return key_id, f"ck_{key_id}_{secret}", _digest(secret)
 
@@ -290,11 +297,12 @@ class TenantDirectory:
     def tenants(self) -> list[Tenant]:
         return [_tenant_of(row) for row in self._store.tenants()]
 
-    def create_key(self, tenant: str) -> tuple[str, str]:
-        """(key id, the key itself). The key is shown once; only its hash is kept."""
+    def create_key(self, tenant: str, *, e2b: bool = False) -> tuple[str, str]:
+        """(key id, the key itself). The key is shown once; only its hash is kept. ``e2b``:
+        a key for the E2B surface (``X-API-KEY: e2b_...``), with the same tenant and limits."""
         if self._store.tenant(tenant) is None:
             raise UsageError(f"no tenant named {tenant!r}; add it with `corral tenants add`")
-        key_id, key, digest = new_key()
+        key_id, key, digest = new_key(e2b=e2b)
         self._store.add_key(key_id, tenant, digest)
         return key_id, key
 
@@ -311,8 +319,27 @@ class TenantDirectory:
         match = _KEY_RE.match(token.strip()) if scheme.lower() == "bearer" else None
         if match is None:
             raise AuthError("malformed Authorization header; expected `Bearer ck_<id>_<secret>`")
-        found = self._store.key(match.group(1))
-        if found is None or not hmac.compare_digest(found[1], _digest(match.group(2))):
+        return self._tenant_of_key(match.group(1), match.group(2))
+
+    def authenticate_key(self, key: str | None) -> Tenant:
+        """The tenant of a bare key (the E2B surface's ``X-API-KEY``): an ``e2b_`` key, or a
+        Corral ``ck_`` key. Always required: the E2B surface has no keyless mode."""
+        if not key:
+            raise AuthError("an API key is required: send `X-API-KEY: e2b_...` (set "
+                            "E2B_API_KEY to a key from `corral keys create TENANT --e2b`)")
+        key = key.strip()
+        e2b = _E2B_KEY_RE.match(key)
+        if e2b is not None:
+            return self._tenant_of_key(f"e2b_{e2b.group(1)}", e2b.group(2))
+        corral = _KEY_RE.match(key)
+        if corral is not None:
+            return self._tenant_of_key(corral.group(1), corral.group(2))
+        raise AuthError("malformed API key; expected e2b_<48 hex digits> (`corral keys create "
+                        "TENANT --e2b`)")
+
+    def _tenant_of_key(self, key_id: str, secret: str) -> Tenant:
+        found = self._store.key(key_id)
+        if found is None or not hmac.compare_digest(found[1], _digest(secret)):
             raise AuthError("unknown or revoked API key")
         row = self._store.tenant(found[0])
         if row is None:

@@ -126,14 +126,23 @@ def _own_port(scope: Scope) -> int | None:
     return int(server[1]) if server and server[1] is not None else None
 
 
-async def _refuse(scope: Scope, send: Send, error: CorralError) -> None:
-    """Answer ``error`` as JSON; a WebSocket is refused before it is accepted."""
-    body = json.dumps({"error": error.code, "message": error.message}).encode()
+Render = Callable[[CorralError], tuple[int, bytes]]
+
+
+def _render(error: CorralError) -> tuple[int, bytes]:
+    return error.status, json.dumps({"error": error.code, "message": error.message}).encode()
+
+
+async def _refuse(scope: Scope, send: Send, error: CorralError,
+                  render: Render = _render) -> None:
+    """Answer ``error`` as JSON (``render`` gives status and body: another dialect's shape);
+    a WebSocket is refused before it is accepted."""
+    status, body = render(error)
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     if scope["type"] == "websocket":
         if "websocket.http.response" in scope.get("extensions", {}):
-            await send({"type": "websocket.http.response.start", "status": error.status,
+            await send({"type": "websocket.http.response.start", "status": status,
                         "headers": headers})
             await send({"type": "websocket.http.response.body", "body": body})
         else:  # the server cannot send a denial body: a close before accept is a 403
@@ -142,7 +151,7 @@ async def _refuse(scope: Scope, send: Send, error: CorralError) -> None:
         return
     # The body may still be on its way: close the connection rather than read it to the end.
     headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -190,9 +199,10 @@ class BodyLimit:
     """Refuse (413) a body over its limit: a declared length before reading, a streamed one
     as soon as it passes the limit (the route never sees more than ``limit`` bytes)."""
 
-    def __init__(self, app: ASGIApp, *, limits: BodyLimits) -> None:
+    def __init__(self, app: ASGIApp, *, limits: BodyLimits, render: Render = _render) -> None:
         self.app = app
         self.limits = limits
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -206,7 +216,7 @@ class BodyLimit:
 
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await _refuse(scope, send, error())
+            await _refuse(scope, send, error(), self.render)
             return
         seen = 0
         cut = False
@@ -230,7 +240,7 @@ class BodyLimit:
                 # Whatever the route made of the cut (a parse error, say), the answer is 413.
                 if not started:
                     started = True
-                    await _refuse(scope, send, error())
+                    await _refuse(scope, send, error(), self.render)
                 return
             started = started or message["type"] == "http.response.start"
             await send(message)
@@ -241,7 +251,7 @@ class BodyLimit:
             if not cut:
                 raise
             if not started:
-                await _refuse(scope, send, error())
+                await _refuse(scope, send, error(), self.render)
 
 
 class Authenticate:

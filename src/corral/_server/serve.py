@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -12,13 +15,60 @@ from .._control.recovery import Reaper
 from ..errors import ConfigError
 from .app import _is_loopback, create_app
 
-__all__ = ["Reaper", "serve"]
+__all__ = ["E2BListener", "Reaper", "serve"]
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class E2BListener:
+    """The E2B dialect's listener, beside the native API (``corral._e2b.app``)."""
+
+    port: int
+    domain: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    templates: str = ""
+
+
+class _Sibling(uvicorn.Server):
+    # The native server owns the process's signals; this one stops when it does.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _e2b_config(manager: Manager, listener: E2BListener, host: str,
+                host_names: Sequence[str]) -> uvicorn.Config:
+    from .._e2b.app import E2BConfig, create_e2b_app
+
+    if listener.domain and not (listener.tls_cert and listener.tls_key):
+        raise ConfigError("--e2b-domain needs --e2b-tls-cert and --e2b-tls-key: E2B's SDKs "
+                          "reach a domain over https only")
+    if bool(listener.tls_cert) != bool(listener.tls_key):
+        raise ConfigError("give both --e2b-tls-cert and --e2b-tls-key")
+    try:
+        config = E2BConfig.build(listen_host=host, host_names=host_names,
+                                 domain=listener.domain, templates=listener.templates)
+    except ValueError as exc:
+        raise ConfigError(f"E2B surface: {exc}") from exc
+    return uvicorn.Config(create_e2b_app(manager, config), host=host, port=listener.port,
+                          log_level="info", access_log=False, lifespan="on",
+                          ssl_certfile=listener.tls_cert, ssl_keyfile=listener.tls_key)
+
+
+async def _serve_both(native: uvicorn.Server, e2b: uvicorn.Server) -> None:
+    sibling = asyncio.create_task(e2b.serve())
+    try:
+        await native.serve()
+    finally:
+        e2b.should_exit = True
+        with contextlib.suppress(SystemExit, asyncio.CancelledError):
+            await sibling
+
+
 def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] = (),
-          allow_keyless: bool = False) -> None:
+          allow_keyless: bool = False, e2b: E2BListener | None = None) -> None:
     """Serve until interrupted. Raises ConfigError when exposure would be unauthenticated or a
     host name is malformed."""
     if not _is_loopback(host) and manager.store.live_key_count() == 0:
@@ -37,10 +87,16 @@ def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] =
     if allow_keyless and manager.store.live_key_count() == 0 and manager.store.keys_have_existed():
         logger.warning("serving keyless although API keys existed (--allow-keyless): any local "
                        "process may run code here")
+    e2b_config = None if e2b is None else _e2b_config(manager, e2b, host, host_names)
     manager.recover()
     reaper = Reaper(manager.recover)
     reaper.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+        if e2b_config is None:
+            uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+        else:
+            native = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                                   access_log=False))
+            asyncio.run(_serve_both(native, _Sibling(e2b_config)))
     finally:
         reaper.stop()

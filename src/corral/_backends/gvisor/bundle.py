@@ -44,9 +44,9 @@ __all__ = ["RUNTIME_UID_OFFSET", "build_config", "ensure_rootfs", "runtime_uid",
 
 RUNTIME_UID_OFFSET = 1 << 31
 _MAX_UID = 2**32 - 2  # (uid_t)-1 means "no change" to the kernel
-_ROOTFS_VERSION = "4"
+_ROOTFS_VERSION = "5"
 # Mount points every skeleton has, besides the template's own directories.
-_SKELETON_DIRS = ("etc", "proc", "dev", "sys", "tmp", "workspace")
+_SKELETON_DIRS = ("etc", "proc", "dev", "sys", "tmp", "workspace", "home", "home/user")
 # gVisor's /dev has these besides the usual null, zero, full, random, urandom, tty, ptmx and pts;
 # a command never needs them (mounting FUSE needs privileges it lacks), so an empty read-only
 # file is bound over each: less of gVisor's kernel within reach.
@@ -197,6 +197,8 @@ def build_config(
     ]
     if workspace is not None:
         mounts.append(_bind(workspace, "/workspace", writable=True))
+        # E2B's home: the same workspace, where E2B's SDKs and templates expect the user's files.
+        mounts.append(_bind(workspace, "/home/user", writable=True))
     network: dict[str, str] = {"type": "network"}
     if netns is not None:
         network["path"] = str(netns)

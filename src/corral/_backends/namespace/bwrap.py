@@ -78,6 +78,8 @@ def build_options(
     args += [
         "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
         "--bind", str(workspace), "/workspace",
+        # E2B's home: the same workspace, where E2B's SDKs and templates expect the user's files.
+        "--bind", str(workspace), "/home/user",
         "--remount-ro", "/",
         "--chdir", cwd,
         "--info-fd", str(fds.info),

@@ -1,0 +1,369 @@
+"""The E2B dialect's ASGI app: one listener for E2B's control plane and every sandbox's envd and
+code interpreter, over the same control-plane services as Corral's own API.
+
+Why a listener of its own (``corral serve --e2b-port``) rather than routes on Corral's: the E2B
+SDKs address the same host for two planes (``/health`` and ``/files`` mean a sandbox's envd there,
+not the service), every answer must be E2B-shaped (``{"code", "message"}``, Connect errors) down to
+an unknown path or a refused key, authentication is a different header (``X-API-KEY``, per-sandbox
+``X-Access-Token``), and domain mode needs TLS and wildcard host names while the native API stays
+plain on loopback. Same process, same Manager: tenancy, quotas, ceilings and audit are the
+control plane's, below both.
+
+Routing (E2B-COMPAT §2): a request is for a sandbox when it names one, by the ``E2b-Sandbox-Id``
+and ``E2b-Sandbox-Port`` headers (URL mode, SDK ≥ 2.7) or by ``Host: <port>-<id>.<domain>``
+(domain mode); anything else is the control plane (``api.<domain>`` in domain mode). A signed
+``/files`` URL names no sandbox in URL mode (P3): its signature does.
+
+Pure ASGI, no ``BaseHTTPMiddleware``: that buffers streaming responses (P17).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import State
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route, Router
+from starlette.types import Message, Receive, Scope, Send
+
+from .._control.manager import Manager
+from .._control.tenants import Tenant, TenantDirectory, local_tenant
+from .._server.guard import BodyLimit, BodyLimits, ServiceNames
+from ..errors import AuthError, CorralError, SandboxNotFound
+from . import control
+from .ids import from_e2b, to_e2b
+from .state import E2BState
+from .target import ENVD_PORT, JUPYTER_PORT, SCOPE_KEY, SandboxTarget
+from .tokens import SandboxTokens
+
+__all__ = ["E2BConfig", "E2BApp", "create_e2b_app"]
+
+logger = logging.getLogger(__name__)
+
+TENANT_KEY = "corral.e2b.tenant"
+_CONNECT_PATH = re.compile(r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
+_MAX_CONTROL_BODY = 1024 * 1024
+_MAX_RPC_BODY = 4 * 1024 * 1024
+_MAX_STREAM_INPUT = 64 * 1024 * 1024
+# /files uploads stream into the workspace, whose own size limit (ENOSPC → 507) is the bound.
+_MAX_UPLOAD = 64 * 1024 * 1024 * 1024
+
+
+def _parse_templates(text: str) -> dict[str, str]:
+    mapping: dict[str, str] = {}
+    for item in text.split(","):
+        name, eq, target = item.strip().partition("=")
+        if item.strip() and (not eq or not name.strip() or not target.strip()):
+            raise ValueError(f"{item.strip()!r} is not NAME=TEMPLATE")
+        if eq:
+            mapping[name.strip()] = target.strip()
+    return mapping
+
+
+DEFAULT_TEMPLATES = "base=base,code-interpreter-v1=code-interpreter"
+
+
+@dataclass(frozen=True, slots=True)
+class E2BConfig:
+    """How the surface is reached and what its names mean."""
+
+    listen_host: str = "127.0.0.1"
+    host_names: Sequence[str] = ()
+    domain: str | None = None  # domain mode: `api.<domain>`, `<port>-<id>.<domain>`
+    templates: Mapping[str, str] = field(
+        default_factory=lambda: _parse_templates(DEFAULT_TEMPLATES))
+
+    @classmethod
+    def build(cls, *, listen_host: str = "127.0.0.1", host_names: Sequence[str] = (),
+              domain: str | None = None, templates: str | None = None) -> E2BConfig:
+        """Raises ValueError naming what is malformed."""
+        if domain is not None:
+            domain = domain.strip().lower().rstrip(".")
+            if not re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+",
+                                domain):
+                raise ValueError(f"{domain!r} is not a DNS domain (e.g. sandbox.example.internal)")
+        mapping = _parse_templates(DEFAULT_TEMPLATES)
+        if templates:
+            mapping.update(_parse_templates(templates))
+        return cls(listen_host=listen_host, host_names=tuple(host_names), domain=domain,
+                   templates=mapping)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def _send_json(send: Send, status: int, body: Any,
+                     headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+        *headers]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def e2b_error(status: int, message: str) -> dict[str, Any]:
+    return {"code": status, "message": message}
+
+
+async def _refuse(scope: Scope, send: Send, status: int, message: str) -> None:
+    """An E2B-shaped refusal: Connect JSON on RPC paths, ``{"code","message"}`` elsewhere."""
+    if _CONNECT_PATH.fullmatch(scope.get("path", "")):
+        code = {401: "unauthenticated", 403: "permission_denied", 404: "not_found",
+                413: "resource_exhausted", 421: "invalid_argument", 429: "resource_exhausted",
+                502: "unavailable"}.get(status, "internal" if status >= 500 else
+                                        "invalid_argument")
+        await _send_json(send, status, {"code": code, "message": message})
+    else:
+        await _send_json(send, status, e2b_error(status, message))
+
+
+def _render_refusal(error: CorralError) -> tuple[int, bytes]:
+    return error.status, json.dumps(e2b_error(error.status, error.message)).encode()
+
+
+def _sandbox_gone(e2b_id: str) -> dict[str, Any]:
+    # Exactly E2B's proxy answer for an unknown, killed or expired sandbox (E2B-COMPAT §7.5).
+    return {"sandboxId": e2b_id, "message": "The sandbox was not found", "code": 502}
+
+
+def _load_routes(*modules: str) -> list[BaseRoute]:
+    routes: list[BaseRoute] = []
+    for name in modules:
+        try:
+            module = importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{name}":
+                raise
+            continue
+        routes += list(module.routes)
+    return routes
+
+
+async def _health(request: Request) -> Response:
+    return Response(status_code=204)
+
+
+class E2BApp:
+    """The ASGI app; ``state`` is what handlers reach as ``request.app.state``."""
+
+    def __init__(self, manager: Manager, config: E2BConfig) -> None:
+        self.config = config
+        self.names = ServiceNames.of(config.listen_host, config.host_names)
+        self.tenants = TenantDirectory(manager.store)
+        self.tokens = SandboxTokens(manager.settings.home)
+        self.e2b = E2BState(manager.settings.home / "e2b.db")
+        self.state = State()
+        self.state.manager = manager
+        self.state.tokens = self.tokens
+        self.state.e2b = self.e2b
+        self.state.config = config
+        self._control = Router(routes=control.routes)
+        self._envd = Router(routes=[Route("/health", _health, methods=["GET"]),
+                                    *_load_routes("process", "filesystem", "files")])
+        self._jupyter = Router(routes=[Route("/health", _health, methods=["GET"]),
+                                       *_load_routes("jupyter")])
+        limits = BodyLimits(default=_MAX_RPC_BODY, routes=(
+            ("POST", re.compile(r"/files"), _MAX_UPLOAD, "the workspace's size is the bound"),
+            ("POST", re.compile(r"/process\.Process/StreamInput"), _MAX_STREAM_INPUT,
+             "send input in several streams"),
+        ))
+        self._envd_limited = BodyLimit(self._envd, limits=limits, render=_render_refusal)
+        self._jupyter_limited = BodyLimit(self._jupyter, limits=BodyLimits(
+            default=_MAX_RPC_BODY), render=_render_refusal)
+        self._control_limited = BodyLimit(self._control, limits=BodyLimits(
+            default=_MAX_CONTROL_BODY), render=_render_refusal)
+        domain = re.escape(config.domain) if config.domain else None
+        self._sandbox_host = (re.compile(rf"(\d{{1,5}})-([a-z0-9-]{{1,63}})\.{domain}")
+                              if domain else None)
+        self._api_host = f"api.{config.domain}" if config.domain else None
+
+    @property
+    def manager(self) -> Manager:
+        manager: Manager = self.state.manager
+        return manager
+
+    # -- ASGI ----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            # No E2B client opens a WebSocket here; close before accepting.
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        scope["app"] = self
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._dispatch(scope, receive, tracked)
+        except HTTPException as exc:  # the router's own: unknown path, wrong method
+            if not started:
+                message = ("no such endpoint in Corral's E2B API" if exc.status_code == 404
+                           else str(exc.detail))
+                await _refuse(scope, send, exc.status_code, f"{message}: {scope['method']} "
+                              f"{scope['path'][:120]}")
+        except Exception:
+            logger.exception("unhandled error in the E2B surface: %s %s", scope.get("method"),
+                             scope.get("path"))
+            if not started:
+                await _refuse(scope, send, 500, "an internal error occurred; the server log "
+                              "has details")
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.e2b.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        host = _header(scope, b"host") or ""
+        header_id = _header(scope, b"e2b-sandbox-id")
+        header_port = _header(scope, b"e2b-sandbox-port")
+        sandbox: tuple[str, int] | None = None
+        if self.config.domain is not None:
+            name = host.rsplit(":", 1)[0].lower() if not host.startswith("[") else host
+            match = self._sandbox_host.fullmatch(name) if self._sandbox_host else None
+            if match is not None:
+                sandbox = (match.group(2), int(match.group(1)))
+            elif name != self._api_host and not self.names.allows(host, _own_port(scope)):
+                await _refuse(scope, send, 421, f"Host {host[:80]!r} is neither "
+                              f"{self._api_host} nor <port>-<sandbox>.{self.config.domain}")
+                return
+        elif not self.names.allows(host, _own_port(scope)):
+            await _refuse(scope, send, 421, f"Host {host[:80]!r} is not a name of this "
+                          f"service (it answers to {self.names.describe()}); add it with "
+                          "`corral serve --host-name NAME`")
+            return
+        if header_id is not None:
+            try:
+                port = int(header_port) if header_port else ENVD_PORT
+            except ValueError:
+                await _refuse(scope, send, 400, "E2b-Sandbox-Port must be a port number")
+                return
+            if sandbox is not None and sandbox != (header_id, port):
+                await _refuse(scope, send, 400, "the Host and the E2b-Sandbox-* headers name "
+                              "different sandboxes or ports")
+                return
+            sandbox = (header_id, port)
+        if sandbox is None and scope["path"] == "/files" and b"signature=" in scope.get(
+                "query_string", b""):
+            found = await run_in_threadpool(self._signed_files_sandbox, scope)
+            if found is None:
+                await _refuse(scope, send, 401, "the signature matches no running sandbox "
+                              "(wrong, or its sandbox is gone)")
+                return
+            sandbox = (found, ENVD_PORT)
+        if sandbox is None:
+            await self._serve_control(scope, receive, send)
+        else:
+            await self._serve_sandbox(scope, receive, send, *sandbox)
+
+    # -- control plane -------------------------------------------------------------------------
+
+    async def _serve_control(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            tenant = await run_in_threadpool(self.tenants.authenticate_key,
+                                             _header(scope, b"x-api-key"))
+        except AuthError as exc:
+            await _refuse(scope, send, 401, exc.message)
+            return
+        scope[TENANT_KEY] = tenant
+        await self._control_limited(scope, receive, send)
+
+    # -- sandbox plane -------------------------------------------------------------------------
+
+    def _resolve(self, e2b_id: str) -> tuple[str, Tenant] | None:
+        corral_id = from_e2b(e2b_id)
+        if corral_id is None:
+            return None
+        try:
+            record = self.manager.sandboxes.get(corral_id)  # expires what is past its life
+        except SandboxNotFound:
+            return None
+        if record.state == "destroying":
+            return None
+        if record.tenant == "local":
+            return corral_id, local_tenant(self.manager.ceiling)
+        try:
+            return corral_id, self.tenants.get(record.tenant)
+        except CorralError:
+            return None
+
+    def _signed_files_sandbox(self, scope: Scope) -> str | None:
+        try:
+            files = importlib.import_module(f"{__package__}.files")
+        except ModuleNotFoundError:
+            return None
+        query = {k: v[0] for k, v in parse_qs(
+            scope.get("query_string", b"").decode("latin-1")).items()}
+        operation = "read" if scope["method"] in ("GET", "HEAD") else "write"
+        found: str | None = files.resolve_signed(
+            self.manager, self.tokens, query.get("path", ""), operation,
+            query.get("username"), query.get("signature", ""),
+            query.get("signature_expiration"))
+        return None if found is None else to_e2b(found)
+
+    async def _serve_sandbox(self, scope: Scope, receive: Receive, send: Send,
+                             e2b_id: str, port: int) -> None:
+        resolved = await run_in_threadpool(self._resolve, e2b_id)
+        if resolved is None:
+            await _send_json(send, 502, _sandbox_gone(e2b_id[:64]))
+            return
+        corral_id, owner = resolved
+        if port not in (ENVD_PORT, JUPYTER_PORT):
+            await _send_json(send, 502, {
+                "sandboxId": e2b_id, "port": port, "code": 502,
+                "message": f"The sandbox is running but port is not open: Corral serves only "
+                           f"envd ({ENVD_PORT}) and the code interpreter ({JUPYTER_PORT}) here"})
+            return
+        access = _header(scope, b"x-access-token")
+        traffic = _header(scope, b"e2b-traffic-access-token")
+        envd_ok = self.tokens.check_envd(corral_id, access)
+        traffic_ok = port == JUPYTER_PORT and self.tokens.check_traffic(corral_id, traffic)
+        presented = access is not None or (port == JUPYTER_PORT and traffic is not None)
+        if presented and not (envd_ok or traffic_ok):
+            await _refuse(scope, send, 401, "the access token is not this sandbox's")
+            return
+        authenticated = envd_ok or traffic_ok
+        if not authenticated and not (port == ENVD_PORT and scope["path"] == "/files"):
+            await _refuse(scope, send, 401, "this sandbox needs its access token: send "
+                          "X-Access-Token (the envdAccessToken from create or connect)")
+            return
+        scope[SCOPE_KEY] = SandboxTarget(
+            sandbox_id=corral_id, e2b_id=e2b_id, owner=owner, port=port,
+            envd_token=self.tokens.envd(corral_id), authenticated=authenticated)
+        app = self._envd_limited if port == ENVD_PORT else self._jupyter_limited
+        await app(scope, receive, send)
+
+
+def _own_port(scope: Scope) -> int | None:
+    server = scope.get("server")
+    return int(server[1]) if server and server[1] is not None else None
+
+
+def create_e2b_app(manager: Manager, config: E2BConfig | None = None) -> E2BApp:
+    return E2BApp(manager, config or E2BConfig())

@@ -1,0 +1,586 @@
+"""E2B's control-plane REST API (E2B-COMPAT §4) over Corral's lifecycle, snapshot and fork
+services, with E2B's statuses and ``{"code", "message"}`` errors.
+
+Every call acts as the tenant of the ``X-API-KEY`` (``app.py``); another tenant's sandbox is
+"not found". What Corral lacks answers in E2B's error shape with a message saying so.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qsl
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .._control.manager import Manager
+from .._control.tenants import Tenant
+from .._core.resources import get_tier
+from ..errors import (
+    CorralError,
+    SandboxNotFound,
+    SnapshotInUse,
+    SnapshotNotFound,
+)
+from ..models import SandboxInfo, SnapshotInfo
+from .ids import from_e2b, to_e2b
+from .state import E2BSandbox, E2BState
+from .tokens import SandboxTokens
+
+__all__ = ["ENVD_VERSION", "routes"]
+
+# What Corral's envd implements, in the SDKs' version gates (E2B-COMPAT §6.6): CloseStdin,
+# octet-stream and gzip uploads, recursive watch; not file metadata (0.6.2) or watch entries.
+ENVD_VERSION = "0.5.7"
+DEFAULT_TIMEOUT_S = 300  # E2B's default when create omits it (SandboxBase.default_sandbox_timeout)
+_MAX_PAGE = 100
+_UNSUPPORTED_CREATE = {
+    "mcp": "MCP gateways inside sandboxes",
+    "volumeMounts": "volumes (planned: Corral issue 16)",
+}
+
+
+class E2BHTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def _from_corral(exc: CorralError) -> JSONResponse:
+    status = exc.status if exc.status in (400, 401, 403, 404, 409, 429, 500, 503) else (
+        500 if exc.status >= 500 else 400)
+    return _error(status, exc.message)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _endpoint(fn: Handler) -> Handler:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except E2BHTTPError as exc:
+            return _error(exc.status, exc.message)
+        except CorralError as exc:
+            return _from_corral(exc)
+
+    return endpoint
+
+
+# -- what a request carries --------------------------------------------------------------------
+
+
+def _manager(request: Request) -> Manager:
+    manager: Manager = request.app.state.manager
+    return manager
+
+
+def _tenant(request: Request) -> Tenant:
+    from .app import TENANT_KEY
+
+    tenant = request.scope.get(TENANT_KEY)
+    if not isinstance(tenant, Tenant):
+        raise E2BHTTPError(401, "this request was not authenticated")
+    return tenant
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise E2BHTTPError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise E2BHTTPError(400, "the request body must be a JSON object")
+    return body
+
+
+def _sandbox_id(request: Request) -> str:
+    e2b_id = request.path_params["sandbox_id"]
+    corral_id = from_e2b(e2b_id)
+    if corral_id is None:
+        raise E2BHTTPError(404, f"sandbox {e2b_id[:64]!r} not found")
+    return corral_id
+
+
+def _owned(manager: Manager, tenant: Tenant, corral_id: str) -> SandboxInfo:
+    try:
+        return manager.get(corral_id, tenant=None if tenant.is_local else tenant.name)
+    except SandboxNotFound:
+        raise E2BHTTPError(404, f"sandbox {to_e2b(corral_id)!r} not found") from None
+
+
+def _int_field(body: Mapping[str, Any], name: str, *, low: int, high: int | None = None,
+               default: int | None = None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise E2BHTTPError(400, f"{name} must be an integer, not {json.dumps(value)[:40]}")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise E2BHTTPError(400, f"{name} must be {bound}, not {number}")
+    return number
+
+
+# -- shapes --------------------------------------------------------------------------------------
+
+
+def _rfc3339(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _internet(info: SandboxInfo) -> bool:
+    return bool(info.network.get("allow"))
+
+
+def _sandbox(request: Request, info: SandboxInfo, extra: E2BSandbox | None) -> dict[str, Any]:
+    tokens: SandboxTokens = request.app.state.tokens
+    config = request.app.state.config
+    return {
+        "templateID": extra.template_id if extra else info.template,
+        "sandboxID": to_e2b(info.id),
+        "alias": extra.template_id if extra else info.template,
+        "clientID": "corral",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": tokens.envd(info.id),
+        "trafficAccessToken": tokens.traffic(info.id),
+        "domain": config.domain,
+    }
+
+
+def _detail(request: Request, info: SandboxInfo, extra: E2BSandbox | None) -> dict[str, Any]:
+    tier = get_tier(info.resources)
+    return {
+        **_sandbox(request, info, extra),
+        "startedAt": _rfc3339(info.created_at),
+        "endAt": _rfc3339(info.expires_at),
+        "cpuCount": max(1, math.ceil(tier.cpus)),
+        "memoryMB": tier.memory_bytes // (1024 * 1024),
+        "diskSizeMB": tier.disk_bytes // (1024 * 1024),
+        "state": "paused" if info.state == "paused" else "running",
+        "metadata": dict(info.labels),
+        "allowInternetAccess": _internet(info),
+        "lifecycle": {"onTimeout": "kill", "autoResume": False},
+        "volumeMounts": [],
+    }
+
+
+def _snapshot(snap: SnapshotInfo) -> dict[str, Any]:
+    return {"snapshotID": to_e2b(snap.id), "names": [snap.name] if snap.name else []}
+
+
+# -- create ------------------------------------------------------------------------------------
+
+
+def _template(request: Request, template_id: object) -> tuple[str | None, str | None]:
+    """(Corral template, snapshot id) for E2B's ``templateID``."""
+    if not isinstance(template_id, str) or not template_id:
+        raise E2BHTTPError(400, "templateID is required: a template name ('base', "
+                           "'code-interpreter-v1') or a snapshot id")
+    snapshot = from_e2b(template_id)
+    if snapshot is not None and snapshot.startswith("snap_"):
+        return None, snapshot
+    templates: Mapping[str, str] = request.app.state.config.templates
+    return templates.get(template_id, template_id), None
+
+
+def _network(request: Request, body: Mapping[str, Any], tenant: Tenant) -> dict[str, Any] | None:
+    """Corral's egress policy for E2B's ``allow_internet_access`` and ``network``.
+
+    Corral never gives raw internet: "internet" means the hosts the tenant's ceiling allows,
+    and nothing when it allows none (the gateway then refuses every connection, saying why).
+    """
+    network = body.get("network") or {}
+    if not isinstance(network, dict):
+        raise E2BHTTPError(400, "network must be an object")
+    allow_out = network.get("allowOut") or []
+    if not isinstance(allow_out, list) or not all(isinstance(h, str) for h in allow_out):
+        raise E2BHTTPError(400, "network.allowOut must be a list of host names")
+    for rule in allow_out:
+        if rule[:1].isdigit() or ":" in rule.split("/")[0] and "/" in rule:
+            raise E2BHTTPError(400, f"network.allowOut {rule!r}: Corral's egress gateway "
+                               "allows host names (api.example.com, *.example.com), not IP "
+                               "ranges")
+    allow = list(allow_out)
+    if body.get("allow_internet_access") is True or body.get("allowInternetAccess") is True:
+        ceiling = _manager(request).ceiling_for(tenant)
+        allow += list(ceiling.hosts or ())
+    return {"allow": sorted(set(allow))} if allow else None
+
+
+@_endpoint
+async def create_sandbox(request: Request) -> Response:
+    body = await _json_body(request)
+    tenant = _tenant(request)
+    manager = _manager(request)
+    for key, what in _UNSUPPORTED_CREATE.items():
+        if body.get(key):
+            raise E2BHTTPError(400, f"{key}: Corral does not offer {what}")
+    template, snapshot = _template(request, body.get("templateID"))
+    timeout = _int_field(body, "timeout", low=1, default=DEFAULT_TIMEOUT_S)
+    metadata = body.get("metadata") or {}
+    envs = body.get("envVars") or {}
+    if not isinstance(metadata, dict) or not isinstance(envs, dict):
+        raise E2BHTTPError(400, "metadata and envVars must be objects of strings")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
+        raise E2BHTTPError(400, "envVars must map names to string values")
+    from .._control import validate
+
+    validate.command(["true"], None, envs, None)  # the same rules as any command's env
+    network = _network(request, body, tenant)
+    asked_internet = body.get("allow_internet_access", body.get("allowInternetAccess"))
+
+    def create() -> SandboxInfo:
+        info = manager.create(template=template, snapshot=snapshot, timeout=timeout,
+                              labels=metadata, network=network, caller=tenant)
+        state: E2BState = request.app.state.e2b
+        state.remember(E2BSandbox(
+            id=info.id, template_id=body["templateID"], envs=dict(envs),
+            internet=asked_internet if isinstance(asked_internet, bool) else None,
+            auto_pause=bool(body.get("autoPause"))))
+        return info
+
+    info = await run_in_threadpool(create)
+    extra = request.app.state.e2b.get(info.id)
+    return JSONResponse(_sandbox(request, info, extra), status_code=201)
+
+
+# -- read ------------------------------------------------------------------------------------------
+
+
+@_endpoint
+async def get_sandbox(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    info = await run_in_threadpool(_owned, manager, tenant, _sandbox_id(request))
+    return JSONResponse(_detail(request, info, request.app.state.e2b.get(info.id)))
+
+
+def _metadata_filter(raw: str | None) -> dict[str, str]:
+    if not raw:
+        return {}
+    return dict(parse_qsl(raw, keep_blank_values=True))
+
+
+def _page_token(token: str | None) -> tuple[float, str] | None:
+    if not token:
+        return None
+    try:
+        created, _, sandbox_id = base64.urlsafe_b64decode(token.encode() + b"==").decode(
+            ).partition(" ")
+        return float(created), sandbox_id
+    except (ValueError, UnicodeDecodeError, binascii.Error):
+        raise E2BHTTPError(400, "nextToken is not one this server gave out") from None
+
+
+def _next_token(info: SandboxInfo) -> str:
+    raw = f"{info.created_at!r} {info.id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+async def _list(request: Request, *, paginated: bool) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    query = request.query_params
+    wanted = _metadata_filter(query.get("metadata"))
+    states = {s.strip() for s in (query.get("state") or "").split(",") if s.strip()}
+    if paginated and not states:
+        states = {"running", "paused"}
+    if not paginated:
+        states = {"running"}
+    unknown = states - {"running", "paused"}
+    if unknown:
+        raise E2BHTTPError(400, f"state {sorted(unknown)}: use running and/or paused")
+    limit = _parse_limit(query.get("limit")) if query.get("limit") else _MAX_PAGE
+    after = _page_token(query.get("nextToken"))
+    descending = (query.get("order") or "asc").lower() == "desc"
+
+    def listed() -> list[SandboxInfo]:
+        return manager.list(tenant=None if tenant.is_local else tenant.name)
+
+    items = [info for info in await run_in_threadpool(listed)
+             if ("paused" if info.state == "paused" else "running") in states
+             and info.state != "destroying"
+             and all(info.labels.get(k) == v for k, v in wanted.items())]
+    items.sort(key=lambda i: (i.created_at, i.id), reverse=descending)
+    if after is not None:
+        items = [i for i in items if ((i.created_at, i.id) < after if descending
+                                      else (i.created_at, i.id) > after)]
+    page = items[:limit] if paginated else items
+    headers = {}
+    if paginated and len(items) > len(page) and page:
+        headers["x-next-token"] = _next_token(page[-1])
+    state: E2BState = request.app.state.e2b
+    return JSONResponse([_detail(request, info, state.get(info.id)) for info in page],
+                        headers=headers)
+
+
+def _parse_limit(raw: str | None) -> int:
+    try:
+        value = int(raw or "")
+    except ValueError:
+        raise E2BHTTPError(400, f"limit must be an integer, not {raw!r}") from None
+    if not 1 <= value <= _MAX_PAGE:
+        raise E2BHTTPError(400, f"limit must be between 1 and {_MAX_PAGE}")
+    return value
+
+
+@_endpoint
+async def list_sandboxes_v2(request: Request) -> Response:
+    return await _list(request, paginated=True)
+
+
+@_endpoint
+async def list_sandboxes_v1(request: Request) -> Response:
+    return await _list(request, paginated=False)
+
+
+# -- change -------------------------------------------------------------------------------------
+
+
+@_endpoint
+async def kill_sandbox(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    corral_id = _sandbox_id(request)
+
+    def kill() -> None:
+        _owned(manager, tenant, corral_id)
+        manager.destroy(corral_id)
+        request.app.state.e2b.forget(corral_id)
+
+    await run_in_threadpool(kill)
+    return Response(status_code=204)
+
+
+@_endpoint
+async def set_timeout(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    corral_id = _sandbox_id(request)
+    body = await _json_body(request)
+    timeout = _int_field(body, "timeout", low=1)
+    if timeout is None:
+        raise E2BHTTPError(400, "timeout (seconds) is required")
+
+    def change() -> None:
+        _owned(manager, tenant, corral_id)
+        manager.set_timeout(corral_id, timeout, caller=tenant)
+
+    await run_in_threadpool(change)
+    return Response(status_code=204)
+
+
+async def _connect(request: Request, *, resume_only: bool) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    corral_id = _sandbox_id(request)
+    body = await _json_body(request)
+    timeout = _int_field(body, "timeout", low=1)
+
+    def connect() -> tuple[SandboxInfo, bool]:
+        info = _owned(manager, tenant, corral_id)
+        resumed = info.state == "paused"
+        if resume_only and not resumed:
+            raise E2BHTTPError(409, f"sandbox {to_e2b(corral_id)} is already running")
+        if resumed:
+            info = manager.resume(corral_id)
+        # Connect only ever extends the life (E2B: "only extends the TTL").
+        if timeout is not None and time.time() + timeout > info.expires_at:
+            info = manager.set_timeout(corral_id, timeout, caller=tenant)
+        return info, resumed
+
+    info, resumed = await run_in_threadpool(connect)
+    extra = request.app.state.e2b.get(info.id)
+    return JSONResponse(_sandbox(request, info, extra), status_code=201 if resumed else 200)
+
+
+@_endpoint
+async def connect_sandbox(request: Request) -> Response:
+    return await _connect(request, resume_only=False)
+
+
+@_endpoint
+async def resume_sandbox(request: Request) -> Response:
+    return await _connect(request, resume_only=True)
+
+
+@_endpoint
+async def pause_sandbox(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    corral_id = _sandbox_id(request)
+    await _json_body(request)
+
+    def pause() -> None:
+        info = _owned(manager, tenant, corral_id)
+        if info.state == "paused":
+            raise E2BHTTPError(409, f"sandbox {to_e2b(corral_id)} is already paused")
+        manager.pause(corral_id)
+
+    await run_in_threadpool(pause)
+    return Response(status_code=204)
+
+
+@_endpoint
+async def sandbox_metrics(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    corral_id = _sandbox_id(request)
+    await run_in_threadpool(_owned, manager, tenant, corral_id)
+    # Corral measures usage per command (in the audit trail and `corral usage`), not as a
+    # sampled time series of the sandbox: none to report here.
+    return JSONResponse([])
+
+
+@_endpoint
+async def update_network(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    corral_id = _sandbox_id(request)
+    body = await _json_body(request)
+    network = _network(request, {"network": body, **body}, tenant)
+
+    def change() -> None:
+        _owned(manager, tenant, corral_id)
+        manager.set_network(corral_id, network, caller=tenant)
+
+    await run_in_threadpool(change)
+    return Response(status_code=204)
+
+
+# -- snapshots and forks --------------------------------------------------------------------
+
+
+@_endpoint
+async def create_snapshot(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    corral_id = _sandbox_id(request)
+    body = await _json_body(request)
+    name = body.get("name")
+    if name is not None and not isinstance(name, str):
+        raise E2BHTTPError(400, "name must be a string")
+    if body.get("memory"):
+        raise E2BHTTPError(400, "memory snapshots: Corral's snapshots hold the filesystem, not "
+                           "running processes (planned with the microVM tier)")
+
+    def snap() -> SnapshotInfo:
+        _owned(manager, tenant, corral_id)
+        return manager.snapshot(corral_id, name=name,
+                                tenant=None if tenant.is_local else tenant.name)
+
+    return JSONResponse(_snapshot(await run_in_threadpool(snap)), status_code=201)
+
+
+@_endpoint
+async def list_snapshots(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    query = request.query_params
+    sandbox = from_e2b(query.get("sandboxID") or "") if query.get("sandboxID") else None
+    name = query.get("name")
+    limit = _parse_limit(query.get("limit")) if query.get("limit") else _MAX_PAGE
+    after = query.get("nextToken")
+
+    def listed() -> list[SnapshotInfo]:
+        return manager.list_snapshots(tenant=None if tenant.is_local else tenant.name)
+
+    items = sorted((s for s in await run_in_threadpool(listed)
+                    if (sandbox is None or s.sandbox == sandbox)
+                    and (name is None or s.name == name)), key=lambda s: (s.created_at, s.id))
+    if after:
+        ids = [s.id for s in items]
+        corral_after = from_e2b(after)
+        items = items[ids.index(corral_after) + 1:] if corral_after in ids else []
+    page = items[:limit]
+    headers = {"x-next-token": to_e2b(page[-1].id)} if len(items) > len(page) else {}
+    return JSONResponse([_snapshot(s) for s in page], headers=headers)
+
+
+@_endpoint
+async def delete_snapshot(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    snapshot = from_e2b(request.path_params["template_id"])
+    if snapshot is None or not snapshot.startswith("snap_"):
+        raise E2BHTTPError(404, "no such snapshot; Corral's E2B surface deletes snapshots only "
+                           "(template builds are `corral templates`)")
+
+    def delete() -> None:
+        manager.delete_snapshot(snapshot, tenant=None if tenant.is_local else tenant.name)
+
+    try:
+        await run_in_threadpool(delete)
+    except SnapshotNotFound:
+        raise E2BHTTPError(404, f"snapshot {to_e2b(snapshot)!r} not found") from None
+    except SnapshotInUse as exc:
+        raise E2BHTTPError(409, exc.message) from None
+    return Response(status_code=204)
+
+
+@_endpoint
+async def fork_sandbox(request: Request) -> Response:
+    manager, tenant = _manager(request), _tenant(request)
+    corral_id = _sandbox_id(request)
+    body = await _json_body(request)
+    count = _int_field(body, "count", low=1, high=100, default=1) or 1
+    timeout = _int_field(body, "timeout", low=1)
+
+    def fork() -> list[SandboxInfo]:
+        _owned(manager, tenant, corral_id)
+        children = manager.fork(corral_id, count,
+                                tenant=None if tenant.is_local else tenant.name, caller=tenant)
+        parent = request.app.state.e2b.get(corral_id)
+        for child in children:
+            if parent is not None:
+                request.app.state.e2b.remember(E2BSandbox(
+                    id=child.id, template_id=parent.template_id, envs=parent.envs,
+                    internet=parent.internet, auto_pause=parent.auto_pause))
+        if timeout is not None:
+            children = [manager.set_timeout(c.id, timeout, caller=tenant) for c in children]
+        return children
+
+    children = await run_in_threadpool(fork)
+    state: E2BState = request.app.state.e2b
+    return JSONResponse([{"sandbox": _sandbox(request, c, state.get(c.id))} for c in children],
+                        status_code=201)
+
+
+@_endpoint
+async def not_offered(request: Request) -> Response:
+    what = request.url.path.split("/")[1]
+    raise E2BHTTPError(404 if request.method == "GET" else 501,
+                       f"Corral's E2B surface does not offer /{what}: templates are built with "
+                       "`corral templates build`; volumes come with Corral issue 16")
+
+
+routes = [
+    Route("/v2/sandboxes", create_sandbox, methods=["POST"]),
+    Route("/sandboxes", create_sandbox, methods=["POST"]),
+    Route("/v2/sandboxes", list_sandboxes_v2, methods=["GET"]),
+    Route("/sandboxes", list_sandboxes_v1, methods=["GET"]),
+    Route("/sandboxes/{sandbox_id}", get_sandbox, methods=["GET"]),
+    Route("/sandboxes/{sandbox_id}", kill_sandbox, methods=["DELETE"]),
+    Route("/sandboxes/{sandbox_id}/timeout", set_timeout, methods=["POST"]),
+    Route("/v2/sandboxes/{sandbox_id}/connect", connect_sandbox, methods=["POST"]),
+    Route("/sandboxes/{sandbox_id}/connect", connect_sandbox, methods=["POST"]),
+    Route("/sandboxes/{sandbox_id}/resume", resume_sandbox, methods=["POST"]),
+    Route("/sandboxes/{sandbox_id}/pause", pause_sandbox, methods=["POST"]),
+    Route("/sandboxes/{sandbox_id}/metrics", sandbox_metrics, methods=["GET"]),
+    Route("/sandboxes/{sandbox_id}/network", update_network, methods=["PUT"]),
+    Route("/sandboxes/{sandbox_id}/snapshots", create_snapshot, methods=["POST"]),
+    Route("/snapshots", list_snapshots, methods=["GET"]),
+    Route("/templates/{template_id}", delete_snapshot, methods=["DELETE"]),
+    Route("/sandboxes/{sandbox_id}/fork", fork_sandbox, methods=["POST"]),
+    Route("/templates", not_offered, methods=["GET", "POST"]),
+    Route("/volumes", not_offered, methods=["GET", "POST"]),
+]
