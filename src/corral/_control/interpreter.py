@@ -311,15 +311,29 @@ class Interpreter:
         env = validate.command(["python3"], None, envs, None).env if envs else {}
         info = self._sandbox(sandbox_id)
         limit = validate.command_timeout(timeout, get_tier(info.resources))
+        context = self._resolve(sandbox_id, context_id, language)
+        with context.lock:
+            return self._run(context, code, env, limit, caller, on_event)
+
+    def prepare(self, sandbox_id: str, *, context_id: str | None = None,
+                language: str | None = None, caller: Tenant | None = None) -> CodeContext:
+        """The context a cell would run in, its kernel started: for a surface that must
+        refuse (quota, a template without python3) with a status before it streams."""
+        context = self._resolve(sandbox_id, context_id, language)
+        with context.lock:
+            self._kernel(context, caller)
+        return context.public()
+
+    def _resolve(self, sandbox_id: str, context_id: str | None,
+                 language: str | None) -> _Context:
         if context_id is not None:
             context = self._context(sandbox_id, context_id)
             if language is not None and normalize_language(language) != context.language:
                 raise UsageError(f"context {context_id} runs {context.language}, not "
                                  f"{language}; pass either context or language")
-        else:
-            context = self._default(sandbox_id, normalize_language(language))
-        with context.lock:
-            return self._run(context, code, env, limit, caller, on_event)
+            return context
+        self._sandbox(sandbox_id)
+        return self._default(sandbox_id, normalize_language(language))
 
     def _kernel(self, context: _Context, caller: Tenant | None) -> _Kernel:
         if context.kernel is not None and context.kernel.alive:

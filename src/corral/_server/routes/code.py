@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
-from ..._control.interpreter import CodeEvent, event_line, normalize_language
+from ..._control.interpreter import CodeEvent, event_line
 from ..._control.manager import Manager
 from ..._control.tenants import Tenant
 from ...errors import CorralError
@@ -35,11 +35,10 @@ _KEEPALIVE_S = 15.0
 def run_code(sandbox_id: str, body: RunCode, who: TenantDep, manager: ManagerDep
              ) -> StreamingResponse:
     owned(manager, sandbox_id, who)
-    # Refused before the 200 of the stream: an unknown context or language.
-    if body.context is not None:
-        manager.interpreter.get_context(sandbox_id, body.context)
-    if body.language is not None:
-        normalize_language(body.language)
+    # Refused with a status before the 200 of the stream: an unknown context or language, a
+    # spent quota, a template that cannot run the kernel.
+    manager.interpreter.prepare(sandbox_id, context_id=body.context, language=body.language,
+                                caller=who)
     return StreamingResponse(_stream(manager, sandbox_id, body, who),
                              media_type="application/x-ndjson")
 
