@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import os
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -246,3 +250,61 @@ def test_create_to_first_result_is_quick(where: dict[str, str]) -> None:
             warm.append(time.monotonic() - t)
     # Loose bounds for a shared CI machine; bench/code_interpreter.py measures properly.
     assert first < 5 and sorted(warm)[2] < 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_code_interpreter_template_builds_and_runs_a_cell(settings: Settings,
+                                                               home: str) -> None:
+    # The real template, from Debian packages with mmdebstrap (minutes, cached after).
+    env = {**os.environ, "CORRAL_HOME": str(settings.home),
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    started = time.monotonic()
+    built = subprocess.run([sys.executable, "-m", "corral", "templates", "build",
+                            "code-interpreter", "--json"], env=env, capture_output=True,
+                           text=True, timeout=1100)
+    assert built.returncode == 0, built.stderr[-3000:]
+    seconds = time.monotonic() - started
+    with Sandbox.create(home=home, template="code-interpreter") as sb:
+        chart = sb.run_code("import numpy as np, pandas as pd, matplotlib.pyplot as plt\n"
+                            "plt.plot(np.arange(3)); plt.show()\npd.DataFrame({'a': [1]})")
+        assert chart.error is None, chart.error
+        assert any(r.png for r in chart.results) and any(r.html for r in chart.results)
+        assert {c.kernel for c in sb.list_code_contexts()} == {"ipython"}
+    print(f"\ncode-interpreter template: build {seconds:.0f} s, "
+          f"{json.loads(built.stdout).get('size_bytes', 0) / 2**20:.0f} MiB")
+
+
+def test_mcp_run_code_tool(settings: Settings, home: str) -> None:
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    env = {**os.environ, "CORRAL_HOME": str(settings.home),
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    params = StdioServerParameters(command=sys.executable, args=["-m", "corral", "mcp"],
+                                   env=env)
+
+    async def main() -> list[dict[str, object]]:
+        outcomes = []
+        with tempfile.TemporaryFile("w+") as errlog:
+            async with stdio_client(params, errlog=errlog) as (read, write):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    tools = {t.name for t in (await session.list_tools()).tools}
+                    assert "run_code" in tools
+                    for code in ("n = 6 * 7\nprint('hi')\nn",
+                                 "import matplotlib.pyplot as plt\nplt.plot([1]); plt.show()",
+                                 "1/0"):
+                        called = await session.call_tool("run_code", {"code": code})
+                        assert not called.is_error, called.content
+                        assert called.structured_content is not None
+                        outcomes.append(dict(called.structured_content))
+        return outcomes
+
+    value, chart, failed = asyncio.run(asyncio.wait_for(main(), 90))
+    assert value["text"] == "42" and value["stdout"] == "hi\n" and value["error"] is None
+    pngs = [r["data"]["image/png"] for r in chart["results"]]  # type: ignore[index, union-attr]
+    assert base64.b64decode(pngs[0]).startswith(b"\x89PNG")
+    assert failed["error"]["name"] == "ZeroDivisionError"  # type: ignore[index]
