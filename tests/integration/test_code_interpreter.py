@@ -308,3 +308,24 @@ def test_mcp_run_code_tool(settings: Settings, home: str) -> None:
     pngs = [r["data"]["image/png"] for r in chart["results"]]  # type: ignore[index, union-attr]
     assert base64.b64decode(pngs[0]).startswith(b"\x89PNG")
     assert failed["error"]["name"] == "ZeroDivisionError"  # type: ignore[index]
+
+
+def test_cli_code_and_replay(settings: Settings, home: str) -> None:
+    env = {**os.environ, "CORRAL_HOME": str(settings.home),
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    with Sandbox.create(home=home) as sb:
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "corral", *args], env=env,
+                                  capture_output=True, text=True, timeout=120)
+
+        ran = cli("code", sb.id, "print('hi')\n6 * 7")
+        assert (ran.returncode, ran.stdout) == (0, "hi\n42\n"), ran.stderr
+        failed = cli("code", sb.id, "1/0")
+        assert failed.returncode == 1 and "ZeroDivisionError" in failed.stderr
+        as_json = json.loads(cli("code", sb.id, "echo $((1+1))", "--language", "bash",
+                                 "--json").stdout)
+        assert as_json["logs"]["stdout"] == ["2\n"]
+        replay = cli("replay", sb.id)
+        assert replay.returncode == 0, replay.stderr
+        assert ">>> 6 * 7" in replay.stdout and "ZeroDivisionError" in replay.stdout
