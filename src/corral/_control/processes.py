@@ -169,14 +169,16 @@ class ProcessTable:
                                     command_id=new_command_id(), argv=argv,
                                     started_at=time.time())
 
+        # Passed only when asked for: a runner that predates it (a test's) still works.
+        extra: dict[str, Any] = {"stream_past_limit": True} if stream_past_limit else {}
+
         def run() -> None:
             try:
                 result = self._runner.run(
                     sandbox_id, cmd, envs=envs, cwd=cwd, context=context, interactive=True,
                     on_start=process._started, lifetime=True, command_id=process.command_id,
                     on_stdout=lambda text: process._feed("stdout", text),
-                    on_stderr=lambda text: process._feed("stderr", text),
-                    stream_past_limit=stream_past_limit)
+                    on_stderr=lambda text: process._feed("stderr", text), **extra)
                 process._finished(result, None)
             except CorralError as exc:
                 process._finished(None, f"{exc.code}: {exc.message}")
