@@ -124,8 +124,14 @@ def test_contexts_bash_and_refusals(where: dict[str, str]) -> None:
         assert sb.run_code("false", context=shell).error.name == "CommandExitError"  # type: ignore[union-attr]
         assert "".join(sb.run_code("echo $((6*7))", language="bash").logs.stdout) == "42\n"
 
-        with pytest.raises(InterpreterUnavailable, match="javascript"):
-            sb.run_code("1", language="javascript")
+        js = sb.create_code_context(language="javascript")
+        sb.run_code("let n = 41; console.log('hi')", context=js)
+        counted = sb.run_code("n + 1", context=js)
+        assert counted.text == "42" and sb.list_code_contexts()[-1].kernel == "node"
+        assert sb.run_code("null.x", context=js).error.name == "TypeError"  # type: ignore[union-attr]
+        assert sb.run_code("Promise.resolve(7)", language="js").text == "7"
+        with pytest.raises(InterpreterUnavailable, match="typescript"):
+            sb.run_code("1", language="typescript")
         with pytest.raises(UsageError, match="unknown language"):
             sb.run_code("1", language="cobol")
         with pytest.raises(UsageError, match="either context or language"):

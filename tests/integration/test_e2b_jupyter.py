@@ -148,8 +148,10 @@ def test_contexts_with_the_reference_statuses(e2b: tuple[TestClient, dict[str, s
     assert client.delete(f"/contexts/{ctx['id']}", headers=plane).status_code == 200
     assert client.delete(f"/contexts/{ctx['id']}", headers=plane).status_code == 404
     assert client.post(f"/contexts/{ctx['id']}/restart", headers=plane).status_code == 404
-    js = client.post("/execute", headers=_plane(sandbox), json={"code": "1", "language": "js"})
-    assert js.status_code == 400 and "javascript" in js.text
+    js = _execute(client, sandbox, code="[1, 2].map(x => x * 2)", language="js")
+    assert {"type": "result", "is_main_result": True, "text": "[ 2, 4 ]"} in js
+    ts = client.post("/execute", headers=_plane(sandbox), json={"code": "1", "language": "ts"})
+    assert ts.status_code == 400 and "typescript" in ts.text
 
     # Another tenant's sandbox is not found on this plane either, whatever its tokens.
     theirs = client.post("/v2/sandboxes", headers={"X-API-KEY": keys["other"]},

@@ -159,3 +159,27 @@ def test_bash_keeps_cwd_and_variables_and_reports_status() -> None:
         assert [e["name"] for e in gone if e["ev"] == "error"] == ["KernelExited"]
     finally:
         driver.close()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed on this host")
+def test_javascript_keeps_its_vm_context_and_can_be_interrupted() -> None:
+    driver = Driver("javascript")
+    try:
+        assert driver.ready["kernel"] == "node"
+        driver.run("let x = 41; const f = (a) => a * 2")
+        events = driver.run("console.log('out'); require('child_process')"
+                            ".execSync('echo child', {stdio: 'inherit'}); f(x)")
+        assert _text(events, "stdout") == "out\nchild\n"
+        assert {"ev": "result", "main": True, "data": {"text/plain": "82"}, "id": 2} in events
+        error = [e for e in driver.run("undefinedName") if e["ev"] == "error"][0]
+        assert error["name"] == "ReferenceError"
+        done: list[list[dict[str, Any]]] = []
+        worker = threading.Thread(target=lambda: done.append(driver.run("while (true) {}")))
+        worker.start()
+        time.sleep(0.5)
+        driver.send({"op": "interrupt"})
+        worker.join(10)
+        assert done and [e["name"] for e in done[0] if e["ev"] == "error"] == ["KeyboardInterrupt"]
+        assert driver.run("x")[1]["data"]["text/plain"] == "41"
+    finally:
+        driver.close()

@@ -20,7 +20,7 @@ __all__ = ["code"]
 @click.command(name="code")
 @click.argument("sandbox_id")
 @click.argument("source")
-@click.option("--language", "-l", default=None, help="python (default) or bash.")
+@click.option("--language", "-l", default=None, help="python (default), bash or javascript.")
 @click.option("--context", "context_id", default=None, help="A context id instead.")
 @click.option("--timeout", type=float, default=None, help="Seconds before the cell is "
               "interrupted.")

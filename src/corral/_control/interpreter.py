@@ -54,8 +54,9 @@ __all__ = [
     "normalize_language",
 ]
 
-LANGUAGES = ("python", "bash")
-_ALIASES = {"python3": "python", "py": "python", "sh": "bash", "shell": "bash"}
+LANGUAGES = ("python", "bash", "javascript")
+_ALIASES = {"python3": "python", "py": "python", "sh": "bash", "shell": "bash",
+            "js": "javascript", "node": "javascript", "nodejs": "javascript"}
 _START_TIMEOUT_S = 30.0
 _INTERRUPT_GRACE_S = 2.0
 _AUDIT_CODE_CHARS = 16 * 1024
@@ -117,13 +118,14 @@ def event_line(event: CodeEvent) -> dict[str, Any]:
 
 
 def normalize_language(language: str | None) -> str:
-    """``python`` (the default), ``bash``; aliases accepted; anything else refused."""
+    """``python`` (the default), ``bash``, ``javascript``; aliases accepted; anything else
+    refused."""
     name = (language or "python").strip().lower()
     name = _ALIASES.get(name, name)
-    if name in ("javascript", "js", "typescript", "ts", "node"):
+    if name in ("typescript", "ts"):
         raise InterpreterUnavailable(
-            f"no {name} kernel: Corral's interpreter runs python and bash (Debian offers no "
-            "maintained Jupyter-style JavaScript kernel); run node scripts with commands.run")
+            "no typescript kernel: Corral's JavaScript kernel is node's vm, which runs "
+            "JavaScript only; pass language='javascript' (or compile with tsc first)")
     if name not in LANGUAGES:
         raise UsageError(f"unknown language {language!r}; use one of {', '.join(LANGUAGES)}")
     return name
@@ -362,6 +364,10 @@ class Interpreter:
                 raise InterpreterUnavailable(
                     f"the {context.language} kernel could not start in {context.sandbox_id}: "
                     f"{hint}")
+            if message.get("ev") == "fatal":
+                self._processes.kill(context.sandbox_id, process.id)
+                raise InterpreterUnavailable(f"{message.get('message')} (in "
+                                             f"{context.sandbox_id})")
             if message.get("ev") == "ready":
                 context.kernel, context.kernel_name = kernel, str(message.get("kernel"))
                 return kernel

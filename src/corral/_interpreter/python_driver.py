@@ -1,5 +1,6 @@
-"""The in-sandbox Python kernel: run as ``python3 -I -u -c <this source> <cwd>`` inside the
-sandbox (never imported by the host, never written to the workspace).
+"""The in-sandbox kernel driver: run as ``python3 -I -u -c <this source> <cwd> <language>``
+inside the sandbox (never imported by the host, never written to the workspace). Python runs
+in this process (IPython, else a plain fallback); bash and node run as its children.
 
 Protocol, JSON lines. In (stdin): ``{"op": "exec", "id": N, "code": ..., "envs": {...}}`` and
 ``{"op": "interrupt"}``. Out (a private dup of the original stdout, so nothing the user's code or
@@ -322,6 +323,102 @@ class _BashKernel:
             emit("error", name="CommandExitError", value=f"exit status {code}", traceback="")
 
 
+_NODE_SOURCE = r"""
+// The JavaScript kernel, run by node under the Python driver: cells are read as JSON lines
+// on stdin and evaluated in one persistent vm context; results, errors and the end of each
+// cell go to the protocol pipe (fd given as argv[1]); console output goes to fd 1 and 2,
+// which the driver forwards.
+const fs = require("fs"), vm = require("vm"), util = require("util"), readline = require("readline");
+const proto = Number(process.argv[1]);
+const say = (m) => fs.writeSync(proto, JSON.stringify(m) + "\n");
+const sandbox = { require, console, process, Buffer, URL, TextEncoder, TextDecoder,
+  setTimeout, setInterval, clearTimeout, clearInterval, setImmediate, queueMicrotask,
+  module: { exports: {} } };
+sandbox.globalThis = sandbox;
+const context = vm.createContext(sandbox);
+const queue = []; let running = false;
+async function run(code) {
+  try {
+    let value = vm.runInContext(code, context, { filename: "cell.js", breakOnSigint: true });
+    if (value && typeof value.then === "function") value = await value;
+    if (value !== undefined) say({ ev: "result", data: { "text/plain": util.inspect(value) } });
+  } catch (err) {
+    const isError = err && typeof err === "object";
+    let name = isError && err.name ? String(err.name) : "Error";
+    if (isError && err.code === "ERR_SCRIPT_EXECUTION_INTERRUPTED") name = "KeyboardInterrupt";
+    say({ ev: "error", name, value: isError && "message" in err ? String(err.message) : String(err),
+          traceback: isError && err.stack ? String(err.stack) : String(err) });
+  }
+  say({ ev: "end" });
+}
+async function pump() {
+  if (running) return; running = true;
+  while (queue.length) await run(queue.shift());
+  running = false;
+}
+readline.createInterface({ input: process.stdin }).on("line", (line) => {
+  queue.push(JSON.parse(line).code); pump();
+}).on("close", () => process.exit(0));
+say({ ev: "ready" });
+"""
+
+
+class _NodeKernel:
+    """``node`` with one persistent ``vm`` context per kernel. Its console writes to the
+    driver's forwarded fd 1 and 2; its protocol has a pipe of its own, so a child process's
+    output cannot reach it either."""
+
+    kernel = "node"
+
+    def __init__(self):
+        import shutil
+        import subprocess
+
+        node = shutil.which("node") or shutil.which("nodejs")
+        if node is None:
+            raise RuntimeError("node is not installed in this sandbox's template; use a "
+                               "template with the nodejs package (the node template)")
+        self.count = 0
+        read_end, write_end = os.pipe()
+        self._node = subprocess.Popen(
+            [node, "-e", _NODE_SOURCE, str(write_end)], stdin=subprocess.PIPE, stdout=1,
+            stderr=2, pass_fds=(write_end,))
+        os.close(write_end)
+        self._proto = os.fdopen(read_end, "r", encoding="utf-8")
+        first = self._next()
+        if first is None or first.get("ev") != "ready":
+            raise RuntimeError("node did not start")
+
+    def _next(self):
+        line = self._proto.readline()
+        return json.loads(line) if line else None
+
+    def interrupt(self):
+        try:
+            self._node.send_signal(signal.SIGINT)  # vm's breakOnSigint ends the cell only
+        except ProcessLookupError:
+            pass
+
+    def run(self, code):
+        self.count += 1
+        emit("count", n=self.count)
+        self._node.stdin.write((json.dumps({"code": code}) + "\n").encode())
+        self._node.stdin.flush()
+        while True:
+            message = self._next()
+            if message is None:
+                emit("error", name="KernelExited", value="node exited; the next cell starts "
+                     "a fresh one", traceback="")
+                raise SystemExit(0)
+            kind = message.pop("ev")
+            if kind == "end":
+                return
+            if kind == "result":
+                emit("result", main=True, data=message["data"])
+            elif kind == "error":
+                emit("error", **message)
+
+
 def _jsonable(bundle):
     out = {}
     for mime, value in bundle.items():
@@ -391,13 +488,19 @@ def main():
     sys.stdout = _Stream("stdout", forwarder)
     sys.stderr = _Stream("stderr", forwarder)
     language = sys.argv[2] if len(sys.argv) > 2 else "python"
-    if language == "bash":
-        kernel = _BashKernel()
-    else:
-        try:
-            kernel = _ipython_kernel()
-        except ImportError:
-            kernel = _PlainKernel()
+    try:
+        if language == "bash":
+            kernel = _BashKernel()
+        elif language == "javascript":
+            kernel = _NodeKernel()
+        else:
+            try:
+                kernel = _ipython_kernel()
+            except ImportError:
+                kernel = _PlainKernel()
+    except Exception as exc:  # said on the protocol: the host refuses with this reason
+        emit("fatal", message=f"the {language} kernel could not start: {exc}")
+        os._exit(3)
     inbox = _Inbox(getattr(kernel, "interrupt", None))
     emit("ready", kernel=kernel.kernel, language=language, pid=os.getpid())
     while True:

@@ -136,13 +136,13 @@ class RunCode(_Strict):
     code: str = Field(description="The cell's source.")
     context: str | None = Field(default=None, description="A context id (create_code_context); "
                                 "default: the sandbox's default context of `language`.")
-    language: str | None = Field(default=None, description="python (default) or bash.")
+    language: str | None = Field(default=None, description="python (default), bash or javascript.")
     envs: dict[str, str] | None = Field(default=None, description="For this cell only.")
     timeout: _Seconds | None = None
 
 
 class CreateCodeContext(_Strict):
-    language: str | None = Field(default=None, description="python (default) or bash.")
+    language: str | None = Field(default=None, description="python (default), bash or javascript.")
     cwd: str | None = Field(default=None, description="Inside /workspace (the default).")
 
 
