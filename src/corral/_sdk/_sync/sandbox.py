@@ -540,8 +540,8 @@ class Sandbox:
     def create_code_context(self, cwd: str | None = None,
                                   language: str | None = None) -> CodeContext:
         """A new kernel context (``python``, ``bash`` or ``javascript``; ``cwd`` inside
-        ``/workspace``); its
-        kernel starts with its first cell and counts as a background process."""
+        ``/workspace``); its kernel starts with its first cell and counts as a background
+        process."""
         return self._transport().create_code_context(self._live_id(),
                                                            language=language, cwd=cwd)
 
