@@ -335,3 +335,11 @@ def test_cli_code_and_replay(settings: Settings, home: str) -> None:
         replay = cli("replay", sb.id)
         assert replay.returncode == 0, replay.stderr
         assert ">>> 6 * 7" in replay.stdout and "ZeroDivisionError" in replay.stdout
+
+
+def test_a_cell_on_each_tier(isolation: str, home: str) -> None:
+    with Sandbox.create(home=home, isolation=isolation) as sb:
+        run = sb.run_code("import os\nprint(os.getcwd())\n6 * 7")
+        assert run.error is None, run.error
+        assert run.text == "42" and "".join(run.logs.stdout) == "/workspace\n"
+        assert "".join(sb.run_code("echo $((2 + 2))", language="bash").logs.stdout) == "4\n"
