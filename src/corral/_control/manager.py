@@ -172,6 +172,7 @@ class Manager:
 
     def destroy(self, sandbox_id: str) -> None:
         self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
+        self.interpreter.forget_sandbox(sandbox_id)  # its kernels died with it
 
     def _destroy(self, record: SandboxRecord, *, reason: str) -> None:
         # For the test and drill fixtures that clean up store rows in whatever state.
