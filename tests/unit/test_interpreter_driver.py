@@ -104,6 +104,16 @@ def test_child_and_fd_level_output_cannot_forge_protocol_lines(ipython: Driver) 
 
 
 @needs_ipython
+@needs_ipython
+def test_output_is_coalesced_by_line_in_the_order_written(ipython: Driver) -> None:
+    events = ipython.run("import sys, os\nprint('a', 'b')\nsys.stdout.write('part')\n"
+                         "print('e', file=sys.stderr)\nos.system('echo c')\nprint('d')")
+    streamed = [(e["ev"], e["text"]) for e in events if e["ev"] in ("stdout", "stderr")]
+    assert streamed == [("stdout", "a b\n"), ("stdout", "part"), ("stderr", "e\n"),
+                        ("stdout", "c\n"), ("stdout", "d\n")]
+
+
+@needs_ipython
 def test_errors_interrupts_and_per_cell_envs(ipython: Driver) -> None:
     error = [e for e in ipython.run("1/0") if e["ev"] == "error"][0]
     assert (error["name"], error["value"]) == ("ZeroDivisionError", "division by zero")

@@ -29,6 +29,17 @@ _PROTO = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
 _PROTO_LOCK = threading.Lock()
 _CURRENT = {"id": None}
 _FORWARDER = []  # the one _Forwarder, once fd 1 and 2 are pipes
+_STREAMS = []  # sys.stdout and sys.stderr, once replaced
+# One lock for all output (Python-level and fd-level), so the order of events is the order
+# things were written in, and no two threads can deadlock on two locks.
+_OUT_LOCK = threading.RLock()
+
+
+def _flush_streams(but=None):
+    with _OUT_LOCK:
+        for stream in _STREAMS:
+            if stream is not but:
+                stream._flush()
 
 
 def emit(event, **fields):
@@ -36,6 +47,7 @@ def emit(event, **fields):
     if "id" not in fields:
         fields["id"] = _CURRENT["id"]
     if event in ("result", "error", "end") and _FORWARDER:
+        _flush_streams()
         _FORWARDER[0].drain()  # child output written before this event goes first
     line = json.dumps(fields, ensure_ascii=False)
     with _PROTO_LOCK:
@@ -49,7 +61,7 @@ class _Forwarder:
 
     def __init__(self):
         self._pipes = {}
-        self._lock = threading.RLock()
+        self._lock = _OUT_LOCK
         for fd, name in ((1, "stdout"), (2, "stderr")):
             r, w = os.pipe()
             os.dup2(w, fd)
@@ -63,6 +75,8 @@ class _Forwarder:
             ready, _, _ = select.select(list(self._pipes), [], [], 0.5)
             if ready:
                 self.drain(ready)
+            else:
+                _flush_streams()  # a partial line (a progress bar) shows within 0.5 s
 
     def drain(self, fds=None):
         with self._lock:
@@ -74,33 +88,49 @@ class _Forwarder:
                         break
                     if not data:
                         break
+                    _flush_streams()  # a partial Python line written before goes first
                     emit(self._pipes[fd], text=data.decode("utf-8", "replace"))
 
 
 class _Stream:
-    """sys.stdout/sys.stderr: Python-level writes become events at once, in order."""
+    """sys.stdout/sys.stderr: Python-level writes become events, a line at a time (as
+    Jupyter's streams coalesce ``print``'s pieces), in the order they were written across
+    both streams and child processes; a partial line goes out when anything else does."""
 
     def __init__(self, name, forwarder):
         self.name = name
         self._forwarder = forwarder
+        self._pending = ""
         self.encoding = "utf-8"
         self.errors = "replace"
+        _STREAMS.append(self)
 
     def write(self, text):
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         if text:
-            # Child output written before this line goes first.
-            self._forwarder.drain()
-            emit(self.name, text=text)
+            with _OUT_LOCK:
+                _flush_streams(but=self)  # the other stream's partial line was first
+                self._forwarder.drain()  # and so was child output
+                self._pending += text
+                cut = self._pending.rfind("\n") + 1
+                if cut:
+                    emit(self.name, text=self._pending[:cut])
+                    self._pending = self._pending[cut:]
         return len(text)
+
+    def _flush(self):
+        if self._pending:
+            text, self._pending = self._pending, ""
+            emit(self.name, text=text)
 
     def writelines(self, lines):
         for line in lines:
             self.write(line)
 
     def flush(self):
-        pass
+        with _OUT_LOCK:
+            self._flush()
 
     def isatty(self):
         return False
