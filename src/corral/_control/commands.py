@@ -152,7 +152,7 @@ class Commands:
         else:
             limit = validate.command_timeout(timeout, tier)
         if command.cwd != "/workspace":
-            self._check_cwd(info, command.cwd)
+            self._check_cwd(info, validate.workspace_path(command.cwd))
         self._admission.admit(caller)
         return command, info, tier, limit
 

@@ -235,6 +235,9 @@ class E2BApp:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                watchers = getattr(self.state, "e2b_watchers", None)
+                if watchers is not None:
+                    watchers.close()
                 self.e2b.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
