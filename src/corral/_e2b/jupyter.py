@@ -165,23 +165,30 @@ async def _run(manager: Manager, sandbox_id: str, code: str, **kwargs: Any
     send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
     ended = False
 
+    def deliver(line: dict[str, Any] | None) -> None:
+        # The client may be gone (its stream closed, the loop ending): the cell still runs
+        # to its end in the kernel; what it says is dropped here.
+        try:
+            anyio.from_thread.run_sync(send.close if line is None else
+                                       lambda: send.send_nowait(line))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, RuntimeError):
+            pass
+
     def on_event(event: CodeEvent) -> None:
         nonlocal ended
         ended = ended or isinstance(event, EndEvent)
-        anyio.from_thread.run_sync(send.send_nowait, _line(event))
+        deliver(_line(event))
 
     def work() -> None:
         try:
             manager.interpreter.execute(sandbox_id, code, on_event=on_event, **kwargs)
         except CorralError as exc:  # after the 200: the reference's error line, then the end
-            anyio.from_thread.run_sync(send.send_nowait, {
-                "type": "error", "name": type(exc).__name__, "value": exc.message,
-                "traceback": ""})
+            deliver({"type": "error", "name": type(exc).__name__, "value": exc.message,
+                     "traceback": ""})
         finally:
             if not ended:
-                anyio.from_thread.run_sync(send.send_nowait,
-                                           {"type": "unexpected_end_of_execution"})
-            anyio.from_thread.run_sync(send.close)
+                deliver({"type": "unexpected_end_of_execution"})
+            deliver(None)
 
     async with anyio.create_task_group() as group:
         group.start_soon(_in_thread, work)
