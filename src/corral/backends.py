@@ -115,6 +115,9 @@ class ExecRequest:
     timeout_s: float
     stdin: bytes | None = None
     output_limit_bytes: int = 1 << 20
+    # Past the limit, keep handing output to the callbacks (the result stays capped): for
+    # long-lived commands whose reader bounds what it keeps (background processes, kernels).
+    stream_past_limit: bool = False
     on_stdout: OutputCallback | None = None
     on_stderr: OutputCallback | None = None
     command_id: str = ""

@@ -53,7 +53,8 @@ class CommandRunner(Protocol):
             on_start: Callable[[ProcessIO], None] | None, lifetime: bool,
             command_id: str | None, on_stdout: OutputCallback | None,
             on_stderr: OutputCallback | None,
-            pty: tuple[int, int] | None = None) -> CommandResult: ...
+            pty: tuple[int, int] | None = None,
+            stream_past_limit: bool = False) -> CommandResult: ...
 
     def kill(self, sandbox_id: str, command_id: str) -> None: ...
 
@@ -229,13 +230,16 @@ class ProcessTable:
               envs: Mapping[str, str] | None = None, cwd: str | None = None,
               context: Mapping[str, Any] | None = None,
               caller: Tenant | None = None, pty: tuple[int, int] | None = None,
-              timeout: float | None = None, tag: str | None = None) -> BackgroundProcess:
+              timeout: float | None = None, tag: str | None = None,
+              stream_past_limit: bool = False) -> BackgroundProcess:
         """Start ``cmd`` in the background; with ``caller``, it counts against its commands
         per minute like any command (counted here, before the thread starts).
 
         ``pty`` (rows, cols) runs it on a terminal (output is ``stdout``); ``timeout`` (s)
         kills it that long after the start (else only the sandbox's lifetime bounds it);
-        ``tag`` names it for ``find``.
+        ``tag`` names it for ``find``. ``stream_past_limit``: the tier's output limit caps
+        the result only, not what this table receives (kept in its rolling window): for a
+        kernel, whose protocol must not be cut after the tier's few MiB over a long life.
         """
         if pty is not None and not all(0 < n <= MAX_PTY_SIZE for n in pty):
             raise UsageError(f"pty rows and cols must be 1..{MAX_PTY_SIZE}, got {pty}")
@@ -247,8 +251,11 @@ class ProcessTable:
                                     command_id=new_command_id(), argv=argv,
                                     started_at=time.time(), tag=tag, envs=dict(envs or {}),
                                     cwd=cwd, pty=pty)
-        # Only a terminal passes pty=, so runners that predate terminals keep working.
-        terminal: dict[str, Any] = {"pty": pty} if pty is not None else {}
+        # Only a terminal passes pty=, and only a kernel stream_past_limit=, so runners that
+        # predate them (a test's) keep working.
+        extra: dict[str, Any] = {"pty": pty} if pty is not None else {}
+        if stream_past_limit:
+            extra["stream_past_limit"] = True
 
         def run() -> None:
             try:
@@ -256,7 +263,7 @@ class ProcessTable:
                     sandbox_id, cmd, envs=envs, cwd=cwd, context=context, interactive=True,
                     on_start=process._started, lifetime=True, command_id=process.command_id,
                     on_stdout=lambda text: process._feed("stdout", text),
-                    on_stderr=lambda text: process._feed("stderr", text), **terminal)
+                    on_stderr=lambda text: process._feed("stderr", text), **extra)
                 process._finished(result, None)
             except CorralError as exc:
                 process._finished(None, f"{exc.code}: {exc.message}", exc)
