@@ -185,6 +185,13 @@ def test_background_stdin_reconnect_kill(commands: ClientRun) -> None:
     assert commands.value("kill_sandbox") is True
 
 
+def test_stream_input_close_stdin(commands: ClientRun, sdk: str) -> None:
+    got = commands.value("stdin_stream_close")
+    if sdk != "latest" and got.get("unsupported"):
+        return  # stream_input is newer than these SDKs
+    assert got == {"stdout": "streamed in\ncat-ended\n", "exit_code": 0}
+
+
 # -- 3. files ------------------------------------------------------------------------------------
 
 

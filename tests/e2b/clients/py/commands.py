@@ -85,6 +85,20 @@ def background() -> dict[str, object]:
 
 
 step("background", background)
+
+
+def stdin_stream_and_close() -> dict[str, object]:
+    """StreamInput (a client stream) then CloseStdin: cat sees EOF and ends by itself."""
+    if not hasattr(sb.commands, "stream_input"):
+        return {"unsupported": True}
+    handle = sb.commands.run("cat; echo cat-ended", background=True, stdin=True, timeout=30)
+    sb.commands.stream_input(handle.pid, iter(["streamed ", b"in\n"]))
+    sb.commands.close_stdin(handle.pid)
+    result = handle.wait()
+    return {"stdout": result.stdout, "exit_code": result.exit_code}
+
+
+step("stdin_stream_close", stdin_stream_and_close)
 step("kill_unknown", lambda: sb.commands.kill(4_000_000_000))
 step("bash_login", lambda: run("shopt -q login_shell && echo login; echo $0"))
 step("kill_sandbox", lambda: sb.kill())
