@@ -270,14 +270,14 @@ class Interpreter:
                                   "list_code_contexts() shows its contexts")
         return context
 
-    def _default(self, sandbox_id: str, language: str) -> _Context:
+    def _default(self, sandbox_id: str, language: str, cwd: str) -> _Context:
         with self._lock:
             for context in self._contexts.values():
                 if (context.sandbox_id == sandbox_id and context.is_default
                         and context.language == language):
                     return context
             context = _Context(id="ctx_" + secrets.token_hex(6), sandbox_id=sandbox_id,
-                               language=language, cwd="/workspace", is_default=True)
+                               language=language, cwd=self._cwd(cwd), is_default=True)
             self._contexts[context.id] = context
             return context
 
@@ -300,9 +300,11 @@ class Interpreter:
     def execute(self, sandbox_id: str, code: str, *, context_id: str | None = None,
                 language: str | None = None, envs: Mapping[str, str] | None = None,
                 timeout: float | None = None, caller: Tenant | None = None,
-                on_event: EventCallback | None = None) -> Execution:
+                on_event: EventCallback | None = None,
+                default_cwd: str = "/workspace") -> Execution:
         """Run ``code`` in a context (``context_id``, else the sandbox's default context of
-        ``language``, started on demand) and return its ``Execution``; ``on_event`` gets each
+        ``language``, started on demand in ``default_cwd``: E2B's surface starts it in
+        ``/home/user``) and return its ``Execution``; ``on_event`` gets each
         ``CodeEvent`` as it happens (from this thread). A timeout interrupts the cell (then
         kills the kernel if it does not stop); a dead kernel is an error of the cell."""
         if not isinstance(code, str):
@@ -313,21 +315,22 @@ class Interpreter:
         env = validate.command(["python3"], None, envs, None).env if envs else {}
         info = self._sandbox(sandbox_id)
         limit = validate.command_timeout(timeout, get_tier(info.resources))
-        context = self._resolve(sandbox_id, context_id, language)
+        context = self._resolve(sandbox_id, context_id, language, default_cwd)
         with context.lock:
             return self._run(context, code, env, limit, caller, on_event)
 
     def prepare(self, sandbox_id: str, *, context_id: str | None = None,
-                language: str | None = None, caller: Tenant | None = None) -> CodeContext:
+                language: str | None = None, caller: Tenant | None = None,
+                default_cwd: str = "/workspace") -> CodeContext:
         """The context a cell would run in, its kernel started: for a surface that must
         refuse (quota, a template without python3) with a status before it streams."""
-        context = self._resolve(sandbox_id, context_id, language)
+        context = self._resolve(sandbox_id, context_id, language, default_cwd)
         with context.lock:
             self._kernel(context, caller)
         return context.public()
 
     def _resolve(self, sandbox_id: str, context_id: str | None,
-                 language: str | None) -> _Context:
+                 language: str | None, default_cwd: str) -> _Context:
         if context_id is not None:
             context = self._context(sandbox_id, context_id)
             if language is not None and normalize_language(language) != context.language:
@@ -335,7 +338,7 @@ class Interpreter:
                                  f"{language}; pass either context or language")
             return context
         self._sandbox(sandbox_id)
-        return self._default(sandbox_id, normalize_language(language))
+        return self._default(sandbox_id, normalize_language(language), default_cwd)
 
     def _kernel(self, context: _Context, caller: Tenant | None) -> _Kernel:
         if context.kernel is not None and context.kernel.alive:

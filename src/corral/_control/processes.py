@@ -76,6 +76,7 @@ class BackgroundProcess:
     pty: tuple[int, int] | None = None  # (rows, cols) at start, for a terminal
     #: The table killed it (``kill`` or the deadline): with exit 137 it died of that SIGKILL.
     kill_requested: bool = False
+    deadline_passed: bool = False  # killed because its ``timeout`` ran out
     #: Why the process failed to run, when it did (``error`` is its text).
     failure: CorralError | None = None
     _chunks: list[tuple[int, str, str]] = field(default_factory=list)  # (offset, stream, text)
@@ -298,6 +299,7 @@ class ProcessTable:
                 return pid
 
     def _expire(self, process: BackgroundProcess) -> None:
+        process.deadline_passed = True
         with contextlib.suppress(CorralError):  # already gone, or the sandbox with it
             self.kill(process.sandbox_id, process.id)
 

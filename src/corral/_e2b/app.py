@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 TENANT_KEY = "corral.e2b.tenant"
 _CONNECT_PATH = re.compile(r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
+# What envd and the code interpreter serve. Old SDKs (≤ 2.20) send the E2b-Sandbox-* headers
+# on control-plane calls too (connect), so the headers route only these paths to a sandbox.
+_SANDBOX_PATH = re.compile(r"/health|/files|/execute|/contexts(/.*)?|"
+                           r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
 _MAX_CONTROL_BODY = 1024 * 1024
 _MAX_RPC_BODY = 4 * 1024 * 1024
 _MAX_STREAM_INPUT = 64 * 1024 * 1024
@@ -261,6 +265,9 @@ class E2BApp:
                           f"service (it answers to {self.names.describe()}); add it with "
                           "`corral serve --host-name NAME`")
             return
+        if header_id is not None and sandbox is None and not _SANDBOX_PATH.fullmatch(
+                scope["path"]):
+            header_id = None  # a control-plane call that names its sandbox in the path
         if header_id is not None:
             try:
                 port = int(header_port) if header_port else ENVD_PORT

@@ -149,13 +149,13 @@ async def execute(request: Request) -> Response:
         # not a stream that ends at once.
         await run_in_threadpool(manager.interpreter.prepare, target.sandbox_id,
                                 context_id=context_id, language=language,
-                                caller=target.owner)
+                                caller=target.owner, default_cwd=paths.HOME)
     except ContextNotFound:
         return _text(404, f"Context {context_id} not found")
     except CorralError as exc:
         return _refusal(exc)
     lines = _run(manager, target.sandbox_id, code, context_id=context_id, language=language,
-                 envs=envs, caller=target.owner)
+                 envs=envs, caller=target.owner, default_cwd=paths.HOME)
     return StreamingResponse(lines, media_type="application/x-ndjson")
 
 

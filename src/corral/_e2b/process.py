@@ -295,6 +295,11 @@ async def _follow(manager: Manager, target: SandboxTarget, process: BackgroundPr
     except SandboxNotFound:
         raise SandboxNotFound(f"sandbox {target.e2b_id} ended while the process ran") \
             from None
+    if process.deadline_passed and process.signaled:
+        # envd ends a process killed at its connect-timeout-ms deadline with this error, not
+        # an end event; older SDKs tell a timeout only from it.
+        raise ConnectError("deadline_exceeded", "the command ran past its timeout and was "
+                           "killed (pass timeout=0 for no limit)")
     yield end_event(process)
 
 
