@@ -279,6 +279,16 @@ class E2BApp:
                               "different sandboxes or ports")
                 return
             sandbox = (header_id, port)
+        access = _header(scope, b"x-access-token")
+        if sandbox is None and access and _SANDBOX_PATH.fullmatch(scope["path"]):
+            # SDKs 2.7–2.20 reconnected by `connect` send envd calls with only the token in
+            # URL mode (no E2b-Sandbox-Id): the token, an HMAC of one id, names its sandbox.
+            found = await run_in_threadpool(self._sandbox_of_token, access)
+            if found is None:
+                await _refuse(scope, send, 401, "the access token is no running sandbox's")
+                return
+            sandbox = (found, int(header_port) if header_port and header_port.isdigit()
+                       else ENVD_PORT)
         if sandbox is None and scope["path"] == "/files" and b"signature=" in scope.get(
                 "query_string", b""):
             found = await run_in_threadpool(self._signed_files_sandbox, scope)
@@ -322,6 +332,12 @@ class E2BApp:
             return corral_id, self.tenants.get(record.tenant)
         except CorralError:
             return None
+
+    def _sandbox_of_token(self, token: str) -> str | None:
+        for record in self.manager.store.list():
+            if record.state != "destroying" and self.tokens.check_envd(record.id, token):
+                return to_e2b(record.id)
+        return None
 
     def _signed_files_sandbox(self, scope: Scope) -> str | None:
         try:
