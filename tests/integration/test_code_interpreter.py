@@ -254,7 +254,7 @@ def test_create_to_first_result_is_quick(where: dict[str, str]) -> None:
             t = time.monotonic()
             sb.run_code("1 + 1")
             warm.append(time.monotonic() - t)
-    # Loose bounds for a shared CI machine; bench/code_interpreter.py measures properly.
+    # Loose bounds for a shared CI machine; bench/bench_code_interpreter.py measures properly.
     assert first < 5 and sorted(warm)[2] < 0.5
 
 

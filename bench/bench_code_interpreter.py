@@ -3,7 +3,7 @@ beside a bare ``python3 -c`` run as a command in the same sandbox (the reference
 
 Run as root::
 
-    .venv/bin/python bench/code_interpreter.py [--runs N] [--out FILE] [--url URL]
+    .venv/bin/python bench/bench_code_interpreter.py [--runs N] [--out FILE] [--url URL]
 
 Series (embedded, or through ``corral serve`` with ``--url``; base template, IPython from the
 host's Debian packages):

@@ -2,7 +2,7 @@
 
 Run as root, after ``scripts/e2b-sdks`` (``scripts/bootstrap --test`` runs it)::
 
-    .venv/bin/python bench/e2b_sdk.py [--runs N] [--rounds R] [--first-code N] [--out FILE]
+    .venv/bin/python bench/bench_e2b_sdk.py [--runs N] [--rounds R] [--first-code N] [--out FILE]
 
 Against ``python -m corral serve --port P --e2b-port Q`` in a subprocess on 127.0.0.1 (its own
 data directory and uid range, one tenant with a Corral key and an E2B key):
