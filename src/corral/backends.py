@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from .models import FileEntry, ResourceTier, Usage
 
 __all__ = [
     "BackendName",
+    "DirWatch",
     "EgressEndpoint",
     "ExecOutcome",
     "ExecRequest",
@@ -43,6 +44,9 @@ __all__ = [
     "SandboxSpec",
     "SealResult",
     "TreeItem",
+    "WatchEvent",
+    "WatchOp",
+    "WatchableFS",
     "WorkspaceFS",
 ]
 
@@ -111,6 +115,9 @@ class ExecRequest:
     timeout_s: float
     stdin: bytes | None = None
     output_limit_bytes: int = 1 << 20
+    # Past the limit, keep handing output to the callbacks (the result stays capped): for
+    # long-lived commands whose reader bounds what it keeps (background processes, kernels).
+    stream_past_limit: bool = False
     on_stdout: OutputCallback | None = None
     on_stderr: OutputCallback | None = None
     command_id: str = ""
@@ -237,6 +244,70 @@ class WorkspaceFS(Protocol):
     def rename(self, src: str, dst: str) -> FileEntry: ...
 
     def make_dir(self, path: str) -> bool: ...
+
+    def readlink(self, path: str) -> str:
+        """The text of the symlink ``path`` (never resolved); ``FileError`` if not a link."""
+        ...
+
+
+WatchOp = Literal["create", "write", "remove", "rename", "chmod"]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change under a watched directory.
+
+    Attributes:
+        name: the changed entry, relative to the watched directory (``a/b.txt``).
+        op: what happened to it. A rename shows as ``rename`` of the old name and ``create`` of
+            the new one (the model of Go's fsnotify, which E2B's SDKs are written against).
+    """
+
+    name: str
+    op: WatchOp
+
+
+class DirWatch(Protocol):
+    """A live watch of one directory (``WatchableFS.watch``). The caller owns it and must
+    ``close`` it. It is bounded: events that arrive faster than they are read past the tier's
+    own queue limit are dropped (``dropped`` counts them), never buffered without end."""
+
+    @property
+    def ended(self) -> bool:
+        """True once the watched directory is gone (removed, moved away, unmounted)."""
+        ...
+
+    @property
+    def dropped(self) -> int: ...
+
+    def fileno(self) -> int:
+        """A descriptor on the control plane's side that is readable while ``read`` has
+        something to return (for an event loop's ``add_reader``)."""
+        ...
+
+    def read(self) -> list[WatchEvent]:
+        """The events since the last call, oldest first; never blocks (``[]`` when none)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WatchableFS(Protocol):
+    """An optional capability of a ``WorkspaceFS``: watching a directory for changes made by
+    anything (the sandbox's own processes included). Never follows a symlink: a link to a
+    directory is reported as an entry, not watched through."""
+
+    def watch(self, path: str, *, recursive: bool = False) -> DirWatch:
+        """Start watching the directory ``path`` (and, with ``recursive``, every directory
+        under it, including ones created later).
+
+        Raises:
+            FileNotFound: ``path`` does not exist.
+            FileError: ``path`` is not a directory, or the watch cannot be set up.
+            PathRefused: ``path`` leaves the workspace.
+        """
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,8 @@ The tree::
     │   └── SnapshotInUse      sandboxes are built on it; it cannot be deleted
     ├── CommandError           a command could not be started (bad argv, cwd, env)
     ├── CommandNotFound        no such running command (kill)
+    ├── ContextNotFound        no such code-interpreter context in the sandbox
+    ├── InterpreterUnavailable the sandbox cannot run a kernel of that language
     ├── FileError              a file operation failed
     │   ├── PathRefused        the path leaves /workspace (.., absolute, symlink)
     │   └── FileNotFound
@@ -44,10 +46,12 @@ __all__ = [
     "CommandError",
     "CommandNotFound",
     "ConfigError",
+    "ContextNotFound",
     "CorralError",
     "FileError",
     "FileNotFound",
     "HostRefused",
+    "InterpreterUnavailable",
     "OriginRefused",
     "PathRefused",
     "PolicyError",
@@ -131,6 +135,16 @@ class CommandError(CorralError, ValueError):
 class CommandNotFound(CorralError):
     code = "command_not_found"
     status = 404
+
+
+class ContextNotFound(CorralError):
+    code = "context_not_found"
+    status = 404
+
+
+class InterpreterUnavailable(CorralError):
+    code = "interpreter_unavailable"
+    status = 400
 
 
 class FileError(CorralError):

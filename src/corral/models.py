@@ -16,10 +16,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "CodeContext",
     "CommandResult",
+    "Execution",
+    "ExecutionError",
     "FileEntry",
+    "Logs",
+    "OutputMessage",
     "ProcessInfo",
     "ResourceTier",
+    "Result",
     "SandboxInfo",
     "SandboxState",
     "SnapshotInfo",
@@ -196,3 +202,125 @@ class FileEntry:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# -- the code interpreter ----------------------------------------------------------------------
+
+# MIME type -> the attribute of ``Result`` that holds it (E2B's names, so results read alike).
+RESULT_MIME = {
+    "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
+    "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg",
+    "application/pdf": "pdf", "text/latex": "latex", "application/json": "json",
+    "application/javascript": "javascript",
+}
+
+
+class CodeContext(_Public):
+    """A stateful kernel of a sandbox: variables, imports and cwd stay across its cells."""
+
+    id: str
+    language: str = Field(description="python, bash or javascript.")
+    cwd: str = Field(description="Its working directory inside the sandbox.")
+    kernel: str | None = Field(
+        default=None, description="What runs it: ipython, plain (Python without IPython), "
+                                  "bash or node; null until it has started.")
+    sandbox_id: str = ""
+
+
+class Result(_Public):
+    """One rich result of a cell: its value (``is_main_result``) or something it displayed.
+
+    The MIME bundle is in ``data`` (binary types such as ``image/png`` base64-encoded); the
+    common types have their own attribute, as E2B names them."""
+
+    is_main_result: bool = False
+    data: dict[str, Any] = Field(default_factory=dict,
+                                 description="MIME type -> content (base64 for images).")
+
+    def _mime(self, mime: str) -> Any:
+        return self.data.get(mime)
+
+    @property
+    def text(self) -> str | None:
+        return self._mime("text/plain")  # type: ignore[no-any-return]
+
+    @property
+    def html(self) -> str | None:
+        return self._mime("text/html")  # type: ignore[no-any-return]
+
+    @property
+    def markdown(self) -> str | None:
+        return self._mime("text/markdown")  # type: ignore[no-any-return]
+
+    @property
+    def svg(self) -> str | None:
+        return self._mime("image/svg+xml")  # type: ignore[no-any-return]
+
+    @property
+    def png(self) -> str | None:
+        """base64 of the PNG image."""
+        return self._mime("image/png")  # type: ignore[no-any-return]
+
+    @property
+    def jpeg(self) -> str | None:
+        return self._mime("image/jpeg")  # type: ignore[no-any-return]
+
+    @property
+    def pdf(self) -> str | None:
+        return self._mime("application/pdf")  # type: ignore[no-any-return]
+
+    @property
+    def latex(self) -> str | None:
+        return self._mime("text/latex")  # type: ignore[no-any-return]
+
+    @property
+    def json(self) -> Any:  # pydantic's deprecated json(); E2B's name
+        return self._mime("application/json")
+
+    @property
+    def javascript(self) -> str | None:
+        return self._mime("application/javascript")  # type: ignore[no-any-return]
+
+    def formats(self) -> list[str]:
+        """The attribute names this result has (``["text", "png"]``)."""
+        return [RESULT_MIME[m] for m in self.data if m in RESULT_MIME]
+
+
+class ExecutionError(_Public):
+    """The error a cell raised (or that ended it: a timeout, a crashed kernel)."""
+
+    name: str
+    value: str
+    traceback: str = ""
+
+
+class OutputMessage(_Public):
+    """One chunk of a cell's stdout or stderr, with when it was printed."""
+
+    text: str
+    timestamp: float
+    error: bool = Field(default=False, description="True for stderr.")
+
+
+class Logs(_Public):
+    stdout: list[str] = Field(default_factory=list)
+    stderr: list[str] = Field(default_factory=list)
+
+
+class Execution(_Public):
+    """The outcome of one cell: its results, its output and its error, if any."""
+
+    results: list[Result] = Field(default_factory=list)
+    logs: Logs = Field(default_factory=Logs)
+    error: ExecutionError | None = None
+    execution_count: int | None = None
+    context_id: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def text(self) -> str | None:
+        """The main result's text/plain, if the cell had a value."""
+        for result in self.results:
+            if result.is_main_result:
+                return result.text
+        return None

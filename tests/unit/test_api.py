@@ -18,6 +18,9 @@ PUBLIC = [
     # issue 12: background processes on both façades, the async audit reader, the live cut
     # notice handed to output callbacks
     "AsyncProcess", "Process", "aread_audit", "OutputCut",
+    # issue 13: the code interpreter's results, contexts and errors
+    "CodeContext", "Execution", "ExecutionError", "Logs", "OutputMessage", "Result",
+    "ContextNotFound", "InterpreterUnavailable",
 ]
 
 

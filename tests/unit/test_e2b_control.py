@@ -255,3 +255,13 @@ def test_domain_mode_routes_by_host(manager: Manager, keys: dict[str, str]) -> N
         gone = client.get("https://49983-sbx-000000000000.corral.test/health",
                           headers={"X-Access-Token": created["envdAccessToken"]})
         assert gone.status_code == 502
+
+
+def test_a_token_alone_names_its_sandbox(client: TestClient, keys: dict[str, str]) -> None:
+    # SDKs 2.7–2.20 reconnected with `connect` send envd calls with the token only.
+    a = _create(client, keys["acme"])
+    assert client.get("/health", headers={"X-Access-Token": a["envdAccessToken"]}
+                      ).status_code == 204
+    _is_error(client.get("/health", headers={"X-Access-Token": "0" * 48}), 401)
+    # Without a token the same path is the control plane's, which needs a key.
+    _is_error(client.get("/health"), 401)

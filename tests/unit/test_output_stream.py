@@ -55,3 +55,17 @@ def test_other_output_passes_the_head_untouched() -> None:
                            head=ExecFailureHead("p", b"bwrap: execvp ", lambda _l: "x"))
     partial.feed(b"bwrap: execvp p: No such")  # the stream ends mid-line: passed as it was
     assert partial.finish() == "bwrap: execvp p: No such"
+
+
+def test_past_the_limit_a_long_lived_reader_still_gets_every_byte_and_no_notice() -> None:
+    # A kernel's protocol runs over its stdout for hours: the tier's cap must cut the
+    # result only, never the live stream (nor insert its notice into it).
+    live: list[str] = []
+    out = OutputStream("stdout", 10, live.append, stream_past_limit=True)
+    out.feed(b"0123456789ab")
+    out.feed("é".encode()[:1])  # a character split across reads stays whole
+    out.feed("é".encode()[1:] + b"\n")
+    text = out.finish()
+    assert "".join(live) == "0123456789abé\n"
+    assert text.startswith("0123456789\n[corral: stdout truncated after 10 bytes")
+    assert out.kept == 10 and out.dropped == 5

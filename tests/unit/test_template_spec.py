@@ -34,13 +34,15 @@ def test_a_full_spec_parses() -> None:
 
 
 def test_builtin_specs_are_valid_and_named_for_their_key() -> None:
-    assert set(BUILTIN_SPECS) == {"python", "node"}
+    assert set(BUILTIN_SPECS) == {"python", "node", "code-interpreter"}
     for name, builtin in BUILTIN_SPECS.items():
         assert builtin.name == name
         assert parse_spec(builtin.to_dict()).hash == builtin.hash
     assert {"python3", "python3-pip", "python3-venv", "git", "curl", "build-essential",
             "ca-certificates"} == set(BUILTIN_SPECS["python"].packages)
     assert {"nodejs", "npm", "ca-certificates"} == set(BUILTIN_SPECS["node"].packages)
+    assert {"python3", "python3-ipython", "python3-numpy", "python3-pandas",
+            "python3-matplotlib"} <= set(BUILTIN_SPECS["code-interpreter"].packages)
 
 
 # -- the hash --------------------------------------------------------------------------------

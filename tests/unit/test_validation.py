@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from corral import CommandError, PathRefused, UsageError
+from corral._control import validate
 from corral._control.validate import command as _validate_command
 from corral._core.resources import TIERS, get_tier
 
@@ -65,3 +66,15 @@ def test_uid_range_must_fit_a_signed_int() -> None:
     with pytest.raises(ValidationError, match="goes past"):
         Settings(home="/tmp/x", uid_start=2_147_000_000, uid_count=1_000_000)
     assert Settings(home="/tmp/x", uid_start=2_000_000_000, uid_count=1000).uid_count == 1000
+
+
+def test_a_cwd_under_home_user_stays_there_and_is_checked_as_the_workspace() -> None:
+    # /home/user is the workspace's second mount (E2B's home): `pwd` must say so.
+    assert validate.command("pwd", "/home/user", None, None).cwd == "/home/user"
+    assert validate.command("pwd", "/home/user/a/./b", None, None).cwd == "/home/user/a/b"
+    assert validate.workspace_path("/home/user/a") == "/workspace/a"
+    assert validate.workspace_path("/home/user") == "/workspace"
+    assert validate.workspace_path("/workspace/a") == "/workspace/a"
+    for outside in ("/home/user/../etc", "/home/username", "/home"):
+        with pytest.raises(PathRefused):
+            validate.command("pwd", outside, None, None)

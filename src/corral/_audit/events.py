@@ -27,6 +27,8 @@ EventType = Literal[
     "command.output",
     "command.output_truncated",
     "command.finished",
+    "code.started",
+    "code.finished",
     "file.read",
     "file.write",
     "file.remove",

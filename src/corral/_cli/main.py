@@ -27,6 +27,7 @@ COMMANDS: Mapping[str, str] = {
     "run": "corral._cli.sandboxes:run",
     "create": "corral._cli.sandboxes:create",
     "exec": "corral._cli.sandboxes:exec_",
+    "code": "corral._cli.code:code",
     "ls": "corral._cli.sandboxes:list_",
     "info": "corral._cli.sandboxes:info_",
     "pause": "corral._cli.sandboxes:pause_",

@@ -102,6 +102,25 @@ def render_event(console: Console, event: AuditEvent, started: float) -> None:
             if d.get("oom_killed"):
                 notes.append("OOM")
             detail = f"[{colour}]{' · '.join(notes)}[/{colour}]"
+    elif kind == "code.started":
+        lines = str(d.get("code", "")).rstrip("\n").split("\n")
+        shown = "\n".join(f"{' ' * 26}[bold]>>> {escape(line)}[/bold]" for line in lines[:20])
+        more = f"\n{' ' * 26}[dim]… {len(lines) - 20} more line(s)[/dim]" \
+            if len(lines) > 20 else ""
+        detail = (f"[dim]{d.get('language')} ({d.get('kernel')}) context={d.get('context')}"
+                  f"[/dim]\n{shown}{more}")
+    elif kind == "code.finished":
+        error = d.get("error") or {}
+        ok = d.get("outcome") == "ok"
+        colour = "green" if ok else "red"
+        notes = [str(d.get("outcome")), f"[{d.get('execution_count')}]",
+                 f"{float(d.get('duration_s') or 0) * 1000:.0f} ms"]
+        if error:
+            notes.append(f"{error.get('name')}: {error.get('value')}")
+        results = d.get("results") or []
+        if results:
+            notes.append("results " + " ".join("+".join(r) for r in results))
+        detail = f"[{colour}]{escape(' · '.join(notes))}[/{colour}]"
     elif kind == "command.output_truncated":
         detail = f"[yellow]{d.get('stream')} truncated in the log: {d.get('dropped_bytes')} " \
                  f"bytes not kept[/yellow]"

@@ -67,8 +67,10 @@ class Commands:
         interactive: bool = False, pty: tuple[int, int] | None = None,
         on_start: Callable[[ProcessIO], None] | None = None, lifetime: bool = False,
         command_id: str | None = None, caller: Tenant | None = None,
+        stream_past_limit: bool = False,
     ) -> CommandResult:
-        """Run a command to completion (see ``Manager.run``)."""
+        """Run a command to completion (see ``Manager.run``; ``stream_past_limit``: see
+        ``ExecRequest``)."""
         command, info, tier, limit = self.prepare(sandbox_id, cmd, timeout=timeout, envs=envs,
                                                   cwd=cwd, stdin=stdin, context=context,
                                                   lifetime=lifetime, caller=caller)
@@ -99,6 +101,7 @@ class Commands:
                         argv=command.argv, cwd=command.cwd, env={**command.env, **egress_env},
                         timeout_s=limit, stdin=command.stdin,
                         output_limit_bytes=tier.output_limit_bytes,
+                        stream_past_limit=stream_past_limit,
                         on_stdout=self._auditor.recorded_callback(recorder, "stdout", on_stdout),
                         on_stderr=self._auditor.recorded_callback(recorder, "stderr", on_stderr),
                         interactive=interactive, pty=pty, on_start=on_start,
@@ -149,7 +152,7 @@ class Commands:
         else:
             limit = validate.command_timeout(timeout, tier)
         if command.cwd != "/workspace":
-            self._check_cwd(info, command.cwd)
+            self._check_cwd(info, validate.workspace_path(command.cwd))
         self._admission.admit(caller)
         return command, info, tier, limit
 

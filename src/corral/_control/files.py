@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 from .._audit.auditor import Auditor
 from .._core.resources import get_tier
 from .._workspace.archive import ExtractReport, create_tar, extract_tar
 from .._workspace.files import to_relative
-from ..backends import WorkspaceFS
-from ..errors import CorralError, PathRefused
+from ..backends import DirWatch, WatchableFS, WorkspaceFS
+from ..errors import CorralError, FileError, PathRefused
 from ..models import FileEntry
 from .sandboxes import Sandboxes
 from .store import Store
@@ -54,6 +55,36 @@ class AuditedFiles:
             entry = self._files.write(path, data)
         self._auditor.file_event(self._sandbox_id, "write", entry.path, data)
         return entry
+
+    def write_stream(self, path: str, chunks: Iterable[bytes]) -> FileEntry:
+        """Like ``write`` but never holds the whole content: the event's size and sha256 are
+        computed as the chunks pass (the caller bounds how much ``chunks`` yields)."""
+        digest = hashlib.sha256()
+        size = 0
+
+        def counted() -> Iterator[bytes]:
+            nonlocal size
+            for chunk in chunks:
+                digest.update(chunk)
+                size += len(chunk)
+                yield chunk
+
+        with self._refusals("write", path):
+            entry = self._files.write_stream(path, counted())
+        self._auditor.file_event(self._sandbox_id, "write", entry.path, size=size,
+                                 sha256=digest.hexdigest())
+        return entry
+
+    def readlink(self, path: str) -> str:
+        with self._refusals("stat", path):
+            return self._files.readlink(path)
+
+    def watch(self, path: str, *, recursive: bool = False) -> DirWatch:
+        """Watch a directory (see ``WatchableFS``); ``FileError`` where the tier cannot."""
+        if not isinstance(self._files, WatchableFS):
+            raise FileError("this isolation tier cannot watch directories")
+        with self._refusals("watch", path):
+            return self._files.watch(path, recursive=recursive)
 
     def remove(self, path: str) -> None:
         with self._refusals("remove", path):

@@ -27,6 +27,7 @@ from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .commands import Commands
 from .egress import EgressBroker, NetworkSpec
 from .files import AuditedFiles, Files
+from .interpreter import Interpreter
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .processes import EmbeddedProcessAPI, ProcessTable
@@ -81,6 +82,8 @@ class Manager:
                                  layers=layers, auditor=self.auditor)
         self.file_access = Files(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor)
+        self.interpreter = Interpreter(sandboxes=self.sandboxes, processes=self.processes,
+                                       auditor=self.auditor)
 
     # -- start-up and backends ------------------------------------------------------------------
 
@@ -169,6 +172,7 @@ class Manager:
 
     def destroy(self, sandbox_id: str) -> None:
         self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
+        self.interpreter.forget_sandbox(sandbox_id)  # its kernels died with it
 
     def _destroy(self, record: SandboxRecord, *, reason: str) -> None:
         # For the test and drill fixtures that clean up store rows in whatever state.

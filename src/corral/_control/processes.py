@@ -5,10 +5,16 @@ bounded buffer with absolute offsets, so a client can reconnect and read on from
 
 They belong to the process that started them (the service, in practice): an embedded program's
 background processes end when it exits.
+
+Each also has a small per-sandbox ``pid`` (never reused while the table runs) and an optional
+``tag``, so a surface that addresses processes by number (E2B's envd) can; a ``timeout`` kills
+it at a deadline; a ``pty`` runs it on a terminal. A kill the table issued (``kill``, the
+deadline) is remembered, so a surface can tell "killed" apart from "exited 137".
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -24,10 +30,13 @@ from ..models import CommandResult, ProcessInfo
 if TYPE_CHECKING:
     from .tenants import Tenant
 
-__all__ = ["BackgroundProcess", "CommandRunner", "EmbeddedProcessAPI", "ProcessTable"]
+__all__ = ["MAX_PTY_SIZE", "BackgroundProcess", "CommandRunner", "EmbeddedProcessAPI",
+           "ProcessTable"]
 
 _KEEP_BYTES = 4 * 1024 * 1024
 _KEEP_EXITED = 100
+MAX_PTY_SIZE = 1000
+_MAX_PID = 2**32 - 1
 
 
 class CommandRunner(Protocol):
@@ -43,7 +52,9 @@ class CommandRunner(Protocol):
             context: Mapping[str, Any] | None, interactive: bool,
             on_start: Callable[[ProcessIO], None] | None, lifetime: bool,
             command_id: str | None, on_stdout: OutputCallback | None,
-            on_stderr: OutputCallback | None) -> CommandResult: ...
+            on_stderr: OutputCallback | None,
+            pty: tuple[int, int] | None = None,
+            stream_past_limit: bool = False) -> CommandResult: ...
 
     def kill(self, sandbox_id: str, command_id: str) -> None: ...
 
@@ -58,11 +69,23 @@ class BackgroundProcess:
     state: Literal["starting", "running", "exited"] = "starting"
     result: CommandResult | None = None
     error: str | None = None
+    pid: int = 0  # small, per sandbox, never reused while the table runs
+    tag: str | None = None
+    envs: dict[str, str] = field(default_factory=dict)  # as the caller passed them
+    cwd: str | None = None
+    pty: tuple[int, int] | None = None  # (rows, cols) at start, for a terminal
+    #: The table killed it (``kill`` or the deadline): with exit 137 it died of that SIGKILL.
+    kill_requested: bool = False
+    deadline_passed: bool = False  # killed because its ``timeout`` ran out
+    #: Why the process failed to run, when it did (``error`` is its text).
+    failure: CorralError | None = None
     _chunks: list[tuple[int, str, str]] = field(default_factory=list)  # (offset, stream, text)
     _end: int = 0  # offset after the last chunk
     _kept_from: int = 0
     _io: ProcessIO | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
+    _watchers: list[Callable[[], None]] = field(default_factory=list)
+    _deadline: threading.Timer | None = None
 
     def info(self) -> ProcessInfo:
         return ProcessInfo(
@@ -74,6 +97,42 @@ class BackgroundProcess:
     def to_dict(self) -> dict[str, Any]:
         return self.info().to_dict()
 
+    @property
+    def signaled(self) -> bool:
+        """It ended by a SIGKILL: one the table sent, the OOM killer's, or the end of the
+        sandbox's lifetime (a command's own ``exit 137`` is not)."""
+        result = self.result
+        if result is None:
+            return False
+        return (result.timed_out or result.usage.oom_killed
+                or (self.kill_requested and result.exit_code == 137))
+
+    @property
+    def position(self) -> int:
+        """The offset after the output so far (where a follower "from now on" starts)."""
+        with self._cond:
+            return self._end
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (from the process's thread; it must be quick and not raise) on
+        new output and on exit; returns the function that stops it. Lets an event loop follow
+        the output without parking a thread per follower."""
+        with self._cond:
+            self._watchers.append(callback)
+
+        def unwatch() -> None:
+            with self._cond, contextlib.suppress(ValueError):
+                self._watchers.remove(callback)
+
+        return unwatch
+
+    def _notify(self) -> None:
+        # Under self._cond: every waiter, blocking or not, learns at once.
+        self._cond.notify_all()
+        for callback in list(self._watchers):
+            with contextlib.suppress(Exception):  # a follower's bug never stops the output
+                callback()
+
     def _feed(self, stream: str, text: str) -> None:
         with self._cond:
             self._chunks.append((self._end, stream, text))
@@ -81,19 +140,23 @@ class BackgroundProcess:
             while self._chunks and self._end - self._chunks[0][0] > _KEEP_BYTES:
                 first = self._chunks.pop(0)
                 self._kept_from = first[0] + len(first[2])
-            self._cond.notify_all()
+            self._notify()
 
     def _started(self, io: ProcessIO) -> None:
         with self._cond:
             self._io = io
             self.state = "running"
-            self._cond.notify_all()
+            self._notify()
 
-    def _finished(self, result: CommandResult | None, error: str | None) -> None:
+    def _finished(self, result: CommandResult | None, error: str | None,
+                  failure: CorralError | None = None) -> None:
         with self._cond:
-            self.result, self.error, self.state = result, error, "exited"
+            self.result, self.error, self.failure, self.state = result, error, failure, "exited"
             self._io = None
-            self._cond.notify_all()
+            timer, self._deadline = self._deadline, None
+            self._notify()
+        if timer is not None:
+            timer.cancel()
 
     def output(self, offset: int = 0, *, follow: bool = False,
                wait_s: float | None = None) -> Iterator[tuple[int, str, str]]:
@@ -136,6 +199,18 @@ class BackgroundProcess:
         if io is not None:
             io.close_stdin()
 
+    def resize(self, rows: int, cols: int) -> None:
+        """Change a terminal process's size (it gets SIGWINCH)."""
+        if self.pty is None:
+            raise UsageError(f"process {self.id} has no terminal to resize; start it with pty=")
+        if not (0 < rows <= MAX_PTY_SIZE and 0 < cols <= MAX_PTY_SIZE):
+            raise UsageError(f"rows and cols must be 1..{MAX_PTY_SIZE}, got {rows}x{cols}")
+        with self._cond:
+            io = self._io
+        if io is None:
+            raise CommandNotFound(f"process {self.id} is not running")
+        io.resize(rows, cols)
+
     def wait(self, timeout: float | None = None) -> CommandResult | None:
         with self._cond:
             self._cond.wait_for(lambda: self.state == "exited", timeout=timeout)
@@ -149,19 +224,39 @@ class ProcessTable:
     def __init__(self, runner: CommandRunner) -> None:
         self._runner = runner
         self._processes: dict[str, BackgroundProcess] = {}
+        self._pids: dict[str, int] = {}  # the last pid given out, per sandbox
         self._lock = threading.Lock()
 
     def start(self, sandbox_id: str, cmd: str | Sequence[str], *,
               envs: Mapping[str, str] | None = None, cwd: str | None = None,
               context: Mapping[str, Any] | None = None,
-              caller: Tenant | None = None) -> BackgroundProcess:
+              caller: Tenant | None = None, pty: tuple[int, int] | None = None,
+              timeout: float | None = None, tag: str | None = None,
+              stream_past_limit: bool = False) -> BackgroundProcess:
         """Start ``cmd`` in the background; with ``caller``, it counts against its commands
-        per minute like any command (counted here, before the thread starts)."""
+        per minute like any command (counted here, before the thread starts).
+
+        ``pty`` (rows, cols) runs it on a terminal (output is ``stdout``); ``timeout`` (s)
+        kills it that long after the start (else only the sandbox's lifetime bounds it);
+        ``tag`` names it for ``find``. ``stream_past_limit``: the tier's output limit caps
+        the result only, not what this table receives (kept in its rolling window): for a
+        kernel, whose protocol must not be cut after the tier's few MiB over a long life.
+        """
+        if pty is not None and not all(0 < n <= MAX_PTY_SIZE for n in pty):
+            raise UsageError(f"pty rows and cols must be 1..{MAX_PTY_SIZE}, got {pty}")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
         checked_id = self._runner.admit_background(sandbox_id, caller)
         argv = [cmd] if isinstance(cmd, str) else list(cmd)
         process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=checked_id,
                                     command_id=new_command_id(), argv=argv,
-                                    started_at=time.time())
+                                    started_at=time.time(), tag=tag, envs=dict(envs or {}),
+                                    cwd=cwd, pty=pty)
+        # Only a terminal passes pty=, and only a kernel stream_past_limit=, so runners that
+        # predate them (a test's) keep working.
+        extra: dict[str, Any] = {"pty": pty} if pty is not None else {}
+        if stream_past_limit:
+            extra["stream_past_limit"] = True
 
         def run() -> None:
             try:
@@ -169,22 +264,44 @@ class ProcessTable:
                     sandbox_id, cmd, envs=envs, cwd=cwd, context=context, interactive=True,
                     on_start=process._started, lifetime=True, command_id=process.command_id,
                     on_stdout=lambda text: process._feed("stdout", text),
-                    on_stderr=lambda text: process._feed("stderr", text))
+                    on_stderr=lambda text: process._feed("stderr", text), **extra)
                 process._finished(result, None)
             except CorralError as exc:
-                process._finished(None, f"{exc.code}: {exc.message}")
+                process._finished(None, f"{exc.code}: {exc.message}", exc)
             except Exception as exc:  # recorded for the caller; the thread must not vanish
                 process._finished(None, f"{type(exc).__name__}: {exc}")
 
         with self._lock:
             self._prune()
+            process.pid = self._next_pid(checked_id)
             self._processes[process.id] = process
         threading.Thread(target=run, name=f"corral-{process.id}", daemon=True).start()
         with process._cond:
             process._cond.wait_for(lambda: process.state != "starting", timeout=30)
+            if timeout is not None and process.state == "running":
+                process._deadline = threading.Timer(timeout, self._expire, args=(process,))
+                process._deadline.daemon = True
+                process._deadline.start()
         if process.state == "exited" and process.error:
-            raise UsageError(f"the process could not start: {process.error}")
+            raise UsageError(f"the process could not start: {process.error}") \
+                from process.failure
         return process
+
+    def _next_pid(self, sandbox_id: str) -> int:
+        # Under self._lock. Counting on past 2**32 - 1 would leave uint32: wrap, skipping
+        # pids still remembered (the table keeps at most a few hundred).
+        taken = {p.pid for p in self._processes.values() if p.sandbox_id == sandbox_id}
+        pid = self._pids.get(sandbox_id, 0)
+        while True:
+            pid = pid % _MAX_PID + 1
+            if pid not in taken:
+                self._pids[sandbox_id] = pid
+                return pid
+
+    def _expire(self, process: BackgroundProcess) -> None:
+        process.deadline_passed = True
+        with contextlib.suppress(CorralError):  # already gone, or the sandbox with it
+            self.kill(process.sandbox_id, process.id)
 
     def _prune(self) -> None:
         exited = [p for p in self._processes.values() if p.state == "exited"]
@@ -198,6 +315,23 @@ class ProcessTable:
             raise CommandNotFound(f"no background process {process_id!r} in {sandbox_id}")
         return process
 
+    def find(self, sandbox_id: str, *, pid: int | None = None,
+             tag: str | None = None) -> BackgroundProcess:
+        """The process of ``sandbox_id`` with that ``pid`` (or else ``tag``; the latest one
+        started if several share it)."""
+        with self._lock:
+            mine = [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
+        if pid is not None:
+            found = [p for p in mine if p.pid == pid]
+            what = f"pid {pid}"
+        else:
+            found = [p for p in mine if tag is not None and p.tag == tag]
+            what = f"tag {tag!r}"
+        if not found:
+            raise CommandNotFound(f"no process with {what} in {sandbox_id}; list() shows the "
+                                  "running ones")
+        return max(found, key=lambda p: p.started_at)
+
     def list(self, sandbox_id: str) -> list[BackgroundProcess]:
         with self._lock:
             return [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
@@ -210,6 +344,7 @@ class ProcessTable:
         process = self.get(sandbox_id, process_id)
         if process.state == "exited":
             return
+        process.kill_requested = True
         self._runner.kill(sandbox_id, process.command_id)
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "snapshot_ref",
     "template",
     "ttl",
+    "workspace_path",
 ]
 
 MAX_FORKS = 64
@@ -127,9 +128,25 @@ def _env(envs: Mapping[str, str] | None) -> dict[str, str]:
     return env
 
 
+# Every sandbox mounts its workspace a second time at E2B's home; a cwd there stays there (so
+# `pwd` says /home/user/x, as E2B's SDKs expect) and is checked as the same path in /workspace.
+HOME_ALIAS = "/home/user"
+
+
 def _cwd(cwd: str | None) -> str:
+    if cwd is not None and isinstance(cwd, str) and (
+            cwd == HOME_ALIAS or cwd.startswith(HOME_ALIAS + "/")):
+        rel = to_relative("/workspace" + cwd[len(HOME_ALIAS):])
+        return HOME_ALIAS if rel == "." else f"{HOME_ALIAS}/{rel}"
     rel = to_relative(cwd or "/workspace")
     return "/workspace" if rel == "." else f"/workspace/{rel}"
+
+
+def workspace_path(cwd: str) -> str:
+    """A validated cwd as the file API names it (under ``/workspace``)."""
+    if cwd == HOME_ALIAS or cwd.startswith(HOME_ALIAS + "/"):
+        return "/workspace" + cwd[len(HOME_ALIAS):]
+    return cwd
 
 
 def _stdin(stdin: str | bytes | None) -> bytes | None:

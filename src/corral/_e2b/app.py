@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 TENANT_KEY = "corral.e2b.tenant"
 _CONNECT_PATH = re.compile(r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
+# What envd and the code interpreter serve. Old SDKs (≤ 2.20) send the E2b-Sandbox-* headers
+# on control-plane calls too (connect), so the headers route only these paths to a sandbox.
+_SANDBOX_PATH = re.compile(r"/health|/files|/execute|/contexts(/.*)?|"
+                           r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
 _MAX_CONTROL_BODY = 1024 * 1024
 _MAX_RPC_BODY = 4 * 1024 * 1024
 _MAX_STREAM_INPUT = 64 * 1024 * 1024
@@ -235,6 +239,9 @@ class E2BApp:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                watchers = getattr(self.state, "e2b_watchers", None)
+                if watchers is not None:
+                    watchers.close()
                 self.e2b.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
@@ -258,6 +265,9 @@ class E2BApp:
                           f"service (it answers to {self.names.describe()}); add it with "
                           "`corral serve --host-name NAME`")
             return
+        if header_id is not None and sandbox is None and not _SANDBOX_PATH.fullmatch(
+                scope["path"]):
+            header_id = None  # a control-plane call that names its sandbox in the path
         if header_id is not None:
             try:
                 port = int(header_port) if header_port else ENVD_PORT
@@ -269,6 +279,16 @@ class E2BApp:
                               "different sandboxes or ports")
                 return
             sandbox = (header_id, port)
+        access = _header(scope, b"x-access-token")
+        if sandbox is None and access and _SANDBOX_PATH.fullmatch(scope["path"]):
+            # SDKs 2.7–2.20 reconnected by `connect` send envd calls with only the token in
+            # URL mode (no E2b-Sandbox-Id): the token, an HMAC of one id, names its sandbox.
+            found = await run_in_threadpool(self._sandbox_of_token, access)
+            if found is None:
+                await _refuse(scope, send, 401, "the access token is no running sandbox's")
+                return
+            sandbox = (found, int(header_port) if header_port and header_port.isdigit()
+                       else ENVD_PORT)
         if sandbox is None and scope["path"] == "/files" and b"signature=" in scope.get(
                 "query_string", b""):
             found = await run_in_threadpool(self._signed_files_sandbox, scope)
@@ -312,6 +332,12 @@ class E2BApp:
             return corral_id, self.tenants.get(record.tenant)
         except CorralError:
             return None
+
+    def _sandbox_of_token(self, token: str) -> str | None:
+        for record in self.manager.store.list():
+            if record.state != "destroying" and self.tokens.check_envd(record.id, token):
+                return to_e2b(record.id)
+        return None
 
     def _signed_files_sandbox(self, scope: Scope) -> str | None:
         try:

@@ -3,7 +3,7 @@
 Corral's ids (``sbx_<12 base36>``) hold an underscore, which is not valid in a DNS label, and
 domain mode puts the id in a host name (``49983-<id>.<domain>``). The E2B surface shows the same
 id with ``-`` for ``_``: a bijection, since a Corral id has exactly one underscore after its
-prefix, so nothing is stored and ``corral`` commands take either form back.
+prefix, so nothing is stored.
 """
 
 from __future__ import annotations

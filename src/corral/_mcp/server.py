@@ -74,6 +74,7 @@ __all__ = ["DEFAULT_CEILING", "OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "
 
 log = logging.getLogger(__name__)
 
+RESULT_CAP_BYTES = 1024 * 1024
 OUTPUT_CAP_BYTES = 64 * 1024
 """Bytes of stdout, and of stderr, one ``run_command`` result carries."""
 
@@ -363,6 +364,35 @@ class CorralMCP:
             "command_id": result.command_id,
         }
 
+    async def run_code(
+        self, ctx: Context[Any, Any] | None, code: str, language: str | None,
+        context_id: str | None, sandbox_id: str | None, timeout_s: float | None,
+    ) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        execution = await sb.run_code(code, language=language, context=context_id,
+                                      timeout=timeout_s)
+        stdout, out_dropped = _cap("".join(execution.logs.stdout), OUTPUT_CAP_BYTES, 0,
+                                   "stdout")
+        stderr, err_dropped = _cap("".join(execution.logs.stderr), OUTPUT_CAP_BYTES, 0,
+                                   "stderr")
+        results = []
+        for result in execution.results:
+            # Each MIME value capped like output: a model reads text, and one huge image or
+            # table must not flood its context (the SDK returns them whole).
+            data = {mime: value if not isinstance(value, str) or len(value) <= RESULT_CAP_BYTES
+                    else value[:RESULT_CAP_BYTES] + f"\n[corral: {mime} cut at "
+                                                    f"{RESULT_CAP_BYTES} characters]"
+                    for mime, value in result.data.items()}
+            results.append({"is_main_result": result.is_main_result, "data": data})
+        return {
+            "sandbox_id": sb.id, "context_id": execution.context_id,
+            "execution_count": execution.execution_count, "text": execution.text,
+            "results": results, "stdout": stdout, "stderr": stderr,
+            "error": execution.error.to_dict() if execution.error else None,
+            "truncated": bool(out_dropped or err_dropped),
+            "duration_s": round(execution.duration_s, 3),
+        }
+
     async def read_file(self, ctx: Context[Any, Any] | None, path: str,
                         sandbox_id: str | None) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
@@ -546,6 +576,24 @@ def build_server(home: Path | None, transport: Transport,
         whether anything was cut (a "[corral: ... truncated ...]" line marks the cut)."""
         return await state.guarded(ctx, sandbox_id, lambda: state.run_command(
             ctx, command, sandbox_id, timeout_s, cwd))
+
+    @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
+    async def run_code(
+        ctx: Context[Any, Any], code: str, language: str | None = None,
+        context_id: str | None = None, sandbox_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> CallToolResult:
+        """Run a cell of code in a stateful kernel in the sandbox (default: this session's):
+        variables and imports stay for the next call. language: "python" (default, IPython),
+        "bash" (a persistent shell) or "javascript" (node vm); context_id: a context of the
+        sandbox instead.
+
+        Returns text (the cell's value), results (MIME bundles: text/plain, text/html,
+        image/png base64, ...; a matplotlib figure is a PNG), stdout, stderr, error (name,
+        value, traceback; an exception in the cell is a result, not a tool error) and
+        execution_count."""
+        return await state.guarded(ctx, sandbox_id, lambda: state.run_code(
+            ctx, code, language, context_id, sandbox_id, timeout_s))
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def read_file(ctx: Context[Any, Any], path: str,

@@ -17,9 +17,9 @@ import anyio.to_thread
 
 from .._audit.log import AuditTrail
 from ..backends import OutputCallback
-from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
+from ..models import CodeContext, CommandResult, Execution, FileEntry, SandboxInfo, SnapshotInfo
 from ._embedded import EmbeddedTransport, embedded_target
-from ._wire import AsyncOutputCallback, ProcessInfo, adeliver
+from ._wire import AsyncCodeCallback, AsyncOutputCallback, CodeItem, ProcessInfo, adeliver
 
 if TYPE_CHECKING:
     from .._control.manager import Manager
@@ -46,6 +46,24 @@ def _forward(callback: AsyncOutputCallback | None,
             anyio.from_thread.run(adeliver, callback, text)
         except RuntimeError:
             if not abandoned.is_set():  # else: the caller is gone, maybe its loop too
+                raise
+
+    return forward
+
+
+def _forward_code(callback: AsyncCodeCallback | None,
+                  abandoned: threading.Event) -> Callable[[CodeItem], None] | None:
+    """``_forward`` for a cell's callback items."""
+    if callback is None:
+        return None
+
+    def forward(item: CodeItem) -> None:
+        if abandoned.is_set():
+            return
+        try:
+            anyio.from_thread.run(adeliver, callback, item)
+        except RuntimeError:
+            if not abandoned.is_set():
                 raise
 
     return forward
@@ -136,6 +154,36 @@ class AsyncEmbeddedTransport:
 
     async def kill_process(self, sandbox_id: str, process_id: str) -> None:
         await self._call(self.sync.kill_process, sandbox_id, process_id)
+
+    async def run_code(self, sandbox_id: str, code: str, *, context_id: str | None,
+                       language: str | None, envs: Mapping[str, str] | None,
+                       timeout: float | None, on_event: AsyncCodeCallback | None
+                       ) -> Execution:
+        abandoned = threading.Event()
+        work = functools.partial(
+            self.sync.run_code, sandbox_id, code, context_id=context_id, language=language,
+            envs=envs, timeout=timeout, on_event=_forward_code(on_event, abandoned))
+        try:
+            # Its own limiter, as run(): a cell may hold its thread for minutes.
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True,
+                                                  limiter=anyio.CapacityLimiter(1))
+        except anyio.get_cancelled_exc_class():
+            abandoned.set()
+            raise
+
+    async def create_code_context(self, sandbox_id: str, *, language: str | None,
+                                  cwd: str | None) -> CodeContext:
+        return await self._call(self.sync.create_code_context, sandbox_id, language=language,
+                                cwd=cwd)
+
+    async def list_code_contexts(self, sandbox_id: str) -> builtins.list[CodeContext]:
+        return await self._call(self.sync.list_code_contexts, sandbox_id)
+
+    async def restart_code_context(self, sandbox_id: str, context_id: str) -> CodeContext:
+        return await self._call(self.sync.restart_code_context, sandbox_id, context_id)
+
+    async def remove_code_context(self, sandbox_id: str, context_id: str) -> None:
+        await self._call(self.sync.remove_code_context, sandbox_id, context_id)
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return await self._call(self.sync.read_file, sandbox_id, path)

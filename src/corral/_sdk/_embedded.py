@@ -10,7 +10,7 @@ embedded start-up); the HTTP transport is imported when a URL is used.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from .._audit.log import AuditTrail
 from .._settings import Settings
 from ..backends import OutputCallback
-from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
-from ._wire import ProcessInfo, shaped
+from ..models import CodeContext, CommandResult, Execution, FileEntry, SandboxInfo, SnapshotInfo
+from ._wire import CodeItem, ProcessInfo, code_item, shaped
 
 if TYPE_CHECKING:
     from .._control.manager import Manager
@@ -102,6 +102,35 @@ class EmbeddedTransport:
 
     def kill_process(self, sandbox_id: str, process_id: str) -> None:
         self.manager.processes.kill(sandbox_id, process_id)
+
+    def run_code(self, sandbox_id: str, code: str, *, context_id: str | None,
+                 language: str | None, envs: Mapping[str, str] | None, timeout: float | None,
+                 on_event: Callable[[CodeItem], object] | None) -> Execution:
+        from .._control.interpreter import CodeEvent, event_line
+
+        def forward(event: CodeEvent) -> None:
+            # The wire's own dicts: embedded and remote callbacks get the very same items.
+            item = code_item(event_line(event))
+            if item is not None and on_event is not None:
+                on_event(item)
+
+        return self.manager.interpreter.execute(
+            sandbox_id, code, context_id=context_id, language=language, envs=envs,
+            timeout=timeout, caller=self.caller, on_event=forward)
+
+    def create_code_context(self, sandbox_id: str, *, language: str | None,
+                            cwd: str | None) -> CodeContext:
+        return self.manager.interpreter.create_context(sandbox_id, language=language, cwd=cwd,
+                                                       caller=self.caller)
+
+    def list_code_contexts(self, sandbox_id: str) -> builtins.list[CodeContext]:
+        return self.manager.interpreter.list_contexts(sandbox_id)
+
+    def restart_code_context(self, sandbox_id: str, context_id: str) -> CodeContext:
+        return self.manager.interpreter.restart_context(sandbox_id, context_id)
+
+    def remove_code_context(self, sandbox_id: str, context_id: str) -> None:
+        self.manager.interpreter.remove_context(sandbox_id, context_id)
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
         return self.manager.files(sandbox_id).read(path)

@@ -14,17 +14,31 @@ import json
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeVar, overload
 
 from .._audit.events import AuditEvent
 from .._audit.log import AuditTrail
 from .._workspace.files import to_relative
 from ..backends import OutputCallback, OutputCut
 from ..errors import CorralError, SnapshotNotFound, TransportError, UsageError, error_class
-from ..models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo, Usage
+from ..models import (
+    CodeContext,
+    CommandResult,
+    Execution,
+    ExecutionError,
+    FileEntry,
+    OutputMessage,
+    Result,
+    SandboxInfo,
+    SnapshotInfo,
+    Usage,
+)
 
 __all__ = [
-    "NO_RESULT", "AsyncOutputCallback", "CommandStream", "Output", "OutputCallback",
+    "NO_RESULT", "AsyncCodeCallback", "AsyncErrorCallback", "AsyncMessageCallback",
+    "AsyncOutputCallback", "AsyncResultCallback", "CodeCallback", "CodeItem", "CodeStream",
+    "ErrorCallback", "MessageCallback", "ResultCallback",
+    "CommandStream", "code_body", "code_context", "code_item", "Output", "OutputCallback",
     "ProcessInfo", "adeliver", "audit_params", "audit_trail", "check_format", "command_result",
     "create_body", "deliver", "encodable", "error_for", "file_data", "network_body",
     "process_body", "process_event", "run_body", "sandbox_info", "shaped", "snapshot_info",
@@ -43,12 +57,29 @@ ProcessInfo = dict[str, Any]
 """``{id, state ("running"|"exited"), exit_code, command_id, output_bytes, ...}``."""
 
 
-def deliver(callback: OutputCallback | None, text: str) -> None:
+_V = TypeVar("_V")
+
+#: What a cell's callbacks get: ``("stdout"|"stderr", OutputMessage)``, ``("result",
+#: Result)``, ``("error", ExecutionError)``.
+CodeItem = tuple[str, OutputMessage | Result | ExecutionError]
+#: The transports' one callback for a cell's events; the façade dispatches to on_stdout, ...
+AsyncCodeCallback = Callable[[CodeItem], Awaitable[None] | None]
+CodeCallback = Callable[[CodeItem], object]
+#: A cell's callbacks on the façades: plain functions, or ``async def`` (awaited), in order.
+AsyncMessageCallback = Callable[[OutputMessage], Awaitable[None] | None]
+MessageCallback = Callable[[OutputMessage], object]
+AsyncResultCallback = Callable[[Result], Awaitable[None] | None]
+ResultCallback = Callable[[Result], object]
+AsyncErrorCallback = Callable[[ExecutionError], Awaitable[None] | None]
+ErrorCallback = Callable[[ExecutionError], object]
+
+
+def deliver(callback: Callable[[_V], object] | None, text: _V) -> None:
     if callback is not None:
         callback(text)
 
 
-async def adeliver(callback: AsyncOutputCallback | None, text: str) -> None:
+async def adeliver(callback: Callable[[_V], Awaitable[None] | None] | None, text: _V) -> None:
     """Call ``callback`` with ``text``, awaiting it if it is a coroutine function."""
     if callback is not None:
         outcome = callback(text)
@@ -287,3 +318,56 @@ class CommandStream:
         if self.result is None:
             raise TransportError(NO_RESULT)
         return self.result
+
+
+# -- the code interpreter ---------------------------------------------------------------------
+
+
+def code_body(code: str, *, context_id: str | None, language: str | None,
+              envs: Mapping[str, str] | None, timeout: float | None) -> dict[str, Any]:
+    return {"code": code, "context": context_id, "language": language,
+            "envs": dict(envs) if envs else None, "timeout": timeout}
+
+
+def code_context(data: Mapping[str, Any]) -> CodeContext:
+    return CodeContext.model_validate(data)
+
+
+def code_item(event: Mapping[str, Any]) -> CodeItem | None:
+    """The callback item for one event line of a cell (``None`` for the others)."""
+    kind = event.get("type")
+    if kind in ("stdout", "stderr"):
+        return kind, OutputMessage(text=event["text"], timestamp=event["timestamp"],
+                                   error=kind == "stderr")
+    if kind == "result":
+        return "result", Result(is_main_result=bool(event.get("is_main_result")),
+                                data=dict(event.get("data") or {}))
+    if kind == "execution_error":
+        return "error", ExecutionError(name=event["name"], value=event["value"],
+                                       traceback=event.get("traceback", ""))
+    return None
+
+
+@dataclass
+class CodeStream:
+    """The client side of the NDJSON cell stream: ``feed`` each line; the last line is the
+    ``execution`` (the whole ``Execution``), or an ``error`` (raised, as the service raised)."""
+
+    execution: Execution | None = None
+
+    def feed(self, line: str) -> CodeItem | None:
+        if not line.strip():
+            return None
+        event = json.loads(line)
+        kind = event.get("type")
+        if kind == "execution":
+            self.execution = Execution.model_validate(event["execution"])
+            return None
+        if kind == "error":
+            raise error_class(event["error"])(event["message"])
+        return code_item(event)
+
+    def finished(self) -> Execution:
+        if self.execution is None:
+            raise TransportError("the cell's stream ended without its execution")
+        return self.execution

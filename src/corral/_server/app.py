@@ -30,7 +30,7 @@ from ..errors import AuthError, CorralError, SandboxNotFound
 from .auth import Tenant, TenantDirectory
 from .bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
 from .guard import Authenticate, BodyLimit, HostGuard, OriginGuard, OwnerFirst, ServiceNames
-from .routes import audit, commands, files, processes, sandboxes, snapshots
+from .routes import audit, code, commands, files, processes, sandboxes, snapshots
 from .schemas import _ERRORS
 
 # The body limits are part of the service's contract; importable from here, as before.
@@ -147,7 +147,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
 
     # Included in this order, the order of the OpenAPI document's paths.
     for router in (sandboxes.router, snapshots.router, commands.router, processes.router,
-                   files.router, audit.router):
+                   code.router, files.router, audit.router):
         app.include_router(router)
 
     @app.get("/healthz")

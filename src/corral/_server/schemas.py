@@ -19,8 +19,9 @@ from .._control.validate import MAX_FORKS as _MAX_FORKS
 from .._control.validate import SNAPSHOT_NAME_PATTERN
 from .._core.resources import TIERS
 
-__all__ = ["ISOLATION_TIERS", "CreateSandbox", "ErrorOut", "Fork", "NetworkBody", "Restore",
-           "RunCommand", "SetTimeout", "StartProcess", "TakeSnapshot"]
+__all__ = ["ISOLATION_TIERS", "CreateCodeContext", "CreateSandbox", "ErrorOut", "Fork",
+           "NetworkBody", "Restore", "RunCode", "RunCommand", "SetTimeout", "StartProcess",
+           "TakeSnapshot"]
 
 class _Strict(BaseModel):
     # strict: a JSON value of the wrong type is refused, never coerced ("5", true, "yes").
@@ -129,6 +130,20 @@ class RunCommand(_Strict):
     output: Literal["text", "bytes"] = Field(
         default="text", description="`bytes`: the result also carries `stdout_b64` and "
         "`stderr_b64`, the kept output exactly as written, base64-encoded.")
+
+
+class RunCode(_Strict):
+    code: str = Field(description="The cell's source.")
+    context: str | None = Field(default=None, description="A context id (create_code_context); "
+                                "default: the sandbox's default context of `language`.")
+    language: str | None = Field(default=None, description="python (default), bash or javascript.")
+    envs: dict[str, str] | None = Field(default=None, description="For this cell only.")
+    timeout: _Seconds | None = None
+
+
+class CreateCodeContext(_Strict):
+    language: str | None = Field(default=None, description="python (default), bash or javascript.")
+    cwd: str | None = Field(default=None, description="Inside /workspace (the default).")
 
 
 class StartProcess(_Strict):

@@ -28,6 +28,7 @@ from .._core import linux
 from ..backends import TreeItem
 from ..errors import FileError, FileNotFound, PathRefused, QuotaExceeded
 from ..models import FileEntry
+from .inotify import InotifyWatch
 from .removal import remove_tree
 
 __all__ = ["MAX_FILE_BYTES", "MAX_WALK_DEPTH", "WORKSPACE", "TreeItem", "WorkspaceFiles",
@@ -492,3 +493,18 @@ class WorkspaceFiles:
             return False
         with _mapped(rel), self._root_fd() as root_fd:
             return self._make_dirs(root_fd, rel)
+
+    def readlink(self, path: str) -> str:
+        rel = to_relative(path)
+        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+            try:
+                return shown_name(os.readlink(leaf, dir_fd=dir_fd))
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    raise FileError(f"{_display(rel)} is not a symlink") from None
+                raise
+
+    def watch(self, path: str, *, recursive: bool = False) -> InotifyWatch:
+        """Watch a directory with inotify from the host (see ``inotify``)."""
+        return InotifyWatch(self._root, to_relative(path), recursive=recursive,
+                            shown=_display)

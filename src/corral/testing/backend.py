@@ -14,6 +14,7 @@ NAME``); ``files`` returns a ``WorkspaceFS`` with the same paths and errors as `
 
 from __future__ import annotations
 
+import os
 import posixpath
 import shlex
 import threading
@@ -35,6 +36,8 @@ from ..backends import (
     SandboxSpec,
     SealResult,
     TreeItem,
+    WatchEvent,
+    WatchOp,
     WorkspaceFS,
 )
 from ..errors import BackendError, FileError, FileNotFound, QuotaExceeded, SandboxNotFound
@@ -58,6 +61,77 @@ def _shown(rel: str) -> str:
     return WORKSPACE if rel == "." else f"{WORKSPACE}/{rel}"
 
 
+class _MemoryWatch:
+    """A ``DirWatch`` of a ``MemoryFS`` directory: events are pushed by the mutations, and a
+    pipe is readable while some are pending (so event loops can wait on ``fileno``)."""
+
+    MAX_PENDING = 8192
+
+    def __init__(self, fs: MemoryFS, rel: str, recursive: bool) -> None:
+        self._fs = fs
+        self._rel = rel
+        self._recursive = recursive
+        self._pending: list[WatchEvent] = []
+        self._dropped = 0
+        self._ended = False
+        self._lock = threading.Lock()
+        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    def notify(self, rel: str, op: WatchOp) -> None:
+        if rel == self._rel and op in ("remove", "rename"):
+            self._ended = True
+            self._wake()
+            return
+        prefix = "" if self._rel == "." else self._rel + "/"
+        if not rel.startswith(prefix) or rel == self._rel:
+            return
+        name = rel[len(prefix):]
+        if "/" in name and not self._recursive:
+            return
+        with self._lock:
+            if len(self._pending) >= self.MAX_PENDING:
+                self._dropped += 1
+                return
+            self._pending.append(WatchEvent(name=name, op=op))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._write_fd, b"!")
+        except (BlockingIOError, OSError):
+            pass  # already readable (or closed)
+
+    def read(self) -> list[WatchEvent]:
+        try:
+            while os.read(self._read_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        with self._lock:
+            events, self._pending = self._pending, []
+        return events
+
+    def close(self) -> None:
+        if not self._ended or self._read_fd >= 0:
+            self._fs._unwatch(self)
+        for fd in (self._read_fd, self._write_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._read_fd = self._write_fd = -1
+        self._ended = True
+
+
 class MemoryFS:
     """A ``WorkspaceFS`` held in a dict of relative path -> node; thread-safe."""
 
@@ -67,6 +141,7 @@ class MemoryFS:
         self._nodes.setdefault(".", _Node("dir", mode=0o755))
         self._max = max_file_bytes
         self._lock = threading.RLock()
+        self._watches: list[_MemoryWatch] = []
 
     def copy(self) -> MemoryFS:
         with self._lock:
@@ -108,6 +183,7 @@ class MemoryFS:
             node = self._nodes.get(here)
             if node is None:
                 self._nodes[here] = _Node("dir", mode=0o755)
+                self._notify(here, "create")
             elif node.kind != "dir":
                 raise FileError(f"a component of {_shown(rel)} is not a directory")
 
@@ -141,8 +217,12 @@ class MemoryFS:
             if rel == "." or (self._nodes.get(rel) and self._nodes[rel].kind == "dir"):
                 raise FileError(f"{_shown(rel)} is a directory")
             self._make_parents(rel)
+            existed = rel in self._nodes
             self._nodes[rel] = _Node("file", data, mode & 0o777,
                                      time.time() if mtime is None else mtime)
+            if not existed:
+                self._notify(rel, "create")
+            self._notify(rel, "write")
             return self._entry(rel)
 
     def symlink(self, path: str, target: str) -> FileEntry:
@@ -150,6 +230,7 @@ class MemoryFS:
             rel = to_relative(path)
             self._make_parents(rel)
             self._nodes[rel] = _Node("symlink", target=target)
+            self._notify(rel, "create")
             return self._entry(rel)
 
     def walk(self, path: str = WORKSPACE) -> Iterator[TreeItem]:
@@ -215,6 +296,7 @@ class MemoryFS:
             self._get(rel)
             for key in [k for k in self._nodes if k == rel or k.startswith(rel + "/")]:
                 del self._nodes[key]
+            self._notify(rel, "remove")
 
     def rename(self, src: str, dst: str) -> FileEntry:
         with self._lock:
@@ -230,6 +312,8 @@ class MemoryFS:
                 del self._nodes[key]
             for key, node in moved.items():
                 self._nodes[rel_dst + key[len(rel_src):]] = node
+            self._notify(rel_src, "rename")
+            self._notify(rel_dst, "create")
             return self._entry(rel_dst)
 
     def make_dir(self, path: str) -> bool:
@@ -242,7 +326,35 @@ class MemoryFS:
                 return False
             self._make_parents(rel)
             self._nodes[rel] = _Node("dir", mode=0o755)
+            self._notify(rel, "create")
             return True
+
+    def readlink(self, path: str) -> str:
+        with self._lock:
+            rel = to_relative(path)
+            node = self._get(rel)
+            if node.kind != "symlink":
+                raise FileError(f"{_shown(rel)} is not a symlink")
+            return node.target
+
+    def watch(self, path: str, *, recursive: bool = False) -> _MemoryWatch:
+        with self._lock:
+            rel = to_relative(path)
+            if self._get(rel).kind != "dir":
+                raise FileError(f"{_shown(rel)} is not a directory; only directories can be "
+                                "watched")
+            watch = _MemoryWatch(self, rel, recursive)
+            self._watches.append(watch)
+            return watch
+
+    def _unwatch(self, watch: _MemoryWatch) -> None:
+        with self._lock:
+            if watch in self._watches:
+                self._watches.remove(watch)
+
+    def _notify(self, rel: str, op: WatchOp) -> None:
+        for watch in list(self._watches):
+            watch.notify(rel, op)
 
 
 class _Cut:

@@ -55,6 +55,11 @@ class OutputStream:
     )
     head: StreamHead | None = None
     held: bytes = b""
+    # Past the limit the callback still gets the output (not kept): see ExecRequest.
+    stream_past_limit: bool = False
+    live_decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
 
     def feed(self, data: bytes) -> None:
         if self.head is not None:
@@ -67,6 +72,12 @@ class OutputStream:
         self._keep(data)
 
     def _keep(self, data: bytes) -> None:
+        if self.stream_past_limit and self.callback is not None:
+            # The live reader gets every byte, decoded on its own, and no cut notice (a
+            # protocol reader must see the stream exactly); only the result is capped.
+            text = self.live_decoder.decode(data)
+            if text:
+                self.callback(text)
         room = max(self.limit - self.kept, 0)
         if len(data) <= room:
             self.kept += len(data)
@@ -92,12 +103,16 @@ class OutputStream:
             self.head, held, self.held = None, self.held, b""
             self._keep(held if decided is None else decided)
         self._emit(self.decoder.decode(b"", final=True))
+        if self.stream_past_limit and self.callback is not None:
+            tail = self.live_decoder.decode(b"", final=True)
+            if tail:
+                self.callback(tail)
         return "".join(self.parts)
 
     def _emit(self, text: str) -> None:
         if text:
             self.parts.append(text)
-            if self.callback is not None:
+            if self.callback is not None and not self.stream_past_limit:
                 self.callback(text)
 
 
@@ -167,9 +182,10 @@ def pump(
 ) -> tuple[tuple[OutputStream, OutputStream], bool]:
     """Feed stdin, read stdout and stderr (or ``terminal``, a PTY's master, which this closes)
     until they close or time runs out; True on timeout."""
-    out = OutputStream("stdout", request.output_limit_bytes, request.on_stdout)
+    out = OutputStream("stdout", request.output_limit_bytes, request.on_stdout,
+                       stream_past_limit=request.stream_past_limit)
     err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
-                       head=stderr_head)
+                       head=stderr_head, stream_past_limit=request.stream_past_limit)
     deadline = started + request.timeout_s
     if terminal is not None:
         try:

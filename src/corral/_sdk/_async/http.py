@@ -16,10 +16,10 @@ import httpx
 
 from ..._audit.log import AuditTrail
 from ...errors import FileNotFound, TransportError
-from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
+from ...models import CodeContext, CommandResult, Execution, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
 from .._io import Pool, ahttp_pool, aread_chunk, arelease
-from .._wire import AsyncOutputCallback, ProcessInfo, adeliver
+from .._wire import AsyncCodeCallback, AsyncOutputCallback, ProcessInfo, adeliver
 
 __all__ = ["AsyncHTTPTransport"]
 
@@ -169,6 +169,39 @@ class AsyncHTTPTransport:
 
     async def kill_process(self, sandbox_id: str, process_id: str) -> None:
         await self.request("POST", f"{_sandbox(sandbox_id)}/processes/{process_id}/kill")
+
+    # -- code interpreter -------------------------------------------------------------------
+
+    async def run_code(self, sandbox_id: str, code: str, *, context_id: str | None,
+                       language: str | None, envs: Mapping[str, str] | None,
+                       timeout: float | None, on_event: AsyncCodeCallback | None
+                       ) -> Execution:
+        body = _wire.code_body(code, context_id=context_id, language=language, envs=envs,
+                               timeout=timeout)
+        stream = _wire.CodeStream()
+        async with self._stream("POST", f"{_sandbox(sandbox_id)}/code", json=body) as response:
+            async for line in response.aiter_lines():
+                item = stream.feed(line)
+                if item is not None:
+                    await adeliver(on_event, item)
+        return stream.finished()
+
+    async def create_code_context(self, sandbox_id: str, *, language: str | None,
+                                  cwd: str | None) -> CodeContext:
+        return _wire.code_context(await self._json(
+            "POST", f"{_sandbox(sandbox_id)}/code/contexts",
+            json={"language": language, "cwd": cwd}))
+
+    async def list_code_contexts(self, sandbox_id: str) -> builtins.list[CodeContext]:
+        data = await self._json("GET", f"{_sandbox(sandbox_id)}/code/contexts")
+        return [_wire.code_context(item) for item in data]
+
+    async def restart_code_context(self, sandbox_id: str, context_id: str) -> CodeContext:
+        return _wire.code_context(await self._json(
+            "POST", f"{_sandbox(sandbox_id)}/code/contexts/{context_id}/restart"))
+
+    async def remove_code_context(self, sandbox_id: str, context_id: str) -> None:
+        await self.request("DELETE", f"{_sandbox(sandbox_id)}/code/contexts/{context_id}")
 
     # -- files ------------------------------------------------------------------------------
 

@@ -18,10 +18,10 @@ import httpx
 
 from ..._audit.log import AuditTrail
 from ...errors import FileNotFound, TransportError
-from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
+from ...models import CodeContext, CommandResult, Execution, FileEntry, SandboxInfo, SnapshotInfo
 from .. import _wire
 from .._io import Pool, http_pool, read_chunk, release
-from .._wire import OutputCallback, ProcessInfo, deliver
+from .._wire import CodeCallback, OutputCallback, ProcessInfo, deliver
 
 __all__ = ["HTTPTransport"]
 
@@ -171,6 +171,39 @@ class HTTPTransport:
 
     def kill_process(self, sandbox_id: str, process_id: str) -> None:
         self.request("POST", f"{_sandbox(sandbox_id)}/processes/{process_id}/kill")
+
+    # -- code interpreter -------------------------------------------------------------------
+
+    def run_code(self, sandbox_id: str, code: str, *, context_id: str | None,
+                       language: str | None, envs: Mapping[str, str] | None,
+                       timeout: float | None, on_event: CodeCallback | None
+                       ) -> Execution:
+        body = _wire.code_body(code, context_id=context_id, language=language, envs=envs,
+                               timeout=timeout)
+        stream = _wire.CodeStream()
+        with self._stream("POST", f"{_sandbox(sandbox_id)}/code", json=body) as response:
+            for line in response.iter_lines():
+                item = stream.feed(line)
+                if item is not None:
+                    deliver(on_event, item)
+        return stream.finished()
+
+    def create_code_context(self, sandbox_id: str, *, language: str | None,
+                                  cwd: str | None) -> CodeContext:
+        return _wire.code_context(self._json(
+            "POST", f"{_sandbox(sandbox_id)}/code/contexts",
+            json={"language": language, "cwd": cwd}))
+
+    def list_code_contexts(self, sandbox_id: str) -> builtins.list[CodeContext]:
+        data = self._json("GET", f"{_sandbox(sandbox_id)}/code/contexts")
+        return [_wire.code_context(item) for item in data]
+
+    def restart_code_context(self, sandbox_id: str, context_id: str) -> CodeContext:
+        return _wire.code_context(self._json(
+            "POST", f"{_sandbox(sandbox_id)}/code/contexts/{context_id}/restart"))
+
+    def remove_code_context(self, sandbox_id: str, context_id: str) -> None:
+        self.request("DELETE", f"{_sandbox(sandbox_id)}/code/contexts/{context_id}")
 
     # -- files ------------------------------------------------------------------------------
 

@@ -36,11 +36,18 @@ from typing import Any, BinaryIO, Literal, overload
 from ..._audit.events import AuditEvent
 from ..._audit.log import AuditTrail
 from ...errors import SandboxNotFound, UsageError
-from ...models import CommandResult, FileEntry, SandboxInfo, SnapshotInfo
+from ...models import (
+    CodeContext,
+    CommandResult,
+    Execution,
+    FileEntry,
+    SandboxInfo,
+    SnapshotInfo,
+)
 from .. import _wire
 from .._embedded import open_transport, using_transport
 from .._io import now, shielded, sleep
-from .._wire import OutputCallback, ProcessInfo
+from .._wire import OutputCallback, ProcessInfo, deliver
 from .transport import Transport
 
 __all__ = ["Audit", "Commands", "Files", "Network", "Process",
@@ -471,6 +478,84 @@ class Sandbox:
         """Delete a snapshot. Raises ``SnapshotInUse`` while a sandbox is built on it."""
         with using_transport(transport, home, url, api_key) as opened:
             opened.delete_snapshot(_wire.snapshot_ref(snapshot))
+
+    # -- code interpreter -------------------------------------------------------------------
+
+    def run_code(
+        self,
+        code: str,
+        language: str | None = None,
+        context: CodeContext | str | None = None,
+        envs: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        *,
+        on_stdout: _wire.MessageCallback | None = None,
+        on_stderr: _wire.MessageCallback | None = None,
+        on_result: _wire.ResultCallback | None = None,
+        on_error: _wire.ErrorCallback | None = None,
+    ) -> Execution:
+        """Run a cell in a stateful kernel: variables, imports and cwd stay for the next cell.
+
+        Args:
+            code: the cell's source.
+            language: ``"python"`` (default; IPython when the template has it), ``"bash"``
+                (one persistent shell) or ``"javascript"`` (node, one persistent ``vm``
+                context); used with no ``context``: the sandbox's default context of that
+                language, started on demand.
+            context: a context from ``create_code_context()`` (or its id).
+            envs: environment variables for this cell only.
+            timeout: seconds before the cell is interrupted (default and maximum: the tier's
+                command timeout); a cell that ignores the interrupt loses its kernel.
+            on_stdout: called with each ``OutputMessage`` of standard output as it is printed.
+            on_stderr: the same for standard error.
+            on_result: called with each ``Result`` (a displayed figure, the cell's value).
+            on_error: called with the cell's ``ExecutionError``.
+
+        Returns:
+            The ``Execution``: ``results`` (MIME bundles: ``.text``, ``.html``, ``.png``...),
+            ``logs``, ``error`` (an exception in the cell is not raised), ``execution_count``.
+            A kernel that died (crash, out of memory, ``os._exit``) is an ``error`` too
+            (``KernelDied``, ``KernelOutOfMemory``); the next cell starts a fresh kernel.
+
+        Raises:
+            ContextNotFound: no such context in this sandbox.
+            InterpreterUnavailable: the template cannot run that language.
+
+        Example:
+            >>> (sb.run_code("x = 6 * 7\nx")).text
+            '42'
+        """
+        callbacks = {"stdout": on_stdout, "stderr": on_stderr, "result": on_result,
+                     "error": on_error}
+
+        def dispatch(item: _wire.CodeItem) -> None:
+            deliver(callbacks[item[0]], item[1])  # type: ignore[arg-type]
+
+        wanted = any(callbacks.values())
+        return self._transport().run_code(
+            self._live_id(), code, context_id=context.id if isinstance(context, CodeContext)
+            else context, language=language, envs=envs, timeout=timeout,
+            on_event=dispatch if wanted else None)
+
+    def create_code_context(self, cwd: str | None = None,
+                                  language: str | None = None) -> CodeContext:
+        """A new kernel context (``python``, ``bash`` or ``javascript``; ``cwd`` inside
+        ``/workspace``); its kernel starts with its first cell and counts as a background
+        process."""
+        return self._transport().create_code_context(self._live_id(),
+                                                           language=language, cwd=cwd)
+
+    def list_code_contexts(self) -> builtins.list[CodeContext]:
+        return self._transport().list_code_contexts(self._live_id())
+
+    def restart_code_context(self, context: CodeContext | str) -> CodeContext:
+        """Kill the context's kernel: its state is gone; the next cell starts afresh."""
+        return self._transport().restart_code_context(
+            self._live_id(), context.id if isinstance(context, CodeContext) else context)
+
+    def remove_code_context(self, context: CodeContext | str) -> None:
+        self._transport().remove_code_context(
+            self._live_id(), context.id if isinstance(context, CodeContext) else context)
 
     def snapshot(self, name: str | None = None) -> SnapshotInfo:
         """Seal the workspace's current state as a snapshot, in O(1) of its size; the sandbox

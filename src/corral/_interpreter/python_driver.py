@@ -1,0 +1,569 @@
+"""The in-sandbox kernel driver: run as ``python3 -I -u -c <this source> <cwd> <language>``
+inside the sandbox (never imported by the host, never written to the workspace). Python runs
+in this process (IPython, else a plain fallback); bash and node run as its children.
+
+Protocol, JSON lines. In (stdin): ``{"op": "exec", "id": N, "code": ..., "envs": {...}}`` and
+``{"op": "interrupt"}``. Out (a private dup of the original stdout, so nothing the user's code or
+its children print can reach it): ``ready`` (kernel, language), then per cell ``count``,
+``stdout``/``stderr`` (text), ``result`` (MIME bundle, ``main``), ``error`` (name, value,
+traceback) and ``end``. fd 1 and 2 point at pipes this driver forwards as stdout/stderr events.
+"""
+
+# This file runs under the sandbox's python3 (3.9+ and no third-party packages guaranteed):
+# standard library only, and typed loosely on purpose.
+# mypy: ignore-errors
+# ruff: noqa
+
+import ast
+import base64
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import traceback
+import types
+
+_PROTO = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+_PROTO_LOCK = threading.Lock()
+_CURRENT = {"id": None}
+_FORWARDER = []  # the one _Forwarder, once fd 1 and 2 are pipes
+_STREAMS = []  # sys.stdout and sys.stderr, once replaced
+# One lock for all output (Python-level and fd-level), so the order of events is the order
+# things were written in, and no two threads can deadlock on two locks.
+_OUT_LOCK = threading.RLock()
+
+
+def _flush_streams(but=None):
+    with _OUT_LOCK:
+        for stream in _STREAMS:
+            if stream is not but:
+                stream._flush()
+
+
+def emit(event, **fields):
+    fields["ev"] = event
+    if "id" not in fields:
+        fields["id"] = _CURRENT["id"]
+    if event in ("result", "error", "end") and _FORWARDER:
+        _flush_streams()
+        _FORWARDER[0].drain()  # child output written before this event goes first
+    line = json.dumps(fields, ensure_ascii=False)
+    with _PROTO_LOCK:
+        _PROTO.write(line + "\n")
+        _PROTO.flush()
+
+
+class _Forwarder:
+    """fd 1 and 2 become pipes read here: output of child processes (``os.system``) and of C
+    code lands in the cell's stdout/stderr events instead of in the protocol stream."""
+
+    def __init__(self):
+        self._pipes = {}
+        self._lock = _OUT_LOCK
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            r, w = os.pipe()
+            os.dup2(w, fd)
+            os.close(w)
+            os.set_blocking(r, False)
+            self._pipes[r] = name
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self):
+        while True:
+            ready, _, _ = select.select(list(self._pipes), [], [], 0.5)
+            if ready:
+                self.drain(ready)
+            else:
+                _flush_streams()  # a partial line (a progress bar) shows within 0.5 s
+
+    def drain(self, fds=None):
+        with self._lock:
+            for fd in fds or list(self._pipes):
+                while True:
+                    try:
+                        data = os.read(fd, 65536)
+                    except BlockingIOError:
+                        break
+                    if not data:
+                        break
+                    _flush_streams()  # a partial Python line written before goes first
+                    emit(self._pipes[fd], text=data.decode("utf-8", "replace"))
+
+
+class _Stream:
+    """sys.stdout/sys.stderr: Python-level writes become events, a line at a time (as
+    Jupyter's streams coalesce ``print``'s pieces), in the order they were written across
+    both streams and child processes; a partial line goes out when anything else does."""
+
+    def __init__(self, name, forwarder):
+        self.name = name
+        self._forwarder = forwarder
+        self._pending = ""
+        self.encoding = "utf-8"
+        self.errors = "replace"
+        _STREAMS.append(self)
+
+    def write(self, text):
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        if text:
+            with _OUT_LOCK:
+                _flush_streams(but=self)  # the other stream's partial line was first
+                self._forwarder.drain()  # and so was child output
+                self._pending += text
+                cut = self._pending.rfind("\n") + 1
+                if cut:
+                    emit(self.name, text=self._pending[:cut])
+                    self._pending = self._pending[cut:]
+        return len(text)
+
+    def _flush(self):
+        if self._pending:
+            text, self._pending = self._pending, ""
+            emit(self.name, text=text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        with _OUT_LOCK:
+            self._flush()
+
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        return 1 if self.name == "stdout" else 2
+
+    def readable(self):
+        return False
+
+    def writable(self):
+        return True
+
+
+def _figures():
+    """Every open matplotlib figure as a PNG display result, then closed (the inline
+    backend's behaviour: a cell's figures are shown at its end)."""
+    if "matplotlib.pyplot" not in sys.modules:
+        return []
+    import io
+
+    from matplotlib import _pylab_helpers
+
+    bundles = []
+    for manager in _pylab_helpers.Gcf.get_all_fig_managers():
+        figure = manager.canvas.figure
+        if not figure.axes and not figure.images:
+            continue
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", bbox_inches="tight")
+        width, height = figure.get_size_inches() * figure.dpi
+        bundles.append({"image/png": base64.b64encode(buffer.getvalue()).decode(),
+                        "text/plain": f"<Figure size {width:g}x{height:g} with "
+                                      f"{len(figure.axes)} Axes>"})
+    sys.modules["matplotlib.pyplot"].close("all")
+    return bundles
+
+
+def _show_figures(*_args, **_kwargs):
+    for bundle in _figures():
+        emit("result", main=False, data=bundle)
+
+
+class _InlineBackend:
+    """``MPLBACKEND=module://corral_inline``: Agg rendering, ``plt.show()`` returns the
+    figures as PNG results (no display, no "non-interactive backend" warning)."""
+
+    name = "corral_inline"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.machinery
+
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        from matplotlib.backend_bases import FigureManagerBase
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        module.FigureCanvas = FigureCanvasAgg
+        module.FigureManager = FigureManagerBase
+        module.show = _show_figures
+
+
+def _error_fields(etype, value, tb_text):
+    return {"name": getattr(etype, "__name__", str(etype)), "value": str(value),
+            "traceback": tb_text}
+
+
+class _PlainKernel:
+    """No IPython: ``code``-module style. The last expression's repr is the cell's result."""
+
+    kernel = "plain"
+
+    def __init__(self):
+        self.count = 0
+        self.namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+
+    def run(self, code):
+        self.count += 1
+        emit("count", n=self.count)
+        try:
+            tree = ast.parse(code, "<cell>", "exec")
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = ast.Expression(tree.body.pop().value)
+            exec(compile(tree, "<cell>", "exec"), self.namespace)
+            if last is not None:
+                value = eval(compile(last, "<cell>", "eval"), self.namespace)
+                if value is not None:
+                    self.namespace["_"] = value
+                    emit("result", main=True, data={"text/plain": repr(value)})
+        except BaseException as exc:  # the cell's error, whatever it is
+            if isinstance(exc, SystemExit):
+                raise
+            frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
+            # Drop this driver's own frame: the user's traceback starts in the cell.
+            text = "".join(f for f in frames if "python_driver" not in f and "<string>" not in f)
+            emit("error", **_error_fields(type(exc), exc, text))
+        _show_figures()
+
+
+def _ipython_kernel():
+    """IPython's InteractiveShell with its display machinery pointed at the protocol."""
+    from IPython.core.displayhook import DisplayHook
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    class Hook(DisplayHook):
+        def write_output_prompt(self):
+            pass
+
+        def write_format_data(self, format_dict, md_dict=None):
+            emit("result", main=True, data=_jsonable(format_dict))
+
+        def finish_displayhook(self):
+            pass
+
+    class Publisher(DisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False,
+                    **kwargs):
+            emit("result", main=False, data=_jsonable(data))
+
+        def clear_output(self, wait=False):
+            pass
+
+    class Shell(InteractiveShell):
+        displayhook_class = Hook
+        display_pub_class = Publisher
+
+        def _showtraceback(self, etype, evalue, stb):
+            emit("error", **_error_fields(etype, evalue, "\n".join(stb)))
+
+        def enable_gui(self, gui=None):
+            pass
+
+    config = Config()
+    config.HistoryManager.enabled = False  # no sqlite history file anywhere
+    config.InteractiveShell.colors = "NoColor"
+    config.InteractiveShell.autocall = 0
+    shell = Shell.instance(config=config)
+    shell.display_formatter.active_types = list(shell.display_formatter.format_types)
+
+    class Kernel:
+        kernel = "ipython"
+
+        @property
+        def count(self):
+            return shell.execution_count
+
+        def run(self, code):
+            emit("count", n=shell.execution_count)
+            result = shell.run_cell(code, store_history=True)
+            _show_figures()
+            if result.error_in_exec is not None and isinstance(result.error_in_exec,
+                                                                 SystemExit):
+                raise result.error_in_exec
+
+    return Kernel()
+
+
+class _BashKernel:
+    """One persistent ``bash`` per context: cwd, variables and functions stay across cells. A
+    cell is read into a variable by the builtin ``read`` (heredoc with a fresh delimiter, so
+    no quoting of the code is needed) and ``eval``-ed; its status comes back on a pipe."""
+
+    kernel = "bash"
+
+    def __init__(self):
+        import subprocess
+
+        self.count = 0
+        self._status_r, status_w = os.pipe()
+        self._bash = subprocess.Popen(
+            ["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE, stdout=1, stderr=2,
+            pass_fds=(status_w,), start_new_session=True)
+        self._status_fd = status_w
+        os.close(status_w)  # bash holds the only write end: EOF means bash has gone
+        # The cell runs in a function so Ctrl-C can end it (``return`` in the trap) and leave
+        # the shell alive; a handler, not "ignore", which children would inherit.
+        self._send("__corral_run() { eval \"$__corral_cell\"; }\n"
+                   "trap 'return 130 2>/dev/null' INT\n")
+
+    def _send(self, text):
+        self._bash.stdin.write(text.encode())
+        self._bash.stdin.flush()
+
+    def interrupt(self):
+        self.interrupted = True
+        try:
+            os.killpg(self._bash.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+
+    def run(self, code):
+        self.count += 1
+        self.interrupted = False
+        emit("count", n=self.count)
+        delimiter = "__CORRAL_CELL_" + os.urandom(8).hex() + "__"
+        self._send(f"IFS= read -r -d '' __corral_cell <<'{delimiter}'\n{code}\n{delimiter}\n"
+                   f"__corral_run; echo \"$?\" >&{self._status_fd}\n")
+        status = b""
+        while not status.endswith(b"\n"):
+            chunk = os.read(self._status_r, 64)
+            if not chunk:
+                emit("error", name="KernelExited",
+                     value="bash exited (exit in a cell?); the next cell starts a fresh one",
+                     traceback="")
+                raise SystemExit(0)
+            status += chunk
+        code = int(status.strip() or b"0")
+        if code == 130 and self.interrupted:
+            raise KeyboardInterrupt
+        if code != 0:
+            emit("error", name="CommandExitError", value=f"exit status {code}", traceback="")
+
+
+_NODE_SOURCE = r"""
+// The JavaScript kernel, run by node under the Python driver: cells are read as JSON lines
+// on stdin and evaluated in one persistent vm context; results, errors and the end of each
+// cell go to the protocol pipe (fd given as argv[1]); console output goes to fd 1 and 2,
+// which the driver forwards.
+const fs = require("fs"), vm = require("vm"), util = require("util"), readline = require("readline");
+const proto = Number(process.argv[1]);
+const say = (m) => fs.writeSync(proto, JSON.stringify(m) + "\n");
+const sandbox = { require, console, process, Buffer, URL, TextEncoder, TextDecoder,
+  setTimeout, setInterval, clearTimeout, clearInterval, setImmediate, queueMicrotask,
+  module: { exports: {} } };
+sandbox.globalThis = sandbox;
+const context = vm.createContext(sandbox);
+const queue = []; let running = false;
+async function run(code) {
+  try {
+    let value = vm.runInContext(code, context, { filename: "cell.js", breakOnSigint: true });
+    if (value && typeof value.then === "function") value = await value;
+    if (value !== undefined) say({ ev: "result", data: { "text/plain": util.inspect(value) } });
+  } catch (err) {
+    const isError = err && typeof err === "object";
+    let name = isError && err.name ? String(err.name) : "Error";
+    if (isError && err.code === "ERR_SCRIPT_EXECUTION_INTERRUPTED") name = "KeyboardInterrupt";
+    say({ ev: "error", name, value: isError && "message" in err ? String(err.message) : String(err),
+          traceback: isError && err.stack ? String(err.stack) : String(err) });
+  }
+  say({ ev: "end" });
+}
+async function pump() {
+  if (running) return; running = true;
+  while (queue.length) await run(queue.shift());
+  running = false;
+}
+readline.createInterface({ input: process.stdin }).on("line", (line) => {
+  queue.push(JSON.parse(line).code); pump();
+}).on("close", () => process.exit(0));
+say({ ev: "ready" });
+"""
+
+
+class _NodeKernel:
+    """``node`` with one persistent ``vm`` context per kernel. Its console writes to the
+    driver's forwarded fd 1 and 2; its protocol has a pipe of its own, so a child process's
+    output cannot reach it either."""
+
+    kernel = "node"
+
+    def __init__(self):
+        import shutil
+        import subprocess
+
+        node = shutil.which("node") or shutil.which("nodejs")
+        if node is None:
+            raise RuntimeError("node is not installed in this sandbox's template; use a "
+                               "template with the nodejs package (the node template)")
+        self.count = 0
+        read_end, write_end = os.pipe()
+        self._node = subprocess.Popen(
+            [node, "-e", _NODE_SOURCE, str(write_end)], stdin=subprocess.PIPE, stdout=1,
+            stderr=2, pass_fds=(write_end,))
+        os.close(write_end)
+        self._proto = os.fdopen(read_end, "r", encoding="utf-8")
+        first = self._next()
+        if first is None or first.get("ev") != "ready":
+            raise RuntimeError("node did not start")
+
+    def _next(self):
+        line = self._proto.readline()
+        return json.loads(line) if line else None
+
+    def interrupt(self):
+        try:
+            self._node.send_signal(signal.SIGINT)  # vm's breakOnSigint ends the cell only
+        except ProcessLookupError:
+            pass
+
+    def run(self, code):
+        self.count += 1
+        emit("count", n=self.count)
+        self._node.stdin.write((json.dumps({"code": code}) + "\n").encode())
+        self._node.stdin.flush()
+        while True:
+            message = self._next()
+            if message is None:
+                emit("error", name="KernelExited", value="node exited; the next cell starts "
+                     "a fresh one", traceback="")
+                raise SystemExit(0)
+            kind = message.pop("ev")
+            if kind == "end":
+                return
+            if kind == "result":
+                emit("result", main=True, data=message["data"])
+            elif kind == "error":
+                emit("error", **message)
+
+
+def _jsonable(bundle):
+    out = {}
+    for mime, value in bundle.items():
+        if isinstance(value, bytes):
+            value = base64.b64encode(value).decode()
+        out[mime] = value
+    return out
+
+
+class _Inbox:
+    """stdin, read on its own thread: an ``interrupt`` must arrive while a cell runs."""
+
+    def __init__(self, interrupt=None):
+        self._interrupt = interrupt
+        self._cond = threading.Condition()
+        self._queue = []
+        self.busy = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in sys.__stdin__:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if message.get("op") == "interrupt":
+                with self._cond:
+                    busy = self.busy
+                if busy and self._interrupt is not None:
+                    self._interrupt()
+                elif busy:
+                    # A real signal (not interrupt_main's flag), so a blocking call such as
+                    # time.sleep or a read returns EINTR and KeyboardInterrupt is raised.
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                continue
+            with self._cond:
+                self._queue.append(message)
+                self._cond.notify()
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify()
+
+    def next(self):
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue)
+            message = self._queue.pop(0)
+            self.busy = message is not None
+            return message
+
+    def done(self):
+        with self._cond:
+            self.busy = False
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1]:
+        os.chdir(sys.argv[1])
+    sys.path.insert(0, os.getcwd())  # -I drops the cwd; a kernel imports the user's modules
+    os.environ.setdefault("MPLBACKEND", "module://" + _InlineBackend.name)
+    # Debian's matplotlib reads /etc/matplotlibrc, which a template built on the host's /usr
+    # alone (base) lacks; the packaged copy under /usr is the same file.
+    if "MATPLOTLIBRC" not in os.environ and not os.path.exists("/etc/matplotlibrc"):
+        os.environ["MATPLOTLIBRC"] = "/usr/share/matplotlib/mpl-data"
+    sys.meta_path.append(_InlineBackend())
+    forwarder = _Forwarder()
+    _FORWARDER.append(forwarder)
+    sys.stdout = _Stream("stdout", forwarder)
+    sys.stderr = _Stream("stderr", forwarder)
+    language = sys.argv[2] if len(sys.argv) > 2 else "python"
+    try:
+        if language == "bash":
+            kernel = _BashKernel()
+        elif language == "javascript":
+            kernel = _NodeKernel()
+        else:
+            try:
+                kernel = _ipython_kernel()
+            except ImportError:
+                kernel = _PlainKernel()
+    except Exception as exc:  # said on the protocol: the host refuses with this reason
+        emit("fatal", message=f"the {language} kernel could not start: {exc}")
+        os._exit(3)
+    inbox = _Inbox(getattr(kernel, "interrupt", None))
+    emit("ready", kernel=kernel.kernel, language=language, pid=os.getpid())
+    while True:
+        message = inbox.next()
+        if message is None:
+            return
+        _CURRENT["id"] = message.get("id")
+        envs = message.get("envs") or {}
+        saved = {name: os.environ.get(name) for name in envs}
+        try:
+            os.environ.update(envs)  # for this cell only, as E2B's env_vars
+            try:
+                kernel.run(message.get("code", ""))
+            except KeyboardInterrupt:
+                emit("error", name="KeyboardInterrupt", value="", traceback="KeyboardInterrupt")
+        except SystemExit as exc:
+            if exc.code:
+                emit("error", name="SystemExit", value=str(exc.code),
+                     traceback="SystemExit: the kernel exited; the next cell starts a fresh one")
+            forwarder.drain()
+            emit("end")
+            os._exit(0)
+        except KeyboardInterrupt:
+            emit("error", name="KeyboardInterrupt", value="", traceback="KeyboardInterrupt")
+        finally:
+            inbox.done()
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        forwarder.drain()
+        emit("end")
+
+
+main()

@@ -1,0 +1,105 @@
+"""The code interpreter: run a cell (NDJSON stream) and the contexts it runs in."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
+
+from ..._control.interpreter import CodeEvent, event_line
+from ..._control.manager import Manager
+from ..._control.tenants import Tenant
+from ...errors import CorralError
+from ...models import CodeContext
+from ..deps import ManagerDep, TenantDep, owned
+from ..schemas import _NDJSON, CreateCodeContext, RunCode
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_KEEPALIVE_S = 15.0
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/code", response_model=None,
+             responses={200: {"content": _NDJSON, "description": (
+                 "NDJSON events as the cell runs: stdout/stderr {text, timestamp}, result "
+                 "{is_main_result, data: MIME bundle}, execution_error {name, value, "
+                 "traceback}, execution_count, end; then execution {execution: Execution}, "
+                 "or error {error, message}.")}})
+def run_code(sandbox_id: str, body: RunCode, who: TenantDep, manager: ManagerDep
+             ) -> StreamingResponse:
+    owned(manager, sandbox_id, who)
+    # Refused with a status before the 200 of the stream: an unknown context or language, a
+    # spent quota, a template that cannot run the kernel.
+    manager.interpreter.prepare(sandbox_id, context_id=body.context, language=body.language,
+                                caller=who)
+    return StreamingResponse(_stream(manager, sandbox_id, body, who),
+                             media_type="application/x-ndjson")
+
+
+def _stream(manager: Manager, sandbox_id: str, body: RunCode, who: Tenant) -> Iterator[bytes]:
+    """The cell runs in a worker thread; its events are yielded as they come, keepalives
+    while it is quiet (through proxies), the whole ``Execution`` last."""
+    events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def on_event(event: CodeEvent) -> None:
+        events.put(event_line(event))
+
+    def work() -> None:
+        try:
+            execution = manager.interpreter.execute(
+                sandbox_id, body.code, context_id=body.context, language=body.language,
+                envs=body.envs, timeout=body.timeout, caller=who, on_event=on_event)
+            events.put({"type": "execution", "execution": execution.to_dict()})
+        except CorralError as exc:
+            events.put({"type": "error", "error": exc.code, "message": exc.message})
+        finally:
+            events.put(None)
+
+    threading.Thread(target=work, name="corral-code", daemon=True).start()
+    while True:
+        try:
+            event = events.get(timeout=_KEEPALIVE_S)
+        except queue.Empty:
+            yield b'{"type":"keepalive"}\n'
+            continue
+        if event is None:
+            return
+        yield (json.dumps(event) + "\n").encode()
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/code/contexts", response_model=CodeContext,
+             status_code=201)
+def create_context(sandbox_id: str, body: CreateCodeContext, who: TenantDep,
+                   manager: ManagerDep) -> CodeContext:
+    owned(manager, sandbox_id, who)
+    return manager.interpreter.create_context(sandbox_id, language=body.language,
+                                              cwd=body.cwd, caller=who)
+
+
+@router.get("/v1/sandboxes/{sandbox_id}/code/contexts", response_model=list[CodeContext])
+def list_contexts(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> list[CodeContext]:
+    owned(manager, sandbox_id, who)
+    return manager.interpreter.list_contexts(sandbox_id)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/code/contexts/{context_id}/restart",
+             response_model=CodeContext)
+def restart_context(sandbox_id: str, context_id: str, who: TenantDep,
+                    manager: ManagerDep) -> CodeContext:
+    owned(manager, sandbox_id, who)
+    return manager.interpreter.restart_context(sandbox_id, context_id)
+
+
+@router.delete("/v1/sandboxes/{sandbox_id}/code/contexts/{context_id}", status_code=204)
+def remove_context(sandbox_id: str, context_id: str, who: TenantDep,
+                   manager: ManagerDep) -> Response:
+    owned(manager, sandbox_id, who)
+    manager.interpreter.remove_context(sandbox_id, context_id)
+    return Response(status_code=204)
