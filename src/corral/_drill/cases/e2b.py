@@ -376,6 +376,46 @@ def _no_token(ctx: DrillContext) -> Outcome:
                     "every tokenless request was refused 401 before any handler")
 
 
+def _token_routing(ctx: DrillContext) -> Outcome:
+    """Routing by token alone (URL mode, SDKs 2.7–2.20 after connect: no E2b-Sandbox-Id) and a
+    sandbox's headers on the control plane: a token names only its own live sandbox, and never
+    stands in for an API key."""
+    plant = _plant(ctx)
+    a = plant.sandbox("a")
+    e2b_id, token = str(a["sandboxID"]), str(a["envdAccessToken"])
+    created = plant.create(plant.key("a"))
+    if created.status_code != 201:
+        return Outcome("error", f"could not create the sandbox to kill: {_shown(created)}")
+    dead = str(created.json()["envdAccessToken"])
+    plant.kill(plant.key("a"), str(created.json()["sandboxID"]))
+    rpc = {"Connect-Protocol-Version": "1"}
+    with plant.client(None) as api:
+        own = api.post("/process.Process/List", json={}, headers={**rpc, "X-Access-Token": token})
+        if own.status_code != 200:
+            return Outcome("error", f"A's own token alone does not route to A, so this case "
+                           f"proves nothing: {_shown(own)}", (Evidence("response", _shown(own)),))
+        answers = [
+            (api.post("/process.Process/List", json={}, headers={
+                **rpc, "X-Access-Token": _secrets.token_hex(24)}), "a guessed token"),
+            (api.post("/process.Process/List", json={}, headers={
+                **rpc, "X-Access-Token": dead}), "a killed sandbox's token"),
+            (api.get("/health", headers={"X-Access-Token": token[:-1] + (
+                "0" if token[-1] != "0" else "1")}), "A's token with its last digit changed"),
+        ]
+        sandbox_headers = {"E2b-Sandbox-Id": e2b_id, "X-Access-Token": token}
+        no_key = api.get(f"/sandboxes/{e2b_id}", headers=sandbox_headers)
+        with plant.client(plant.key("b")) as other:
+            other_key = other.get(f"/sandboxes/{e2b_id}", headers=sandbox_headers)
+    checked = [(r, _unauthenticated(r)) for r, _ in answers] + [
+        (no_key, _e2b_error(no_key, 401)), (other_key, _e2b_error(other_key, 404))]
+    return _verdict(checked, "no token but A's own routes anywhere; A's id and token on the "
+                    "control plane open nothing without A's key",
+                    (Evidence("response", f"control, A's own token alone: {_shown(own)}"),),
+                    labels=[label for _, label in answers] + [
+                        "A's id and token, no key, control plane",
+                        "A's id and token, B's key, control plane"])
+
+
 # -- signed /files URLs ------------------------------------------------------------------------
 
 
@@ -768,6 +808,10 @@ CASES = [
          "401 on every one", _token_swap("b"), OTHER),
     Case("e2b.no-token", "e2b", "RPCs, /health and /execute with no token",
          "401 on every one (Connect's unauthenticated on RPC paths)", _no_token, E2B),
+    Case("e2b.token-only-routing", "e2b", "envd calls with a token and no sandbox id (a guessed "
+         "token, a killed sandbox's, A's off by one digit); A's id and token on the control "
+         "plane in place of a key", "401 (404 with another tenant's key)", _token_routing,
+         OTHER),
     Case("e2b.files-unsigned", "e2b", "GET /files with neither token nor signature", "401",
          _signed("unsigned"), E2B),
     Case("e2b.files-forged-signature", "e2b", "GET /files with a signature made from a guessed "
