@@ -1,5 +1,5 @@
-"""The official E2B Python SDK's half of ``bench/bench_e2b_sdk.py``; runs inside ``.venv-e2b/latest``
-(standard library + ``e2b`` + ``e2b_code_interpreter`` only, never Corral).
+"""The official E2B Python SDK's half of ``bench/bench_e2b_sdk.py``; runs inside
+``.venv-e2b/latest`` (standard library + ``e2b`` + ``e2b_code_interpreter`` only, never Corral).
 
 A line protocol on stdin/stdout, so the orchestrator can interleave its rounds with Corral's own
 SDK in one run: each request line is ``OP N`` and each answer one JSON line
