@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from corral import read_audit
 from corral._control.manager import Manager
@@ -24,7 +23,7 @@ from corral._e2b import ids
 from corral._e2b.app import create_e2b_app
 from corral._e2b.target import ENVD_PORT
 
-from .servers import free_port
+from .servers import Server
 
 pytestmark = pytest.mark.needs_root
 
@@ -33,28 +32,15 @@ KEEPALIVE_FRAME = b"\x00\x00\x00\x00\x1a" + b'{"event":{"keepalive":{}}}'
 END_STREAM_OK = b"\x02\x00\x00\x00\x02{}"
 
 
-class _Envd:
+class _Envd(Server):
     """The E2B app (``corral serve --e2b-port``'s) under uvicorn in a thread, on loopback."""
 
     def __init__(self, manager: Manager) -> None:
         self.app = create_e2b_app(manager)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(
-            self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def __enter__(self) -> _Envd:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
+        super().__init__(manager, self.app)
 
     def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+        super().__exit__(*exc)
         self.app.e2b.close()
 
 
