@@ -60,14 +60,16 @@ def _run_domain(served: Served, pki: Pki, kind: str) -> tuple[ClientRun, ClientR
     wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c",
             'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
     env = {"SSL_CERT_FILE": str(pki.ca), "NODE_EXTRA_CA_CERTS": str(pki.ca)}
-    created = run_client(served, kind, "domain.py", "create", wrap=wrap, env=env)
+    script = "domain_v1.py" if kind == "v1" else "domain.py"
+    created = run_client(served, kind, script, "create", wrap=wrap, env=env)
     sid = created.value("id")
     with hosts.open("a") as f:
         f.write(f"{served.host} 49983-{sid}.{DOMAIN} 49999-{sid}.{DOMAIN}\n")
-    return created, run_client(served, kind, "domain.py", "use", sid, wrap=wrap, env=env)
+    return created, run_client(served, kind, script, "use", sid, wrap=wrap, env=env)
 
 
-@pytest.mark.parametrize("kind", ["bundled", "latest"])
+# v1 (e2b 1.11.1) knows only E2B_DOMAIN; bundled (2.20.3) and latest are given only it.
+@pytest.mark.parametrize("kind", ["v1", "bundled", "latest"])
 def test_domain_mode(tls_served: tuple[Served, Pki], kind: str) -> None:
     served, pki = tls_served
     created, run = _run_domain(served, pki, kind)
@@ -79,7 +81,8 @@ def test_domain_mode(tls_served: tuple[Served, Pki], kind: str) -> None:
     assert run.value("write") == "/home/user/tls.txt"
     assert run.value("read") == "through the domain"
     assert sid in run.value("list")
-    assert run.value("kill") is True
+    # 1.11.1's instance kill() drops _cls_kill's answer (returns None); the trail shows it.
+    assert run.value("kill") is (None if kind == "v1" else True)
     assert events_of(served, sid, "command.started")
     assert events_of(served, sid, "sandbox.destroyed")
 
