@@ -36,6 +36,8 @@ from ..conftest import managed
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = Path(__file__).resolve().parent / "clients"
 JS_DIR = Path(__file__).resolve().parent / "js"
+# Each JS kind's packages: J-latest and J-min (E2B-COMPAT.md §12), the same client scripts.
+JS_DIRS = {"js": JS_DIR, "js-min": Path(__file__).resolve().parent / "js-min"}
 VENVS = ROOT / ".venv-e2b"
 PY_SETS = ("latest", "mid", "bundled", "min")
 # Apart from the other test homes (2_100_... in tests/conftest.py, 2_146_... in the edge tests).
@@ -251,14 +253,14 @@ def node_problem() -> str | None:
                              text=True).stdout.strip()
     if int(version.split(".")[0] or 0) < 18:
         return f"node {version} is older than 18, the oldest the E2B JS SDK supports"
-    if not (JS_DIR / "node_modules" / "e2b").is_dir():
+    if not all((d / "node_modules" / "e2b").is_dir() for d in JS_DIRS.values()):
         return "the E2B JS SDKs are not installed: run scripts/e2b-sdks"
     return None
 
 
 def client_argv(kind: str, script: str) -> list[str]:
     """The argv that runs ``clients/<kind>/<script>``; kind is a Python set name or ``js``."""
-    if kind == "js":
+    if kind in JS_DIRS:
         problem = node_problem()
         if problem:
             pytest.skip(f"E2B JS SDK tests skipped: {problem}")
@@ -278,9 +280,9 @@ def run_client(served: Served, kind: str, script: str, *args: str, tenant: str =
     A script that overruns ``timeout`` is killed (its whole process group); the steps it had
     printed are kept, the rest fail as "did not run"."""
     client_env = _sdk_env(served, key or served.keys[tenant], env)
-    if kind == "js":
+    if kind in JS_DIRS:
         # The clients are CommonJS so NODE_PATH finds the SDKs in tests/e2b/js (ESM ignores it).
-        client_env["NODE_PATH"] = str(JS_DIR / "node_modules")
+        client_env["NODE_PATH"] = str(JS_DIRS[kind] / "node_modules")
     argv = [*(wrap or []), "env", "-i", *(f"{k}={v}" for k, v in client_env.items()),
             *client_argv(kind, script), *args]
     run = ClientRun(script=f"{kind}/{script}")
