@@ -265,3 +265,16 @@ def test_a_token_alone_names_its_sandbox(client: TestClient, keys: dict[str, str
     _is_error(client.get("/health", headers={"X-Access-Token": "0" * 48}), 401)
     # Without a token the same path is the control plane's, which needs a key.
     _is_error(client.get("/health"), 401)
+
+
+def test_allow_out_takes_host_names_not_addresses(client: TestClient,
+                                                  keys: dict[str, str]) -> None:
+    for rule in ("10.0.0.0/8", "8.8.8.8", "2001:db8::/32"):
+        answer = client.post("/v2/sandboxes", headers=_h(keys["acme"]), json={
+            "templateID": "base", "network": {"allowOut": [rule]}})
+        _is_error(answer, 400)
+        assert "host names" in answer.json()["message"]
+    # A name that starts with a digit is a name (no ceiling here: allowed as asked).
+    created = _create(client, keys["acme"], network={"allowOut": ["1password.com"]})
+    info = client.get(f"/sandboxes/{created['sandboxID']}", headers=_h(keys["acme"])).json()
+    assert info["allowInternetAccess"] is True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import json
 import math
 import time
@@ -203,6 +204,14 @@ def _template(request: Request, template_id: object) -> tuple[str | None, str | 
     return templates.get(template_id, template_id), None
 
 
+def _is_address(rule: str) -> bool:
+    try:
+        ipaddress.ip_network(rule, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
 def _network(request: Request, body: Mapping[str, Any], tenant: Tenant) -> dict[str, Any] | None:
     """Corral's egress policy for E2B's ``allow_internet_access`` and ``network``.
 
@@ -216,10 +225,10 @@ def _network(request: Request, body: Mapping[str, Any], tenant: Tenant) -> dict[
     if not isinstance(allow_out, list) or not all(isinstance(h, str) for h in allow_out):
         raise E2BHTTPError(400, "network.allowOut must be a list of host names")
     for rule in allow_out:
-        if rule[:1].isdigit() or ":" in rule.split("/")[0] and "/" in rule:
+        if _is_address(rule):
             raise E2BHTTPError(400, f"network.allowOut {rule!r}: Corral's egress gateway "
                                "allows host names (api.example.com, *.example.com), not IP "
-                               "ranges")
+                               "addresses or ranges")
     allow = list(allow_out)
     if body.get("allow_internet_access") is True or body.get("allowInternetAccess") is True:
         ceiling = _manager(request).ceiling_for(tenant)
