@@ -43,14 +43,13 @@ from ..errors import AuthError, CorralError, SandboxNotFound
 from . import control
 from .ids import from_e2b, to_e2b
 from .state import E2BState
-from .target import ENVD_PORT, JUPYTER_PORT, SCOPE_KEY, SandboxTarget
+from .target import ENVD_PORT, JUPYTER_PORT, SCOPE_KEY, TENANT_KEY, SandboxTarget
 from .tokens import SandboxTokens
 
 __all__ = ["E2BConfig", "E2BApp", "create_e2b_app"]
 
 logger = logging.getLogger(__name__)
 
-TENANT_KEY = "corral.e2b.tenant"
 _CONNECT_PATH = re.compile(r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
 # What envd and the code interpreter serve. Old SDKs (≤ 2.20) send the E2b-Sandbox-* headers
 # on control-plane calls too (connect), so the headers route only these paths to a sandbox.
@@ -177,7 +176,8 @@ class E2BApp:
         self.state.config = config
         self._control = Router(routes=control.routes)
         self._envd = Router(routes=[Route("/health", _health, methods=["GET"]),
-                                    *_load_routes("process", "filesystem", "files")])
+                                    *_load_routes("process", "filesystem", "watch",
+                                                 "files")])
         self._jupyter = Router(routes=[Route("/health", _health, methods=["GET"]),
                                        *_load_routes("jupyter")])
         limits = BodyLimits(default=_MAX_RPC_BODY, routes=(

@@ -35,6 +35,7 @@ from ..errors import (
 from ..models import SandboxInfo, SnapshotInfo
 from .ids import from_e2b, to_e2b
 from .state import E2BSandbox, E2BState
+from .target import TENANT_KEY
 from .tokens import SandboxTokens
 
 __all__ = ["ENVD_VERSION", "routes"]
@@ -91,8 +92,6 @@ def _manager(request: Request) -> Manager:
 
 
 def _tenant(request: Request) -> Tenant:
-    from .app import TENANT_KEY
-
     tenant = request.scope.get(TENANT_KEY)
     if not isinstance(tenant, Tenant):
         raise E2BHTTPError(401, "this request was not authenticated")

@@ -21,7 +21,7 @@ from .._control.files import AuditedFiles
 from .._control.manager import Manager
 from ..errors import FileError, FileNotFound, PathRefused
 from ..models import FileEntry
-from . import paths, watch
+from . import paths
 from .connect import ConnectError, route, unary
 from .target import target_of
 
@@ -229,5 +229,4 @@ routes: list[BaseRoute] = [
     route("filesystem.Filesystem/MakeDir", unary(make_dir)),
     route("filesystem.Filesystem/Move", unary(move)),
     route("filesystem.Filesystem/Remove", unary(remove)),
-    *watch.routes,  # the app mounts this module's routes for the whole service
 ]

@@ -14,6 +14,7 @@ __all__ = ["ENVD_PORT", "JUPYTER_PORT", "SandboxTarget", "target_of"]
 ENVD_PORT = 49983
 JUPYTER_PORT = 49999
 SCOPE_KEY = "corral.e2b.target"
+TENANT_KEY = "corral.e2b.tenant"  # the control plane's caller, from X-API-KEY
 
 
 @dataclass(frozen=True, slots=True)

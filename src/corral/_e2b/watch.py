@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute
 from .._control.files import AuditedFiles
 from ..backends import DirWatch, WatchEvent
 from ..errors import FileError
+from . import filesystem as fs
 from .connect import ConnectError, route, server_stream, unary
 from .target import target_of
 
@@ -55,8 +56,6 @@ def _flag(message: dict[str, Any], *names: str) -> bool:
 
 async def _open(message: dict[str, Any], request: Request
                 ) -> tuple[AuditedFiles, str, DirWatch, bool]:
-    from . import filesystem as fs  # it mounts this module's routes: imported late
-
     path = fs.workspace_path(message)
     recursive = _flag(message, "recursive")
     include = _flag(message, "includeEntry", "include_entry")
@@ -72,8 +71,6 @@ async def _open(message: dict[str, Any], request: Request
 
 
 def _event(files: AuditedFiles, root: str, event: WatchEvent, include: bool) -> dict[str, Any]:
-    from . import filesystem as fs
-
     out: dict[str, Any] = {"name": event.name, "type": _EVENT_TYPES[event.op]}
     if include and event.op not in ("remove", "rename"):
         with contextlib.suppress(FileError):
