@@ -19,7 +19,6 @@ Pure ASGI, no ``BaseHTTPMiddleware``: that buffers streaming responses (P17).
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import re
@@ -33,14 +32,14 @@ from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route, Router
+from starlette.routing import Route, Router
 from starlette.types import Message, Receive, Scope, Send
 
 from .._control.manager import Manager
 from .._control.tenants import Tenant, TenantDirectory, local_tenant
 from .._server.guard import BodyLimit, BodyLimits, ServiceNames
 from ..errors import AuthError, CorralError, SandboxNotFound
-from . import control
+from . import control, files, filesystem, jupyter, process, watch
 from .ids import from_e2b, to_e2b
 from .state import E2BState
 from .target import ENVD_PORT, JUPYTER_PORT, SCOPE_KEY, TENANT_KEY, SandboxTarget
@@ -143,19 +142,6 @@ def _sandbox_gone(e2b_id: str) -> dict[str, Any]:
     return {"sandboxId": e2b_id, "message": "The sandbox was not found", "code": 502}
 
 
-def _load_routes(*modules: str) -> list[BaseRoute]:
-    routes: list[BaseRoute] = []
-    for name in modules:
-        try:
-            module = importlib.import_module(f"{__package__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.{name}":
-                raise
-            continue
-        routes += list(module.routes)
-    return routes
-
-
 async def _health(request: Request) -> Response:
     return Response(status_code=204)
 
@@ -176,10 +162,10 @@ class E2BApp:
         self.state.config = config
         self._control = Router(routes=control.routes)
         self._envd = Router(routes=[Route("/health", _health, methods=["GET"]),
-                                    *_load_routes("process", "filesystem", "watch",
-                                                 "files")])
+                                    *process.routes, *filesystem.routes,
+                                    *watch.routes, *files.routes])
         self._jupyter = Router(routes=[Route("/health", _health, methods=["GET"]),
-                                       *_load_routes("jupyter")])
+                                       *jupyter.routes])
         limits = BodyLimits(default=_MAX_RPC_BODY, routes=(
             ("POST", re.compile(r"/files"), _MAX_UPLOAD, "the workspace's size is the bound"),
             ("POST", re.compile(r"/process\.Process/StreamInput"), _MAX_STREAM_INPUT,
@@ -340,10 +326,6 @@ class E2BApp:
         return None
 
     def _signed_files_sandbox(self, scope: Scope) -> str | None:
-        try:
-            files = importlib.import_module(f"{__package__}.files")
-        except ModuleNotFoundError:
-            return None
         query = {k: v[0] for k, v in parse_qs(
             scope.get("query_string", b"").decode("latin-1")).items()}
         operation = "read" if scope["method"] in ("GET", "HEAD") else "write"

@@ -119,9 +119,14 @@ def _sandbox_id(request: Request) -> str:
     return corral_id
 
 
+def _owner_filter(tenant: Tenant) -> str | None:
+    """The ``tenant=`` the control plane filters by: the operator sees every tenant's."""
+    return None if tenant.is_local else tenant.name
+
+
 def _owned(manager: Manager, tenant: Tenant, corral_id: str) -> SandboxInfo:
     try:
-        return manager.get(corral_id, tenant=None if tenant.is_local else tenant.name)
+        return manager.get(corral_id, tenant=_owner_filter(tenant))
     except SandboxNotFound:
         raise E2BHTTPError(404, f"sandbox {to_e2b(corral_id)!r} not found") from None
 
@@ -321,7 +326,7 @@ async def _list(request: Request, *, paginated: bool) -> Response:
     descending = (query.get("order") or "asc").lower() == "desc"
 
     def listed() -> list[SandboxInfo]:
-        return manager.list(tenant=None if tenant.is_local else tenant.name)
+        return manager.list(tenant=_owner_filter(tenant))
 
     items = [info for info in await run_in_threadpool(listed)
              if ("paused" if info.state == "paused" else "running") in states
@@ -486,7 +491,7 @@ async def create_snapshot(request: Request) -> Response:
     def snap() -> SnapshotInfo:
         _owned(manager, tenant, corral_id)
         return manager.snapshot(corral_id, name=name,
-                                tenant=None if tenant.is_local else tenant.name)
+                                tenant=_owner_filter(tenant))
 
     return JSONResponse(_snapshot(await run_in_threadpool(snap)), status_code=201)
 
@@ -501,7 +506,7 @@ async def list_snapshots(request: Request) -> Response:
     after = query.get("nextToken")
 
     def listed() -> list[SnapshotInfo]:
-        return manager.list_snapshots(tenant=None if tenant.is_local else tenant.name)
+        return manager.list_snapshots(tenant=_owner_filter(tenant))
 
     items = sorted((s for s in await run_in_threadpool(listed)
                     if (sandbox is None or s.sandbox == sandbox)
@@ -524,7 +529,7 @@ async def delete_snapshot(request: Request) -> Response:
                            "(template builds are `corral templates`)")
 
     def delete() -> None:
-        manager.delete_snapshot(snapshot, tenant=None if tenant.is_local else tenant.name)
+        manager.delete_snapshot(snapshot, tenant=_owner_filter(tenant))
 
     try:
         await run_in_threadpool(delete)
@@ -546,7 +551,7 @@ async def fork_sandbox(request: Request) -> Response:
     def fork() -> list[SandboxInfo]:
         _owned(manager, tenant, corral_id)
         children = manager.fork(corral_id, count,
-                                tenant=None if tenant.is_local else tenant.name, caller=tenant)
+                                tenant=_owner_filter(tenant), caller=tenant)
         parent = request.app.state.e2b.get(corral_id)
         for child in children:
             if parent is not None:
