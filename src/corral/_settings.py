@@ -63,6 +63,9 @@ class Settings(BaseSettings):
         server_allow_keyless: serve keyless on loopback even though API keys once existed
             (all are revoked). Dangerous: any local process, and any web page that reaches
             loopback, may then run code. ``CORRAL_SERVER_ALLOW_KEYLESS``.
+        microvm_allow_tcg: TEST ONLY: let the (not yet selectable) microVM tier run guests
+            under QEMU's TCG emulation on a host without usable hardware KVM (PVM or none).
+            TCG is no isolation boundary worth the name. ``CORRAL_MICROVM_ALLOW_TCG``.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -88,6 +91,7 @@ class Settings(BaseSettings):
     server_host_names: str = ""
     server_allow_keyless: bool = False
     e2b_templates: str = ""
+    microvm_allow_tcg: bool = False
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

@@ -1,0 +1,108 @@
+"""A minimal QMP client that watches a QEMU for the states that look like a hang.
+
+QEMU that hits ``KVM internal error`` (or any error with ``werror=stop``) pauses the VM and stays
+alive: the process is there, the guest answers nothing. The only sign is a ``STOP`` event (or
+``GUEST_PANICKED`` for a guest that reports its panic). A reader thread records the first such
+event, so every wait on the guest can check it and fail at once instead of at its deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ...errors import BackendError
+
+__all__ = ["Qmp"]
+
+# Events after which the guest will not answer again on its own.
+_FATAL = {"STOP", "GUEST_PANICKED", "SHUTDOWN", "RESET"}
+
+
+class Qmp:
+    """Connected, capabilities negotiated, events read by a daemon thread until ``close``."""
+
+    def __init__(self, path: Path, *, deadline: float) -> None:
+        self._sock = _connect(path, deadline)
+        self._file = self._sock.makefile("rwb", buffering=0)
+        self._lock = threading.Lock()
+        self._replies: list[dict[str, Any]] = []
+        self._cond = threading.Condition(self._lock)
+        self.fatal: str | None = None
+        self._sock.settimeout(max(0.1, deadline - time.monotonic()))
+        greeting = self._file.readline()
+        if b"QMP" not in greeting:
+            raise BackendError(f"QEMU's QMP socket {path} did not greet: {greeting[:200]!r}")
+        self._sock.settimeout(None)
+        self._thread = threading.Thread(target=self._read, name="corral-qmp", daemon=True)
+        self._thread.start()
+        self.command("qmp_capabilities", deadline=deadline)
+
+    def _read(self) -> None:
+        try:
+            for raw in self._file:
+                try:
+                    message = json.loads(raw)
+                except ValueError:
+                    continue
+                with self._cond:
+                    event = message.get("event")
+                    if event in _FATAL and self.fatal is None:
+                        data = message.get("data") or {}
+                        self.fatal = f"{event} {json.dumps(data)}" if data else str(event)
+                    elif event is None:
+                        self._replies.append(message)
+                    self._cond.notify_all()
+        except (OSError, ValueError):
+            pass
+        with self._cond:
+            if self.fatal is None:
+                self.fatal = "QMP connection closed (QEMU exited)"
+            self._cond.notify_all()
+
+    def command(self, name: str, *, deadline: float, **arguments: Any) -> dict[str, Any]:
+        """Run one QMP command; its ``return`` value, or BackendError on error or deadline."""
+        request: dict[str, Any] = {"execute": name}
+        if arguments:
+            request["arguments"] = arguments
+        with self._cond:
+            self._replies.clear()
+            self._file.write(json.dumps(request).encode() + b"\n")
+            while not self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.fatal and "closed" in self.fatal):
+                    raise BackendError(f"QEMU did not answer QMP {name} "
+                                       f"({self.fatal or 'deadline passed'})")
+                self._cond.wait(min(left, 0.2))
+            reply = self._replies.pop(0)
+        if "error" in reply:
+            raise BackendError(f"QMP {name} failed: {reply['error'].get('desc', reply)}")
+        result: dict[str, Any] = reply.get("return") or {}
+        return result
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._file.close()
+        self._sock.close()
+        self._thread.join(timeout=2)
+
+
+def _connect(path: Path, deadline: float) -> socket.socket:
+    # QEMU creates the socket a few ms after it starts; poll for it under the caller's deadline.
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise BackendError(f"QEMU's QMP socket {path} never accepted: {exc}") from exc
+            time.sleep(0.005)
