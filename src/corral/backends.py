@@ -52,7 +52,7 @@ __all__ = [
 
 # The one place a tier's name is declared: ``_backends.BACKENDS`` maps each to its class (a test
 # holds the two equal), and ``Settings.backend`` is typed by it.
-BackendName = Literal["namespace", "gvisor"]
+BackendName = Literal["namespace", "gvisor", "microvm"]
 OutputCallback = Callable[[str], None]
 
 

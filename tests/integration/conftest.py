@@ -42,3 +42,24 @@ def isolation(request: pytest.FixtureRequest, gvisor_problems: list[str]) -> str
     if request.param == "gvisor" and gvisor_problems:
         pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
     return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def microvm_problems(settings: Settings) -> list[str]:
+    """Why this host cannot run the microVM tier (empty when it can). Here that needs the test
+    setting ``CORRAL_MICROVM_ALLOW_TCG=1`` (``scripts/test`` sets it): PVM runs no stock guest."""
+    from corral._backends.microvm.hostcheck import check_host
+
+    return [f"{c.name}: {c.detail} (fix: {c.fix})" for c in check_host(settings) if not c.ok]
+
+
+@pytest.fixture(params=["namespace", "gvisor", "microvm"])
+def isolation_all(request: pytest.FixtureRequest, gvisor_problems: list[str],
+                  microvm_problems: list[str]) -> str:
+    """Every tier, the microVM one included (the suites the issue holds it to: conformance,
+    isolation, the drill). Tiers the host cannot run are skipped with the host check's reasons."""
+    if request.param == "gvisor" and gvisor_problems:
+        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    if request.param == "microvm" and microvm_problems:
+        pytest.skip("the microVM tier cannot run on this host: " + "; ".join(microvm_problems))
+    return str(request.param)

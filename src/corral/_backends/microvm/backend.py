@@ -1,0 +1,613 @@
+"""The microVM tier: every sandbox is a small QEMU ``-M microvm`` guest with a kernel of its own.
+
+What it shares with the host tiers (``HostBackedBackend``): the sandbox's network namespace
+(only ``lo``; QEMU runs in it and the guest has no network device at all), its cgroup (QEMU's
+memory, CPU and host tasks), its host uid (QEMU's), the egress gateway's per-command listener
+(bound in the namespace; the keeper connects guest tunnels to it) and the sweep of crash
+leftovers. What is its own:
+
+* **The workspace is a qcow2 chain** (``disk``): a writable top per sandbox over read-only
+  layers. Snapshots seal the top into a layer (O(1)); quota is the ext4 size inside, so a full
+  workspace is ENOSPC in the guest. The host never mounts it; files go through the agent
+  (``files``).
+* **A keeper process per running VM** (``keeper``) owns QEMU, its QMP socket and the agent
+  channel, and serves every Corral process on the host. The VM starts at ``create`` (restored
+  from the template's warm snapshot, or resumed from a memory image) and stops at ``destroy``,
+  or when its workspace is sealed or reset (nothing runs then, so nothing is lost; the next use
+  restores it again).
+* **Commands run in the guest** (``agent``): each in its own PID and mount namespace with a
+  fresh ``/tmp``, in its own guest cgroup (pids, memory, usage, kill), as uid 1000, killed with
+  its whole tree on return and on timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..._core.privileged import privileged_env
+from ..._settings import Settings
+from ...backends import (
+    BackendName,
+    ExecOutcome,
+    ExecRequest,
+    HostCheck,
+    Leftover,
+    SandboxSpec,
+    SealResult,
+    WorkspaceFS,
+)
+from ...errors import BackendError, BackendUnavailable, CommandError
+from ...models import ResourceTier, Usage
+from .._linux import netns
+from .._linux.cgroups import detect_cgroups
+from .._linux.host import HostBackedBackend, owner_alive
+from .._linux.notfound import NOT_FOUND_EXIT_CODE
+from .._linux.process_io import OutputStream
+from .._linux.supervise import TIMEOUT_EXIT_CODE
+from ..execlimits import check_exec_size
+from .client import KeeperClient
+from .files import VmFiles
+from .keeper import CONFIG, ERROR, PIDFILE, SOCKET, KeeperConfig
+
+__all__ = ["MicrovmBackend"]
+
+log = logging.getLogger(__name__)
+
+# QEMU's own memory next to the guest's RAM (TCG's translation cache, device state, the
+# process): the sandbox cgroup allows RAM + this, so a guest can use all its RAM and a runaway
+# QEMU still cannot take the host.
+_QEMU_OVERHEAD_BYTES = 160 << 20
+_HOST_TASKS = 128
+# How long a command may run past its own timeout before the VM counts as hung: the agent
+# kills on time; this is for a guest that stopped answering.
+_GRACE_S = 20.0
+_START_DEADLINE_S = 90.0
+_PROXY = re.compile(r"^http://127\.0\.0\.1:(\d+)$")
+RUN_ROOT = Path("/run/corral-microvm")
+# The child group of the sandbox's cgroup QEMU runs in (commands run inside the guest).
+_VM_GROUP = "vm"
+
+
+class _VmProcess:
+    """The ``ProcessIO`` of one command running in the guest."""
+
+    def __init__(self, client: KeeperClient, exec_id: int) -> None:
+        self._client, self._id = client, exec_id
+
+    def write(self, data: bytes) -> None:
+        from .wire import b64
+
+        for start in range(0, len(data), 1 << 20):
+            self._client.notify("stdin", target=self._id, data=b64(data[start:start + (1 << 20)]))
+
+    def close_stdin(self) -> None:
+        self._client.notify("stdin_close", target=self._id)
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._client.notify("resize", target=self._id, rows=rows, cols=cols)
+
+
+class _Spawner:
+    """What ``HostBackedBackend`` wants from ``_ready``: the thread entering namespaces."""
+
+    def __init__(self) -> None:
+        self.spawner = netns.Spawner()
+
+
+class MicrovmBackend(HostBackedBackend):
+    """See the module docstring. One instance per process and data directory."""
+
+    name: BackendName = "microvm"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._dir = settings.home / "microvm"
+        self._launcher: _Spawner | None = None
+        self._lock = threading.Lock()
+        self._clients: dict[str, KeeperClient] = {}
+        self._keepers: dict[str, subprocess.Popen[bytes]] = {}
+        # Commands this process runs, by command id, for kill_command.
+        self._running: dict[str, tuple[KeeperClient, int]] = {}
+        self._kernel: Any = None
+        self._accel: Any = None
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def check_host(self) -> list[HostCheck]:
+        from .hostcheck import check_host
+
+        return check_host(self._settings)
+
+    def _ready(self) -> _Spawner:
+        if self._launcher is None:
+            with self._lock:
+                if self._launcher is None:
+                    failed = [c for c in self.check_host() if not c.ok]
+                    if failed:
+                        lines = "; ".join(f"{c.name}: {c.detail} (fix: {c.fix})"
+                                          for c in failed)
+                        raise BackendUnavailable(
+                            f"this host cannot run microVM sandboxes: {lines}. Run `corral "
+                            "doctor` for details.")
+                    from .accel import choose_accel
+                    from .kernel import find_kernel
+
+                    self._accel = choose_accel(allow_tcg=self._settings.microvm_allow_tcg)
+                    self._kernel = find_kernel(self._settings.home)
+                    if self._kernel is None:
+                        raise BackendUnavailable(
+                            "the microVM guest kernel is not built; build it once with "
+                            "`python -m corral._backends.microvm.kernel` (about 5 minutes)")
+                    self._attach_cgroups(detect_cgroups(self._instance))
+                    self._launcher = _Spawner()
+        return self._launcher
+
+    def _limits(self, tier: ResourceTier) -> ResourceTier:
+        import dataclasses
+
+        return dataclasses.replace(tier, memory_bytes=tier.memory_bytes + _QEMU_OVERHEAD_BYTES,
+                                   pids=_HOST_TASKS)
+
+    # -- paths ------------------------------------------------------------------------------
+
+    def _run_path(self, sandbox_id: str) -> Path:
+        # Sockets live here: a short path under /run (sun_path holds 107 bytes), gone on reboot
+        # with the VMs themselves.
+        return RUN_ROOT / f"{self._settings.instance}-{sandbox_id}"
+
+    def _disk_dir(self, sandbox_id: str) -> Path:
+        return self._dir / "sandboxes" / sandbox_id
+
+    def _top(self, sandbox_id: str) -> Path:
+        return self._disk_dir(sandbox_id) / "top.qcow2"
+
+    def _layers_dir(self) -> Path:
+        return self._dir / "layers"
+
+    def _layer_path(self, layer_id: str) -> Path:
+        return self._layers_dir() / f"{layer_id}.qcow2"
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def create(self, spec: SandboxSpec) -> None:
+        self._ready()
+        try:
+            self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
+            self._ensured.add(spec.id)
+            netns.create_netns(self._netns_path(spec.id))
+            self._new_top(spec)
+            # The VM runs from now on (create -> first command is one hop). Only here does a
+            # memory image apply: a VM restarted later boots from its disk like any other.
+            self._client(spec, memory_image=getattr(spec, "memory_image", None))
+        except BaseException:
+            with contextlib.suppress(BackendError, OSError):
+                self.destroy(spec)
+            raise
+
+    def _new_top(self, spec: SandboxSpec) -> None:
+        from . import disk
+
+        top = self._top(spec.id)
+        top.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        backing = (self._layer_path(spec.layers[0]) if spec.layers
+                   else disk.base_disk(self._dir / "bases", spec.tier.disk_bytes))
+        disk.create_top(top, backing, uid=spec.uid)
+
+    def destroy(self, spec: SandboxSpec) -> None:
+        self._ready()
+        self._ensured.discard(spec.id)
+        with self._lock:
+            client = self._clients.pop(spec.id, None)
+        if client is not None:
+            client.close()
+        with contextlib.suppress(BackendError, OSError):
+            self.cgroups.freeze(spec.id, False)
+        self.cgroups.kill(spec.id)  # QEMU is in it: the guest is gone at once
+        self._stop_keeper(spec.id)
+        self.cgroups.remove(spec.id)
+        netns.remove_netns(self._netns_path(spec.id))
+        shutil.rmtree(self._disk_dir(spec.id), ignore_errors=True)
+
+    def _stop_keeper(self, sandbox_id: str) -> None:
+        run = self._run_path(sandbox_id)
+        _kill_keeper(run)
+        proc = self._keepers.pop(sandbox_id, None)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        shutil.rmtree(run, ignore_errors=True)
+
+    def _stop_vm(self, spec: SandboxSpec) -> None:
+        """Stop the VM cleanly (the agent unmounts the workspace first)."""
+        with self._lock:
+            client = self._clients.pop(spec.id, None)
+        if client is None and (self._run_path(spec.id) / SOCKET).exists():
+            with contextlib.suppress(OSError):
+                client = KeeperClient(self._run_path(spec.id) / SOCKET)
+        if client is not None:
+            with contextlib.suppress(BackendError):
+                client.call("vm.quit", timeout=30)
+            client.close()
+        self._stop_keeper(spec.id)
+
+    # -- the keeper -------------------------------------------------------------------------
+
+    def _client(self, spec: SandboxSpec, *, memory_image: str | None = None) -> KeeperClient:
+        with self._lock:
+            client = self._clients.get(spec.id)
+            if client is not None and not client.closed:
+                return client
+        run = self._run_path(spec.id)
+        with _start_lock(run):
+            sock = run / SOCKET
+            client = None
+            if sock.exists():
+                with contextlib.suppress(OSError):
+                    client = KeeperClient(sock)
+            if client is None:
+                self._start_keeper(spec, memory_image=memory_image)
+                client = KeeperClient(sock)
+        with self._lock:
+            old = self._clients.get(spec.id)
+            if old is not None and not old.closed:
+                client.close()
+                return old
+            self._clients[spec.id] = client
+        return client
+
+    def _start_keeper(self, spec: SandboxSpec, *, memory_image: str | None = None) -> None:
+        from . import rootimage, warm
+
+        self._ready()
+        self._ensure_host_pieces(spec)
+        run = self._run_path(spec.id)
+        _kill_keeper(run)
+        for name in (SOCKET, ERROR, PIDFILE):
+            (run / name).unlink(missing_ok=True)
+        memory_mib = max(128, spec.tier.memory_bytes >> 20)
+        image = rootimage.root_image_for(self._settings, self._template(spec.template),
+                                         spec.template)
+        image_path = str(self._memory_state(memory_image)) if memory_image else ""
+        if image_path:
+            mode, snapshot = "memory", None
+        else:
+            snapshot = warm.find_or_make(self._settings, self._kernel, image, memory_mib,
+                                         self._accel)
+            mode = "warm" if snapshot is not None else "cold"
+        group = f"{spec.id}/{_VM_GROUP}"
+        with contextlib.suppress(FileExistsError):
+            self.cgroups.create_command(group)
+        config = KeeperConfig(
+            cgroup_procs=tuple(str(p) for p in self.cgroups.procs_files(group)),
+            sandbox_id=spec.id, instance=self._instance, uid=spec.uid,
+            kernel=str(self._kernel.vmlinux), root_image=str(image.path),
+            top=str(self._top(spec.id)), memory_mib=memory_mib,
+            cpus=max(1, math.ceil(spec.tier.cpus)), accel=self._accel.name,
+            cpu_model=self._accel.cpu, mode=mode,
+            warm_ram=str(snapshot.ram) if snapshot else "",
+            warm_state=str(snapshot.state) if snapshot else "",
+            memory_image=image_path, netns=str(self._netns_path(spec.id)))
+        config.dump(run / CONFIG)
+        stderr = (run / "keeper.stderr").open("wb")
+
+        def spawn() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                [sys.executable, "-m", "corral._backends.microvm.keeper", str(run)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                env=privileged_env(inherit=("PYTHONPATH",)), cwd="/",
+                start_new_session=True, close_fds=True)
+
+        try:
+            proc = self._spawner().run(self._netns_path(spec.id), spawn)
+        finally:
+            stderr.close()
+        self._keepers[spec.id] = proc
+        deadline = time.monotonic() + _START_DEADLINE_S
+        while not (run / SOCKET).exists():
+            failure = _read(run / ERROR)
+            if failure or proc.poll() is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+                why = failure or _read(run / "keeper.stderr")[-2000:] or (
+                    f"the keeper exited with status {proc.returncode}")
+                raise BackendError(f"the microVM of sandbox {spec.id} did not start: {why}")
+            if time.monotonic() > deadline:
+                _kill_keeper(run)
+                raise BackendError(f"the microVM of sandbox {spec.id} did not start within "
+                                   f"{_START_DEADLINE_S:.0f} s")
+            time.sleep(0.002)
+
+    def _ensure_host_pieces(self, spec: SandboxSpec) -> None:
+        """Rebuild what a reboot or crash removed (netns pin, cgroup, run dir, disk top)."""
+        path = self._netns_path(spec.id)
+        if not netns.is_pinned(path):
+            path.unlink(missing_ok=True)
+            netns.create_netns(path)
+        if spec.id not in self._ensured:
+            self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
+            self._ensured.add(spec.id)
+        RUN_ROOT.mkdir(mode=0o700, exist_ok=True)
+        self._run_path(spec.id).mkdir(mode=0o700, exist_ok=True)
+        if not self._top(spec.id).exists():
+            self._new_top(spec)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
+        env = self._command_env(spec, request)
+        check_exec_size(request.argv, env)
+        client = self._client(spec)
+        proxy = _PROXY.match(env.get("HTTP_PROXY", ""))
+        fields: dict[str, Any] = {
+            "argv": list(request.argv), "cwd": request.cwd, "env": env,
+            "timeout": request.timeout_s,
+            "stdin": "pipe" if request.interactive or request.stdin else "null",
+            "pty": list(request.pty) if request.pty else None,
+            "tmp_bytes": spec.tier.tmp_bytes, "pids": spec.tier.pids,
+            "memory_bytes": spec.tier.memory_bytes,
+            "egress_port": int(proxy.group(1)) if proxy else None,
+            "tag": request.command_id or None,
+        }
+        started = time.monotonic()
+        exec_id, events = client.start_exec(fields)
+        process = _VmProcess(client, exec_id)
+        if request.command_id:
+            self._running[request.command_id] = (client, exec_id)
+        try:
+            return self._follow(request, client, exec_id, events, process, started)
+        finally:
+            if request.command_id:
+                self._running.pop(request.command_id, None)
+
+    def _follow(self, request: ExecRequest, client: KeeperClient, exec_id: int,
+                events: queue.Queue[dict[str, Any]], process: _VmProcess,
+                started: float) -> ExecOutcome:
+        out = OutputStream("stdout", request.output_limit_bytes, request.on_stdout,
+                           stream_past_limit=request.stream_past_limit)
+        err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
+                           stream_past_limit=request.stream_past_limit)
+        deadline = started + request.timeout_s + _GRACE_S
+        killed_at: float | None = None
+        while True:
+            wait = deadline - time.monotonic()
+            try:
+                message = events.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                if killed_at is None:
+                    client.notify("kill", target=exec_id)
+                    killed_at = time.monotonic()
+                    deadline = killed_at + 10.0
+                    continue
+                raise BackendError("the microVM stopped answering while a command ran; "
+                                   "its sandbox may need to be destroyed") from None
+            if "out" in message:
+                from .wire import unb64
+
+                data = unb64(message.get("data", ""))
+                (err if message["out"] == "stderr" else out).feed(data)
+            elif "started" in message:
+                if request.stdin and not request.interactive:
+                    process.write(request.stdin)
+                    process.close_stdin()
+                if request.on_start is not None and (request.interactive or request.pty):
+                    try:
+                        request.on_start(process)
+                    except BaseException:
+                        client.notify("kill", target=exec_id)
+                        raise
+            elif "exit" in message:
+                return self._outcome(message["exit"], out, err, started)
+            elif "error" in message:
+                return self._failed(request, message["error"], out, err, started)
+
+    @staticmethod
+    def _outcome(exit_: Any, out: OutputStream, err: OutputStream,
+                 started: float) -> ExecOutcome:
+        if not isinstance(exit_, dict):
+            raise BackendError("the microVM agent sent a malformed exit")
+        timed_out = bool(exit_.get("timed_out"))
+        code = TIMEOUT_EXIT_CODE if timed_out else int(exit_.get("code", 1))
+        usage = Usage(wall_s=float(exit_.get("wall_s", time.monotonic() - started)),
+                      cpu_s=float(exit_.get("cpu_s", 0.0)),
+                      peak_memory_bytes=int(exit_.get("peak_memory_bytes", 0)),
+                      oom_killed=bool(exit_.get("oom_killed")))
+        return ExecOutcome(
+            exit_code=code, stdout=out.finish(), stderr=err.finish(), timed_out=timed_out,
+            usage=usage, stdout_truncated=out.dropped, stderr_truncated=err.dropped,
+            stdout_bytes=bytes(out.raw), stderr_bytes=bytes(err.raw))
+
+    @staticmethod
+    def _failed(request: ExecRequest, error: Any, out: OutputStream, err: OutputStream,
+                started: float) -> ExecOutcome:
+        kind = error.get("kind") if isinstance(error, dict) else None
+        message = str(error.get("message", "")) if isinstance(error, dict) else str(error)
+        if kind == "not_found":
+            err.feed(f"corral: command not found: {request.argv[0]}\n".encode())
+            return MicrovmBackend._outcome(
+                {"code": NOT_FOUND_EXIT_CODE, "wall_s": time.monotonic() - started},
+                out, err, started)
+        if kind == "cwd":
+            raise CommandError(f"cannot enter the working directory: {message}")
+        if kind == "e2big":
+            raise CommandError("the kernel refused the command's argv and environment as too "
+                               "large (ARG_MAX or MAX_ARG_STRLEN, 128 KiB per entry); pass data "
+                               "through files or stdin")
+        raise BackendError(f"the microVM could not run the command: {message}")
+
+    def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
+        running = self._running.get(command_id)
+        if running is not None:
+            client, exec_id = running
+            client.notify("kill", target=exec_id)
+            return True
+        if not (self._run_path(spec.id) / SOCKET).exists():
+            return False
+        return bool(self._client(spec).call("kill", tag=command_id))
+
+    def busy(self, spec: SandboxSpec) -> bool:
+        if not (self._run_path(spec.id) / SOCKET).exists():
+            return False
+        procs = self._client(spec).call("procs")
+        return bool(procs.get("commands")) or bool(procs.get("orphans"))
+
+    def pause(self, spec: SandboxSpec, paused: bool) -> None:
+        # The agent freezes every command group, not the VM: files stay reachable.
+        self._client(spec).call("freeze", frozen=paused)
+
+    # -- files and layers -------------------------------------------------------------------
+
+    def files(self, spec: SandboxSpec) -> WorkspaceFS:
+        return VmFiles(lambda: self._client(spec))
+
+    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
+        from . import disk
+
+        self._ready()
+        self._stop_vm(spec)
+        self._layers_dir().mkdir(parents=True, exist_ok=True)
+        layer = self._layer_path(layer_id)
+        disk.seal(self._top(spec.id), layer, uid=spec.uid)
+        return SealResult(layers=(layer_id, *spec.layers), bytes_used=layer.stat().st_size,
+                          squashed=False)
+
+    def reset_workspace(self, spec: SandboxSpec) -> None:
+        self._ready()
+        self._stop_vm(spec)
+        self._top(spec.id).unlink(missing_ok=True)
+        self._new_top(spec)
+
+    def remove_layer(self, layer_id: str) -> None:
+        self._layer_path(layer_id).unlink(missing_ok=True)
+
+    def layer_ids(self) -> list[str]:
+        if not self._layers_dir().is_dir():
+            return []
+        return sorted(p.stem for p in self._layers_dir().glob("*.qcow2"))
+
+    # -- memory snapshots -------------------------------------------------------------------
+
+    def _images_dir(self) -> Path:
+        return self._dir / "memory"
+
+    def snapshot_memory(self, spec: SandboxSpec, layer_id: str, image_id: str) -> SealResult:
+        """Pause the VM, seal its top disk into ``layer_id`` (a new top goes on live), save
+        its memory and device state, and let it run on: one instant for disk and memory."""
+        self._ready()
+        client = self._client(spec)
+        self._layers_dir().mkdir(parents=True, exist_ok=True)
+        image = self._images_dir() / image_id
+        image.mkdir(parents=True, exist_ok=True, mode=0o755)
+        layer = self._layer_path(layer_id)
+        try:
+            client.call("vm.snapshot_memory", timeout=300, layer_path=str(layer),
+                        top_path=str(self._top(spec.id)), memory_path=str(image / "state"))
+        except BaseException:
+            shutil.rmtree(image, ignore_errors=True)
+            raise
+        (image / "image.json").write_text(json.dumps({
+            "layer": layer_id, "memory_mib": max(128, spec.tier.memory_bytes >> 20),
+            "template": spec.template, "sandbox": spec.id}))
+        return SealResult(layers=(layer_id, *spec.layers), bytes_used=layer.stat().st_size,
+                          squashed=False)
+
+    def remove_memory_image(self, image_id: str) -> None:
+        shutil.rmtree(self._images_dir() / image_id, ignore_errors=True)
+
+    def memory_image_ids(self) -> list[str]:
+        if not self._images_dir().is_dir():
+            return []
+        return sorted(p.name for p in self._images_dir().iterdir()
+                      if (p / "image.json").is_file())
+
+    def _memory_state(self, image_id: str) -> Path:
+        state = self._images_dir() / image_id / "state"
+        if not state.is_file():
+            raise BackendError(f"memory image {image_id} is gone; create the sandbox from its "
+                               "snapshot's workspace only, or take a new memory snapshot")
+        return state
+
+    # -- crash leftovers --------------------------------------------------------------------
+
+    def _keep_group(self, sandbox_id: str, name: str) -> bool:
+        if name != _VM_GROUP:
+            return False
+        owner = _read(self._run_path(sandbox_id) / PIDFILE).split(".")
+        return len(owner) >= 2 and owner_alive(owner[0], owner[1])
+
+    def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:
+        removed: list[Leftover] = []
+        prefix = f"{self._settings.instance}-"
+        if RUN_ROOT.is_dir():
+            for run in RUN_ROOT.iterdir():
+                sandbox_id = run.name[len(prefix):]
+                if run.name.startswith(prefix) and not is_live(sandbox_id):
+                    _kill_keeper(run)
+                    shutil.rmtree(run, ignore_errors=True)
+                    removed.append(Leftover("microvm", sandbox_id, run.name))
+        disks = self._dir / "sandboxes"
+        if disks.is_dir():
+            for entry in disks.iterdir():
+                if not is_live(entry.name):
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(Leftover("disk", entry.name, entry.name))
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for client in clients:
+            client.close()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _kill_keeper(run: Path) -> None:
+    """Kill the keeper recorded in ``run`` (if it is still that process), and so its QEMU."""
+    owner = _read(run / PIDFILE).split(".")
+    if len(owner) >= 2 and owner_alive(owner[0], owner[1]):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(owner[0]), signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while owner_alive(owner[0], owner[1]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def _start_lock(run: Path) -> Iterator[None]:
+    """One keeper per VM, even when several processes want it at once."""
+    RUN_ROOT.mkdir(mode=0o700, exist_ok=True)
+    run.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(run / "start.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+if TYPE_CHECKING:  # the protocol, checked by mypy
+    from ...backends import IsolationBackend
+
+    _conforms: type[IsolationBackend] = MicrovmBackend

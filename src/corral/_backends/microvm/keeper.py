@@ -1,0 +1,449 @@
+"""The keeper: one small host process per running microVM, which owns it.
+
+Why a process of its own: a sandbox is used by many Corral processes at once (the service, an
+embedded SDK, the CLI), as on the other tiers, but a VM has one QMP socket and one agent channel.
+The keeper holds both and serves a unix socket (root-only) speaking the agent protocol, so any
+Corral process on the host can run commands and file operations in the VM; request ids are
+rewritten per client, so clients never see each other's traffic.
+
+It runs as root inside the sandbox's network namespace (started there by the backend), outside
+the sandbox's cgroup (its own Python is not the sandbox's memory); QEMU runs confined by
+``vm``: the sandbox's uid, bwrap, ``-sandbox on``, in the sandbox's cgroup before the guest runs
+an instruction, and it dies with the keeper. The keeper also terminates the egress tunnel: a
+``tcp.open`` from the guest becomes a connection to ``127.0.0.1:<port>`` in the namespace, where
+only Corral's per-command gateway listeners are bound.
+
+When a client goes away (its process died, even by SIGKILL), the keeper kills the commands it
+started: nothing outlives its caller. When QEMU dies or stops on an error, every pending request
+gets an error at once and the keeper exits.
+
+Run by the backend as ``python -m corral._backends.microvm.keeper RUN_DIR``; RUN_DIR holds
+``keeper.json`` (a ``KeeperConfig``), and receives ``keeper.sock`` once the VM answers,
+``keeper.pid``, ``keeper.log`` and, on a failed start, ``keeper.error``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .wire import ProtocolError, b64, encode, read_lines, unb64
+
+__all__ = ["KeeperConfig", "main"]
+
+log = logging.getLogger("corral.microvm.keeper")
+
+CONFIG = "keeper.json"
+SOCKET = "keeper.sock"
+PIDFILE = "keeper.pid"
+ERROR = "keeper.error"
+_CONNECT_TIMEOUT_S = 5.0
+_START_DEADLINE_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeeperConfig:
+    """What the backend tells a keeper (``keeper.json``)."""
+
+    sandbox_id: str
+    instance: str  # the cgroup prefix of this data directory (``corral-<instance>``)
+    uid: int
+    kernel: str
+    root_image: str
+    top: str
+    memory_mib: int
+    cpus: int
+    accel: str  # "kvm" | "tcg"
+    cpu_model: str
+    mode: str  # "cold" | "warm" | "memory"
+    warm_ram: str = ""
+    warm_state: str = ""
+    memory_image: str = ""
+    fresh_disk: bool = False
+    netns: str = ""
+    # The sandbox's QEMU group (``cgroup.procs`` files, one per v1 hierarchy): QEMU is placed
+    # there before the guest runs, by writing its pid, so the keeper loads no cgroup driver.
+    cgroup_procs: tuple[str, ...] = ()
+    owner: str = ""  # "<pid>.<start time>" of the keeper, set by the keeper itself
+
+    @classmethod
+    def load(cls, path: Path) -> KeeperConfig:
+        data = json.loads(path.read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in names}
+        fields["cgroup_procs"] = tuple(fields.get("cgroup_procs", ()))
+        return cls(**fields)
+
+    def dump(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self)))
+        os.replace(tmp, path)
+
+
+@dataclass(eq=False)
+class _Client:
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # The client's own exec ids -> the keeper's ids, while they run.
+    execs: dict[int, int] = field(default_factory=dict)
+    alive: bool = True
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = encode(message)
+        with self.lock:
+            if not self.alive:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.alive = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    deliver: Callable[[dict[str, Any]], None]
+    client: _Client | None  # None: a request of the keeper's own
+    client_id: int
+    is_exec: bool
+
+
+class Keeper:
+    def __init__(self, run_dir: Path, config: KeeperConfig, vm: Any, channel: socket.socket):
+        self._run_dir = run_dir
+        self._config = config
+        self._vm = vm
+        self._channel = channel
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1_000_000)
+        self._routes: dict[int, _Route] = {}
+        self._clients: set[_Client] = set()
+        self._tunnels: dict[int, socket.socket] = {}
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+
+    # -- the guest side -------------------------------------------------------------------
+
+    def to_agent(self, message: dict[str, Any]) -> None:
+        data = encode(message)
+        with self._send_lock:
+            self._channel.sendall(data)
+
+    def call_agent(self, op: str, timeout: float = 30.0, **fields: Any) -> Any:
+        """One request of the keeper's own (resume, mount, unmount) and its answer."""
+        done = threading.Event()
+        answer: dict[str, Any] = {}
+        gid = next(self._ids)
+
+        def deliver(message: dict[str, Any]) -> None:
+            answer.update(message)
+            done.set()
+
+        with self._lock:
+            self._routes[gid] = _Route(deliver, None, gid, False)
+        self.to_agent({"id": gid, "op": op, **fields})
+        if not done.wait(timeout):
+            with self._lock:
+                self._routes.pop(gid, None)
+            raise RuntimeError(f"the guest agent did not answer {op} within {timeout:.0f} s")
+        if "error" in answer:
+            error = answer["error"]
+            raise RuntimeError(f"the guest agent refused {op}: {error.get('message', error)}")
+        return answer.get("ok")
+
+    def read_agent(self) -> None:
+        try:
+            for message in read_lines(self._channel):
+                if "conn" in message:
+                    self._tunnel_from_guest(message)
+                    continue
+                gid = message.get("id")
+                if not isinstance(gid, int):
+                    continue
+                with self._lock:
+                    route = self._routes.get(gid)
+                    if route is None:
+                        continue
+                    final = ("exit" in message or "error" in message
+                             or (not route.is_exec and "ok" in message))
+                    if final:
+                        del self._routes[gid]
+                        if route.is_exec and route.client is not None:
+                            route.client.execs.pop(route.client_id, None)
+                route.deliver({**message, "id": route.client_id})
+        except ProtocolError as exc:
+            log.error("the guest broke the protocol: %s", exc)
+        self._fail("the microVM's agent channel closed (the VM stopped or crashed)")
+
+    # -- the egress tunnel --------------------------------------------------------------
+
+    def _tunnel_from_guest(self, message: dict[str, Any]) -> None:
+        conn = message.get("conn")
+        if not isinstance(conn, int):
+            return
+        if message.get("op") == "tcp.open":
+            port = message.get("port")
+            threading.Thread(target=self._open_tunnel, args=(conn, port), daemon=True,
+                             name=f"tunnel-{conn}").start()
+            return
+        with self._lock:
+            sock = self._tunnels.get(conn)
+        if sock is None:
+            return
+        try:
+            if "data" in message:
+                sock.sendall(unb64(message["data"]))
+            elif message.get("eof"):
+                sock.shutdown(socket.SHUT_WR)
+            elif message.get("closed"):
+                self._close_tunnel(conn)
+        except (OSError, ProtocolError):
+            self._close_tunnel(conn, tell_guest=True)
+
+    def _open_tunnel(self, conn: int, port: object) -> None:
+        if not isinstance(port, int) or not 0 < port < 65536:
+            self.to_agent({"conn": conn, "closed": True, "error": "bad port"})
+            return
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(_CONNECT_TIMEOUT_S)
+        try:
+            # Only Corral's gateway listeners are bound in this namespace (it holds only lo).
+            sock.connect(("127.0.0.1", port))
+        except OSError as exc:
+            sock.close()
+            self.to_agent({"conn": conn, "closed": True,
+                           "error": f"the egress gateway did not accept: {exc.strerror}"})
+            return
+        sock.settimeout(None)
+        with self._lock:
+            self._tunnels[conn] = sock
+        self.to_agent({"conn": conn, "opened": True})
+        try:
+            while True:
+                data = sock.recv(64 * 1024)
+                if not data:
+                    self.to_agent({"conn": conn, "eof": True})
+                    return
+                self.to_agent({"conn": conn, "data": b64(data)})
+        except OSError:
+            self._close_tunnel(conn, tell_guest=True)
+
+    def _close_tunnel(self, conn: int, *, tell_guest: bool = False) -> None:
+        with self._lock:
+            sock = self._tunnels.pop(conn, None)
+        if sock is not None:
+            sock.close()
+            if tell_guest:
+                with contextlib.suppress(OSError):
+                    self.to_agent({"conn": conn, "closed": True})
+
+    # -- clients ----------------------------------------------------------------------------
+
+    def serve(self, listener: socket.socket) -> None:
+        self._listener = listener
+        while not self._stopping.is_set():
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            client = _Client(sock)
+            with self._lock:
+                self._clients.add(client)
+            threading.Thread(target=self._serve_client, args=(client,), daemon=True,
+                             name="keeper-client").start()
+
+    def _serve_client(self, client: _Client) -> None:
+        try:
+            for message in read_lines(client.sock):
+                self._from_client(client, message)
+        except ProtocolError as exc:
+            client.send({"id": None, "error": {"kind": "protocol", "message": str(exc)}})
+        finally:
+            self._drop_client(client)
+
+    def _drop_client(self, client: _Client) -> None:
+        with self._lock:
+            client.alive = False
+            self._clients.discard(client)
+            orphaned = list(client.execs.values())
+            client.execs.clear()
+            for gid, route in list(self._routes.items()):
+                if route.client is client:
+                    del self._routes[gid]
+        # Its caller is gone: what it started dies, as on the other tiers.
+        for gid in orphaned:
+            with contextlib.suppress(OSError):
+                self.to_agent({"id": next(self._ids), "op": "kill", "target": gid})
+        client.sock.close()
+
+    def _from_client(self, client: _Client, message: dict[str, Any]) -> None:
+        cid, op = message.get("id"), message.get("op")
+        if not isinstance(cid, int) or not isinstance(op, str):
+            client.send({"id": cid, "error": {
+                "kind": "protocol", "message": "a request needs an integer id and an op"}})
+            return
+        if op.startswith("vm."):
+            threading.Thread(target=self._vm_op, args=(client, cid, op, message), daemon=True,
+                             name=op).start()
+            return
+        gid = next(self._ids)
+        forwarded = {**message, "id": gid}
+        with self._lock:
+            if "target" in message:
+                target = client.execs.get(message["target"])
+                if target is None:
+                    client.send({"id": cid, "ok": False})
+                    return
+                forwarded["target"] = target
+            is_exec = op == "exec"
+            self._routes[gid] = _Route(client.send, client, cid, is_exec)
+            if is_exec:
+                client.execs[cid] = gid
+        try:
+            self.to_agent(forwarded)
+        except OSError:
+            self._fail("the microVM's agent channel closed")
+
+    def _vm_op(self, client: _Client, cid: int, op: str, message: dict[str, Any]) -> None:
+        try:
+            result = self._run_vm_op(op, message)
+        except Exception as exc:  # noqa: BLE001 - every failure is the client's answer
+            log.exception("%s failed", op)
+            client.send({"id": cid, "error": {"kind": "io", "message": f"{op} failed: {exc}"}})
+            return
+        client.send({"id": cid, "ok": result})
+        if op == "vm.quit":
+            self.stop()
+
+    def _run_vm_op(self, op: str, message: dict[str, Any]) -> Any:
+        vm = self._vm
+        if op == "vm.status":
+            return {"state": "paused" if getattr(vm, "paused", False) else "running",
+                    "pid": vm.pid, "rss_bytes": vm.rss_bytes(), "accel": self._config.accel}
+        if op == "vm.pause":
+            vm.pause() if message.get("paused") else vm.cont()
+            return True
+        if op == "vm.snapshot_memory":
+            vm.pause()
+            try:
+                vm.seal_live(Path(message["top_path"]), Path(message["layer_path"]))
+                vm.save_memory(Path(message["memory_path"]))
+            finally:
+                vm.cont()
+            return True
+        if op == "vm.quit":
+            with contextlib.suppress(Exception):
+                self.call_agent("unmount", timeout=10)
+            return True
+        raise ValueError(f"unknown keeper op {op!r}")
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            routes = list(self._routes.items())
+            self._routes.clear()
+        for _, route in routes:
+            route.deliver({"id": route.client_id, "error": {"kind": "io", "message": why}})
+        self.stop()
+
+    def stop(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        with contextlib.suppress(Exception):
+            self._vm.quit()
+        with contextlib.suppress(Exception):
+            self._vm.kill()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+        with self._lock:
+            clients = list(self._clients)
+        for client in clients:
+            with contextlib.suppress(OSError):
+                client.sock.shutdown(socket.SHUT_RDWR)
+        (self._run_dir / SOCKET).unlink(missing_ok=True)
+
+    def wait(self) -> None:
+        self._stopping.wait()
+
+
+def _start_vm(run_dir: Path, config: KeeperConfig) -> tuple[Any, socket.socket]:
+    """Launch QEMU for ``config`` and connect to its agent; the agent has said it is ready."""
+    from . import vm as vmmod  # deferred: the keeper's help and errors need no QEMU pieces
+
+    def attach(pid: int) -> None:
+        for procs in config.cgroup_procs:
+            with open(procs, "w") as f:
+                f.write(str(pid))
+
+    return vmmod.launch_for_keeper(run_dir, config, attach, deadline=time.monotonic()
+                                   + _START_DEADLINE_S)
+
+
+def _prepare_guest(keeper: Keeper, config: KeeperConfig) -> None:
+    if config.mode in ("warm", "memory"):
+        keeper.call_agent("resume", seed=b64(secrets.token_bytes(64)), time_ns=time.time_ns(),
+                          hostname="sandbox", sandbox_id=config.sandbox_id)
+    if config.mode in ("warm", "cold"):
+        keeper.call_agent("mount", fresh=config.fresh_disk)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m corral._backends.microvm.keeper RUN_DIR\n")
+        return 2
+    run_dir = Path(args[0])
+    logging.basicConfig(filename=run_dir / "keeper.log", level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    from .._linux.host import proc_start_time
+
+    owner = f"{os.getpid()}.{proc_start_time(os.getpid())}"
+    (run_dir / PIDFILE).write_text(owner + "\n")
+    config = dataclasses.replace(KeeperConfig.load(run_dir / CONFIG), owner=owner)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # QEMU dies with us (pdeathsig)
+    try:
+        vm, channel = _start_vm(run_dir, config)
+    except Exception as exc:  # noqa: BLE001 - the backend reads the reason from the file
+        log.exception("the microVM did not start")
+        (run_dir / ERROR).write_text(str(exc) or type(exc).__name__)
+        return 1
+    keeper = Keeper(run_dir, config, vm, channel)
+    threading.Thread(target=keeper.read_agent, daemon=True, name="agent-reader").start()
+    try:
+        _prepare_guest(keeper, config)
+    except Exception as exc:  # noqa: BLE001
+        log.exception("the guest could not be prepared")
+        (run_dir / ERROR).write_text(str(exc))
+        keeper.stop()
+        return 1
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = run_dir / f".{SOCKET}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    listener.bind(str(tmp))
+    os.chmod(tmp, 0o600)
+    listener.listen(64)
+    os.replace(tmp, run_dir / SOCKET)  # clients see the socket only once it serves
+    threading.Thread(target=keeper.serve, args=(listener,), daemon=True, name="accept").start()
+    keeper.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
