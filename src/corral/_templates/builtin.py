@@ -27,4 +27,13 @@ BUILTIN_SPECS: dict[str, TemplateSpec] = {
         description="Node.js with npm",
         packages=("ca-certificates", "nodejs", "npm"),
     ),
+    # The microVM tier's ``base``: on the other tiers ``base`` is the host's own /usr (6 GB),
+    # which a VM cannot share without 9p (and 9p blocks migration), so the microVM tier boots a
+    # small Debian root of its own (corral._backends.microvm.rootimage).
+    "microvm-base": TemplateSpec(
+        name="microvm-base",
+        description="The microVM tier's base root: python3, requests, curl, procps, iproute2",
+        packages=("bash", "ca-certificates", "coreutils", "curl", "iproute2", "procps",
+                  "python3", "python3-requests", "strace", "util-linux"),
+    ),
 }

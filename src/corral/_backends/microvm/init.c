@@ -1,70 +1,103 @@
-/* PID 1 of a Corral microVM guest: mount the shares, start the agent, reap, power off.
+/* PID 1 of a Corral microVM guest: mount the kernel filesystems, start the agent, reap, power off.
  *
- * Static, so it runs before the template's /usr (where libc and python3 live) is mounted: the
- * guest root is a tiny read-only skeleton over 9p and everything else arrives as shares named in
- * the kernel command line, which the kernel hands to init as the environment variable
- *   corral_mounts=TAG:/dest:ro,TAG:/dest:rw,...
- * Any failure powers the guest off (QEMU runs with -no-reboot, so it exits) rather than leave a
- * half-set-up guest for the host to wait on.
+ * The root is the template's read-only ext4 image on /dev/vda (kernel `root=/dev/vda ro
+ * rootfstype=ext4 init=/corral/init`); the workspace disk (/dev/vdb) is mounted later by the
+ * agent (`mount` op), because after a warm restore it is a different disk each time. Static, so
+ * it does not depend on the template's libc. Any failure powers the guest off (QEMU runs with
+ * -no-reboot, so a reboot ends QEMU) rather than leave a half-set-up guest for the host to wait
+ * on: the host sees QEMU exit at once and reports the serial log's tail.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <net/if.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-static void die(const char *what) {
-    fprintf(stderr, "corral-init: %s: %s\n", what, strerror(errno));
+static void power_off(void) {
     sync();
+    /* RB_AUTOBOOT, not RB_POWER_OFF: without ACPI the microvm machine has no power-off device,
+     * and QEMU's -no-reboot turns the reset into an exit. */
     reboot(RB_AUTOBOOT);
     _exit(1);
 }
 
+static void die(const char *what) {
+    fprintf(stderr, "corral-init: %s: %s\n", what, strerror(errno));
+    power_off();
+}
+
 static void mount_or_die(const char *src, const char *dst, const char *type,
                          unsigned long flags, const char *data) {
-    mkdir(dst, 0755);
+    /* The root is read-only: the mount points exist in the image (rootimage.py makes them). */
     if (mount(src, dst, type, flags, data) != 0 && errno != EBUSY) {
         char what[256];
-        snprintf(what, sizeof what, "mount %s on %s", src, dst);
+        snprintf(what, sizeof what, "mount %s (%s) on %s", src, type, dst);
         die(what);
     }
 }
 
-static void mount_shares(char *spec) {
-    for (char *item = strtok(spec, ","); item; item = strtok(NULL, ",")) {
-        char *tag = item, *dest = strchr(item, ':');
-        if (!dest) { errno = EINVAL; die("corral_mounts entry"); }
-        *dest++ = 0;
-        char *mode = strchr(dest, ':');
-        if (!mode) { errno = EINVAL; die("corral_mounts entry"); }
-        *mode++ = 0;
-        int ro = strcmp(mode, "ro") == 0;
-        /* Read-only template shares never change under the guest, so it may cache them;
-         * the workspace is written by the host's file API too, so it is never cached. */
-        const char *opts = ro ? "trans=virtio,version=9p2000.L,msize=512000,cache=loose"
-                              : "trans=virtio,version=9p2000.L,msize=512000";
-        mount_or_die(tag, dest, "9p", ro ? MS_RDONLY | MS_NODEV | MS_NOSUID : MS_NODEV | MS_NOSUID,
-                     opts);
-    }
+static int write_file(const char *path, const char *text) {
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, text, strlen(text));
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+static void enable_controllers(void) {
+    /* One write per controller: pids and memory are what the agent's per-command limits rest
+     * on, so they must be there; cpu only weights commands against each other. */
+    if (write_file("/sys/fs/cgroup/cgroup.subtree_control", "+pids") != 0)
+        die("enable the pids controller");
+    if (write_file("/sys/fs/cgroup/cgroup.subtree_control", "+memory") != 0)
+        die("enable the memory controller");
+    if (write_file("/sys/fs/cgroup/cgroup.subtree_control", "+cpu") != 0)
+        fprintf(stderr, "corral-init: no cpu controller: %s\n", strerror(errno));
+}
+
+static void loopback_up(void) {
+    /* The egress tunnel listens on 127.0.0.1 inside; there is no other interface. */
+    int sock = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (sock < 0) die("socket for lo");
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+    if (ioctl(sock, SIOCGIFFLAGS, &ifr) != 0) die("SIOCGIFFLAGS lo");
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (ioctl(sock, SIOCSIFFLAGS, &ifr) != 0) die("SIOCSIFFLAGS lo");
+    close(sock);
 }
 
 int main(void) {
+    /* The OOM killer inside the guest must pick a command, never init or the agent (the agent
+     * inherits this across fork and exec; run.c raises it again for commands). */
     mount_or_die("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    if (write_file("/proc/self/oom_score_adj", "-1000") != 0) die("oom_score_adj");
     mount_or_die("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-    mount_or_die("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    mount_or_die("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                 "nsdelegate");
+    enable_controllers();
+    mount_or_die("devtmpfs", "/dev", "devtmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755");
+    mkdir("/dev/pts", 0755);
+    mount_or_die("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                 "newinstance,ptmxmode=0666,mode=0620,gid=5");
+    unlink("/dev/ptmx");
+    if (symlink("pts/ptmx", "/dev/ptmx") != 0) die("symlink /dev/ptmx");
+    mkdir("/dev/shm", 01777);
+    mount_or_die("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777");
     mount_or_die("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777");
     mount_or_die("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "size=8m,mode=0755");
-    const char *spec = getenv("corral_mounts");
-    if (spec) {
-        char *copy = strdup(spec);
-        if (!copy) die("strdup");
-        mount_shares(copy);
-    }
+    loopback_up();
     sethostname("sandbox", 7);
 
     pid_t agent = fork();
@@ -80,10 +113,13 @@ int main(void) {
     for (;;) {
         int status;
         pid_t pid = wait(&status);
-        if (pid == agent || (pid < 0 && errno == ECHILD)) break;
+        if (pid == agent) {
+            fprintf(stderr, "corral-init: the agent exited (status 0x%x); powering off\n",
+                    status);
+            break;
+        }
+        if (pid < 0 && errno == ECHILD) break;
     }
-    fprintf(stderr, "corral-init: the agent exited; powering off\n");
-    sync();
-    reboot(RB_AUTOBOOT);
+    power_off();
     return 0;
 }

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,17 @@ _FATAL = {"STOP", "GUEST_PANICKED", "SHUTDOWN", "RESET"}
 class Qmp:
     """Connected, capabilities negotiated, events read by a daemon thread until ``close``."""
 
-    def __init__(self, path: Path, *, deadline: float) -> None:
-        self._sock = _connect(path, deadline)
+    def __init__(self, path: Path, *, deadline: float,
+                 alive: Callable[[], bool] = lambda: True) -> None:
+        self._sock = _connect(path, deadline, alive)
         self._file = self._sock.makefile("rwb", buffering=0)
         self._lock = threading.Lock()
         self._replies: list[dict[str, Any]] = []
         self._cond = threading.Condition(self._lock)
         self.fatal: str | None = None
+        # STOP events our own `stop` commands cause: not a sign of a hang.
+        self._expected_stops = 0
+        self.events: list[str] = []  # every event name seen, in order (for waits and tests)
         self._sock.settimeout(max(0.1, deadline - time.monotonic()))
         greeting = self._file.readline()
         if b"QMP" not in greeting:
@@ -51,7 +56,11 @@ class Qmp:
                     continue
                 with self._cond:
                     event = message.get("event")
-                    if event in _FATAL and self.fatal is None:
+                    if event is not None:
+                        self.events.append(str(event))
+                    if event == "STOP" and self._expected_stops > 0:
+                        self._expected_stops -= 1
+                    elif event in _FATAL and self.fatal is None:
                         data = message.get("data") or {}
                         self.fatal = f"{event} {json.dumps(data)}" if data else str(event)
                     elif event is None:
@@ -71,6 +80,8 @@ class Qmp:
             request["arguments"] = arguments
         with self._cond:
             self._replies.clear()
+            if name == "stop":
+                self._expected_stops += 1
             self._file.write(json.dumps(request).encode() + b"\n")
             while not self._replies:
                 left = deadline - time.monotonic()
@@ -80,6 +91,9 @@ class Qmp:
                 self._cond.wait(min(left, 0.2))
             reply = self._replies.pop(0)
         if "error" in reply:
+            if name == "stop":
+                with self._cond:
+                    self._expected_stops = max(0, self._expected_stops - 1)
             raise BackendError(f"QMP {name} failed: {reply['error'].get('desc', reply)}")
         result: dict[str, Any] = reply.get("return") or {}
         return result
@@ -94,7 +108,7 @@ class Qmp:
         self._thread.join(timeout=2)
 
 
-def _connect(path: Path, deadline: float) -> socket.socket:
+def _connect(path: Path, deadline: float, alive: Callable[[], bool]) -> socket.socket:
     # QEMU creates the socket a few ms after it starts; poll for it under the caller's deadline.
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -103,6 +117,8 @@ def _connect(path: Path, deadline: float) -> socket.socket:
             return sock
         except OSError as exc:
             sock.close()
+            if not alive():
+                raise BackendError(f"QEMU exited before its QMP socket {path} accepted") from exc
             if time.monotonic() >= deadline:
                 raise BackendError(f"QEMU's QMP socket {path} never accepted: {exc}") from exc
             time.sleep(0.005)
