@@ -149,7 +149,7 @@ class MicrovmBackend(HostBackedBackend):
                     from .kernel import find_kernel
 
                     self._accel = choose_accel(allow_tcg=self._settings.microvm_allow_tcg)
-                    self._kernel = find_kernel(self._settings.home)
+                    self._kernel = find_kernel(self._settings.microvm_cache)
                     if self._kernel is None:
                         raise BackendUnavailable(
                             "the microVM guest kernel is not built; build it once with "
@@ -204,10 +204,39 @@ class MicrovmBackend(HostBackedBackend):
         from . import disk
 
         top = self._top(spec.id)
+        # QEMU (the sandbox's uid) makes live-sealed tops and memory saves in this directory.
         top.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chown(top.parent, spec.uid, spec.uid)
         backing = (self._layer_path(spec.layers[0]) if spec.layers
-                   else disk.base_disk(self._dir / "bases", spec.tier.disk_bytes))
+                   else disk.base_disk(self._settings.microvm_cache / "disks",
+                                       spec.tier.disk_bytes))
         disk.create_top(top, backing, uid=spec.uid)
+
+    def _root(self, name: str) -> Any:
+        """The read-only root image of template ``name`` (built and cached on first use)."""
+        from . import rootimage
+
+        template = self._template(name)
+        if template.root is None:
+            # A host-backed template (``base``: the host's own /usr on the other tiers) cannot
+            # be a VM's disk; this tier's base is a small Debian root of its own.
+            template = self._vm_base_template()
+        return rootimage.root_image(template, self._settings.microvm_cache / "roots")
+
+    def _vm_base_template(self) -> Any:
+        from ..._templates import BUILTIN_SPECS, build_template, current_build
+        from .._linux.template import load_template
+        from .rootimage import BASE_SPEC
+
+        templates = self._settings.microvm_cache / "templates"
+        if current_build(templates, BASE_SPEC) is None:
+            log.warning("building the microVM tier's base root (%s, Debian packages; once "
+                        "per host, about a minute)", BASE_SPEC)
+            build_template(BUILTIN_SPECS[BASE_SPEC], templates,
+                           on_progress=lambda line: log.info("%s", line))
+        ca = self._settings.home / "egress" / "ca.pem"
+        return load_template(BASE_SPEC, templates,
+                             extra_ca=ca.read_bytes() if ca.exists() else None)
 
     def destroy(self, spec: SandboxSpec) -> None:
         self._ready()
@@ -272,7 +301,7 @@ class MicrovmBackend(HostBackedBackend):
         return client
 
     def _start_keeper(self, spec: SandboxSpec, *, memory_image: str | None = None) -> None:
-        from . import rootimage, warm
+        from . import disk, warm
 
         self._ready()
         self._ensure_host_pieces(spec)
@@ -281,11 +310,12 @@ class MicrovmBackend(HostBackedBackend):
         for name in (SOCKET, ERROR, PIDFILE):
             (run / name).unlink(missing_ok=True)
         memory_mib = max(128, spec.tier.memory_bytes >> 20)
-        image = rootimage.root_image_for(self._settings, self._template(spec.template),
-                                         spec.template)
+        image = self._root(spec.template)
         image_path = str(self._memory_state(memory_image)) if memory_image else ""
         if image_path:
             mode, snapshot = "memory", None
+        elif not self._settings.microvm_warm:
+            mode, snapshot = "cold", None
         else:
             snapshot = warm.find_or_make(self._settings, self._kernel, image, memory_mib,
                                          self._accel)
@@ -302,7 +332,8 @@ class MicrovmBackend(HostBackedBackend):
             cpu_model=self._accel.cpu, mode=mode,
             warm_ram=str(snapshot.ram) if snapshot else "",
             warm_state=str(snapshot.state) if snapshot else "",
-            memory_image=image_path, netns=str(self._netns_path(spec.id)))
+            memory_image=image_path, netns=str(self._netns_path(spec.id)),
+            backing=tuple(str(p) for p in disk.chain(self._top(spec.id))[1:]))
         config.dump(run / CONFIG)
         stderr = (run / "keeper.stderr").open("wb")
 

@@ -68,7 +68,7 @@ def _check_qemu() -> HostCheck:
 def _check_kernel(settings: Settings) -> HostCheck:
     from .kernel import find_kernel, source_version
 
-    kernel = find_kernel(settings.home)
+    kernel = find_kernel(settings.microvm_cache)
     if kernel is not None:
         return HostCheck("guest kernel", True, f"Linux {kernel.release} ({kernel.key})")
     if source_version() is None:

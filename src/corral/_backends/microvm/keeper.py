@@ -53,6 +53,7 @@ PIDFILE = "keeper.pid"
 ERROR = "keeper.error"
 _CONNECT_TIMEOUT_S = 5.0
 _START_DEADLINE_S = 60.0
+_OP_DEADLINE_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class KeeperConfig:
     warm_state: str = ""
     memory_image: str = ""
     fresh_disk: bool = False
+    backing: tuple[str, ...] = ()  # the read-only files under ``top`` (its qcow2 chain)
     netns: str = ""
     # The sandbox's QEMU group (``cgroup.procs`` files, one per v1 hierarchy): QEMU is placed
     # there before the guest runs, by writing its pid, so the keeper loads no cgroup driver.
@@ -85,7 +87,8 @@ class KeeperConfig:
         data = json.loads(path.read_text())
         names = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in data.items() if k in names}
-        fields["cgroup_procs"] = tuple(fields.get("cgroup_procs", ()))
+        for name in ("cgroup_procs", "backing"):
+            fields[name] = tuple(fields.get(name, ()))
         return cls(**fields)
 
     def dump(self, path: Path) -> None:
@@ -331,25 +334,41 @@ class Keeper:
 
     def _run_vm_op(self, op: str, message: dict[str, Any]) -> Any:
         vm = self._vm
+        deadline = time.monotonic() + _OP_DEADLINE_S
         if op == "vm.status":
-            return {"state": "paused" if getattr(vm, "paused", False) else "running",
-                    "pid": vm.pid, "rss_bytes": vm.rss_bytes(), "accel": self._config.accel}
+            return {"state": vm.state.value, "pid": vm.pid, "rss_bytes": vm.rss_bytes(),
+                    "pss_bytes": vm.pss_bytes(), "accel": self._config.accel}
         if op == "vm.pause":
-            vm.pause() if message.get("paused") else vm.cont()
+            vm.pause(deadline) if message.get("paused") else vm.cont(deadline)
             return True
         if op == "vm.snapshot_memory":
-            vm.pause()
-            try:
-                vm.seal_live(Path(message["top_path"]), Path(message["layer_path"]))
-                vm.save_memory(Path(message["memory_path"]))
-            finally:
-                vm.cont()
-            return True
+            return self._snapshot_memory(Path(message["top_path"]), Path(message["layer_path"]),
+                                         Path(message["memory_path"]), deadline)
         if op == "vm.quit":
             with contextlib.suppress(Exception):
                 self.call_agent("unmount", timeout=10)
             return True
         raise ValueError(f"unknown keeper op {op!r}")
+
+    def _snapshot_memory(self, top: Path, layer: Path, memory: Path, deadline: float) -> bool:
+        """One instant for disk and memory: stop, put a new top on live (the old one becomes
+        ``layer``), save RAM and devices to ``memory``, run on."""
+        vm = self._vm
+        new_top = top.with_name(f".next-{top.name}")
+        new_top.unlink(missing_ok=True)
+        vm.pause(deadline)
+        try:
+            vm.seal_live(new_top, layer, deadline)
+            os.rename(top, layer)  # QEMU reads it through its open descriptor from now on
+            os.chown(layer, 0, 0)
+            os.chmod(layer, 0o644)
+            os.rename(new_top, top)
+            vm.save_memory(memory, deadline)
+            os.chown(memory, 0, 0)
+            os.chmod(memory, 0o644)
+        finally:
+            vm.cont(deadline)
+        return True
 
     # -- ending -----------------------------------------------------------------------------
 
@@ -366,7 +385,7 @@ class Keeper:
             return
         self._stopping.set()
         with contextlib.suppress(Exception):
-            self._vm.quit()
+            self._vm.quit(time.monotonic() + 5)
         with contextlib.suppress(Exception):
             self._vm.kill()
         if self._listener is not None:
@@ -382,18 +401,54 @@ class Keeper:
     def wait(self) -> None:
         self._stopping.wait()
 
+    def watch(self) -> None:
+        """A guest that stopped on an error (QEMU pauses and stays alive: it looks hung), or a
+        QEMU that died, fails every pending request at once instead of at its deadline."""
+        while not self._stopping.wait(0.2):
+            fatal = self._vm.fatal
+            if fatal is not None:
+                log.error("the microVM stopped: %s", fatal)
+                self._fail(f"the microVM stopped: {fatal}")
+                return
+
 
 def _start_vm(run_dir: Path, config: KeeperConfig) -> tuple[Any, socket.socket]:
-    """Launch QEMU for ``config`` and connect to its agent; the agent has said it is ready."""
-    from . import vm as vmmod  # deferred: the keeper's help and errors need no QEMU pieces
+    """Launch QEMU for ``config`` and connect to its agent (a cold boot waits for the agent's
+    ready line; a restored guest's agent is already running and is told to ``resume``)."""
+    from .accel import Accel
+    from .vm import Vm, VmConfig
 
     def attach(pid: int) -> None:
         for procs in config.cgroup_procs:
             with open(procs, "w") as f:
                 f.write(str(pid))
 
-    return vmmod.launch_for_keeper(run_dir, config, attach, deadline=time.monotonic()
-                                   + _START_DEADLINE_S)
+    vm_config = VmConfig(
+        kernel=Path(config.kernel), root_image=Path(config.root_image),
+        # QEMU's own directory (it owns it as the sandbox's uid); the keeper's files stay in
+        # the root-only directory above, out of a compromised QEMU's reach.
+        run_dir=run_dir / "vm", work_dir=Path(config.top).parent,
+        accel=Accel(config.accel, config.cpu_model,  # type: ignore[arg-type]
+                    "hardware" if config.accel == "kvm" else "none"),
+        memory_mib=config.memory_mib, vcpus=config.cpus, top_disk=Path(config.top),
+        backing=tuple(Path(p) for p in config.backing), uid=config.uid, gid=config.uid,
+        attach=attach)
+    deadline = time.monotonic() + _START_DEADLINE_S
+    if config.mode == "cold":
+        vm = Vm.boot(vm_config, deadline)
+    elif config.mode == "warm":
+        vm = Vm.restore_warm(vm_config, Path(config.warm_ram), Path(config.warm_state), deadline)
+    else:
+        vm = Vm.restore_memory(vm_config, Path(config.memory_image), deadline)
+    try:
+        channel = vm.connect(deadline)
+        if config.mode == "cold":
+            vm.read_line(channel, bytearray(), deadline, "the guest agent to start")
+        channel.settimeout(None)
+    except BaseException:
+        vm.kill()
+        raise
+    return vm, channel
 
 
 def _prepare_guest(keeper: Keeper, config: KeeperConfig) -> None:
@@ -426,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     keeper = Keeper(run_dir, config, vm, channel)
     threading.Thread(target=keeper.read_agent, daemon=True, name="agent-reader").start()
+    threading.Thread(target=keeper.watch, daemon=True, name="watch").start()
     try:
         _prepare_guest(keeper, config)
     except Exception as exc:  # noqa: BLE001

@@ -120,6 +120,9 @@ class VmConfig:
     netns: Path | None = None
     attach: Callable[[int], None] | None = None
     cmdline_extra: str = ""
+    # A directory QEMU may write besides its run dir, on the disks' filesystem: live-sealed
+    # tops and memory saves are made there and renamed into place (the run dir is on tmpfs).
+    work_dir: Path | None = None
 
 
 class VmState(enum.Enum):
@@ -214,7 +217,9 @@ def _bwrap_argv(config: VmConfig, memory: _Memory, info_fd: int) -> list[str]:
     writable = [config.run_dir]
     if memory.mode == "share" and memory.path is not None:
         writable.append(memory.path)
-    if config.top_disk is not None:
+    if config.work_dir is not None:
+        writable.append(config.work_dir)
+    if config.top_disk is not None and config.top_disk.parent != config.work_dir:
         writable.append(config.top_disk)
     # bwrap makes missing parents with the modes of the host's (0700 for a temp dir), which
     # QEMU's uid could not pass: make them searchable first. They hold nothing but the binds.
@@ -510,7 +515,7 @@ class Vm:
             {"capability": "x-ignore-shared", "state": ignore_shared}])
         path.unlink(missing_ok=True)
         # QEMU (the sandbox's uid) writes into its run dir; the caller moves the file.
-        target = self.config.run_dir / f".save-{path.name}"
+        target = (self.config.work_dir or self.config.run_dir) / f".save-{path.name}"
         target.unlink(missing_ok=True)
         self._qmp_cmd("migrate", deadline, uri=f"file:{target}")
         self._wait_migration(deadline, "memory save")
