@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 QEMU = "qemu-system-x86_64"
 _CHANNEL = "corral.agent"
 _SERIAL_TAIL = 25
+_SUN_PATH_MAX = 108  # sockaddr_un.sun_path, with its terminating NUL
 _HZ = 100  # the guest kernel's CONFIG_HZ (guest.config)
 # Library and firmware directories QEMU reads from (bound read-only; /usr/share/qemu has the
 # microvm firmware). Merged-/usr hosts have /lib etc. as symlinks, recreated as such.
@@ -287,6 +288,8 @@ class Vm:
         with vm._cleanup_on_error():
             vm._launch(incoming=True, deadline=deadline)
             vm._incoming(state, deadline, ignore_shared=True)
+            if config.top_disk is not None:
+                vm._announce_disk_size(deadline)
         return vm
 
     @classmethod
@@ -307,6 +310,11 @@ class Vm:
                      *self._memory.extra_ro):
             if not path.is_file():
                 raise BackendError(f"the microVM file {path} is missing")
+        longest = max(len(str(self._files.qmp)), len(str(self._files.channel)))
+        if longest >= _SUN_PATH_MAX:
+            raise UsageError(f"the microVM run directory {config.run_dir} is too long for its "
+                             f"unix sockets ({longest} of at most {_SUN_PATH_MAX - 1} bytes); "
+                             "use a shorter path")
         config.run_dir.mkdir(parents=True, exist_ok=True)
         os.chown(config.run_dir, config.uid, config.gid)
         os.chmod(config.run_dir, 0o700)
@@ -379,11 +387,13 @@ class Vm:
                 {"capability": "x-ignore-shared", "state": True}])
         self._qmp_cmd("migrate-incoming", deadline, uri=f"file:{path}")
         self._wait_migration(deadline, "restore")
-        status = self._qmp_cmd("query-status", deadline)
-        if status.get("status") != "running":
-            # With -incoming and no -S the guest starts when the state is in; anything else
-            # is a failed load.
-            raise self._error(f"the restored guest is {status.get('status')!r}, not running")
+        # The state was saved from a stopped guest, so QEMU keeps it stopped after the load
+        # (it restores the saved run state); it runs when we say so.
+        status = self._status(deadline)
+        if status in ("paused", "postmigrate", "prelaunch", "inmigrate"):
+            self._qmp_cmd("cont", deadline)
+        elif status != "running":
+            raise self._error(f"the restored guest is {status!r} after its state loaded")
         self.state = VmState.RUNNING
 
     # -- waits --------------------------------------------------------------------------------
@@ -396,6 +406,11 @@ class Vm:
     @property
     def serial_path(self) -> Path:
         return self._files.serial
+
+    @property
+    def alive(self) -> bool:
+        """QEMU's process exists and is not a zombie."""
+        return bool(self.pid) and _alive(self.pid)
 
     @property
     def fatal(self) -> str | None:
@@ -528,6 +543,16 @@ class Vm:
                       **{"image-node-name": self._top_node(deadline),
                          "backing-file": str(layer_path)})
 
+    def _announce_disk_size(self, deadline: float) -> None:
+        # The guest probed the warm snapshot's placeholder disk; the sandbox's disk may be
+        # bigger. A resize to its own size changes nothing on disk but makes QEMU send the
+        # config-change interrupt on which the guest re-reads the capacity.
+        for block in self._qmp_cmd_list("query-block", deadline):
+            if block.get("device") == "ws":
+                size = int((block.get("inserted") or {}).get("image", {}).get("virtual-size", 0))
+                if size:
+                    self._qmp_cmd("block_resize", deadline, device="ws", size=size)
+
     def _top_node(self, deadline: float) -> str:
         for block in self._qmp_cmd_list("query-block", deadline):
             if block.get("device") == "ws":
@@ -584,6 +609,11 @@ class Vm:
                             os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=10)
+            # QEMU is bwrap's reaper's child: once that dies, the host's init reaps QEMU. Wait
+            # for that, so "killed" means gone (its files closed, its memory freed).
+            gone_by = time.monotonic() + 10
+            while self.pid and _alive(self.pid) and time.monotonic() < gone_by:
+                time.sleep(0.01)
         if self._qmp is not None:
             self._qmp.close()
             self._qmp = None
@@ -604,6 +634,14 @@ class Vm:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _proc_status(pid: int, field_name: str) -> int:
