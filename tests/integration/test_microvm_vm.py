@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,56 @@ def test_cold_boot_is_the_guest_kernel_with_no_devices_but_its_disks(
     agent.close()
     vm.quit(time.monotonic() + 10)
     assert not vm.alive
+
+
+def test_attach_sees_qemu_before_the_guest_runs_and_qemu_keeps_the_netns(
+        kernel: GuestKernel, image: rootimage.RootImage, accel: Accel, tmp_path: Path,
+        ids: tuple[int, int], vms: list[Vm]) -> None:
+    name = f"corral-microvm-test-{os.getpid()}"
+    # The memory controller's hierarchy: v1's on hybrid hosts (this one), else the v2 root.
+    memory_v1 = Path("/sys/fs/cgroup/memory")
+    cgroup = (memory_v1 if (memory_v1 / "cgroup.procs").exists() else Path("/sys/fs/cgroup")) / name
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    cgroup.mkdir()
+    seen: list[tuple[int, bool]] = []
+    serial = tmp_path / "run" / "serial.log"
+
+    def attach(pid: int) -> None:
+        # The guest has not run: no kernel line on its console yet.
+        seen.append((pid, serial.exists() and serial.stat().st_size > 0))
+        (cgroup / "cgroup.procs").write_text(str(pid))
+
+    try:
+        cfg = replace(config(kernel, image, accel, tmp_path / "run", ids),
+                      netns=Path("/run/netns") / name, attach=attach)
+        deadline = time.monotonic() + BOOT_S
+        vm = Vm.boot(cfg, deadline)
+        vms.append(vm)
+        agent = Agent(vm, deadline)
+        assert "ready" in agent.ready(deadline)
+        assert seen == [(vm.pid, False)]
+        assert f":/{name}\n" in Path(f"/proc/{vm.pid}/cgroup").read_text()
+        assert os.stat(f"/proc/{vm.pid}/ns/net").st_ino == os.stat(
+            f"/run/netns/{name}").st_ino
+        # The guest's memory is charged to the cgroup the caller chose.
+        usage = cgroup / "memory.current"
+        if not usage.exists():
+            usage = cgroup / "memory.usage_in_bytes"
+        assert int(usage.read_text()) > 16 << 20
+        agent.close()
+        vm.kill()
+    finally:
+        for vm in vms:
+            vm.kill()
+        subprocess.run(["ip", "netns", "delete", name], check=False, timeout=30)
+        deadline = time.monotonic() + 10
+        while cgroup.exists():
+            try:
+                cgroup.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
 
 def test_workspace_chain_seals_offline_and_live(

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 QEMU = "qemu-system-x86_64"
 _CHANNEL = "corral.agent"
 _SERIAL_TAIL = 25
+_TCG_TB_MIB = 32
 _SUN_PATH_MAX = 108  # sockaddr_un.sun_path, with its terminating NUL
 _HZ = 100  # the guest kernel's CONFIG_HZ (guest.config)
 # Library and firmware directories QEMU reads from (bound read-only; /usr/share/qemu has the
@@ -135,7 +136,6 @@ class _Files:
     qmp: Path
     channel: Path
     serial: Path
-    info: Path
 
 
 @dataclass(slots=True)
@@ -150,13 +150,13 @@ class _Memory:
 
 def _files(run_dir: Path) -> _Files:
     return _Files(qmp=run_dir / "qmp.sock", channel=run_dir / "agent.sock",
-                  serial=run_dir / "serial.log", info=run_dir / "bwrap-info.json")
+                  serial=run_dir / "serial.log")
 
 
 def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool) -> list[str]:
     machine = "microvm,acpi=off,x-option-roms=off"
     argv = [QEMU, "-nodefaults", "-no-user-config", "-nic", "none", "-display", "none",
-            "-no-reboot", "-accel", config.accel.name, "-cpu", config.accel.cpu,
+            "-no-reboot", "-accel", _accel_opt(config.accel), "-cpu", config.accel.cpu,
             "-smp", str(config.vcpus), "-m", f"{config.memory_mib}M"]
     if memory.mode != "anon":
         assert memory.path is not None
@@ -652,3 +652,9 @@ def _proc_status(pid: int, field_name: str) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def _accel_opt(accel: Accel) -> str:
+    # TCG's translated-code cache defaults to 1 GiB and fills as the guest runs new code; an
+    # idle agent's working set fits in a few MiB, so a small cache keeps idle RSS down.
+    return f"tcg,tb-size={_TCG_TB_MIB}" if accel.name == "tcg" else accel.name
