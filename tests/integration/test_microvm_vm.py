@@ -21,10 +21,10 @@ from corral._backends._linux.template import load_template
 from corral._backends.microvm import disk, rootimage, warm
 from corral._backends.microvm.accel import Accel, choose_accel
 from corral._backends.microvm.kernel import GuestKernel, find_kernel
-from corral._backends.microvm.vm import Vm, VmConfig
+from corral._backends.microvm.vm import Vm, VmConfig, kernel_cmdline, tsc_khz
 from corral._settings import Settings
 from corral._templates import BUILTIN_SPECS, build_template
-from corral.errors import BackendError, UsageError
+from corral.errors import BackendError, BackendUnavailable, UsageError
 
 pytestmark = [pytest.mark.needs_root, pytest.mark.timeout(600)]
 
@@ -390,6 +390,27 @@ def test_bad_inputs_say_what_to_do(tmp_path: Path, accel: Accel) -> None:
         rootimage.root_image(tmp_path / "root", tmp_path / "img")
     with pytest.raises(UsageError, match="at least 16 MiB"):
         disk.base_disk(1 << 20, tmp_path / "disks")
+    with pytest.raises(BackendError, match="backing disk .* is missing"):
+        disk.create_top(tmp_path / "top.qcow2", tmp_path / "nope.qcow2", uid=0, gid=0)
+    assert rootimage.template_name("base") == "microvm-base"
+    with pytest.raises(UsageError, match="too long"):
+        Vm.boot(VmConfig(kernel=Path("/k"), root_image=Path("/r"), accel=accel,
+                         run_dir=tmp_path / ("x" * 120)), time.monotonic() + 5)
+
+
+def test_the_guest_clock_comes_from_the_hosts_invariant_tsc(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu MHz\t\t: 2596.150\n"
+                       "flags\t\t: fpu tsc constant_tsc nonstop_tsc tsc_known_freq\n")
+    assert tsc_khz(cpuinfo) == 2_596_150
+    line = kernel_cmdline(2_596_150).split()
+    # lpj: TSC cycles per jiffy at the guest's HZ=100.
+    assert {"tsc_early_khz=2596150", "lpj=25961500", "tsc=reliable", "root=/dev/vda", "ro",
+            "init=/corral/init", "console=ttyS0", "panic=-1"} <= set(line)
+    cpuinfo.write_text("cpu MHz\t\t: 2596.150\nflags\t\t: fpu tsc\n")
+    with pytest.raises(BackendUnavailable, match="invariant TSC"):
+        tsc_khz(cpuinfo)
+    assert tsc_khz() > 100_000  # this host's
 
 
 def test_no_qemu_left(tmp_path: Path) -> None:

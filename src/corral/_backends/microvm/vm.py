@@ -171,9 +171,8 @@ def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool)
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
         "-chardev", f"file,id=serial,path={files.serial}", "-serial", "chardev:serial",
         "-qmp", f"unix:{files.qmp},server=on,wait=off",
-        # The guest reports its panics through the reset panic=-1 causes; a pause keeps a
-        # panicking guest's state for the log instead of a silent reboot loop.
-        "-action", "panic=pause",
+        # No pvpanic device (it needs ACPI to be found): a guest panic reboots (panic=-1) and
+        # -no-reboot turns that into QEMU's exit, which every wait sees at once.
         "-device", "virtio-rng-device",
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=agent,path={files.channel},server=on,wait=off",
@@ -306,15 +305,15 @@ class Vm:
         if config.memory_mib < 64 or config.vcpus < 1:
             raise UsageError(f"a microVM needs at least 64 MiB and 1 vCPU "
                              f"(got {config.memory_mib} MiB, {config.vcpus})")
-        for path in (config.kernel, config.root_image, *config.backing,
-                     *self._memory.extra_ro):
-            if not path.is_file():
-                raise BackendError(f"the microVM file {path} is missing")
         longest = max(len(str(self._files.qmp)), len(str(self._files.channel)))
         if longest >= _SUN_PATH_MAX:
             raise UsageError(f"the microVM run directory {config.run_dir} is too long for its "
                              f"unix sockets ({longest} of at most {_SUN_PATH_MAX - 1} bytes); "
                              "use a shorter path")
+        for path in (config.kernel, config.root_image, *config.backing,
+                     *self._memory.extra_ro):
+            if not path.is_file():
+                raise BackendError(f"the microVM file {path} is missing")
         config.run_dir.mkdir(parents=True, exist_ok=True)
         os.chown(config.run_dir, config.uid, config.gid)
         os.chmod(config.run_dir, 0o700)
