@@ -293,6 +293,10 @@ def test_warm_restore_is_faster_and_shares_memory(
     assert warm.warm_snapshot(kernel, image, MEMORY_MIB, tmp_path / "warm", accel=accel,
                               uid=ids[0], gid=ids[1], disks=tmp_path / "disks").build_s == 0.0
     assert (snap.ram.stat().st_uid, snap.ram.stat().st_mode & 0o777) == (0, 0o644)
+    assert (snap.state.stat().st_uid, snap.state.stat().st_mode & 0o777) == (0, 0o644)
+    # Published whole: nothing of the build (its run dir, its placeholder disk) is left.
+    assert sorted(p.name for p in (tmp_path / "warm").iterdir()) == [snap.key]
+    assert sorted(p.name for p in snap.ram.parent.iterdir()) == ["ram", "state", "warm.json"]
     base = disk.base_disk(WORKSPACE_BYTES, tmp_path / "disks")
     restores: list[float] = []
     agents = []
@@ -334,6 +338,9 @@ def test_memory_image_restores_into_two_vms(
     deadline = time.monotonic() + 60
     memory = tmp_path / "memory.img"
     vm.save_memory(memory, deadline)
+    assert (memory.stat().st_uid, memory.stat().st_mode & 0o777) == (0, 0o644)
+    assert sorted(p.name for p in vm.config.run_dir.iterdir()) == [
+        "agent.sock", "qemu.stderr", "qmp.sock", "serial.log"]
     vm.cont(deadline)
     assert agent.run("cat /run/token") == (0, token)  # the source carries on
     agent.close()

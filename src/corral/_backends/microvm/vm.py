@@ -528,7 +528,11 @@ class Vm:
         target.unlink(missing_ok=True)
         self._qmp_cmd("migrate", deadline, uri=f"file:{target}")
         self._wait_migration(deadline, "memory save")
-        os.rename(target, path)
+        # Root's from here on, readable by the unprivileged QEMUs that restore from it and
+        # writable by none of them.
+        os.chown(target, 0, 0)
+        os.chmod(target, 0o644)
+        shutil.move(target, path)  # the run dir may be on another filesystem
 
     def seal_live(self, new_top: Path, layer_path: Path, deadline: float) -> None:
         """Make ``new_top`` the writable disk over the current top, live; the current top
