@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..._backends._linux.template import BaseTemplate
+from .._linux.template import BaseTemplate
 from ...errors import BackendError, BackendUnavailable, UsageError
 
 __all__ = ["BASE_SPEC", "RootImage", "images_dir", "root_image", "skeleton_sources",
