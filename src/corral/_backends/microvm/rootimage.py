@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._linux.template import BaseTemplate
 from ...errors import BackendError, BackendUnavailable, UsageError
+from .._linux.template import BaseTemplate
 
 __all__ = ["BASE_SPEC", "RootImage", "images_dir", "root_image", "skeleton_sources",
            "template_name"]
