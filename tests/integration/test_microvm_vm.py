@@ -341,38 +341,59 @@ def test_warm_restore_is_faster_and_shares_memory(
         agent.close()
 
 
-def test_memory_image_restores_into_two_vms(
+def test_memory_snapshot_with_its_disk_layer_restores_into_two_vms(
         kernel: GuestKernel, image: rootimage.RootImage, accel: Accel, tmp_path: Path,
         ids: tuple[int, int], vms: list[Vm]) -> None:
-    vm, agent, _ = cold(kernel, image, accel, tmp_path / "run", ids, vms)
-    code, token = agent.run("head -c 8 /dev/urandom | od -An -tx1 | tr -d ' \\n' | "
-                            "tee /run/token")
+    # The contract's memory snapshot: stop, seal the top live, save RAM + devices, cont.
+    base = disk.base_disk(WORKSPACE_BYTES, tmp_path / "disks")
+    top = disk.create_top(tmp_path / "top.qcow2", base, uid=ids[0], gid=ids[1])
+    vm, agent, _ = cold(kernel, image, accel, tmp_path / "run", ids, vms, top=top,
+                        backing=(base,))
+    # State in guest RAM (/run is tmpfs) and in the mounted workspace, not synced: the dirty
+    # pages are in the memory image, the rest in the layer, both of one instant.
+    code, token = agent.run("mount /dev/vdb /workspace && head -c 8 /dev/urandom | od -An "
+                            "-tx1 | tr -d ' \\n' | tee /run/token /workspace/token")
     assert code == 0 and len(token) == 16
     deadline = time.monotonic() + 60
+    layer = tmp_path / "layer.qcow2"
     memory = tmp_path / "memory.img"
+    started = time.monotonic()
+    vm.pause(deadline)
+    vm.seal_live(vm.config.run_dir / "top.qcow2", layer, deadline)
     vm.save_memory(memory, deadline)
-    assert (memory.stat().st_uid, memory.stat().st_mode & 0o777) == (0, 0o644)
-    assert sorted(p.name for p in vm.config.run_dir.iterdir()) == [
-        "agent.sock", "qemu.stderr", "qmp.sock", "serial.log"]
     vm.cont(deadline)
-    assert agent.run("cat /run/token") == (0, token)  # the source carries on
+    print(f"\nmemory snapshot (stop, live seal, save {memory.stat().st_size >> 20} MiB, cont): "
+          f"{(time.monotonic() - started) * 1000:.0f} ms")
+    os.rename(top, layer)  # the sealed top is the layer now; the source reads it as backing
+    os.chown(layer, 0, 0)
+    os.chmod(layer, 0o644)
+    assert (memory.stat().st_uid, memory.stat().st_mode & 0o777) == (0, 0o644)
+    assert agent.run("cat /run/token; echo more >> /workspace/token") == (0, token)
+    assert disk.chain(layer)[0]["backing-filename"] == str(base)
     agent.close()
     vm.quit(time.monotonic() + 10)
     children = []
     for n in range(2):
         started = time.monotonic()
-        child = Vm.restore_memory(config(kernel, image, accel, tmp_path / f"child{n}", ids),
+        child_top = disk.create_top(tmp_path / f"child{n}.qcow2", layer, uid=ids[0],
+                                    gid=ids[1])
+        child = Vm.restore_memory(config(kernel, image, accel, tmp_path / f"child{n}", ids,
+                                         top=child_top, backing=(layer, base)),
                                   memory, started + 60)
         vms.append(child)
         child_agent = Agent(child, started + 60)
-        assert child_agent.run("cat /run/token") == (0, token)
-        print(f"\nmemory restore {n} to agent answering: "
+        # Both from the one instant: what the source wrote after it is in neither.
+        assert child_agent.run("cat /run/token; echo; cat /workspace/token") == (
+            0, f"{token}\n{token}")
+        print(f"memory restore {n} to agent answering: "
               f"{(time.monotonic() - started) * 1000:.0f} ms")
         children.append(child_agent)
     for n, child_agent in enumerate(children):
-        assert child_agent.run(f"echo {n} >> /run/token")[0] == 0
+        assert child_agent.run(f"echo {n} >> /run/token; echo {n} >> /workspace/token; "
+                               "sync")[0] == 0
     for n, child_agent in enumerate(children):
-        assert child_agent.run("cat /run/token") == (0, f"{token}{n}\n")
+        assert child_agent.run("cat /run/token /workspace/token") == (
+            0, f"{token}{n}\n{token}{n}\n")
         child_agent.close()
 
 
