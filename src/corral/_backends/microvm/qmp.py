@@ -8,6 +8,7 @@ event, so every wait on the guest can check it and fail at once instead of at it
 
 from __future__ import annotations
 
+import collections
 import json
 import socket
 import threading
@@ -37,7 +38,8 @@ class Qmp:
         self.fatal: str | None = None
         # STOP events our own `stop` commands cause: not a sign of a hang.
         self._expected_stops = 0
-        self.events: list[str] = []  # every event name seen, in order (for waits and tests)
+        # The latest event names, in order (bounded: a long-lived guest sends RTC_CHANGE etc.).
+        self.events: collections.deque[str] = collections.deque(maxlen=256)
         self._sock.settimeout(max(0.1, deadline - time.monotonic()))
         greeting = self._file.readline()
         if b"QMP" not in greeting:

@@ -28,10 +28,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..._backends._linux.template import BaseTemplate
 from ...errors import BackendError, BackendUnavailable, UsageError
+from .._linux.template import BaseTemplate
 
-__all__ = ["BASE_SPEC", "RootImage", "images_dir", "root_image", "skeleton_sources"]
+__all__ = ["BASE_SPEC", "RootImage", "images_dir", "root_image", "skeleton_sources",
+           "template_name"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ class RootImage:
     key: str
     size_bytes: int  # the image file's size (sparse: the guest sees this much)
     build_s: float  # how long the build took (0.0 when it came from the cache)
+
+
+def template_name(name: str) -> str:
+    """The template a microVM of template ``name`` boots: ``base`` is ``microvm-base`` here."""
+    return BASE_SPEC if name == "base" else name
 
 
 def images_dir(home: Path) -> Path:

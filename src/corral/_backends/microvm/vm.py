@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 QEMU = "qemu-system-x86_64"
 _CHANNEL = "corral.agent"
 _SERIAL_TAIL = 25
+_TCG_TB_MIB = 32
+_SUN_PATH_MAX = 108  # sockaddr_un.sun_path, with its terminating NUL
 _HZ = 100  # the guest kernel's CONFIG_HZ (guest.config)
 # Library and firmware directories QEMU reads from (bound read-only; /usr/share/qemu has the
 # microvm firmware). Merged-/usr hosts have /lib etc. as symlinks, recreated as such.
@@ -137,7 +139,6 @@ class _Files:
     qmp: Path
     channel: Path
     serial: Path
-    info: Path
 
 
 @dataclass(slots=True)
@@ -152,13 +153,13 @@ class _Memory:
 
 def _files(run_dir: Path) -> _Files:
     return _Files(qmp=run_dir / "qmp.sock", channel=run_dir / "agent.sock",
-                  serial=run_dir / "serial.log", info=run_dir / "bwrap-info.json")
+                  serial=run_dir / "serial.log")
 
 
 def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool) -> list[str]:
     machine = "microvm,acpi=off,x-option-roms=off"
     argv = [QEMU, "-nodefaults", "-no-user-config", "-nic", "none", "-display", "none",
-            "-no-reboot", "-accel", config.accel.name, "-cpu", config.accel.cpu,
+            "-no-reboot", "-accel", _accel_opt(config.accel), "-cpu", config.accel.cpu,
             "-smp", str(config.vcpus), "-m", f"{config.memory_mib}M"]
     if memory.mode != "anon":
         assert memory.path is not None
@@ -173,9 +174,8 @@ def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool)
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
         "-chardev", f"file,id=serial,path={files.serial}", "-serial", "chardev:serial",
         "-qmp", f"unix:{files.qmp},server=on,wait=off",
-        # The guest reports its panics through the reset panic=-1 causes; a pause keeps a
-        # panicking guest's state for the log instead of a silent reboot loop.
-        "-action", "panic=pause",
+        # No pvpanic device (it needs ACPI to be found): a guest panic reboots (panic=-1) and
+        # -no-reboot turns that into QEMU's exit, which every wait sees at once.
         "-device", "virtio-rng-device",
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=agent,path={files.channel},server=on,wait=off",
@@ -292,6 +292,8 @@ class Vm:
         with vm._cleanup_on_error():
             vm._launch(incoming=True, deadline=deadline)
             vm._incoming(state, deadline, ignore_shared=True)
+            if config.top_disk is not None:
+                vm._announce_disk_size(deadline)
         return vm
 
     @classmethod
@@ -308,6 +310,11 @@ class Vm:
         if config.memory_mib < 64 or config.vcpus < 1:
             raise UsageError(f"a microVM needs at least 64 MiB and 1 vCPU "
                              f"(got {config.memory_mib} MiB, {config.vcpus})")
+        longest = max(len(str(self._files.qmp)), len(str(self._files.channel)))
+        if longest >= _SUN_PATH_MAX:
+            raise UsageError(f"the microVM run directory {config.run_dir} is too long for its "
+                             f"unix sockets ({longest} of at most {_SUN_PATH_MAX - 1} bytes); "
+                             "use a shorter path")
         for path in (config.kernel, config.root_image, *config.backing,
                      *self._memory.extra_ro):
             if not path.is_file():
@@ -384,11 +391,13 @@ class Vm:
                 {"capability": "x-ignore-shared", "state": True}])
         self._qmp_cmd("migrate-incoming", deadline, uri=f"file:{path}")
         self._wait_migration(deadline, "restore")
-        status = self._qmp_cmd("query-status", deadline)
-        if status.get("status") != "running":
-            # With -incoming and no -S the guest starts when the state is in; anything else
-            # is a failed load.
-            raise self._error(f"the restored guest is {status.get('status')!r}, not running")
+        # The state was saved from a stopped guest, so QEMU keeps it stopped after the load
+        # (it restores the saved run state); it runs when we say so.
+        status = self._status(deadline)
+        if status in ("paused", "postmigrate", "prelaunch", "inmigrate"):
+            self._qmp_cmd("cont", deadline)
+        elif status != "running":
+            raise self._error(f"the restored guest is {status!r} after its state loaded")
         self.state = VmState.RUNNING
 
     # -- waits --------------------------------------------------------------------------------
@@ -401,6 +410,11 @@ class Vm:
     @property
     def serial_path(self) -> Path:
         return self._files.serial
+
+    @property
+    def alive(self) -> bool:
+        """QEMU's process exists and is not a zombie."""
+        return bool(self.pid) and _alive(self.pid)
 
     @property
     def fatal(self) -> str | None:
@@ -519,7 +533,11 @@ class Vm:
         target.unlink(missing_ok=True)
         self._qmp_cmd("migrate", deadline, uri=f"file:{target}")
         self._wait_migration(deadline, "memory save")
-        os.rename(target, path)
+        # Root's from here on, readable by the unprivileged QEMUs that restore from it and
+        # writable by none of them.
+        os.chown(target, 0, 0)
+        os.chmod(target, 0o644)
+        shutil.move(target, path)  # the run dir may be on another filesystem
 
     def seal_live(self, new_top: Path, layer_path: Path, deadline: float) -> None:
         """Make ``new_top`` the writable disk over the current top, live; the current top
@@ -532,6 +550,16 @@ class Vm:
         self._qmp_cmd("change-backing-file", deadline, device="ws",
                       **{"image-node-name": self._top_node(deadline),
                          "backing-file": str(layer_path)})
+
+    def _announce_disk_size(self, deadline: float) -> None:
+        # The guest probed the warm snapshot's placeholder disk; the sandbox's disk may be
+        # bigger. A resize to its own size changes nothing on disk but makes QEMU send the
+        # config-change interrupt on which the guest re-reads the capacity.
+        for block in self._qmp_cmd_list("query-block", deadline):
+            if block.get("device") == "ws":
+                size = int((block.get("inserted") or {}).get("image", {}).get("virtual-size", 0))
+                if size:
+                    self._qmp_cmd("block_resize", deadline, device="ws", size=size)
 
     def _top_node(self, deadline: float) -> str:
         for block in self._qmp_cmd_list("query-block", deadline):
@@ -589,6 +617,11 @@ class Vm:
                             os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=10)
+            # QEMU is bwrap's reaper's child: once that dies, the host's init reaps QEMU. Wait
+            # for that, so "killed" means gone (its files closed, its memory freed).
+            gone_by = time.monotonic() + 10
+            while self.pid and _alive(self.pid) and time.monotonic() < gone_by:
+                time.sleep(0.01)
         if self._qmp is not None:
             self._qmp.close()
             self._qmp = None
@@ -611,6 +644,14 @@ class Vm:
         self.kill()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 def _proc_status(pid: int, field_name: str) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -619,3 +660,9 @@ def _proc_status(pid: int, field_name: str) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def _accel_opt(accel: Accel) -> str:
+    # TCG's translated-code cache defaults to 1 GiB and fills as the guest runs new code; an
+    # idle agent's working set fits in a few MiB, so a small cache keeps idle RSS down.
+    return f"tcg,tb-size={_TCG_TB_MIB}" if accel.name == "tcg" else accel.name
