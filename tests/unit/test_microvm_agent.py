@@ -186,7 +186,7 @@ def guest(run_binary: Path) -> Iterator[Guest]:
            "CORRAL_AGENT_WORKSPACE": str(workspace),
            "CORRAL_AGENT_CGROUP": str(cgroup_root), "CORRAL_AGENT_RUN": str(run_binary)}
     proc = subprocess.Popen(
-        ["unshare", "--mount", "--pid", "--net", "--kill-child", "--", "sh", "-c",
+        ["unshare", "--mount", "--pid", "--mount-proc", "--net", "--kill-child", "--", "sh", "-c",
          'ip link set lo up && exec "$0" -I -S "$1"', PYTHON, str(AGENT)],
         env=env, pass_fds=(theirs.fileno(),))
     theirs.close()
@@ -396,6 +396,7 @@ def test_pty_is_the_controlling_terminal_and_resizes(guest: Guest) -> None:
     assert b"40 120" in out and b"got=abc" in out, out
     assert result["stderr"] == b"" and result["exit"]["code"] == 0
     plain = c.start(["sleep", "5"])
+    assert "started" in c.get(plain)
     assert c.ok("resize", target=plain, rows=1, cols=1) is False  # no PTY
     assert c.ok("kill", target=plain) is True
     c.finish(plain)

@@ -782,6 +782,7 @@ class Command:
     cgroup: str
     proc: subprocess.Popen[bytes]
     pid: int
+    leader: int | None
     master: int | None = None
     stdin: int | None = None
     stdin_lane: Lane | None = None
@@ -790,6 +791,14 @@ class Command:
     done: threading.Event = field(default_factory=threading.Event)
     listener: socket.socket | None = None
     conns: set[int] = field(default_factory=set)
+
+    def close_fds(self) -> None:
+        """Close stdin and the PTY; only ever run on the stdin lane."""
+        for fd in {self.master, self.stdin} - {None}:
+            assert fd is not None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.master = self.stdin = None
 
     def kill_tree(self) -> None:
         with contextlib.suppress(OSError):
@@ -1018,17 +1027,17 @@ class Agent:
         cgroup = self._make_cgroup(rid, request)
         child_fds: list[int] = []
         ours: list[int] = []
+        master: int | None = None
+        stdin_w: int | None = None
         try:
             info_r, info_w = os.pipe2(os.O_CLOEXEC)
             status_r, status_w = os.pipe2(os.O_CLOEXEC)
             ours += [info_r, status_r]
             child_fds += [info_w, status_w]
             pty = request.get("pty")
-            master = stdin_w = None
             if pty is not None:
                 master, slave = os.openpty()
                 os.set_inheritable(master, False)
-                ours.append(master)
                 child_fds.append(slave)
                 fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", pty[0], pty[1], 0, 0))
                 stdio: tuple[int, int, int] = (slave, slave, slave)
@@ -1040,7 +1049,6 @@ class Agent:
                 child_fds += [out_w, err_w]
                 if request["stdin"] == "pipe":
                     in_r, stdin_w = os.pipe2(os.O_CLOEXEC)
-                    ours.append(stdin_w)
                     child_fds.append(in_r)
                 else:
                     in_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -1059,10 +1067,14 @@ class Agent:
                 os.close(fd)
             child_fds = []
             self._await_start(proc, info_r, cgroup, argv[0], cwd, deadline)
-            command = Command(rid, cgroup, proc, self._command_pid(cgroup, proc.pid),
-                              master=master, stdin=stdin_w if pty is None else master)
-            if request["stdin"] == "pipe" or pty is not None:
+            leader = self._command_pid(cgroup)
+            command = Command(rid, cgroup, proc, leader or proc.pid, leader, master=master,
+                              stdin=stdin_w if pty is None else master)
+            if master is not None or stdin_w is not None:
+                # The lane owns these descriptors from here: it closes them after its last
+                # write, so no op can reach a number the kernel has handed out again.
                 command.stdin_lane = Lane(STDIN_PENDING)
+                master = stdin_w = None
             with self.lock:
                 self.commands[rid] = command
             self.channel.send({"id": rid, "started": {"pid": command.pid}})
@@ -1081,9 +1093,10 @@ class Agent:
             self._remove_cgroup(cgroup)
             raise
         finally:
-            for fd in child_fds + ours:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            for leftover in (*child_fds, *ours, master, stdin_w):
+                if leftover is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(leftover)
 
     def _await_start(self, proc: subprocess.Popen[bytes], info_r: int, cgroup: str,
                      program: str, cwd: str, deadline: float | None) -> None:
@@ -1121,7 +1134,7 @@ class Agent:
         raise AgentError("io", f"the command launcher failed to {what or kind}: {reason}")
 
     @staticmethod
-    def _command_pid(cgroup: str, fallback: int) -> int:
+    def _command_pid(cgroup: str) -> int | None:
         """The command's pid here: the process of its group that is pid 2 of its namespace
         (1 is the launcher's init); it leads the command's session and process group."""
         for pid in _cgroup_pids(cgroup):
@@ -1134,7 +1147,7 @@ class Agent:
                             break
             except OSError:
                 continue
-        return fallback
+        return None
 
     def _pump(self, command: Command, name: str, fd: int) -> None:
         while True:
@@ -1173,6 +1186,7 @@ class Agent:
         for pump in pumps:
             pump.join(timeout=5)
         if command.stdin_lane is not None:
+            command.stdin_lane.submit(command.close_fds, 0)
             command.stdin_lane.close()
         self._close_tunnel(command)
         status = b""
@@ -1392,12 +1406,16 @@ def _op_stdin(agent: Agent, rid: int, request: Message) -> None:
         data = base64.b64decode(data_text, validate=True)
     except (binascii.Error, ValueError):
         raise AgentError("protocol", "stdin: 'data' is not base64") from None
-    if command is None or command.stdin_lane is None or command.stdin is None:
+    if command is None or command.stdin_lane is None:
         agent.reply(rid, False)
         return
-    fd = command.stdin
+    target = command
 
     def deliver() -> None:
+        fd = target.stdin
+        if fd is None:
+            agent.reply(rid, False)
+            return
         try:
             view = memoryview(data)
             while view:
@@ -1436,15 +1454,22 @@ def _op_resize(agent: Agent, rid: int, request: Message) -> None:
                for n in (rows, cols)):
         raise AgentError("protocol", "resize: 'rows' and 'cols' must be integers 1..65535")
     command = agent.running(request)
-    if command is None or command.master is None:
+    if command is None or command.master is None or command.stdin_lane is None:
         agent.reply(rid, False)
         return
-    try:
-        fcntl.ioctl(command.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-    except OSError:
-        agent.reply(rid, False)
-        return
-    agent.reply(rid, True)
+    target = command
+
+    def resize() -> None:
+        if target.master is None:
+            agent.reply(rid, False)
+            return
+        try:
+            fcntl.ioctl(target.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        except OSError:
+            agent.reply(rid, False)
+            return
+        agent.reply(rid, True)
+    command.stdin_lane.submit(resize, 0)
 
 
 def _op_signal(agent: Agent, rid: int, request: Message) -> None:
@@ -1455,11 +1480,16 @@ def _op_signal(agent: Agent, rid: int, request: Message) -> None:
     if command is None:
         agent.reply(rid, False)
         return
+    leader = command.leader or Agent._command_pid(command.cgroup)
+    if leader is None:  # never the launcher: its death would end the command's accounting
+        agent.reply(rid, False)
+        return
+    command.leader = leader
     try:
-        os.killpg(command.pid, number)
+        os.killpg(leader, number)
     except ProcessLookupError:
         try:  # it left its process group: the command itself still gets it
-            os.kill(command.pid, number)
+            os.kill(leader, number)
         except ProcessLookupError:
             agent.reply(rid, False)
             return
