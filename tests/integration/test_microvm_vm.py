@@ -29,7 +29,7 @@ from corral.errors import BackendError, BackendUnavailable, UsageError
 pytestmark = [pytest.mark.needs_root, pytest.mark.timeout(600)]
 
 # Where the kernel and the microvm-base template are cached on this host (builds take minutes).
-CACHE_HOME = Path("/var/lib/corral")
+CACHE_HOME = Settings().microvm_cache
 MEMORY_MIB = 256
 BOOT_S = 120.0  # a cold boot under TCG on a shared host
 WORKSPACE_BYTES = 64 << 20

@@ -82,6 +82,9 @@ _PROXY = re.compile(r"^http://127\.0\.0\.1:(\d+)$")
 RUN_ROOT = Path("/run/corral-microvm")
 # The child group of the sandbox's cgroup QEMU runs in (commands run inside the guest).
 _VM_GROUP = "vm"
+# The one QEMU that boots a template's warm snapshot runs as nobody: it touches no sandbox's
+# files, and the snapshot it writes is re-owned by root before any sandbox uses it.
+_WARM_UID = 65534
 
 
 class _VmProcess:
@@ -208,9 +211,9 @@ class MicrovmBackend(HostBackedBackend):
         top.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chown(top.parent, spec.uid, spec.uid)
         backing = (self._layer_path(spec.layers[0]) if spec.layers
-                   else disk.base_disk(self._settings.microvm_cache / "disks",
-                                       spec.tier.disk_bytes))
-        disk.create_top(top, backing, uid=spec.uid)
+                   else disk.base_disk(spec.tier.disk_bytes,
+                                       self._settings.microvm_cache / "disks"))
+        disk.create_top(top, backing, uid=spec.uid, gid=spec.uid)
 
     def _root(self, name: str) -> Any:
         """The read-only root image of template ``name`` (built and cached on first use)."""
@@ -317,9 +320,11 @@ class MicrovmBackend(HostBackedBackend):
         elif not self._settings.microvm_warm:
             mode, snapshot = "cold", None
         else:
-            snapshot = warm.find_or_make(self._settings, self._kernel, image, memory_mib,
-                                         self._accel)
-            mode = "warm" if snapshot is not None else "cold"
+            snapshot = warm.warm_snapshot(
+                self._kernel, image, memory_mib, self._settings.microvm_cache / "warm",
+                accel=self._accel, uid=_WARM_UID, gid=_WARM_UID,
+                disks=self._settings.microvm_cache / "disks", disk_bytes=spec.tier.disk_bytes)
+            mode = "warm"
         group = f"{spec.id}/{_VM_GROUP}"
         with contextlib.suppress(FileExistsError):
             self.cgroups.create_command(group)
@@ -333,7 +338,8 @@ class MicrovmBackend(HostBackedBackend):
             warm_ram=str(snapshot.ram) if snapshot else "",
             warm_state=str(snapshot.state) if snapshot else "",
             memory_image=image_path, netns=str(self._netns_path(spec.id)),
-            backing=tuple(str(p) for p in disk.chain(self._top(spec.id))[1:]))
+            backing=tuple(str(entry["filename"])
+                          for entry in disk.chain(self._top(spec.id))[1:]))
         config.dump(run / CONFIG)
         stderr = (run / "keeper.stderr").open("wb")
 
@@ -513,7 +519,7 @@ class MicrovmBackend(HostBackedBackend):
         self._stop_vm(spec)
         self._layers_dir().mkdir(parents=True, exist_ok=True)
         layer = self._layer_path(layer_id)
-        disk.seal(self._top(spec.id), layer, uid=spec.uid)
+        disk.seal(self._top(spec.id), layer, uid=spec.uid, gid=spec.uid)
         return SealResult(layers=(layer_id, *spec.layers), bytes_used=layer.stat().st_size,
                           squashed=False)
 

@@ -101,7 +101,7 @@ class VmFiles:
             for chunk in chunks:
                 view = memoryview(chunk)
                 while view:
-                    client.call("fs.write_chunk", handle=handle, data=b64(view[:_CHUNK]))
+                    client.call("fs.write_chunk", handle=handle, data=b64(bytes(view[:_CHUNK])))
                     view = view[_CHUNK:]
             return _entry(client.call("fs.write_end", handle=handle, mtime=mtime))
         except BaseException:

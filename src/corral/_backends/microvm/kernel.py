@@ -51,8 +51,10 @@ class GuestKernel:
     build_seconds: float
 
 
-def kernels_dir(home: Path) -> Path:
-    return home / "microvm" / "kernels"
+def kernels_dir(cache: Path) -> Path:
+    """Where built kernels live under the microVM cache (``Settings.microvm_cache``): one per
+    host, shared by every data directory."""
+    return cache / "kernels"
 
 
 def source_version() -> str | None:
@@ -92,10 +94,10 @@ def _load(path: Path) -> GuestKernel | None:
     return kernel if kernel.vmlinux.is_file() else None
 
 
-def find_kernel(home: Path) -> GuestKernel | None:
+def find_kernel(cache: Path) -> GuestKernel | None:
     """The cached kernel for the installed source and the current fragment, if built."""
     key = _current_key()
-    return None if key is None else _load(kernels_dir(home) / key)
+    return None if key is None else _load(kernels_dir(cache) / key)
 
 
 def _wanted(fragment: str) -> dict[str, str]:
@@ -136,7 +138,7 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str], logfile: Path) -> None
                            f"{result.returncode}); last lines of {logfile}:\n" + "\n".join(tail))
 
 
-def build_kernel(home: Path, *, jobs: int | None = None) -> GuestKernel:
+def build_kernel(cache: Path, *, jobs: int | None = None) -> GuestKernel:
     """Build (or return the cached) guest kernel for the installed source and fragment.
 
     Raises:
@@ -152,7 +154,7 @@ def build_kernel(home: Path, *, jobs: int | None = None) -> GuestKernel:
                                      f"{_INSTALL_HINT}")
     fragment = FRAGMENT.read_text()
     key = kernel_key(version, fragment.encode())
-    parent = kernels_dir(home)
+    parent = kernels_dir(cache)
     cached = _load(parent / key)
     if cached is not None:
         return cached
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="parallel make jobs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    kernel = build_kernel(Settings().home, jobs=args.jobs)
+    kernel = build_kernel(Settings().microvm_cache, jobs=args.jobs)
     sys.stdout.write(json.dumps({"key": kernel.key, "release": kernel.release,
                                  "vmlinux": str(kernel.vmlinux),
                                  "build_seconds": kernel.build_seconds}) + "\n")

@@ -73,10 +73,13 @@ def qemu_version() -> str:
     return out.splitlines()[0].strip() if out else "unknown"
 
 
-def warm_key(kernel: GuestKernel, root_image: RootImage, memory_mib: int, accel: Accel) -> str:
+def warm_key(kernel: GuestKernel, root_image: RootImage, memory_mib: int, accel: Accel,
+             disk_bytes: int = _PLACEHOLDER_BYTES) -> str:
     digest = hashlib.sha256()
+    # The disk's size is in the key: the guest learnt vdb's capacity when it booted, and a
+    # restored guest keeps it, so it must be the size of the disk it is restored with.
     for part in (_RECIPE, kernel.key, root_image.key, str(memory_mib), qemu_version(),
-                 accel.name, accel.cpu):
+                 accel.name, accel.cpu, str(disk_bytes)):
         data = part.encode()
         digest.update(len(data).to_bytes(8, "big") + data)
     return digest.hexdigest()[:16]
@@ -95,6 +98,7 @@ def find_warm(cache: Path, key: str) -> WarmSnapshot | None:
 
 def warm_snapshot(kernel: GuestKernel, root_image: RootImage, memory_mib: int, cache: Path, *,
                   accel: Accel, uid: int, gid: int, disks: Path,
+                  disk_bytes: int = _PLACEHOLDER_BYTES,
                   deadline: float | None = None) -> WarmSnapshot:
     """The warm snapshot for these inputs, made now (one cold boot) unless cached.
 
@@ -103,7 +107,7 @@ def warm_snapshot(kernel: GuestKernel, root_image: RootImage, memory_mib: int, c
     Raises:
         BackendError: the guest did not come up (the message has the serial log's tail).
     """
-    key = warm_key(kernel, root_image, memory_mib, accel)
+    key = warm_key(kernel, root_image, memory_mib, accel, disk_bytes)
     cached = find_warm(cache, key)
     if cached is not None:
         return cached
@@ -120,13 +124,11 @@ def warm_snapshot(kernel: GuestKernel, root_image: RootImage, memory_mib: int, c
             f.truncate(memory_mib << 20)
         os.chown(ram, uid, gid)
         os.chmod(ram, 0o600)
-        placeholder = disk.create_top(work / "placeholder.qcow2",
-                                      disk.base_disk(_PLACEHOLDER_BYTES, disks), uid=uid,
-                                      gid=gid)
+        base = disk.base_disk(disk_bytes, disks)
+        placeholder = disk.create_top(work / "placeholder.qcow2", base, uid=uid, gid=gid)
         config = VmConfig(kernel=kernel.vmlinux, root_image=root_image.path,
                           run_dir=run_dir, accel=accel, memory_mib=memory_mib,
-                          top_disk=placeholder, backing=(disk.base_disk(_PLACEHOLDER_BYTES,
-                                                                        disks),),
+                          top_disk=placeholder, backing=(base,),
                           uid=uid, gid=gid)
         with Vm.boot(config, deadline, memory_file=ram) as vm:
             sock = vm.connect(deadline)
