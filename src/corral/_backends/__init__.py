@@ -18,6 +18,7 @@ __all__ = ["BACKENDS", "load_backend"]
 BACKENDS: dict[BackendName, str] = {
     "namespace": "corral._backends.namespace:NamespaceBackend",
     "gvisor": "corral._backends.gvisor:GvisorBackend",
+    "microvm": "corral._backends.microvm.backend:MicrovmBackend",
 }
 
 

@@ -193,14 +193,26 @@ class Channel:
 
     @staticmethod
     def _open_port(path: str) -> int:
+        # /dev/virtio-ports/<name> is a udev link, and the guest runs no udev: find the port
+        # by the name the host gave it in sysfs (/dev/vportNpM).
+        name = os.path.basename(path)
         deadline = time.monotonic() + 30
         while True:
             try:
                 return os.open(path, os.O_RDWR | os.O_CLOEXEC)
             except FileNotFoundError:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"corral-agent: no channel {path}") from None
-                time.sleep(0.05)
+                pass
+            sysfs = "/sys/class/virtio-ports"
+            for entry in sorted(os.listdir(sysfs)) if os.path.isdir(sysfs) else []:
+                try:
+                    with open(os.path.join(sysfs, entry, "name")) as f:
+                        if f.read().strip() == name:
+                            return os.open(f"/dev/{entry}", os.O_RDWR | os.O_CLOEXEC)
+                except OSError:
+                    continue
+            if time.monotonic() > deadline:
+                raise SystemExit(f"corral-agent: no channel {path}") from None
+            time.sleep(0.05)
 
     def send(self, message: Message) -> None:
         data = json.dumps(message, separators=(",", ":")).encode() + b"\n"

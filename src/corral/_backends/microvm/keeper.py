@@ -459,6 +459,13 @@ def _prepare_guest(keeper: Keeper, config: KeeperConfig) -> None:
         keeper.call_agent("mount", fresh=config.fresh_disk)
 
 
+def _start_time(pid: int) -> str:
+    # The same field ``_linux.host.proc_start_time`` reads; that module's imports (pydantic
+    # models, the workspace store) would double the keeper's start-up.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -467,12 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args[0])
     logging.basicConfig(filename=run_dir / "keeper.log", level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
-    from .._linux.host import proc_start_time
-
-    owner = f"{os.getpid()}.{proc_start_time(os.getpid())}"
+    owner = f"{os.getpid()}.{_start_time(os.getpid())}"
     (run_dir / PIDFILE).write_text(owner + "\n")
     config = dataclasses.replace(KeeperConfig.load(run_dir / CONFIG), owner=owner)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # QEMU dies with us (pdeathsig)
+    started = time.monotonic()
     try:
         vm, channel = _start_vm(run_dir, config)
     except Exception as exc:  # noqa: BLE001 - the backend reads the reason from the file
@@ -482,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     keeper = Keeper(run_dir, config, vm, channel)
     threading.Thread(target=keeper.read_agent, daemon=True, name="agent-reader").start()
     threading.Thread(target=keeper.watch, daemon=True, name="watch").start()
+    booted = time.monotonic()
     try:
         _prepare_guest(keeper, config)
     except Exception as exc:  # noqa: BLE001
@@ -496,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(tmp, 0o600)
     listener.listen(64)
     os.replace(tmp, run_dir / SOCKET)  # clients see the socket only once it serves
+    log.info("%s VM of %s up: QEMU + %s %.0f ms, guest ready %.0f ms", config.mode,
+             config.sandbox_id, "boot" if config.mode == "cold" else "restore",
+             (booted - started) * 1000, (time.monotonic() - booted) * 1000)
     threading.Thread(target=keeper.serve, args=(listener,), daemon=True, name="accept").start()
     keeper.wait()
     return 0
