@@ -1,12 +1,16 @@
-"""Read-only workspace layers: deleting the ones nothing uses any more."""
+"""Read-only workspace layers and memory images: deleting the ones nothing uses any more.
+
+A memory image holds its layer; it goes first, when no snapshot and no sandbox names it, and
+its layer then goes by the usual rule (no snapshot, sandbox or layer above stands on it)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ..backends import IsolationBackend
+from ..backends import IsolationBackend, MemorySnapshots
 from .store import Store
 
 __all__ = ["Layers"]
@@ -15,17 +19,25 @@ __all__ = ["Layers"]
 class Layers:
     """Garbage collection of layers (snapshots and sandboxes hold them; the store counts)."""
 
-    def __init__(self, store: Store, backend: IsolationBackend, directory: Path) -> None:
+    def __init__(self, store: Store, backend: IsolationBackend, directory: Path, *,
+                 backends: Callable[[str], IsolationBackend] | None = None) -> None:
         self._store = store
         self._backend = backend  # layers live in the default tier's layered storage
         self._directory = directory
+        # Memory images live with the tier that made them (recorded with each image).
+        self._backends = backends or (lambda _isolation: backend)
         # Held while deciding a layer is unused and while making a layer used, so a snapshot
         # deleted now cannot lose its layer to a sandbox being started from it.
         self.lock = threading.RLock()
 
     def collect(self) -> list[str]:
-        """Delete the layers no snapshot or sandbox uses; return their ids."""
+        """Delete the memory images and layers no snapshot or sandbox uses; return the
+        layers' ids."""
         with self.lock:
+            for image, isolation in self._store.unused_memory_images():
+                backend = self._backends(isolation)
+                if isinstance(backend, MemorySnapshots):
+                    backend.remove_memory_image(image)
             unused = self._store.unused_layers()
             for layer in unused:
                 self._backend.remove_layer(layer)
