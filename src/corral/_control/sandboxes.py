@@ -149,11 +149,12 @@ class Sandboxes:
         check_ceiling(ceiling, tenant=caller.name if caller else tenant, template=template,
                       isolation=isolation, resources=resources, network=policy,
                       secrets=names, lifetime_s=ttl)
+        if image is not None:  # before loading a tier it could never resume on
+            check_resumable(image, snapshot=snapshot or str(memory_image), template=template,
+                            resources=resources, isolation=isolation)
         backend = self._backends.get(isolation)
         if image is not None:
             capable(backend, "starting from a memory snapshot")
-            check_resumable(image, snapshot=snapshot or str(memory_image), template=template,
-                            resources=resources, isolation=isolation)
         clean_labels = validate.labels(labels)
         self._ready()
         require_template(template, self._settings.home / "templates")
