@@ -381,3 +381,48 @@ def test_the_mcp_tools(manager: Manager, plain: Manager, vm: MemoryVMBackend) ->
     assert manager.list() == [] and vm.memory_image_ids() == []  # gone with the session
     _, refused, _ = asyncio.run(main(plain))
     assert refused["code"] == "usage_error" and "microvm tier" in refused["message"]
+
+
+def test_the_e2b_surface_maps_memory_snapshots(manager: Manager, plain: Manager,
+                                               vm: MemoryVMBackend) -> None:
+    from starlette.testclient import TestClient
+
+    from corral._control.tenants import TenantDirectory
+    from corral._e2b.app import E2BConfig, create_e2b_app
+
+    def client_and_key(m: Manager) -> tuple[TestClient, dict[str, str]]:
+        tenants = TenantDirectory(m.store)
+        tenants.add_tenant("acme")
+        key = tenants.create_key("acme", e2b=True)[1]
+        return (TestClient(create_e2b_app(m, E2BConfig.build()), base_url="http://127.0.0.1"),
+                {"X-API-KEY": key})
+
+    client, h = client_and_key(manager)
+    with client:
+        sid = client.post("/v2/sandboxes", headers=h,
+                          json={"templateID": "base"}).json()["sandboxID"]
+        snap = client.post(f"/sandboxes/{sid}/snapshots", headers=h, json={"memory": True})
+        assert snap.status_code == 201, snap.text
+        image = vm.memory_snapshots[-1][2]
+        (record,) = manager.list_snapshots()
+        assert record.memory is True
+        child = client.post("/v2/sandboxes", headers=h,
+                            json={"templateID": snap.json()["snapshotID"]})
+        assert child.status_code == 201, child.text
+        resumed = [vm.resumed_from(s.id) for s in manager.list()]
+        assert resumed.count(image) == 1
+        forks = client.post(f"/sandboxes/{sid}/fork", headers=h,
+                            json={"count": 2, "memory": True})
+        assert forks.status_code == 201, forks.text
+        assert [vm.resumed_from(s.id) for s in manager.list()].count(
+            vm.memory_snapshots[-1][2]) == 2
+        bad = client.post(f"/sandboxes/{sid}/snapshots", headers=h, json={"memory": "yes"})
+        assert bad.status_code == 400 and "true or false" in bad.json()["message"]
+    client, h = client_and_key(plain)
+    with client:
+        sid = client.post("/v2/sandboxes", headers=h,
+                          json={"templateID": "base"}).json()["sandboxID"]
+        refused = client.post(f"/sandboxes/{sid}/snapshots", headers=h, json={"memory": True})
+        assert refused.status_code == 400 and "microvm tier" in refused.json()["message"]
+        plain_snap = client.post(f"/sandboxes/{sid}/snapshots", headers=h, json={})
+        assert plain_snap.status_code == 201
