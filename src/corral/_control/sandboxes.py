@@ -118,6 +118,7 @@ class Sandboxes:
             if resources not in caller.tiers:
                 raise QuotaExceeded(f"tenant {caller.name!r} may not use the {resources!r} tier "
                                     f"(allowed: {', '.join(caller.tiers)})")
+        asked_isolation = isolation
         isolation = validate.isolation(self._settings.backend if isolation is None
                                        else isolation)
         layer = parent_layer
@@ -133,7 +134,7 @@ class Sandboxes:
                 raise SnapshotNotFound(f"memory image {memory_image} is gone; take the "
                                        "snapshot again")
             # A memory image is a running machine: it resumes only on the tier that made it.
-            isolation = image["isolation"] if isolation is None else isolation
+            isolation = image["isolation"] if asked_isolation is None else isolation
             origin = {**(origin or {}), "memory_image": memory_image}
         template = "base" if template is None else template
         policy = policy_from(network)
