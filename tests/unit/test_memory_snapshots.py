@@ -426,3 +426,51 @@ def test_the_e2b_surface_maps_memory_snapshots(manager: Manager, plain: Manager,
         assert refused.status_code == 400 and "microvm tier" in refused.json()["message"]
         plain_snap = client.post(f"/sandboxes/{sid}/snapshots", headers=h, json={})
         assert plain_snap.status_code == 201
+
+
+class _FailingVM(MemoryVMBackend):
+    """Saves part of an image, then fails (a QEMU that died mid-migration)."""
+
+    def snapshot_memory(self, spec: Any, layer_id: str, image_id: str) -> Any:
+        with self._lock:
+            self._images[image_id] = layer_id
+        raise SandboxBusy("the VM stopped answering")
+
+
+def test_a_failed_memory_snapshot_leaves_no_record_and_no_image(tmp_path: Path) -> None:
+    vm = _FailingVM()
+    manager = memory_manager(tmp_path, backend=vm)
+    try:
+        sb = manager.create()
+        for call in (lambda: manager.snapshot(sb.id, memory=True),
+                     lambda: manager.fork(sb.id, 2, memory=True)):
+            with pytest.raises(SandboxBusy, match="stopped answering"):
+                call()
+        assert vm.memory_image_ids() == [] and manager.store.memory_image_ids() == set()
+        assert manager.list_snapshots() == [] and len(manager.list()) == 1
+        assert manager.sandboxes.get(sb.id).layer is None
+    finally:
+        manager.close()
+
+
+def test_the_sweep_removes_images_without_a_record_only(manager: Manager,
+                                                        vm: MemoryVMBackend) -> None:
+    sb = manager.create()
+    manager.snapshot(sb.id, memory=True)
+    (kept,) = vm.memory_image_ids()
+    # Being made right now elsewhere: recorded (unsettled) before the tier makes it.
+    manager.store.add_memory_image("mem_inflight0000", layer="lyr_inflight0000",
+                                   isolation="namespace", resources="small", template="base")
+    with vm._lock:
+        vm._images["mem_inflight0000"] = "lyr_inflight0000"
+        vm._images["mem_orphan000000"] = "lyr_gone"  # a crash between making and recording
+    removed = manager.recover()
+    assert "memory image mem_orphan000000" in removed
+    assert vm.memory_image_ids() == sorted([kept, "mem_inflight0000"])
+    # An unsettled image is not collected while young, and is once a crash has aged it.
+    manager.snapshots._layers.collect()
+    assert "mem_inflight0000" in vm.memory_image_ids()
+    with manager.store._tx() as db:
+        db.execute("UPDATE memory_images SET created_at = 0 WHERE id = 'mem_inflight0000'")
+    manager.snapshots._layers.collect()
+    assert vm.memory_image_ids() == [kept]

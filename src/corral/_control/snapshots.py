@@ -78,27 +78,31 @@ class Snapshots:
             self._layers.collect()
         return layer
 
-    def _holding(self, memory: bool) -> contextlib.AbstractContextManager[object]:
-        """``Layers.lock`` for a memory seal, until a snapshot or child names its image; a
-        disk seal's layer is held by its sandbox from the start."""
-        return self._layers.lock if memory else contextlib.nullcontext()
-
     def _seal_memory(self, info: SandboxRecord) -> tuple[str, str]:
         """Seal the writable layer and save the running sandbox's memory as a memory image,
-        commands running or not; return (layer, image). The caller holds ``Layers.lock``
-        until something names the image (else a collect could take it)."""
+        commands running or not; return (layer, image). The image is recorded unsettled
+        (before it exists, so no sweep takes it for a leftover, and no collect takes it
+        before anything names it): the caller settles it once a snapshot or child does."""
         if info.state == "paused":
             raise SandboxBusy(f"sandbox {info.id} is paused; resume() it before a memory "
                               "snapshot (its memory is saved running)")
         backend = capable(self._sandboxes.backend(info), "snapshot(memory=True)")
         with self._locks.sealing(info.id):
             layer, image = new_id("lyr"), new_id("mem")
-            result = backend.snapshot_memory(self._sandboxes.spec(info), layer, image)
-            parent = result.layers[1] if len(result.layers) > 1 else None
-            self._store.add_layer(layer, parent=parent, bytes_used=result.bytes_used)
             self._store.add_memory_image(image, layer=layer, isolation=info.isolation,
                                          resources=info.resources, template=info.template)
+            try:
+                result = backend.snapshot_memory(self._sandboxes.spec(info), layer, image)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    backend.remove_memory_image(image)  # whatever a failed save left
+                self._store.delete_memory_image(image)
+                raise
+            parent = result.layers[1] if len(result.layers) > 1 else None
+            self._store.add_layer(layer, parent=parent, bytes_used=result.bytes_used)
             self._store.set_layer(info.id, layer)
+        if result.squashed:
+            self._layers.collect()
         return layer, image
 
     def snapshot(self, sandbox_id: str, *, name: str | None, tenant: str | None,
@@ -110,14 +114,17 @@ class Snapshots:
                              f"remove it with `corral snapshots rm {name}`")
         started = time.monotonic()
         image: str | None = None
-        with self._holding(memory):
-            if memory:
-                layer, image = self._seal_memory(info)
-            else:
-                layer = self._seal(info)
+        if memory:
+            layer, image = self._seal_memory(info)
+        else:
+            layer = self._seal(info)
+        try:
             snap = self._store.add_snapshot(new_id("snap"), name=name, tenant=info.tenant,
                                             layer=layer, template=info.template,
                                             sandbox=info.id, memory_image=image)
+        finally:
+            if image is not None:
+                self._store.settle_memory_image(image)
         self._auditor.event(info.id, "snapshot.created", {
             "snapshot": snap.id, "name": name, "layer": layer, "depth": snap.depth,
             "size_bytes": snap.size_bytes, "memory": memory,
@@ -139,31 +146,32 @@ class Snapshots:
             capable(self._sandboxes.backend(info), "fork(memory=True)")  # before sealing too
         children: list[SandboxRecord] = []
         image: str | None = None
-        # Held until the children name the image: nothing else does (the parent runs on).
-        with self._holding(memory):
-            if memory:
-                layer, image = self._seal_memory(info)
-            else:
-                layer = self._seal(info)
-            origin: dict[str, object] = {"forked_from": info.id, "layer": layer}
-            if image is not None:
-                origin["memory_image"] = image
-            try:
-                for _ in range(count):
-                    children.append(self._sandboxes.create(
-                        template=info.template, resources=info.resources, timeout=None,
-                        labels=info.labels, network=network_spec(info.network),
-                        secrets=sorted(info.secrets), tenant=info.tenant,
-                        max_for_tenant=max_for_tenant, idle_timeout=info.idle_timeout,
-                        isolation=info.isolation, snapshot=None, caller=caller,
-                        parent_layer=layer, origin=origin, memory_image=image))
-            except BaseException:
-                for child in children:
-                    with contextlib.suppress(Exception):
-                        self._sandboxes.destroy(child, reason="fork failed")
-                if image is not None:
-                    self._layers.collect()  # the image no child came to use
-                raise
+        if memory:
+            layer, image = self._seal_memory(info)
+        else:
+            layer = self._seal(info)
+        origin: dict[str, object] = {"forked_from": info.id, "layer": layer}
+        if image is not None:
+            origin["memory_image"] = image
+        try:
+            for _ in range(count):
+                children.append(self._sandboxes.create(
+                    template=info.template, resources=info.resources, timeout=None,
+                    labels=info.labels, network=network_spec(info.network),
+                    secrets=sorted(info.secrets), tenant=info.tenant,
+                    max_for_tenant=max_for_tenant, idle_timeout=info.idle_timeout,
+                    isolation=info.isolation, snapshot=None, caller=caller,
+                    parent_layer=layer, origin=origin, memory_image=image))
+        except BaseException:
+            for child in children:
+                with contextlib.suppress(Exception):
+                    self._sandboxes.destroy(child, reason="fork failed")
+            if image is not None:  # nothing names it: it goes now
+                self._store.settle_memory_image(image)
+                self._layers.collect()
+            raise
+        if image is not None:  # the children name it now
+            self._store.settle_memory_image(image)
         self._auditor.event(info.id, "sandbox.forked", {
             "children": [c.id for c in children], "layer": layer, "memory": memory,
             **({"memory_image": image} if image is not None else {})})

@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS memory_images (
     isolation TEXT NOT NULL,
     resources TEXT NOT NULL,
     template TEXT NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    settled INTEGER NOT NULL DEFAULT 1
 );
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
@@ -278,14 +279,29 @@ class Store:
                 db.executemany("DELETE FROM layers WHERE id = ?", [(r,) for r in rows])
                 removed += rows
 
+    # An unsettled image (recorded before it is made, not yet named by a snapshot or sandbox)
+    # is left alone this long: it is being made, unless a crash left it.
+    UNSETTLED_S = 3600.0
+
     def add_memory_image(self, image_id: str, *, layer: str, isolation: str, resources: str,
                          template: str) -> None:
-        """Record a memory image over ``layer`` (which it holds) made on tier ``isolation``
-        for a sandbox of ``resources`` and ``template`` (what a sandbox resuming it must be)."""
+        """Record, *before* the tier makes it (so no sweep takes a new image for a crash's
+        leftover), a memory image over ``layer`` (which it holds) on tier ``isolation`` for a
+        sandbox of ``resources`` and ``template`` (what a sandbox resuming it must be). It
+        stays unsettled, never collected, until ``settle_memory_image``."""
         with self._tx() as db:
             db.execute("INSERT INTO memory_images (id, layer, isolation, resources, template, "
-                       "created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                       "created_at, settled) VALUES (?, ?, ?, ?, ?, ?, 0)",
                        (image_id, layer, isolation, resources, template, time.time()))
+
+    def settle_memory_image(self, image_id: str) -> None:
+        """From now on the image goes when nothing names it."""
+        with self._tx() as db:
+            db.execute("UPDATE memory_images SET settled = 1 WHERE id = ?", (image_id,))
+
+    def delete_memory_image(self, image_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM memory_images WHERE id = ?", (image_id,))
 
     def memory_image(self, image_id: str) -> dict[str, Any] | None:
         with self._lock:
@@ -302,9 +318,10 @@ class Store:
         names (their layers are then ``unused_layers``' to judge)."""
         with self._tx() as db:
             rows = [(r[0], r[1]) for r in db.execute(
-                "SELECT id, isolation FROM memory_images WHERE id NOT IN (SELECT memory_image "
-                "FROM snapshots WHERE memory_image IS NOT NULL) AND id NOT IN (SELECT "
-                "memory_image FROM sandboxes WHERE memory_image IS NOT NULL)")]
+                "SELECT id, isolation FROM memory_images WHERE (settled = 1 OR created_at < ?) "
+                "AND id NOT IN (SELECT memory_image FROM snapshots WHERE memory_image IS NOT "
+                "NULL) AND id NOT IN (SELECT memory_image FROM sandboxes WHERE memory_image IS "
+                "NOT NULL)", (time.time() - self.UNSETTLED_S,))]
             db.executemany("DELETE FROM memory_images WHERE id = ?", [(r[0],) for r in rows])
         return rows
 
