@@ -139,6 +139,10 @@ class Store:
         if "memory_image" not in {r[1] for r in self._db.execute("PRAGMA table_info(snapshots)")}:
             # A store made before memory snapshots: every snapshot in it is a disk snapshot.
             self._db.execute("ALTER TABLE snapshots ADD COLUMN memory_image TEXT")
+        if "settled" not in {r[1] for r in self._db.execute(
+                "PRAGMA table_info(memory_images)")}:  # made by a build before settling
+            self._db.execute("ALTER TABLE memory_images ADD COLUMN settled INTEGER NOT NULL "
+                             "DEFAULT 1")
         if "ceiling" not in {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}:
             # A store made before ceilings: its tenants keep today's rules (no ceiling).
             self._db.execute("ALTER TABLE tenants ADD COLUMN ceiling TEXT NOT NULL DEFAULT '{}'")
