@@ -122,9 +122,13 @@ class Snapshots:
             snap = self._store.add_snapshot(new_id("snap"), name=name, tenant=info.tenant,
                                             layer=layer, template=info.template,
                                             sandbox=info.id, memory_image=image)
-        finally:
-            if image is not None:
+        except BaseException:
+            if image is not None:  # nothing names it (a name taken meanwhile): it goes now
                 self._store.settle_memory_image(image)
+                self._layers.collect()
+            raise
+        if image is not None:
+            self._store.settle_memory_image(image)
         self._auditor.event(info.id, "snapshot.created", {
             "snapshot": snap.id, "name": name, "layer": layer, "depth": snap.depth,
             "size_bytes": snap.size_bytes, "memory": memory,
