@@ -309,6 +309,12 @@ def test_the_sync_sdk(manager: Manager, plain: Manager, vm: MemoryVMBackend,
         sb.restore(snap)
         assert vm.resumed_from(sb.id) == vm.memory_snapshots[0][2]
         assert sb.snapshot().memory is False
+        # The trail, as the surface returns it, says which snapshots held memory.
+        created = sb.audit.events(types=["snapshot.created"])
+        assert [e.data["memory"] for e in created] == [True, False]
+        assert created[0].data["memory_image"] == vm.memory_snapshots[0][2]
+        (forked,) = sb.audit.events(types=["sandbox.forked"])
+        assert forked.data["memory"] is True
     with Sandbox.create(transport=transport(plain)) as other:
         with pytest.raises(UsageError, match="microvm tier"):
             other.snapshot(memory=True)
