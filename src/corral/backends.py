@@ -38,6 +38,7 @@ __all__ = [
     "IsolationBackend",
     "Leftover",
     "Listener",
+    "MemorySnapshots",
     "OutputCallback",
     "OutputCut",
     "ProcessIO",
@@ -85,6 +86,10 @@ class SandboxSpec:
     tier: ResourceTier
     # Read-only workspace layers under the writable one, top first (snapshots and forks).
     layers: tuple[str, ...] = ()
+    # A memory image (``MemorySnapshots``) the sandbox resumes from: memory, processes and
+    # device state at one instant, over ``layers`` (whose top is the image's own layer), with a
+    # fresh RNG seed, clock and identity. None: a fresh boot over ``layers``.
+    memory_image: str | None = None
 
 
 class ProcessIO(Protocol):
@@ -319,6 +324,27 @@ class HostCheck:
     detail: str
     fix: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class MemorySnapshots(Protocol):
+    """An optional capability of an ``IsolationBackend`` (the microvm tier): snapshots of a
+    *running* sandbox, memory and processes included. A sandbox whose ``SandboxSpec`` names a
+    ``memory_image`` (``create``, or ``reset_workspace`` for a restore) resumes from it."""
+
+    def snapshot_memory(self, spec: SandboxSpec, layer_id: str, image_id: str) -> SealResult:
+        """Seal the writable workspace into layer ``layer_id`` and save the running sandbox's
+        memory and device state as memory image ``image_id``, at one instant; the sandbox
+        keeps running (commands too) on a fresh writable layer."""
+        ...
+
+    def remove_memory_image(self, image_id: str) -> None:
+        """Delete a memory image nothing uses any more. Idempotent."""
+        ...
+
+    def memory_image_ids(self) -> list[str]:
+        """Every memory image this tier holds."""
+        ...
 
 
 class IsolationBackend(Protocol):

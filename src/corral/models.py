@@ -173,6 +173,9 @@ class SnapshotInfo(_Public):
     created_at: float
     size_bytes: int = Field(description="Bytes its own layer adds.")
     depth: int = Field(description="Layers under a sandbox started from it.")
+    memory: bool = Field(default=False, description=(
+        "Whether it holds the running sandbox's memory and processes too (microvm tier): a "
+        "sandbox started from it resumes them."))
 
 
 class ProcessInfo(_Public):

@@ -204,7 +204,8 @@ def test_http_endpoints_statuses_and_defaults(server: Server) -> None:
             snap = taken.json()
             assert snap["name"] is None and snap["sandbox"] == sandbox["id"]
             assert set(snap) == {"id", "name", "sandbox", "template", "created_at",
-                                 "size_bytes", "depth"}
+                                 "size_bytes", "depth", "memory"}
+            assert snap["memory"] is False
             assert client.get(f"/v1/snapshots/{snap['id']}").json() == snap
             assert snap in client.get("/v1/snapshots").json()
 

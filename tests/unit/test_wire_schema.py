@@ -46,8 +46,10 @@ def test_the_record_converts_once_with_secret_names_only() -> None:
     assert dataclasses.is_dataclass(record)
 
 
-def test_a_snapshot_on_the_wire_has_its_seven_fields() -> None:
+def test_a_snapshot_on_the_wire_has_its_eight_fields() -> None:
     snap = SnapshotInfo(id="snap_0123456789ab", name=None, sandbox="sbx_0123456789ab",
                         template="base", created_at=1.0, size_bytes=0, depth=1)
     assert set(snap.to_dict()) == {"id", "name", "sandbox", "template", "created_at",
-                                   "size_bytes", "depth"}
+                                   "size_bytes", "depth", "memory"}
+    # An older server's answer has no ``memory``: every snapshot it made is a disk one.
+    assert snap.memory is False

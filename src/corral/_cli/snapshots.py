@@ -3,7 +3,7 @@ and ``corral snapshots ls|info|rm``.
 
 A thin layer over ``Sandbox``'s methods, so each works embedded and against ``--url`` /
 ``CORRAL_URL`` alike. With ``--json``, a snapshot prints as ``{id, name, sandbox, template,
-created_at, size_bytes, depth, tenant}`` and a sandbox as ``corral info --json`` prints it.
+created_at, size_bytes, depth, memory}`` and a sandbox as ``corral info --json`` prints it.
 """
 
 from __future__ import annotations
@@ -58,21 +58,27 @@ def _size(n: int) -> str:
 @click.option("--name", default=None, metavar="NAME",
               help="Name it (letters, digits, _ . -; unique among your snapshots); refer to "
                    "it by name or id later.")
+@click.option("--memory", is_flag=True,
+              help="Also save the running sandbox's memory and processes, while commands "
+                   "run (microvm tier only); sandboxes started from it resume them.")
 @json_option
 @click.pass_context
 @handle_errors
-def snapshot(ctx: click.Context, sandbox_id: str, name: str | None, as_json: bool) -> None:
+def snapshot(ctx: click.Context, sandbox_id: str, name: str | None, memory: bool,
+             as_json: bool) -> None:
     """Save a sandbox's /workspace as it is now, and print the snapshot's id.
 
     Instant whatever the workspace's size; the sandbox goes on from there. Nothing may be
-    running in it. Start sandboxes from it with `corral create --snapshot REF`, roll back with
-    `corral restore ID REF`.
+    running in it, unless --memory (microvm tier): then its memory and processes are saved
+    too, at one instant, running commands included. Start sandboxes from it with
+    `corral create --snapshot REF`, roll back with `corral restore ID REF`.
 
     \b
     Example:
       SNAP=$(corral snapshot $ID --name before-upgrade)
+      WARM=$(corral snapshot $ID --memory --name warmed-up)
     """
-    snap = connect(ctx, sandbox_id).snapshot(name)
+    snap = connect(ctx, sandbox_id).snapshot(name, memory=memory)
     if as_json:
         emit_json(_snapshot_json(snap))
     else:
@@ -83,21 +89,25 @@ def snapshot(ctx: click.Context, sandbox_id: str, name: str | None, as_json: boo
 @click.argument("sandbox_id")
 @click.option("--count", "-n", type=int, default=1, show_default=True,
               help="How many sandboxes to make (1-64).")
+@click.option("--memory", is_flag=True,
+              help="Each resumes the running sandbox's memory and processes as they are now "
+                   "(microvm tier only); commands may be running.")
 @json_option
 @click.pass_context
 @handle_errors
-def fork(ctx: click.Context, sandbox_id: str, count: int, as_json: bool) -> None:
+def fork(ctx: click.Context, sandbox_id: str, count: int, memory: bool,
+         as_json: bool) -> None:
     """Make new sandboxes that start from this one's /workspace as it is now; print their ids.
 
     Instant whatever the workspace's size (they share its read-only layers). Each gets the
     original's template, tier, isolation, network policy, secrets and labels, and its own
-    lifetime. Nothing may be running in the original.
+    lifetime. Nothing may be running in the original, unless --memory.
 
     \b
     Example:
       for id in $(corral fork $ID -n 3); do corral exec $id -- ./try.sh & done
     """
-    children = connect(ctx, sandbox_id).fork(count)
+    children = connect(ctx, sandbox_id).fork(count, memory=memory)
     if as_json:
         emit_json([child.get_info().to_dict() for child in children])
     else:
@@ -147,11 +157,12 @@ def snapshots_ls(ctx: click.Context, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for column in ("ID", "NAME", "TEMPLATE", "FROM", "SIZE", "DEPTH", "CREATED"):
+    for column in ("ID", "NAME", "TEMPLATE", "FROM", "SIZE", "DEPTH", "MEMORY", "CREATED"):
         table.add_column(column)
     for s in snaps:
         table.add_row(s.id, s.name or "-", s.template, s.sandbox, _size(s.size_bytes),
-                      str(s.depth), time.strftime("%Y-%m-%d %H:%M", time.localtime(s.created_at)))
+                      str(s.depth), "yes" if s.memory else "no",
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(s.created_at)))
     Console().print(table)
 
 

@@ -23,8 +23,26 @@ class WorkspaceLocks:
 
     @contextlib.contextmanager
     def hold(self, sandbox_id: str, *, exclusive: bool) -> Iterator[None]:
+        with self._flock(sandbox_id, exclusive=exclusive,
+                         busy=f"commands are running in sandbox {sandbox_id}; wait for them "
+                              "(or kill them) and retry"):
+            yield
+
+    @contextlib.contextmanager
+    def sealing(self, sandbox_id: str) -> Iterator[None]:
+        """A memory snapshot's hold: the lock shared, since it is taken while commands run
+        (it still waits out a snapshot or restore), and the sandbox's seal lock exclusively,
+        so two memory snapshots never record their layers out of order."""
+        with self._flock(sandbox_id, exclusive=False, busy=""), \
+                self._flock(sandbox_id + ".seal", exclusive=True,
+                            busy=f"another memory snapshot of sandbox {sandbox_id} is being "
+                                 "taken; retry when it is done"):
+            yield
+
+    @contextlib.contextmanager
+    def _flock(self, name: str, *, exclusive: bool, busy: str) -> Iterator[None]:
         self._directory.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(self._directory / sandbox_id, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self._directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             if not exclusive:
                 fcntl.flock(fd, fcntl.LOCK_SH)
@@ -36,9 +54,7 @@ class WorkspaceLocks:
                         break
                     except BlockingIOError:
                         if time.monotonic() > deadline:
-                            raise SandboxBusy(
-                                f"commands are running in sandbox {sandbox_id}; wait for them "
-                                "(or kill them) and retry") from None
+                            raise SandboxBusy(busy) from None
                         time.sleep(0.02)
             yield
         finally:
@@ -46,3 +62,4 @@ class WorkspaceLocks:
 
     def remove(self, sandbox_id: str) -> None:
         (self._directory / sandbox_id).unlink(missing_ok=True)
+        (self._directory / (sandbox_id + ".seal")).unlink(missing_ok=True)

@@ -64,7 +64,8 @@ class Manager:
         self.backend: IsolationBackend = self._registry.default  # the default tier
         self.admission = Admission(Ceiling.from_settings(settings))
         locks = WorkspaceLocks(settings.home / "locks")
-        layers = Layers(self.store, self.backend, settings.home / "layers")
+        layers = Layers(self.store, self.backend, settings.home / "layers",
+                        backends=self._registry.get, loaded=self._registry.all)
         self.sandboxes = Sandboxes(settings=settings, store=self.store,
                                    backends=self._registry, auditor=self.auditor,
                                    egress=self.egress, admission=self.admission,
@@ -228,19 +229,23 @@ class Manager:
     # -- snapshots --------------------------------------------------------------------------------
 
     def snapshot(self, sandbox_id: str, *, name: str | None = None,
-                 tenant: str | None = None) -> SnapshotInfo:
-        """Seal the workspace's current state as a snapshot (O(1) in its size)."""
-        return self.snapshots.snapshot(sandbox_id, name=name, tenant=tenant)
+                 tenant: str | None = None, memory: bool = False) -> SnapshotInfo:
+        """Seal the workspace's current state as a snapshot (O(1) in its size); with
+        ``memory``, also the running sandbox's memory and processes, while commands run
+        (tiers with memory snapshots only: microvm)."""
+        return self.snapshots.snapshot(sandbox_id, name=name, tenant=tenant, memory=memory)
 
     def fork(self, sandbox_id: str, count: int = 1, *,
              tenant: str | None = None, max_for_tenant: int | None = None,
-             caller: Tenant | None = None,
+             caller: Tenant | None = None, memory: bool = False,
              ) -> builtins.list[SandboxInfo]:
         """``count`` new sandboxes, each starting from this one's current workspace (shared,
         read-only layers; O(1) in the workspace's size) with its template, tier, isolation,
-        network policy, secrets and labels, all within the caller's ceiling (and quota)."""
+        network policy, secrets and labels, all within the caller's ceiling (and quota).
+        With ``memory``, each resumes the running sandbox's memory and processes."""
         children = self.snapshots.fork(sandbox_id, count, tenant=tenant,
-                                       max_for_tenant=max_for_tenant, caller=caller)
+                                       max_for_tenant=max_for_tenant, caller=caller,
+                                       memory=memory)
         return [child.public() for child in children]
 
     def restore(self, sandbox_id: str, snapshot: str, *,

@@ -31,6 +31,9 @@ class SandboxRecord:
     last_active: float = 0.0
     isolation: str = "namespace"  # the isolation tier: "namespace" or "gvisor"
     layer: str | None = None  # top read-only workspace layer (from a snapshot or fork), if any
+    # The memory image it resumed from (a memory snapshot or fork) while its workspace is
+    # still that image's; cleared when the workspace is sealed or restored to a disk snapshot.
+    memory_image: str | None = None
 
     def public(self) -> SandboxInfo:
         return SandboxInfo(

@@ -33,6 +33,7 @@ from . import validate
 from .egress import EgressBroker, NetworkSpec, policy_from
 from .layers import Layers
 from .locks import WorkspaceLocks
+from .memimages import capable, check_resumable
 from .records import SandboxRecord
 from .registry import BackendRegistry
 from .store import Store
@@ -87,7 +88,8 @@ class Sandboxes:
     def spec(self, info: SandboxRecord) -> SandboxSpec:
         return SandboxSpec(id=info.id, uid=info.uid, template=info.template,
                            tier=get_tier(info.resources),
-                           layers=self._store.layer_chain(info.layer))
+                           layers=self._store.layer_chain(info.layer),
+                           memory_image=info.memory_image)
 
     def busy(self, info: SandboxRecord) -> bool:
         """True while any command runs in it (from any process); background processes are
@@ -102,11 +104,11 @@ class Sandboxes:
         secrets: Sequence[str] | None, tenant: str | None, max_for_tenant: int | None,
         idle_timeout: float | None, isolation: str | None, snapshot: str | None,
         caller: Tenant | None, parent_layer: str | None = None,
-        origin: Mapping[str, Any] | None = None,
+        origin: Mapping[str, Any] | None = None, memory_image: str | None = None,
     ) -> SandboxRecord:
         """A running sandbox (see ``Manager.create``). A fork passes ``parent_layer``, the
-        sealed workspace it starts from, and ``origin``, added to its ``sandbox.created``
-        event."""
+        sealed workspace it starts from (and ``memory_image``, the memory it resumes, for a
+        memory fork), and ``origin``, added to its ``sandbox.created`` event."""
         tier = get_tier(resources)
         if tenant is None:
             tenant = caller.name if caller is not None else "local"
@@ -116,14 +118,24 @@ class Sandboxes:
             if resources not in caller.tiers:
                 raise QuotaExceeded(f"tenant {caller.name!r} may not use the {resources!r} tier "
                                     f"(allowed: {', '.join(caller.tiers)})")
+        asked_isolation = isolation
         isolation = validate.isolation(self._settings.backend if isolation is None
                                        else isolation)
         layer = parent_layer
         if snapshot is not None:
             snap = find_snapshot(self._store, snapshot, tenant=tenant)
             layer = self._store.snapshot_layer(snap.id)
+            memory_image = self._store.snapshot_memory_image(snap.id)
             template = snap.template if template is None else template
             origin = {"snapshot": snapshot, "layer": layer, **(origin or {})}
+        image = None if memory_image is None else self._store.memory_image(memory_image)
+        if memory_image is not None:
+            if image is None:
+                raise SnapshotNotFound(f"memory image {memory_image} is gone; take the "
+                                       "snapshot again")
+            # A memory image is a running machine: it resumes only on the tier that made it.
+            isolation = image["isolation"] if asked_isolation is None else isolation
+            origin = {**(origin or {}), "memory_image": memory_image}
         template = "base" if template is None else template
         policy = policy_from(network)
         names = validate.secret_names(secrets)
@@ -138,7 +150,12 @@ class Sandboxes:
         check_ceiling(ceiling, tenant=caller.name if caller else tenant, template=template,
                       isolation=isolation, resources=resources, network=policy,
                       secrets=names, lifetime_s=ttl)
+        if image is not None:  # before loading a tier it could never resume on
+            check_resumable(image, snapshot=snapshot or str(memory_image), template=template,
+                            resources=resources, isolation=isolation)
         backend = self._backends.get(isolation)
+        if image is not None:
+            capable(backend, "starting from a memory snapshot")
         clean_labels = validate.labels(labels)
         self._ready()
         require_template(template, self._settings.home / "templates")
@@ -147,7 +164,7 @@ class Sandboxes:
             labels=clean_labels, allocate_uid=backend.allocate_uid,
             network=policy.to_json(), secrets=placeholders,
             tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
-            isolation=isolation, layer=layer,
+            isolation=isolation, layer=layer, memory_image=memory_image,
         )
         try:
             backend.create(self.spec(info))

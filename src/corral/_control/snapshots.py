@@ -1,5 +1,9 @@
 """Snapshots: sealing a workspace into a read-only layer, forking from it, restoring to it,
-and deleting snapshots (their layers go when nothing uses them)."""
+and deleting snapshots (their layers go when nothing uses them).
+
+A memory snapshot (``memory=True``, a tier with ``MemorySnapshots``) also saves the running
+sandbox's memory and processes as a memory image, at one instant, while commands run; a
+sandbox started from it (fork, create, restore) resumes that image over its layer."""
 
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ import time
 from collections.abc import Iterator
 
 from .._audit.auditor import Auditor
-from ..errors import SandboxBusy, SnapshotInUse, UsageError
+from ..errors import SandboxBusy, SnapshotInUse, SnapshotNotFound, UsageError
 from ..models import SnapshotInfo
 from . import validate
 from .egress import network_spec, policy_from
 from .layers import Layers
 from .locks import WorkspaceLocks
+from .memimages import capable, check_resumable
 from .processes import ProcessTable
 from .records import SandboxRecord
 from .sandboxes import Sandboxes, find_snapshot, new_id
@@ -73,34 +78,85 @@ class Snapshots:
             self._layers.collect()
         return layer
 
-    def snapshot(self, sandbox_id: str, *, name: str | None,
-                 tenant: str | None) -> SnapshotInfo:
+    def _seal_memory(self, info: SandboxRecord) -> tuple[str, str]:
+        """Seal the writable layer and save the running sandbox's memory as a memory image,
+        commands running or not; return (layer, image). The image is recorded unsettled
+        (before it exists, so no sweep takes it for a leftover, and no collect takes it
+        before anything names it): the caller settles it once a snapshot or child does."""
+        if info.state == "paused":
+            raise SandboxBusy(f"sandbox {info.id} is paused; resume() it before a memory "
+                              "snapshot (its memory is saved running)")
+        backend = capable(self._sandboxes.backend(info), "snapshot(memory=True)")
+        with self._locks.sealing(info.id):
+            layer, image = new_id("lyr"), new_id("mem")
+            self._store.add_memory_image(image, layer=layer, isolation=info.isolation,
+                                         resources=info.resources, template=info.template)
+            try:
+                result = backend.snapshot_memory(self._sandboxes.spec(info), layer, image)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    backend.remove_memory_image(image)  # whatever a failed save left
+                self._store.delete_memory_image(image)
+                raise
+            parent = result.layers[1] if len(result.layers) > 1 else None
+            self._store.add_layer(layer, parent=parent, bytes_used=result.bytes_used)
+            self._store.set_layer(info.id, layer)
+        if result.squashed:
+            self._layers.collect()
+        return layer, image
+
+    def snapshot(self, sandbox_id: str, *, name: str | None, tenant: str | None,
+                 memory: bool = False) -> SnapshotInfo:
         name = validate.snapshot_name(name)
         info = self._sandboxes.get(sandbox_id, tenant=tenant)
         if name is not None and self._store.snapshot(name, tenant=info.tenant) is not None:
             raise UsageError(f"a snapshot named {name!r} already exists; choose another name or "
                              f"remove it with `corral snapshots rm {name}`")
         started = time.monotonic()
-        layer = self._seal(info)
-        snap = self._store.add_snapshot(new_id("snap"), name=name, tenant=info.tenant,
-                                        layer=layer, template=info.template, sandbox=info.id)
+        image: str | None = None
+        if memory:
+            layer, image = self._seal_memory(info)
+        else:
+            layer = self._seal(info)
+        try:
+            snap = self._store.add_snapshot(new_id("snap"), name=name, tenant=info.tenant,
+                                            layer=layer, template=info.template,
+                                            sandbox=info.id, memory_image=image)
+        except BaseException:
+            if image is not None:  # nothing names it (a name taken meanwhile): it goes now
+                self._store.settle_memory_image(image)
+                self._layers.collect()
+            raise
+        if image is not None:
+            self._store.settle_memory_image(image)
         self._auditor.event(info.id, "snapshot.created", {
             "snapshot": snap.id, "name": name, "layer": layer, "depth": snap.depth,
-            "size_bytes": snap.size_bytes,
+            "size_bytes": snap.size_bytes, "memory": memory,
+            **({"memory_image": image} if image is not None else {}),
             "duration_ms": round((time.monotonic() - started) * 1000, 3)})
         self._auditor.count("corral_snapshots_created")
         return snap
 
     def fork(self, sandbox_id: str, count: int, *, tenant: str | None,
-             max_for_tenant: int | None, caller: Tenant | None) -> builtins.list[SandboxRecord]:
+             max_for_tenant: int | None, caller: Tenant | None,
+             memory: bool = False) -> builtins.list[SandboxRecord]:
         validate.fork_count(count)
         if caller is not None and not caller.is_local:
             tenant = caller.name if tenant is None else tenant
             max_for_tenant = caller.max_sandboxes if max_for_tenant is None else max_for_tenant
         info = self._sandboxes.get(sandbox_id, tenant=tenant)
         self._check_policy(info, caller)  # before sealing: a refused fork changes nothing
-        layer = self._seal(info)
+        if memory:
+            capable(self._sandboxes.backend(info), "fork(memory=True)")  # before sealing too
         children: list[SandboxRecord] = []
+        image: str | None = None
+        if memory:
+            layer, image = self._seal_memory(info)
+        else:
+            layer = self._seal(info)
+        origin: dict[str, object] = {"forked_from": info.id, "layer": layer}
+        if image is not None:
+            origin["memory_image"] = image
         try:
             for _ in range(count):
                 children.append(self._sandboxes.create(
@@ -108,15 +164,21 @@ class Snapshots:
                     labels=info.labels, network=network_spec(info.network),
                     secrets=sorted(info.secrets), tenant=info.tenant,
                     max_for_tenant=max_for_tenant, idle_timeout=info.idle_timeout,
-                    isolation=info.isolation, snapshot=None, caller=caller, parent_layer=layer,
-                    origin={"forked_from": info.id, "layer": layer}))
+                    isolation=info.isolation, snapshot=None, caller=caller,
+                    parent_layer=layer, origin=origin, memory_image=image))
         except BaseException:
             for child in children:
                 with contextlib.suppress(Exception):
                     self._sandboxes.destroy(child, reason="fork failed")
+            if image is not None:  # nothing names it: it goes now
+                self._store.settle_memory_image(image)
+                self._layers.collect()
             raise
+        if image is not None:  # the children name it now
+            self._store.settle_memory_image(image)
         self._auditor.event(info.id, "sandbox.forked", {
-            "children": [c.id for c in children], "layer": layer})
+            "children": [c.id for c in children], "layer": layer, "memory": memory,
+            **({"memory_image": image} if image is not None else {})})
         return children
 
     def restore(self, sandbox_id: str, snapshot: str, *, tenant: str | None,
@@ -129,14 +191,25 @@ class Snapshots:
             raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it first")
         snap = self.get(snapshot, tenant=info.tenant)
         layer = self._store.snapshot_layer(snap.id)
+        image = self._store.snapshot_memory_image(snap.id)
         backend = self._sandboxes.backend(info)
+        if image is not None:
+            # The tier restarts the sandbox from the image: its memory and processes too.
+            capable(backend, "restoring a memory snapshot")
+            recorded = self._store.memory_image(image)
+            if recorded is None:
+                raise SnapshotNotFound(f"memory image {image} of snapshot {snapshot} is gone; "
+                                       "take the snapshot again")
+            check_resumable(recorded, snapshot=snapshot, template=info.template,
+                            resources=info.resources, isolation=info.isolation)
         with self._quiet(info, "restoring"):
-            info = dataclasses.replace(info, layer=layer)
+            info = dataclasses.replace(info, layer=layer, memory_image=image)
             backend.reset_workspace(self._sandboxes.spec(info))
-            self._store.set_layer(info.id, layer)
+            self._store.set_layer(info.id, layer, memory_image=image)
         self._layers.collect()
         self._auditor.event(info.id, "snapshot.restored", {
-            "snapshot": snap.id, "name": snap.name, "layer": layer})
+            "snapshot": snap.id, "name": snap.name, "layer": layer, "memory": image is not None,
+            **({"memory_image": image} if image is not None else {})})
         return self._sandboxes.get(sandbox_id)
 
     def get(self, ref: str, *, tenant: str | None) -> SnapshotInfo:
@@ -149,6 +222,7 @@ class Snapshots:
         """Delete a snapshot no live sandbox is built on (refused while one is)."""
         snap = self.get(ref, tenant=tenant)
         layer = self._store.snapshot_layer(snap.id)
+        image = self._store.snapshot_memory_image(snap.id)
         with self._layers.lock:
             users = [s.id for s in self._store.list()
                      if layer in self._store.layer_chain(s.layer)]
@@ -161,4 +235,5 @@ class Snapshots:
             self._store.delete_snapshot(snap.id)
         self._layers.collect()
         self._auditor.event(snap.sandbox, "snapshot.deleted", {
-            "snapshot": snap.id, "name": snap.name, "layer": layer})
+            "snapshot": snap.id, "name": snap.name, "layer": layer, "memory": image is not None,
+            **({"memory_image": image} if image is not None else {})})

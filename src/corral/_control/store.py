@@ -52,6 +52,15 @@ CREATE TABLE IF NOT EXISTS snapshots (
     created_at REAL NOT NULL,
     UNIQUE (tenant, name)
 );
+CREATE TABLE IF NOT EXISTS memory_images (
+    id TEXT PRIMARY KEY,
+    layer TEXT NOT NULL,
+    isolation TEXT NOT NULL,
+    resources TEXT NOT NULL,
+    template TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    settled INTEGER NOT NULL DEFAULT 1
+);
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY,
     max_sandboxes INTEGER NOT NULL,
@@ -88,7 +97,7 @@ def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
         network=json.loads(row["network"]), secrets=json.loads(row["secrets"]),
         tenant=row["tenant"], idle_timeout=row["idle_timeout"],
         last_active=row["last_active"] or row["created_at"],
-        isolation=row["isolation"], layer=row["layer"],
+        isolation=row["isolation"], layer=row["layer"], memory_image=row["memory_image"],
     )
 
 
@@ -96,6 +105,7 @@ def _row_to_snapshot(row: sqlite3.Row) -> SnapshotInfo:
     return SnapshotInfo(
         id=row["id"], name=row["name"], sandbox=row["sandbox"], template=row["template"],
         created_at=row["created_at"], size_bytes=row["bytes"], depth=row["depth"],
+        memory=row["memory_image"] is not None,
     )
 
 
@@ -124,6 +134,15 @@ class Store:
                              "DEFAULT 'namespace'")
         if "layer" not in columns:
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN layer TEXT")
+        if "memory_image" not in columns:
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN memory_image TEXT")
+        if "memory_image" not in {r[1] for r in self._db.execute("PRAGMA table_info(snapshots)")}:
+            # A store made before memory snapshots: every snapshot in it is a disk snapshot.
+            self._db.execute("ALTER TABLE snapshots ADD COLUMN memory_image TEXT")
+        if "settled" not in {r[1] for r in self._db.execute(
+                "PRAGMA table_info(memory_images)")}:  # made by a build before settling
+            self._db.execute("ALTER TABLE memory_images ADD COLUMN settled INTEGER NOT NULL "
+                             "DEFAULT 1")
         if "ceiling" not in {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}:
             # A store made before ceilings: its tenants keep today's rules (no ceiling).
             self._db.execute("ALTER TABLE tenants ADD COLUMN ceiling TEXT NOT NULL DEFAULT '{}'")
@@ -150,7 +169,7 @@ class Store:
         network: dict[str, object] | None = None, secrets: dict[str, str] | None = None,
         tenant: str = "local", max_for_tenant: int | None = None,
         idle_timeout: float | None = None, isolation: str = "namespace",
-        layer: str | None = None,
+        layer: str | None = None, memory_image: str | None = None,
     ) -> SandboxRecord:
         """Insert a sandbox in state ``creating``; its uid is what the tier's ``allocate_uid``
         picks among the ones not recorded here, inside the insert's transaction.
@@ -171,10 +190,11 @@ class Store:
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
                 "expires_at, labels, network, secrets, tenant, idle_timeout, last_active, "
-                "isolation, layer) VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "isolation, layer, memory_image) "
+                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
                  json.dumps(network or {}), json.dumps(secrets or {}), tenant, idle_timeout,
-                 now, isolation, layer),
+                 now, isolation, layer, memory_image),
             )
         info = self.get(sandbox_id)
         assert info is not None
@@ -215,9 +235,13 @@ class Store:
 
     # -- workspace layers and snapshots -----------------------------------------------------
 
-    def set_layer(self, sandbox_id: str, layer: str | None) -> None:
+    def set_layer(self, sandbox_id: str, layer: str | None, *,
+                  memory_image: str | None = None) -> None:
+        """Put the sandbox on ``layer``; it resumed from ``memory_image`` (a restore) or from
+        none: a workspace that changed is no longer the one any earlier image was taken over."""
         with self._tx() as db:
-            db.execute("UPDATE sandboxes SET layer = ? WHERE id = ?", (layer, sandbox_id))
+            db.execute("UPDATE sandboxes SET layer = ?, memory_image = ? WHERE id = ?",
+                       (layer, memory_image, sandbox_id))
 
     def add_layer(self, layer_id: str, *, parent: str | None, bytes_used: int) -> int:
         """Record a sealed layer on top of ``parent``; return its depth (1 = no parent)."""
@@ -252,20 +276,70 @@ class Store:
                 rows = [r[0] for r in db.execute(
                     "SELECT id FROM layers WHERE id NOT IN (SELECT layer FROM sandboxes WHERE "
                     "layer IS NOT NULL) AND id NOT IN (SELECT layer FROM snapshots) AND id NOT "
-                    "IN (SELECT parent FROM layers WHERE parent IS NOT NULL)")]
+                    "IN (SELECT parent FROM layers WHERE parent IS NOT NULL) AND id NOT IN "
+                    "(SELECT layer FROM memory_images)")]
                 if not rows:
                     return removed
                 db.executemany("DELETE FROM layers WHERE id = ?", [(r,) for r in rows])
                 removed += rows
 
+    # An unsettled image (recorded before it is made, not yet named by a snapshot or sandbox)
+    # is left alone this long: it is being made, unless a crash left it.
+    UNSETTLED_S = 3600.0
+
+    def add_memory_image(self, image_id: str, *, layer: str, isolation: str, resources: str,
+                         template: str) -> None:
+        """Record, *before* the tier makes it (so no sweep takes a new image for a crash's
+        leftover), a memory image over ``layer`` (which it holds) on tier ``isolation`` for a
+        sandbox of ``resources`` and ``template`` (what a sandbox resuming it must be). It
+        stays unsettled, never collected, until ``settle_memory_image``."""
+        with self._tx() as db:
+            db.execute("INSERT INTO memory_images (id, layer, isolation, resources, template, "
+                       "created_at, settled) VALUES (?, ?, ?, ?, ?, ?, 0)",
+                       (image_id, layer, isolation, resources, template, time.time()))
+
+    def settle_memory_image(self, image_id: str) -> None:
+        """From now on the image goes when nothing names it."""
+        with self._tx() as db:
+            db.execute("UPDATE memory_images SET settled = 1 WHERE id = ?", (image_id,))
+
+    def delete_memory_image(self, image_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM memory_images WHERE id = ?", (image_id,))
+
+    def memory_image(self, image_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM memory_images WHERE id = ?",
+                                   (image_id,)).fetchone()
+        return dict(row) if row else None
+
+    def memory_image_ids(self) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT id FROM memory_images")}
+
+    def unused_memory_images(self) -> builtins.list[tuple[str, str]]:
+        """Delete and return (id, isolation) of the memory images no snapshot or sandbox
+        names (their layers are then ``unused_layers``' to judge)."""
+        with self._tx() as db:
+            rows = [(r[0], r[1]) for r in db.execute(
+                "SELECT id, isolation FROM memory_images WHERE (settled = 1 OR created_at < ?) "
+                "AND id NOT IN (SELECT memory_image FROM snapshots WHERE memory_image IS NOT "
+                "NULL) AND id NOT IN (SELECT memory_image FROM sandboxes WHERE memory_image IS "
+                "NOT NULL)", (time.time() - self.UNSETTLED_S,))]
+            db.executemany("DELETE FROM memory_images WHERE id = ?", [(r[0],) for r in rows])
+        return rows
+
     def add_snapshot(self, snapshot_id: str, *, name: str | None, tenant: str, layer: str,
-                     template: str, sandbox: str) -> SnapshotInfo:
-        """Record a snapshot. Raises ``UsageError`` if the tenant already has ``name``."""
+                     template: str, sandbox: str,
+                     memory_image: str | None = None) -> SnapshotInfo:
+        """Record a snapshot (a memory snapshot with ``memory_image``). Raises ``UsageError``
+        if the tenant already has ``name``."""
         try:
             with self._tx() as db:
                 db.execute("INSERT INTO snapshots (id, name, tenant, layer, template, sandbox, "
-                           "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                           (snapshot_id, name, tenant, layer, template, sandbox, time.time()))
+                           "created_at, memory_image) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           (snapshot_id, name, tenant, layer, template, sandbox, time.time(),
+                            memory_image))
         except sqlite3.IntegrityError:
             raise UsageError(f"a snapshot named {name!r} already exists; choose another name or "
                              f"remove it with `corral snapshots rm {name}`") from None
@@ -296,6 +370,12 @@ class Store:
         with self._lock:
             rows = self._db.execute(query + " ORDER BY s.created_at", args).fetchall()
         return [_row_to_snapshot(r) for r in rows]
+
+    def snapshot_memory_image(self, snapshot_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT memory_image FROM snapshots WHERE id = ?",
+                                   (snapshot_id,)).fetchone()
+        return row[0] if row else None
 
     def snapshot_layer(self, snapshot_id: str) -> str | None:
         with self._lock:

@@ -484,16 +484,23 @@ async def create_snapshot(request: Request) -> Response:
     name = body.get("name")
     if name is not None and not isinstance(name, str):
         raise E2BHTTPError(400, "name must be a string")
-    if body.get("memory"):
-        raise E2BHTTPError(400, "memory snapshots: Corral's snapshots hold the filesystem, not "
-                           "running processes (planned with the microVM tier)")
+    memory = _memory_field(body)
 
     def snap() -> SnapshotInfo:
         _owned(manager, tenant, corral_id)
+        # E2B's memory snapshot is Corral's: the microvm tier saves the running machine, and
+        # a sandbox created from the snapshot (templateID) resumes it; other tiers refuse.
         return manager.snapshot(corral_id, name=name,
-                                tenant=_owner_filter(tenant))
+                                tenant=_owner_filter(tenant), memory=memory)
 
     return JSONResponse(_snapshot(await run_in_threadpool(snap)), status_code=201)
+
+
+def _memory_field(body: dict[str, Any]) -> bool:
+    memory = body.get("memory", False)
+    if not isinstance(memory, bool):
+        raise E2BHTTPError(400, "memory must be true or false")
+    return memory
 
 
 @_endpoint
@@ -547,11 +554,12 @@ async def fork_sandbox(request: Request) -> Response:
     body = await _json_body(request)
     count = _int_field(body, "count", low=1, high=100, default=1) or 1
     timeout = _int_field(body, "timeout", low=1)
+    memory = _memory_field(body)
 
     def fork() -> list[SandboxInfo]:
         _owned(manager, tenant, corral_id)
         children = manager.fork(corral_id, count,
-                                tenant=_owner_filter(tenant), caller=tenant)
+                                tenant=_owner_filter(tenant), caller=tenant, memory=memory)
         parent = request.app.state.e2b.get(corral_id)
         for child in children:
             if parent is not None:

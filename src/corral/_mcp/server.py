@@ -122,7 +122,7 @@ def _entry(e: FileEntry) -> dict[str, Any]:
 
 def _snapshot(snap: SnapshotInfo) -> dict[str, Any]:
     return {"snapshot_id": snap.id, "name": snap.name, "template": snap.template,
-            "size_bytes": snap.size_bytes, "depth": snap.depth}
+            "size_bytes": snap.size_bytes, "depth": snap.depth, "memory": snap.memory}
 
 
 def _ok(data: dict[str, Any]) -> CallToolResult:
@@ -448,9 +448,9 @@ class CorralMCP:
                 "size": len(data), "archive_base64": base64.b64encode(data).decode()}
 
     async def snapshot(self, ctx: Context[Any, Any] | None, name: str | None,
-                       sandbox_id: str | None) -> dict[str, Any]:
+                       sandbox_id: str | None, memory: bool = False) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        snap = await sb.snapshot(name)
+        snap = await sb.snapshot(name, memory=memory)
         if self._closed:  # taken while the server shut down: gone at once, as in _check_open
             with anyio.CancelScope(shield=True):
                 await self._delete_snapshots({snap.id})
@@ -459,9 +459,9 @@ class CorralMCP:
         return {"sandbox_id": sb.id, **_snapshot(snap)}
 
     async def fork(self, ctx: Context[Any, Any] | None, count: int,
-                   sandbox_id: str | None) -> dict[str, Any]:
+                   sandbox_id: str | None, memory: bool = False) -> dict[str, Any]:
         sb = await self.sandbox(ctx, sandbox_id)
-        children = await sb.fork(count)
+        children = await sb.fork(count, memory=memory)
         if self._closed:  # made while the server shut down: gone at once, as in _check_open
             with anyio.CancelScope(shield=True):
                 await self._destroy_ids({c.id for c in children})
@@ -634,24 +634,28 @@ def build_server(home: Path | None, transport: Transport,
 
     @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
     async def snapshot(ctx: Context[Any, Any], name: str | None = None,
-                       sandbox_id: str | None = None) -> CallToolResult:
+                       sandbox_id: str | None = None, memory: bool = False) -> CallToolResult:
         """Save the sandbox's /workspace as it is now (default: this session's sandbox), to go
         back to with restore or to start new sandboxes from; instant whatever its size.
 
         name: optional, unique among snapshots (letters, digits, _ . -). Nothing may be running
-        in the sandbox (sandbox_busy otherwise). Snapshots are deleted with this MCP session."""
+        in the sandbox (sandbox_busy otherwise), unless memory: true (microvm tier only), which
+        also saves the running memory and processes, commands included, for forks and
+        restores to resume. Snapshots are deleted with this MCP session."""
         return await state.guarded(ctx, sandbox_id,
-                                   lambda: state.snapshot(ctx, name, sandbox_id))
+                                   lambda: state.snapshot(ctx, name, sandbox_id, memory))
 
     @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
     async def fork(ctx: Context[Any, Any], count: int = 1,
-                   sandbox_id: str | None = None) -> CallToolResult:
+                   sandbox_id: str | None = None, memory: bool = False) -> CallToolResult:
         """Make count (1-64) new sandboxes, each starting with a copy of this sandbox's
         /workspace as it is now (default: this session's sandbox), to try several approaches
-        side by side. Returns their sandbox_ids ("forks"); pass one as sandbox_id to the other
-        tools. They are destroyed with this MCP session, or by destroy_sandbox."""
+        side by side. With memory: true (microvm tier only) each also resumes the sandbox's
+        running memory and processes. Returns their sandbox_ids ("forks"); pass one as
+        sandbox_id to the other tools. They are destroyed with this MCP session, or by
+        destroy_sandbox."""
         return await state.guarded(ctx, sandbox_id,
-                                   lambda: state.fork(ctx, count, sandbox_id))
+                                   lambda: state.fork(ctx, count, sandbox_id, memory))
 
     @mcp.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True,
                                           open_world_hint=False))

@@ -224,11 +224,13 @@ class AsyncEmbeddedTransport:
         return await self._call(self.sync.audit_trail, sandbox_id, types=types, since=since,
                                 until=until, command=command)
 
-    async def snapshot(self, sandbox_id: str, *, name: str | None) -> SnapshotInfo:
-        return await self._call(self.sync.snapshot, sandbox_id, name=name)
+    async def snapshot(self, sandbox_id: str, *, name: str | None,
+                       memory: bool = False) -> SnapshotInfo:
+        return await self._call(self.sync.snapshot, sandbox_id, name=name, memory=memory)
 
-    async def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
-        return await self._call(self.sync.fork, sandbox_id, count)
+    async def fork(self, sandbox_id: str, count: int, *,
+                   memory: bool = False) -> builtins.list[SandboxInfo]:
+        return await self._call(self.sync.fork, sandbox_id, count, memory=memory)
 
     async def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
         return await self._call(self.sync.restore, sandbox_id, snapshot)

@@ -168,11 +168,13 @@ class EmbeddedTransport:
         return self.manager.auditor.trail(sandbox_id, types=types, since=since, until=until,
                                           command=command)
 
-    def snapshot(self, sandbox_id: str, *, name: str | None) -> SnapshotInfo:
-        return self.manager.snapshot(sandbox_id, name=name)
+    def snapshot(self, sandbox_id: str, *, name: str | None,
+                 memory: bool = False) -> SnapshotInfo:
+        return self.manager.snapshot(sandbox_id, name=name, memory=memory)
 
-    def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
-        return self.manager.fork(sandbox_id, count, caller=self.caller)
+    def fork(self, sandbox_id: str, count: int, *,
+             memory: bool = False) -> builtins.list[SandboxInfo]:
+        return self.manager.fork(sandbox_id, count, caller=self.caller, memory=memory)
 
     def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
         return self.manager.restore(sandbox_id, snapshot, caller=self.caller)

@@ -102,10 +102,16 @@ class CreateSandbox(_Strict):
 class TakeSnapshot(_Strict):
     name: _SnapshotName | None = Field(
         default=None, description="A name unique among your snapshots (default: none).")
+    memory: bool = Field(default=False, description=(
+        "Also save the running sandbox's memory and processes, while commands run (the "
+        "microvm tier only; 400 on another)."))
 
 
 class Fork(_Strict):
     count: int = Field(default=1, ge=1, le=_MAX_FORKS, description="How many sandboxes.")
+    memory: bool = Field(default=False, description=(
+        "Each child resumes the running sandbox's memory and processes (the microvm tier "
+        "only; 400 on another)."))
 
 
 class Restore(_Strict):

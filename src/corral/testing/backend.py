@@ -10,6 +10,11 @@ What it keeps of the contract: ``exec`` streams through the callbacks and caps o
 host tiers (same marker, same exit codes: 124 on timeout, 127 with ``corral: command not found:
 NAME``); ``files`` returns a ``WorkspaceFS`` with the same paths and errors as ``WorkspaceFiles``;
 ``sweep`` returns ``Leftover`` records; ``destroy`` is idempotent.
+
+``MemoryVMBackend`` adds the ``MemorySnapshots`` capability (the microvm tier's), as
+bookkeeping: an image records the layer it was taken over, a sandbox created (or reset) with
+``spec.memory_image`` starts with that layer's workspace, and ``resumed_from`` tells a test which
+image a sandbox resumed. No memory or process is saved: there are none.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from ..backends import (
 from ..errors import BackendError, FileError, FileNotFound, QuotaExceeded, SandboxNotFound
 from ..models import FileEntry, ResourceTier, Usage
 
-__all__ = ["MemoryBackend", "MemoryFS", "spec_for"]
+__all__ = ["MemoryBackend", "MemoryFS", "MemoryVMBackend", "spec_for"]
 
 _Kind = Literal["file", "dir", "symlink"]
 
@@ -569,6 +574,65 @@ class MemoryBackend:
         pass
 
 
+class MemoryVMBackend(MemoryBackend):
+    """A ``MemoryBackend`` with memory snapshots (see the module docstring)."""
+
+    def __init__(self, uid_start: int = 100_000, uid_count: int = 1000) -> None:
+        super().__init__(uid_start, uid_count)
+        self._images: dict[str, str] = {}  # image -> the layer it was taken over
+        self._resumed: dict[str, str] = {}  # sandbox -> the image it resumed
+        #: Every ``snapshot_memory`` call: (sandbox, layer, image, busy at that instant).
+        self.memory_snapshots: list[tuple[str, str, str, bool]] = []
+
+    def snapshot_memory(self, spec: SandboxSpec, layer_id: str, image_id: str) -> SealResult:
+        busy = self.busy(spec)  # allowed: the point is to catch what runs
+        result = self.seal_workspace(spec, layer_id)
+        with self._lock:
+            self._images[image_id] = layer_id
+            self.memory_snapshots.append((spec.id, layer_id, image_id, busy))
+            self._resumed.pop(spec.id, None)  # it runs on; its workspace is no longer the image's
+        return result
+
+    def remove_memory_image(self, image_id: str) -> None:
+        with self._lock:
+            self._images.pop(image_id, None)
+
+    def memory_image_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._images)
+
+    def resumed_from(self, sandbox_id: str) -> str | None:
+        """The memory image sandbox ``sandbox_id`` was last started or reset from, if any."""
+        with self._lock:
+            return self._resumed.get(sandbox_id)
+
+    def _resume(self, spec: SandboxSpec) -> None:
+        with self._lock:
+            if spec.memory_image is None:
+                self._resumed.pop(spec.id, None)
+                return
+            layer = self._images.get(spec.memory_image)
+            if layer is None:
+                raise BackendError(f"memory image {spec.memory_image} is missing")
+            if spec.layers[:1] != (layer,):
+                raise BackendError(f"memory image {spec.memory_image} was taken over layer "
+                                   f"{layer}, not {spec.layers[:1]}")
+            self._resumed[spec.id] = spec.memory_image
+
+    def create(self, spec: SandboxSpec) -> None:
+        self._resume(spec)
+        super().create(spec)
+
+    def reset_workspace(self, spec: SandboxSpec) -> None:
+        self._resume(spec)
+        super().reset_workspace(spec)
+
+    def destroy(self, spec: SandboxSpec) -> None:
+        super().destroy(spec)
+        with self._lock:
+            self._resumed.pop(spec.id, None)
+
+
 def spec_for(sandbox_id: str, *, uid: int = 100_000, tier: ResourceTier | None = None,
              layers: tuple[str, ...] = ()) -> SandboxSpec:
     """A ``SandboxSpec`` for tests (the ``small`` tier unless told)."""
@@ -577,6 +641,7 @@ def spec_for(sandbox_id: str, *, uid: int = 100_000, tier: ResourceTier | None =
 
 
 if TYPE_CHECKING:  # the protocol, checked by mypy
-    from ..backends import IsolationBackend
+    from ..backends import IsolationBackend, MemorySnapshots
 
     _conforms: type[IsolationBackend] = MemoryBackend
+    _capable: type[MemorySnapshots] = MemoryVMBackend

@@ -269,12 +269,17 @@ class HTTPTransport:
             params=_wire.audit_params(types, since, until, command))
         return _wire.audit_trail(response.text, response.headers.get("x-corral-torn-tail"))
 
-    def snapshot(self, sandbox_id: str, *, name: str | None) -> SnapshotInfo:
+    def snapshot(self, sandbox_id: str, *, name: str | None,
+                       memory: bool = False) -> SnapshotInfo:
+        # ``memory`` only when asked: a server from before memory snapshots refuses the field.
         return _wire.snapshot_info(self._json(
-            "POST", f"{_sandbox(sandbox_id)}/snapshots", json={"name": name}))
+            "POST", f"{_sandbox(sandbox_id)}/snapshots",
+            json={"name": name, **({"memory": True} if memory else {})}))
 
-    def fork(self, sandbox_id: str, count: int) -> builtins.list[SandboxInfo]:
-        data = self._json("POST", f"{_sandbox(sandbox_id)}/fork", json={"count": count})
+    def fork(self, sandbox_id: str, count: int, *,
+                   memory: bool = False) -> builtins.list[SandboxInfo]:
+        data = self._json("POST", f"{_sandbox(sandbox_id)}/fork",
+                                json={"count": count, **({"memory": True} if memory else {})})
         return [_wire.sandbox_info(d) for d in data]
 
     def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:

@@ -557,19 +557,26 @@ class Sandbox:
         self._transport().remove_code_context(
             self._live_id(), context.id if isinstance(context, CodeContext) else context)
 
-    def snapshot(self, name: str | None = None) -> SnapshotInfo:
+    def snapshot(self, name: str | None = None, *, memory: bool = False) -> SnapshotInfo:
         """Seal the workspace's current state as a snapshot, in O(1) of its size; the sandbox
-        goes on from there. Nothing may be running in it (``SandboxBusy`` otherwise)."""
-        return self._transport().snapshot(self._live_id(), name=name)
+        goes on from there. Nothing may be running in it (``SandboxBusy`` otherwise).
 
-    def fork(self, n: int = 1) -> builtins.list[Sandbox]:
+        With ``memory=True`` (the microvm tier only; ``UsageError`` on another), the running
+        sandbox's memory and processes are saved too, at one instant, and commands and
+        background processes may be running (that is the point): a sandbox created from the
+        snapshot, or ``restore``d to it, resumes them. Refused while paused."""
+        return self._transport().snapshot(self._live_id(), name=name, memory=memory)
+
+    def fork(self, n: int = 1, *, memory: bool = False) -> builtins.list[Sandbox]:
         """``n`` new sandboxes starting from this one's workspace as it is now (sharing its
         read-only layers), with its template, tier, isolation, network policy and secrets.
+        With ``memory=True`` (microvm tier), each resumes this sandbox's running memory and
+        processes as they are now, while this one runs on.
 
         Each has a connection of its own: use each as a context manager, or ``kill()`` and
         close each, as for a sandbox from ``create()``."""
         transport = self._transport()
-        infos = transport.fork(self._live_id(), n)
+        infos = transport.fork(self._live_id(), n, memory=memory)
         return [Sandbox(info, transport.sibling()) for info in infos]
 
     def restore(self, snapshot: str | SnapshotInfo) -> None:

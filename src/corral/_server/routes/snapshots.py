@@ -19,8 +19,9 @@ router = APIRouter()
              response_model=SnapshotInfo)
 def take_snapshot(sandbox_id: str, who: TenantDep, manager: ManagerDep,
                   body: Annotated[TakeSnapshot, Body()] = _NO_BODY_SNAPSHOT) -> SnapshotInfo:
-    """Seal the workspace's current state as a snapshot (409 while anything runs in it)."""
-    return manager.snapshot(sandbox_id, name=body.name, tenant=scope(who))
+    """Seal the workspace's current state as a snapshot (409 while anything runs in it);
+    with ``memory``, the running sandbox's memory and processes too, while they run."""
+    return manager.snapshot(sandbox_id, name=body.name, tenant=scope(who), memory=body.memory)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201,
@@ -29,7 +30,8 @@ def fork(sandbox_id: str, who: TenantDep, manager: ManagerDep,
          body: Annotated[Fork, Body()] = _NO_BODY_FORK) -> list[SandboxInfo]:
     """``count`` new sandboxes starting from this one's workspace as it is now; they count
     against the tenant's sandbox quota (all or none are made)."""
-    children = manager.fork(sandbox_id, body.count, tenant=scope(who), caller=who)
+    children = manager.fork(sandbox_id, body.count, tenant=scope(who), caller=who,
+                            memory=body.memory)
     return children
 
 
