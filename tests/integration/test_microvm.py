@@ -175,7 +175,7 @@ _CRASHER = textwrap.dedent("""
     from corral import Sandbox
     sb = Sandbox.create(home=sys.argv[1], isolation="microvm")
     print(sb.id, flush=True)
-    sb.commands.run(["sh", "-c", "echo started; sleep 600"], timeout=900,
+    sb.commands.run(["sh", "-c", "echo started; sleep 50"], timeout=55,
                     on_stdout=lambda text: print(text, end="", flush=True))
 """)
 
@@ -188,14 +188,17 @@ def test_a_caller_killed_mid_command_leaves_nothing_after_destroy(
     proc = subprocess.Popen([sys.executable, "-c", _CRASHER, home], stdout=subprocess.PIPE,
                             text=True, env={**os.environ})
     assert proc.stdout is not None
-    sandbox_id = proc.stdout.readline().strip()
-    assert proc.stdout.readline().strip() == "started"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
+    try:
+        sandbox_id = proc.stdout.readline().strip()
+        assert proc.stdout.readline().strip() == "started"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        proc.stdout.close()
     sb = Sandbox.connect(sandbox_id, home=home)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # the keeper kills what its dead caller started
-        if "sleep 600" not in sb.commands.run(["ps", "-eo", "args"]).stdout:
+        if "sleep 50" not in sb.commands.run(["ps", "-eo", "args"]).stdout:
             break
         time.sleep(0.2)
     else:

@@ -52,8 +52,13 @@ class Layers:
                     logger.warning("memory image %s of the %s tier not removed: %s", image,
                                    isolation, exc)
             unused = self._store.unused_layers()
+            others = [b for b in self._loaded() if b is not self._backend]
             for layer in unused:
+                # Removal is idempotent, and a tier with layers of its own (the microVM tier's
+                # qcow2 files) holds only the ones its sandboxes sealed: ask each loaded tier.
                 self._backend.remove_layer(layer)
+                for backend in others:
+                    backend.remove_layer(layer)
         return unused
 
     def sweep(self) -> list[str]:
@@ -76,6 +81,14 @@ class Layers:
             if layer not in known and _age(self._directory / layer) > 60:
                 self._backend.remove_layer(layer)
                 removed.append(f"layer {layer}")
+        for backend in self._loaded():
+            age = getattr(backend, "layer_age", None)
+            if backend is self._backend or age is None:
+                continue
+            for layer in backend.layer_ids():
+                if layer not in known and age(layer) > 60:
+                    backend.remove_layer(layer)
+                    removed.append(f"layer {layer}")
         return removed
 
 

@@ -30,6 +30,7 @@ import math
 import os
 import queue
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -178,7 +179,24 @@ class MicrovmBackend(HostBackedBackend):
         return self._dir / "sandboxes" / sandbox_id
 
     def _top(self, sandbox_id: str) -> Path:
-        return self._disk_dir(sandbox_id) / "top.qcow2"
+        """The sandbox's writable disk. Its name changes at each live seal (QEMU knows its
+        disks by name and reopens them by name, so a disk in use is never renamed); ``top``,
+        a symlink beside it, names the current one."""
+        pointer = self._disk_dir(sandbox_id) / "top"
+        try:
+            return pointer.parent / os.readlink(pointer)
+        except OSError:
+            return pointer.parent / "top-0.qcow2"
+
+    def _point_top(self, sandbox_id: str, name: str) -> None:
+        pointer = self._disk_dir(sandbox_id) / "top"
+        tmp = pointer.with_name(".top.tmp")
+        tmp.unlink(missing_ok=True)
+        os.symlink(name, tmp)
+        os.replace(tmp, pointer)
+
+    def _fresh_top_name(self, sandbox_id: str) -> Path:
+        return self._disk_dir(sandbox_id) / f"top-{secrets.token_hex(4)}.qcow2"
 
     def _layers_dir(self) -> Path:
         return self._dir / "layers"
@@ -197,7 +215,7 @@ class MicrovmBackend(HostBackedBackend):
             self._new_top(spec)
             # The VM runs from now on (create -> first command is one hop). Only here does a
             # memory image apply: a VM restarted later boots from its disk like any other.
-            self._client(spec, memory_image=getattr(spec, "memory_image", None))
+            self._client(spec, memory_image=spec.memory_image)
         except BaseException:
             with contextlib.suppress(BackendError, OSError):
                 self.destroy(spec)
@@ -206,14 +224,18 @@ class MicrovmBackend(HostBackedBackend):
     def _new_top(self, spec: SandboxSpec) -> None:
         from . import disk
 
-        top = self._top(spec.id)
+        top = self._fresh_top_name(spec.id)
         # QEMU (the sandbox's uid) makes live-sealed tops and memory saves in this directory.
         top.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chown(top.parent, spec.uid, spec.uid)
         backing = (self._layer_path(spec.layers[0]) if spec.layers
                    else disk.base_disk(spec.tier.disk_bytes,
                                        self._settings.microvm_cache / "disks"))
+        old = self._top(spec.id)
         disk.create_top(top, backing, uid=spec.uid, gid=spec.uid)
+        self._point_top(spec.id, top.name)
+        if old != top:
+            old.unlink(missing_ok=True)
 
     def _root(self, name: str) -> Any:
         """The read-only root image of template ``name`` (built and cached on first use)."""
@@ -526,11 +548,20 @@ class MicrovmBackend(HostBackedBackend):
     def reset_workspace(self, spec: SandboxSpec) -> None:
         self._ready()
         self._stop_vm(spec)
-        self._top(spec.id).unlink(missing_ok=True)
         self._new_top(spec)
+        if spec.memory_image:  # a restore to a memory snapshot: resume it now
+            self._client(spec, memory_image=spec.memory_image)
 
     def remove_layer(self, layer_id: str) -> None:
         self._layer_path(layer_id).unlink(missing_ok=True)
+
+    def layer_age(self, layer_id: str) -> float:
+        """Seconds since the layer's file was made (the control plane's sweep spares young
+        ones: a seal in another process records its layer a moment after making it)."""
+        try:
+            return time.time() - self._layer_path(layer_id).stat().st_ctime
+        except OSError:
+            return 0.0
 
     def layer_ids(self) -> list[str]:
         if not self._layers_dir().is_dir():
@@ -551,12 +582,16 @@ class MicrovmBackend(HostBackedBackend):
         image = self._images_dir() / image_id
         image.mkdir(parents=True, exist_ok=True, mode=0o755)
         layer = self._layer_path(layer_id)
+        new_top = self._fresh_top_name(spec.id)
         try:
             client.call("vm.snapshot_memory", timeout=300, layer_path=str(layer),
-                        top_path=str(self._top(spec.id)), memory_path=str(image / "state"))
+                        top_path=str(self._top(spec.id)), new_top_path=str(new_top),
+                        memory_path=str(image / "state"))
         except BaseException:
             shutil.rmtree(image, ignore_errors=True)
+            layer.unlink(missing_ok=True)
             raise
+        self._point_top(spec.id, new_top.name)
         (image / "image.json").write_text(json.dumps({
             "layer": layer_id, "memory_mib": max(128, spec.tier.memory_bytes >> 20),
             "template": spec.template, "sandbox": spec.id}))

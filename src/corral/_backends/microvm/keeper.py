@@ -342,32 +342,32 @@ class Keeper:
             vm.pause(deadline) if message.get("paused") else vm.cont(deadline)
             return True
         if op == "vm.snapshot_memory":
-            return self._snapshot_memory(Path(message["top_path"]), Path(message["layer_path"]),
-                                         Path(message["memory_path"]), deadline)
+            return self._snapshot_memory(
+                Path(message["top_path"]), Path(message["new_top_path"]),
+                Path(message["layer_path"]), Path(message["memory_path"]), deadline)
         if op == "vm.quit":
             with contextlib.suppress(Exception):
                 self.call_agent("unmount", timeout=10)
             return True
         raise ValueError(f"unknown keeper op {op!r}")
 
-    def _snapshot_memory(self, top: Path, layer: Path, memory: Path, deadline: float) -> bool:
-        """One instant for disk and memory: stop, put a new top on live (the old one becomes
-        ``layer``), save RAM and devices to ``memory``, run on."""
+    def _snapshot_memory(self, top: Path, new_top: Path, layer: Path, memory: Path,
+                         deadline: float) -> bool:
+        """One instant for disk and memory: stop, put ``new_top`` on live over ``top`` (which
+        becomes ``layer``: a second name for the same file, since QEMU reopens its disks by
+        name and a disk in use is never renamed), save RAM and devices to ``memory``, run on."""
         vm = self._vm
-        new_top = top.with_name(f".next-{top.name}")
-        new_top.unlink(missing_ok=True)
+        os.link(top, layer)
         vm.pause(deadline)
         try:
             vm.seal_live(new_top, layer, deadline)
-            os.rename(top, layer)  # QEMU reads it through its open descriptor from now on
-            os.chown(layer, 0, 0)
-            os.chmod(layer, 0o644)
-            os.rename(new_top, top)
             vm.save_memory(memory, deadline)
-            os.chown(memory, 0, 0)
-            os.chmod(memory, 0o644)
         finally:
             vm.cont(deadline)
+        os.chown(layer, 0, 0)  # read-only from now on, for every sandbox built on it
+        os.chmod(layer, 0o644)
+        os.chown(memory, 0, 0)
+        os.chmod(memory, 0o644)
         return True
 
     # -- ending -----------------------------------------------------------------------------

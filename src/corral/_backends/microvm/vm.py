@@ -161,12 +161,16 @@ def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool)
     argv = [QEMU, "-nodefaults", "-no-user-config", "-nic", "none", "-display", "none",
             "-no-reboot", "-accel", _accel_opt(config.accel), "-cpu", config.accel.cpu,
             "-smp", str(config.vcpus), "-m", f"{config.memory_mib}M"]
-    if memory.mode != "anon":
+    # Always a named backend: the migration stream names RAM blocks, so a memory image of a VM
+    # restored from a warm snapshot (a file backend) must load into a block of the same name.
+    if memory.mode == "anon":
+        argv += ["-object", f"memory-backend-ram,id=ram,size={config.memory_mib}M"]
+    else:
         assert memory.path is not None
         opts = {"share": "share=on", "template": "readonly=on,rom=off,share=off"}[memory.mode]
         argv += ["-object", f"memory-backend-file,id=ram,size={config.memory_mib}M,"
                             f"mem-path={memory.path},{opts}"]
-        machine += ",memory-backend=ram"
+    machine += ",memory-backend=ram"
     argv += [
         "-M", machine,
         "-kernel", str(config.kernel),
