@@ -232,7 +232,11 @@ def _bwrap_argv(config: VmConfig, memory: _Memory, info_fd: int) -> list[str]:
     for path in read_only:
         argv += ["--ro-bind", str(path), str(path)]
     argv += ["--chdir", str(config.run_dir)]
-    argv += ["--", setpriv, f"--reuid={config.uid}", f"--regid={config.gid}", "--clear-groups",
+    # /dev/kvm is usually root:kvm 0660: with hardware KVM the one supplementary group QEMU
+    # keeps is the device's, so it can open it and nothing else that group could.
+    groups = (["--groups", str(os.stat("/dev/kvm").st_gid)] if config.accel.name == "kvm"
+              else ["--clear-groups"])
+    argv += ["--", setpriv, f"--reuid={config.uid}", f"--regid={config.gid}", *groups,
              "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
     return argv
 
