@@ -313,7 +313,7 @@ def test_warm_restore_is_faster_and_shares_memory(
         started = time.monotonic()
         deadline = started + 60
         vm = Vm.restore_warm(config(kernel, image, accel, tmp_path / f"run{n}", ids, top=top,
-                                    backing=(base,)), snap.ram, snap.state, deadline)
+                                    backing=(base,)), snap, deadline)
         vms.append(vm)
         agent = Agent(vm, deadline)
         code, out = agent.run("cat /sys/block/vdb/size; uname -r", deadline_s=30)

@@ -31,13 +31,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import BackendError, BackendUnavailable, UsageError
 from .accel import Accel
 from .qmp import Qmp
 
-__all__ = ["QEMU", "Vm", "VmConfig", "VmState", "kernel_cmdline", "tsc_khz"]
+__all__ = ["QEMU", "Vm", "VmConfig", "VmState", "WarmFiles", "kernel_cmdline", "tsc_khz"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ QEMU = "qemu-system-x86_64"
 _CHANNEL = "corral.agent"
 _SERIAL_TAIL = 25
 _TCG_TB_MIB = 32
+_QMP_DEFAULT_S = 30.0  # for QMP commands that take no time of their own
 _SUN_PATH_MAX = 108  # sockaddr_un.sun_path, with its terminating NUL
 _HZ = 100  # the guest kernel's CONFIG_HZ (guest.config)
 # Library and firmware directories QEMU reads from (bound read-only; /usr/share/qemu has the
@@ -122,6 +123,15 @@ class VmConfig:
     netns: Path | None = None
     attach: Callable[[int], None] | None = None
     cmdline_extra: str = ""
+
+
+class WarmFiles(Protocol):
+    """What a restore needs of a warm snapshot (``warm.WarmSnapshot``)."""
+
+    @property
+    def ram(self) -> Path: ...
+    @property
+    def state(self) -> Path: ...
 
 
 class VmState(enum.Enum):
@@ -283,14 +293,14 @@ class Vm:
         return vm
 
     @classmethod
-    def restore_warm(cls, config: VmConfig, ram: Path, state: Path, deadline: float) -> Vm:
-        """Start from a warm snapshot: ``ram`` mapped read-only and private (pages shared with
-        every other VM restored from it until written), ``state`` the device state saved with
-        ``x-ignore-shared``."""
-        vm = cls(config, _Memory(ram, "template", [state]))
+    def restore_warm(cls, config: VmConfig, warm: WarmFiles, deadline: float) -> Vm:
+        """Start from a warm snapshot (``warm.WarmSnapshot``): its RAM file mapped read-only and
+        private (pages shared with every other VM restored from it until written), its device
+        state saved with ``x-ignore-shared``."""
+        vm = cls(config, _Memory(warm.ram, "template", [warm.state]))
         with vm._cleanup_on_error():
             vm._launch(incoming=True, deadline=deadline)
-            vm._incoming(state, deadline, ignore_shared=True)
+            vm._incoming(warm.state, deadline, ignore_shared=True)
             if config.top_disk is not None:
                 vm._announce_disk_size(deadline)
         return vm
@@ -506,12 +516,16 @@ class Vm:
 
     # -- while it runs ------------------------------------------------------------------------
 
-    def pause(self, deadline: float) -> None:
+    def pause(self, deadline: float | None = None) -> None:
+        """Stop the guest's vCPUs (a no-op when stopped)."""
+        deadline = _default(deadline)
         if self._status(deadline) == "running":
             self._qmp_cmd("stop", deadline)
         self.state = VmState.PAUSED
 
-    def cont(self, deadline: float) -> None:
+    def cont(self, deadline: float | None = None) -> None:
+        """Run the guest's vCPUs again (a no-op when running)."""
+        deadline = _default(deadline)
         if self._status(deadline) != "running":
             self._qmp_cmd("cont", deadline)
         self.state = VmState.RUNNING
@@ -593,8 +607,9 @@ class Vm:
 
     # -- ending -------------------------------------------------------------------------------
 
-    def quit(self, deadline: float) -> None:
+    def quit(self, deadline: float | None = None) -> None:
         """Ask QEMU to exit; kill it if it does not by the deadline."""
+        deadline = _default(deadline)
         if self._proc is not None and self._proc.poll() is None and self._qmp is not None:
             with contextlib.suppress(BackendError):
                 self._qmp.command("quit", deadline=deadline)
@@ -641,6 +656,10 @@ class Vm:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def _default(deadline: float | None) -> float:
+    return time.monotonic() + _QMP_DEFAULT_S if deadline is None else deadline
 
 
 def _alive(pid: int) -> bool:
