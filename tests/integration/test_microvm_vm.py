@@ -208,7 +208,8 @@ def test_attach_sees_qemu_before_the_guest_runs_and_qemu_keeps_the_netns(
     subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
     cgroup.mkdir()
     seen: list[tuple[int, bool]] = []
-    serial = tmp_path / "run" / "serial.log"
+    run = tmp_path / "run,with,commas"  # QEMU's option syntax: escaped, not split
+    serial = run / "serial.log"
 
     def attach(pid: int) -> None:
         # The guest has not run: no kernel line on its console yet.
@@ -216,7 +217,7 @@ def test_attach_sees_qemu_before_the_guest_runs_and_qemu_keeps_the_netns(
         (cgroup / "cgroup.procs").write_text(str(pid))
 
     try:
-        cfg = replace(config(kernel, image, accel, tmp_path / "run", ids),
+        cfg = replace(config(kernel, image, accel, run, ids),
                       netns=Path("/run/netns") / name, attach=attach)
         deadline = time.monotonic() + BOOT_S
         vm = Vm.boot(cfg, deadline)

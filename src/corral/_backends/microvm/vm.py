@@ -163,6 +163,11 @@ def _files(run_dir: Path) -> _Files:
                   serial=run_dir / "serial.log")
 
 
+def _opt(path: Path) -> str:
+    # QEMU's option syntax splits on commas; a literal comma is written twice.
+    return str(path).replace(",", ",,")
+
+
 def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool) -> list[str]:
     machine = "microvm,acpi=off,x-option-roms=off"
     argv = [QEMU, "-nodefaults", "-no-user-config", "-nic", "none", "-display", "none",
@@ -172,27 +177,27 @@ def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool)
         assert memory.path is not None
         opts = {"share": "share=on", "template": "readonly=on,rom=off,share=off"}[memory.mode]
         argv += ["-object", f"memory-backend-file,id=ram,size={config.memory_mib}M,"
-                            f"mem-path={memory.path},{opts}"]
+                            f"mem-path={_opt(memory.path)},{opts}"]
         machine += ",memory-backend=ram"
     argv += [
         "-M", machine,
         "-kernel", str(config.kernel),
         "-append", kernel_cmdline(tsc_khz(), config.cmdline_extra),
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-        "-chardev", f"file,id=serial,path={files.serial}", "-serial", "chardev:serial",
-        "-qmp", f"unix:{files.qmp},server=on,wait=off",
+        "-chardev", f"file,id=serial,path={_opt(files.serial)}", "-serial", "chardev:serial",
+        "-qmp", f"unix:{_opt(files.qmp)},server=on,wait=off",
         # No pvpanic device (it needs ACPI to be found): a guest panic reboots (panic=-1) and
         # -no-reboot turns that into QEMU's exit, which every wait sees at once.
         "-device", "virtio-rng-device",
         "-device", "virtio-serial-device",
-        "-chardev", f"socket,id=agent,path={files.channel},server=on,wait=off",
+        "-chardev", f"socket,id=agent,path={_opt(files.channel)},server=on,wait=off",
         "-device", f"virtserialport,chardev=agent,name={_CHANNEL}",
         # vda: the template root, never written by anyone.
-        "-drive", f"file={config.root_image},if=none,id=root,format=raw,readonly=on",
+        "-drive", f"file={_opt(config.root_image)},if=none,id=root,format=raw,readonly=on",
         "-device", "virtio-blk-device,drive=root",
     ]
     if config.top_disk is not None:
-        argv += ["-drive", f"file={config.top_disk},if=none,id=ws,format=qcow2,discard=unmap",
+        argv += ["-drive", f"file={_opt(config.top_disk)},if=none,id=ws,format=qcow2,discard=unmap",
                  "-device", "virtio-blk-device,drive=ws"]
     argv += ["-incoming", "defer"] if incoming else ["-S"]
     return argv
