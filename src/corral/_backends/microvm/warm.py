@@ -46,9 +46,6 @@ __all__ = ["WarmSnapshot", "find_warm", "qemu_version", "warm_dir", "warm_key",
 _RECIPE = "1"
 _PLACEHOLDER_BYTES = 16 << 20
 _BOOT_TIMEOUT_S = 120.0  # a cold boot under TCG on a busy host
-# Time for the guest to see the hang-up before it stops (not needed for correctness: a
-# hang-up it has not seen yet is in the saved device state and seen after the restore).
-_SETTLE_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,14 +134,14 @@ def warm_snapshot(kernel: GuestKernel, root_image: RootImage, memory_mib: int, c
                 ready = vm.read_line(sock, bytearray(), deadline, "the agent's ready line")
                 if "ready" not in ready:
                     raise BackendError(f"the guest agent's first line was not ready: {ready}")
+                # Saved with the host still connected: a restored agent sees no hang-up, so
+                # it answers the host's first request (`resume`) at once. (Hung up first, the
+                # agent would resend `ready` on the next connection, but only after its
+                # hang-up poll notices: measured 1.3 s after a restore against 0.4 s.)
+                state = work / "state"
+                vm.save_memory(state, deadline, ignore_shared=True)
             finally:
-                # Hung up before the save: every restore then shows the agent a host that
-                # connects (virtio-serial migrates the port's connected state), on which it
-                # sends its ready line again.
                 sock.close()
-            time.sleep(_SETTLE_S)
-            state = work / "state"
-            vm.save_memory(state, deadline, ignore_shared=True)
             vm.quit(deadline)
         for path in (ram, state):
             os.chown(path, 0, 0)
