@@ -495,6 +495,22 @@ def test_bad_inputs_say_what_to_do(tmp_path: Path, accel: Accel) -> None:
                          run_dir=tmp_path / ("x" * 120)), time.monotonic() + 5)
 
 
+def test_a_deep_chain_is_squashed_when_sealed(tmp_path: Path) -> None:
+    if shutil.which("qemu-img") is None:
+        pytest.skip("qemu-img is not installed (scripts/bootstrap installs it)")
+    base = disk.base_disk(16 << 20, tmp_path / "disks")
+    top = disk.create_top(tmp_path / "top.qcow2", base, uid=1000, gid=1000)
+    depths = []
+    for n in range(disk.MAX_DEPTH + 2):
+        disk.seal(top, tmp_path / f"layer{n}.qcow2", uid=1000, gid=1000)
+        depths.append(len(disk.chain(top)))
+    assert max(depths) == disk.MAX_DEPTH + 1
+    assert depths[-1] < disk.MAX_DEPTH  # squashed: the chain restarted from one layer
+    assert (top.stat().st_uid, top.stat().st_mode & 0o777) == (1000, 0o600)
+    with pytest.raises(BackendError, match="exists already"):
+        disk.seal(top, tmp_path / "layer0.qcow2", uid=1000, gid=1000)
+
+
 def test_the_guest_clock_comes_from_the_hosts_invariant_tsc(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\ncpu MHz\t\t: 2596.150\n"
