@@ -1,6 +1,7 @@
 """The conformance matrix: every behavioural SDK case on every transport (embedded, HTTP over
-loopback, the app in-process over ASGI) and every isolation tier (namespace, gVisor, microVM; a tier skips with the host check's reasons
-where it cannot run, and the microVM tier runs the embedded transport only)."""
+loopback, the app in-process over ASGI) and every isolation tier (namespace, gVisor, microVM; a
+tier skips with the host check's reasons where it cannot run, and the microVM tier runs the
+embedded transport only)."""
 
 from __future__ import annotations
 

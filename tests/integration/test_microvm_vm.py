@@ -8,8 +8,10 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -105,8 +107,14 @@ def config(kernel: GuestKernel, image: rootimage.RootImage, accel: Accel, run: P
                     gid=ids[1])
 
 
+def contract_agent() -> bool:
+    """True when the image carries the contract agent (commands as uid 1000 in their own
+    namespaces, `mount`/`resume` ops) rather than the draft one (commands as root)."""
+    return "run" in rootimage.skeleton_sources()
+
+
 class Agent:
-    """The agent channel, speaking the draft agent's and the contract's exec replies."""
+    """The agent channel, for the draft agent and the contract agent alike."""
 
     def __init__(self, vm: Vm, deadline: float) -> None:
         self.vm = vm
@@ -118,27 +126,54 @@ class Agent:
     def ready(self, deadline: float) -> dict[str, object]:
         return self.vm.read_line(self.sock, self.buf, deadline, "the ready line")
 
-    def run(self, script: str, deadline_s: float = 60.0) -> tuple[int, str]:
+    def request(self, op: str, deadline_s: float = 60.0, **fields: object) -> tuple[
+            dict[str, object], bytes]:
         deadline = time.monotonic() + deadline_s
         rid, self.next_id = self.next_id, self.next_id + 1
-        request = {"id": rid, "op": "exec", "argv": ["/bin/sh", "-c", script], "cwd": "/",
-                   "env": {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}, "timeout": deadline_s,
-                   "stdin": "null", "pty": None}
-        self.sock.sendall(json.dumps(request).encode() + b"\n")
+        self.sock.sendall(json.dumps({"id": rid, "op": op, **fields}).encode() + b"\n")
         out = b""
         while True:
-            message = self.vm.read_line(self.sock, self.buf, deadline, f"exec {script!r}")
+            message = self.vm.read_line(self.sock, self.buf, deadline, f"{op} {fields}")
             if message.get("id") != rid:
                 continue
             if "data" in message:
                 out += base64.b64decode(str(message["data"]))
-            elif "exit" in message:
-                code = message["exit"]
-                if isinstance(code, dict):
-                    code = code["code"]
-                return int(str(code)), out.decode(errors="replace")
-            elif "error" in message:
-                raise AssertionError(f"exec failed: {message['error']}")
+            elif any(key in message for key in ("exit", "ok", "error", "pong")):
+                return message, out
+
+    def run(self, script: str, deadline_s: float = 60.0, cwd: str = "/workspace") -> tuple[
+            int, str]:
+        message, out = self.request(
+            "exec", deadline_s, argv=["/bin/sh", "-c", script], cwd=cwd,
+            env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/workspace"},
+            timeout=deadline_s, stdin="null", pty=None, tmp_bytes=16 << 20, pids=64,
+            memory_bytes=64 << 20, egress_port=None)
+        if "error" in message:
+            raise AssertionError(f"exec failed: {message['error']}")
+        code = message["exit"]
+        if isinstance(code, dict):
+            code = code["code"]
+        return int(str(code)), out.decode(errors="replace")
+
+    def _op_or_shell(self, op: str, script: str, **fields: object) -> None:
+        if contract_agent():
+            message, _ = self.request(op, **fields)
+            assert message.get("ok") is True, message
+        else:
+            assert self.run(script, cwd="/") == (0, "")
+
+    def mount(self, fresh: bool = False) -> None:
+        self._op_or_shell("mount", "mount /dev/vdb /workspace", fresh=fresh)
+
+    def unmount(self) -> None:
+        self._op_or_shell("unmount", "sync && umount /workspace")
+
+    def resume(self) -> None:
+        """What follows a restore: fresh RNG seed and clock, and the block caches dropped (the
+        guest probed another disk as /dev/vdb when the warm snapshot was made)."""
+        self._op_or_shell("resume", "blockdev --flushbufs /dev/vdb",
+                          seed=base64.b64encode(os.urandom(64)).decode(),
+                          time_ns=time.time_ns(), hostname="sandbox", sandbox_id="sbx_test")
 
     def close(self) -> None:
         self.sock.close()
@@ -208,7 +243,8 @@ def test_attach_sees_qemu_before_the_guest_runs_and_qemu_keeps_the_netns(
     subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
     cgroup.mkdir()
     seen: list[tuple[int, bool]] = []
-    serial = tmp_path / "run" / "serial.log"
+    run = tmp_path / "run,with,commas"  # QEMU's option syntax: escaped, not split
+    serial = run / "serial.log"
 
     def attach(pid: int) -> None:
         # The guest has not run: no kernel line on its console yet.
@@ -216,7 +252,7 @@ def test_attach_sees_qemu_before_the_guest_runs_and_qemu_keeps_the_netns(
         (cgroup / "cgroup.procs").write_text(str(pid))
 
     try:
-        cfg = replace(config(kernel, image, accel, tmp_path / "run", ids),
+        cfg = replace(config(kernel, image, accel, run, ids),
                       netns=Path("/run/netns") / name, attach=attach)
         deadline = time.monotonic() + BOOT_S
         vm = Vm.boot(cfg, deadline)
@@ -258,9 +294,10 @@ def test_workspace_chain_seals_offline_and_live(
     assert (top.stat().st_uid, top.stat().st_mode & 0o777) == (ids[0], 0o600)
     vm, agent, _ = cold(kernel, image, accel, tmp_path / "run", ids, vms, top=top,
                         backing=(base,))
-    code, out = agent.run("mount /dev/vdb /workspace && stat -c %u /workspace && "
-                          "echo one > /workspace/a && umount /workspace")
+    agent.mount(fresh=True)
+    code, out = agent.run("stat -c %u /workspace && echo one > /workspace/a")
     assert (code, out.split()) == (0, ["1000"])
+    agent.unmount()
     agent.close()
     vm.quit(time.monotonic() + 10)
 
@@ -271,8 +308,8 @@ def test_workspace_chain_seals_offline_and_live(
 
     vm, agent, _ = cold(kernel, image, accel, tmp_path / "run", ids, vms, top=top,
                         backing=(layer1, base))
-    code, out = agent.run("mount /dev/vdb /workspace && cat /workspace/a && "
-                          "echo two > /workspace/b && sync")
+    agent.mount()
+    code, out = agent.run("cat /workspace/a && echo two > /workspace/b && sync")
     assert (code, out) == (0, "one\n")
     # Live: the guest pauses, the new top goes over the running one, the guest continues.
     deadline = time.monotonic() + 30
@@ -281,8 +318,9 @@ def test_workspace_chain_seals_offline_and_live(
     vm.pause(deadline)
     vm.seal_live(new_top, layer2, deadline)
     vm.cont(deadline)
-    code, out = agent.run("echo three > /workspace/c && cat /workspace/b && umount /workspace")
+    code, out = agent.run("echo three > /workspace/c && cat /workspace/b")
     assert (code, out) == (0, "two\n")
+    agent.unmount()
     agent.close()
     vm.quit(time.monotonic() + 10)
     # The old top is the layer now; the new top names it by the layer's path.
@@ -313,9 +351,10 @@ def test_warm_restore_is_faster_and_shares_memory(
         started = time.monotonic()
         deadline = started + 60
         vm = Vm.restore_warm(config(kernel, image, accel, tmp_path / f"run{n}", ids, top=top,
-                                    backing=(base,)), snap.ram, snap.state, deadline)
+                                    backing=(base,)), snap, deadline)
         vms.append(vm)
         agent = Agent(vm, deadline)
+        agent.resume()
         code, out = agent.run("cat /sys/block/vdb/size; uname -r", deadline_s=30)
         restores.append(time.monotonic() - started)
         agents.append(agent)
@@ -323,9 +362,9 @@ def test_warm_restore_is_faster_and_shares_memory(
         assert (code, out.split()) == (0, [str(WORKSPACE_BYTES // 512), kernel.release])
         # What the agent's `resume` does (contract: BLKFLSBUF), then its `mount`: the guest
         # sees the sandbox's filesystem, not the placeholder's (16 MiB) it probed when warm.
-        code, out = agent.run("blockdev --flushbufs /dev/vdb && mount /dev/vdb /workspace && "
-                              "ls /workspace && df -k --output=size /workspace | tail -1 && "
-                              "umount /workspace")
+        agent.mount(fresh=True)
+        code, out = agent.run("ls /workspace && df -k --output=size /workspace | tail -1")
+        agent.unmount()
         assert code == 0 and out.split()[0] == "lost+found"
         assert int(out.split()[1]) > (WORKSPACE_BYTES >> 10) * 3 // 4
     time.sleep(1)  # idle
@@ -349,10 +388,11 @@ def test_memory_snapshot_with_its_disk_layer_restores_into_two_vms(
     top = disk.create_top(tmp_path / "top.qcow2", base, uid=ids[0], gid=ids[1])
     vm, agent, _ = cold(kernel, image, accel, tmp_path / "run", ids, vms, top=top,
                         backing=(base,))
-    # State in guest RAM (/run is tmpfs) and in the mounted workspace, not synced: the dirty
+    # State in guest RAM (/dev/shm is tmpfs) and in the mounted workspace, not synced: the dirty
     # pages are in the memory image, the rest in the layer, both of one instant.
-    code, token = agent.run("mount /dev/vdb /workspace && head -c 8 /dev/urandom | od -An "
-                            "-tx1 | tr -d ' \\n' | tee /run/token /workspace/token")
+    agent.mount(fresh=True)
+    code, token = agent.run("head -c 8 /dev/urandom | od -An -tx1 | tr -d ' \\n' | "
+                            "tee /dev/shm/token /workspace/token")
     assert code == 0 and len(token) == 16
     deadline = time.monotonic() + 60
     layer = tmp_path / "layer.qcow2"
@@ -368,7 +408,7 @@ def test_memory_snapshot_with_its_disk_layer_restores_into_two_vms(
     os.chown(layer, 0, 0)
     os.chmod(layer, 0o644)
     assert (memory.stat().st_uid, memory.stat().st_mode & 0o777) == (0, 0o644)
-    assert agent.run("cat /run/token; echo more >> /workspace/token") == (0, token)
+    assert agent.run("cat /dev/shm/token; echo more >> /workspace/token") == (0, token)
     assert disk.chain(layer)[0]["backing-filename"] == str(base)
     agent.close()
     vm.quit(time.monotonic() + 10)
@@ -383,16 +423,16 @@ def test_memory_snapshot_with_its_disk_layer_restores_into_two_vms(
         vms.append(child)
         child_agent = Agent(child, started + 60)
         # Both from the one instant: what the source wrote after it is in neither.
-        assert child_agent.run("cat /run/token; echo; cat /workspace/token") == (
+        assert child_agent.run("cat /dev/shm/token; echo; cat /workspace/token") == (
             0, f"{token}\n{token}")
         print(f"memory restore {n} to agent answering: "
               f"{(time.monotonic() - started) * 1000:.0f} ms")
         children.append(child_agent)
     for n, child_agent in enumerate(children):
-        assert child_agent.run(f"echo {n} >> /run/token; echo {n} >> /workspace/token; "
+        assert child_agent.run(f"echo {n} >> /dev/shm/token; echo {n} >> /workspace/token; "
                                "sync")[0] == 0
     for n, child_agent in enumerate(children):
-        assert child_agent.run("cat /run/token /workspace/token") == (
+        assert child_agent.run("cat /dev/shm/token /workspace/token") == (
             0, f"{token}{n}\n{token}{n}\n")
         child_agent.close()
 
@@ -411,8 +451,24 @@ def test_a_paused_or_dead_qemu_fails_every_wait_at_once(
     agent.close()
     vm.kill()
 
-    # The guest's agent dies: init powers the guest off and QEMU exits (-no-reboot).
+    # QEMU dies (a crash, the OOM killer) while a command runs: the wait ends at once.
     vm, agent, _ = cold(kernel, image, accel, tmp_path / "run2", ids, vms)
+    killer = threading.Timer(0.5, os.kill, (vm.pid, signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(BackendError, match="QEMU exited|channel closed"):
+            agent.run("sleep 30", deadline_s=60)
+    finally:
+        killer.cancel()
+    assert time.monotonic() - started < 5
+    agent.close()
+    vm.kill()
+
+    if contract_agent():
+        return  # commands cannot reach the agent (their own PID namespace, uid 1000)
+    # The guest's agent dies: init powers the guest off and QEMU exits (-no-reboot).
+    vm, agent, _ = cold(kernel, image, accel, tmp_path / "run3", ids, vms)
     started = time.monotonic()
     with pytest.raises(BackendError, match="serial log tail") as caught:
         agent.run("kill -9 $PPID; sleep 30", deadline_s=60)
@@ -437,6 +493,22 @@ def test_bad_inputs_say_what_to_do(tmp_path: Path, accel: Accel) -> None:
     with pytest.raises(UsageError, match="too long"):
         Vm.boot(VmConfig(kernel=Path("/k"), root_image=Path("/r"), accel=accel,
                          run_dir=tmp_path / ("x" * 120)), time.monotonic() + 5)
+
+
+def test_a_deep_chain_is_squashed_when_sealed(tmp_path: Path) -> None:
+    if shutil.which("qemu-img") is None:
+        pytest.skip("qemu-img is not installed (scripts/bootstrap installs it)")
+    base = disk.base_disk(16 << 20, tmp_path / "disks")
+    top = disk.create_top(tmp_path / "top.qcow2", base, uid=1000, gid=1000)
+    depths = []
+    for n in range(disk.MAX_DEPTH + 2):
+        disk.seal(top, tmp_path / f"layer{n}.qcow2", uid=1000, gid=1000)
+        depths.append(len(disk.chain(top)))
+    assert max(depths) == disk.MAX_DEPTH + 1
+    assert depths[-1] < disk.MAX_DEPTH  # squashed: the chain restarted from one layer
+    assert (top.stat().st_uid, top.stat().st_mode & 0o777) == (1000, 0o600)
+    with pytest.raises(BackendError, match="exists already"):
+        disk.seal(top, tmp_path / "layer0.qcow2", uid=1000, gid=1000)
 
 
 def test_the_guest_clock_comes_from_the_hosts_invariant_tsc(tmp_path: Path) -> None:

@@ -7,8 +7,10 @@
  * -no-reboot, so a reboot ends QEMU) rather than leave a half-set-up guest for the host to wait
  * on: the host sees QEMU exit at once and reports the serial log's tail.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <time.h>
 #include <net/if.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -78,6 +80,40 @@ static void loopback_up(void) {
     close(sock);
 }
 
+/* There is no udev: make /dev/virtio-ports/<name> -> ../vportNpM, as udev's rule would. The
+ * port's name arrives from QEMU a moment after the device is probed, so wait for the agent's
+ * (bounded: without it the agent reports the missing channel and the guest powers off). */
+static void name_virtio_ports(void) {
+    mkdir("/dev/virtio-ports", 0755);
+    for (int tries = 0; tries < 2000; tries++) {  /* 2000 x 5 ms = 10 s */
+        int found = 0;
+        DIR *dir = opendir("/sys/class/virtio-ports");
+        struct dirent *entry;
+        while (dir && (entry = readdir(dir)) != NULL) {
+            if (entry->d_name[0] == '.') continue;
+            char path[512], name[256], link[512], target[300];
+            snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/name", entry->d_name);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) continue;
+            ssize_t n = read(fd, name, sizeof name - 1);
+            close(fd);
+            if (n <= 0) continue;
+            name[n] = 0;
+            name[strcspn(name, "\n")] = 0;
+            if (!name[0] || strchr(name, '/') || name[0] == '.') continue;
+            snprintf(link, sizeof link, "/dev/virtio-ports/%s", name);
+            snprintf(target, sizeof target, "../%s", entry->d_name);
+            if (symlink(target, link) != 0 && errno != EEXIST) die("symlink a virtio port");
+            if (strcmp(name, "corral.agent") == 0) found = 1;
+        }
+        if (dir) closedir(dir);
+        if (found) return;
+        struct timespec pause = {0, 5 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+    }
+    fprintf(stderr, "corral-init: no virtio port named corral.agent after 10 s\n");
+}
+
 int main(void) {
     /* The OOM killer inside the guest must pick a command, never init or the agent (the agent
      * inherits this across fork and exec; run.c raises it again for commands). */
@@ -99,6 +135,7 @@ int main(void) {
     mount_or_die("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "size=8m,mode=0755");
     loopback_up();
     sethostname("sandbox", 7);
+    name_virtio_ports();
 
     pid_t agent = fork();
     if (agent < 0) die("fork");

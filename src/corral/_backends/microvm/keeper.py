@@ -412,6 +412,12 @@ class Keeper:
                 return
 
 
+@dataclass(frozen=True, slots=True)
+class _Warm:
+    ram: Path
+    state: Path
+
+
 def _start_vm(run_dir: Path, config: KeeperConfig) -> tuple[Any, socket.socket]:
     """Launch QEMU for ``config`` and connect to its agent (a cold boot waits for the agent's
     ready line; a restored guest's agent is already running and is told to ``resume``)."""
@@ -437,7 +443,8 @@ def _start_vm(run_dir: Path, config: KeeperConfig) -> tuple[Any, socket.socket]:
     if config.mode == "cold":
         vm = Vm.boot(vm_config, deadline)
     elif config.mode == "warm":
-        vm = Vm.restore_warm(vm_config, Path(config.warm_ram), Path(config.warm_state), deadline)
+        vm = Vm.restore_warm(vm_config, _Warm(Path(config.warm_ram), Path(config.warm_state)),
+                             deadline)
     else:
         vm = Vm.restore_memory(vm_config, Path(config.memory_image), deadline)
     try:

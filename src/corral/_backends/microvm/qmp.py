@@ -33,7 +33,10 @@ class Qmp:
         self._sock = _connect(path, deadline, alive)
         self._file = self._sock.makefile("rwb", buffering=0)
         self._lock = threading.Lock()
-        self._replies: list[dict[str, Any]] = []
+        # Replies by the id we sent: a late reply to a command that timed out, or one for
+        # another thread's command, is never taken for the wrong one.
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._next_id = 1
         self._cond = threading.Condition(self._lock)
         self.fatal: str | None = None
         # STOP events our own `stop` commands cause: not a sign of a hang.
@@ -65,8 +68,8 @@ class Qmp:
                     elif event in _FATAL and self.fatal is None:
                         data = message.get("data") or {}
                         self.fatal = f"{event} {json.dumps(data)}" if data else str(event)
-                    elif event is None:
-                        self._replies.append(message)
+                    elif event is None and isinstance(message.get("id"), int):
+                        self._replies[message["id"]] = message
                     self._cond.notify_all()
         except (OSError, ValueError):
             pass
@@ -77,21 +80,21 @@ class Qmp:
 
     def command(self, name: str, *, deadline: float, **arguments: Any) -> dict[str, Any]:
         """Run one QMP command; its ``return`` value, or BackendError on error or deadline."""
-        request: dict[str, Any] = {"execute": name}
-        if arguments:
-            request["arguments"] = arguments
         with self._cond:
-            self._replies.clear()
+            rid, self._next_id = self._next_id, self._next_id + 1
+            request: dict[str, Any] = {"execute": name, "id": rid}
+            if arguments:
+                request["arguments"] = arguments
             if name == "stop":
                 self._expected_stops += 1
             self._file.write(json.dumps(request).encode() + b"\n")
-            while not self._replies:
+            while rid not in self._replies:
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.fatal and "closed" in self.fatal):
                     raise BackendError(f"QEMU did not answer QMP {name} "
                                        f"({self.fatal or 'deadline passed'})")
                 self._cond.wait(min(left, 0.2))
-            reply = self._replies.pop(0)
+            reply = self._replies.pop(rid)
         if "error" in reply:
             if name == "stop":
                 with self._cond:

@@ -31,13 +31,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import BackendError, BackendUnavailable, UsageError
 from .accel import Accel
 from .qmp import Qmp
 
-__all__ = ["QEMU", "Vm", "VmConfig", "VmState", "kernel_cmdline", "tsc_khz"]
+__all__ = ["QEMU", "Vm", "VmConfig", "VmState", "WarmFiles", "kernel_cmdline", "tsc_khz"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ QEMU = "qemu-system-x86_64"
 _CHANNEL = "corral.agent"
 _SERIAL_TAIL = 25
 _TCG_TB_MIB = 32
+_QMP_DEFAULT_S = 30.0  # for QMP commands that take no time of their own
 _SUN_PATH_MAX = 108  # sockaddr_un.sun_path, with its terminating NUL
 _HZ = 100  # the guest kernel's CONFIG_HZ (guest.config)
 # Library and firmware directories QEMU reads from (bound read-only; /usr/share/qemu has the
@@ -127,6 +128,15 @@ class VmConfig:
     work_dir: Path | None = None
 
 
+class WarmFiles(Protocol):
+    """What a restore needs of a warm snapshot (``warm.WarmSnapshot``)."""
+
+    @property
+    def ram(self) -> Path: ...
+    @property
+    def state(self) -> Path: ...
+
+
 class VmState(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
@@ -156,6 +166,11 @@ def _files(run_dir: Path) -> _Files:
                   serial=run_dir / "serial.log")
 
 
+def _opt(path: Path) -> str:
+    # QEMU's option syntax splits on commas; a literal comma is written twice.
+    return str(path).replace(",", ",,")
+
+
 def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool) -> list[str]:
     machine = "microvm,acpi=off,x-option-roms=off"
     argv = [QEMU, "-nodefaults", "-no-user-config", "-nic", "none", "-display", "none",
@@ -169,27 +184,27 @@ def _qemu_argv(config: VmConfig, files: _Files, memory: _Memory, incoming: bool)
         assert memory.path is not None
         opts = {"share": "share=on", "template": "readonly=on,rom=off,share=off"}[memory.mode]
         argv += ["-object", f"memory-backend-file,id=ram,size={config.memory_mib}M,"
-                            f"mem-path={memory.path},{opts}"]
+                            f"mem-path={_opt(memory.path)},{opts}"]
     machine += ",memory-backend=ram"
     argv += [
         "-M", machine,
         "-kernel", str(config.kernel),
         "-append", kernel_cmdline(tsc_khz(), config.cmdline_extra),
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-        "-chardev", f"file,id=serial,path={files.serial}", "-serial", "chardev:serial",
-        "-qmp", f"unix:{files.qmp},server=on,wait=off",
+        "-chardev", f"file,id=serial,path={_opt(files.serial)}", "-serial", "chardev:serial",
+        "-qmp", f"unix:{_opt(files.qmp)},server=on,wait=off",
         # No pvpanic device (it needs ACPI to be found): a guest panic reboots (panic=-1) and
         # -no-reboot turns that into QEMU's exit, which every wait sees at once.
         "-device", "virtio-rng-device",
         "-device", "virtio-serial-device",
-        "-chardev", f"socket,id=agent,path={files.channel},server=on,wait=off",
+        "-chardev", f"socket,id=agent,path={_opt(files.channel)},server=on,wait=off",
         "-device", f"virtserialport,chardev=agent,name={_CHANNEL}",
         # vda: the template root, never written by anyone.
-        "-drive", f"file={config.root_image},if=none,id=root,format=raw,readonly=on",
+        "-drive", f"file={_opt(config.root_image)},if=none,id=root,format=raw,readonly=on",
         "-device", "virtio-blk-device,drive=root",
     ]
     if config.top_disk is not None:
-        argv += ["-drive", f"file={config.top_disk},if=none,id=ws,format=qcow2,discard=unmap",
+        argv += ["-drive", f"file={_opt(config.top_disk)},if=none,id=ws,format=qcow2,discard=unmap",
                  "-device", "virtio-blk-device,drive=ws"]
     argv += ["-incoming", "defer"] if incoming else ["-S"]
     return argv
@@ -241,7 +256,11 @@ def _bwrap_argv(config: VmConfig, memory: _Memory, info_fd: int) -> list[str]:
     for path in read_only:
         argv += ["--ro-bind", str(path), str(path)]
     argv += ["--chdir", str(config.run_dir)]
-    argv += ["--", setpriv, f"--reuid={config.uid}", f"--regid={config.gid}", "--clear-groups",
+    # /dev/kvm is usually root:kvm 0660: with hardware KVM the one supplementary group QEMU
+    # keeps is the device's, so it can open it and nothing else that group could.
+    groups = (["--groups", str(os.stat("/dev/kvm").st_gid)] if config.accel.name == "kvm"
+              else ["--clear-groups"])
+    argv += ["--", setpriv, f"--reuid={config.uid}", f"--regid={config.gid}", *groups,
              "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
     return argv
 
@@ -288,14 +307,14 @@ class Vm:
         return vm
 
     @classmethod
-    def restore_warm(cls, config: VmConfig, ram: Path, state: Path, deadline: float) -> Vm:
-        """Start from a warm snapshot: ``ram`` mapped read-only and private (pages shared with
-        every other VM restored from it until written), ``state`` the device state saved with
-        ``x-ignore-shared``."""
-        vm = cls(config, _Memory(ram, "template", [state]))
+    def restore_warm(cls, config: VmConfig, warm: WarmFiles, deadline: float) -> Vm:
+        """Start from a warm snapshot (``warm.WarmSnapshot``): its RAM file mapped read-only and
+        private (pages shared with every other VM restored from it until written), its device
+        state saved with ``x-ignore-shared``."""
+        vm = cls(config, _Memory(warm.ram, "template", [warm.state]))
         with vm._cleanup_on_error():
             vm._launch(incoming=True, deadline=deadline)
-            vm._incoming(state, deadline, ignore_shared=True)
+            vm._incoming(warm.state, deadline, ignore_shared=True)
             if config.top_disk is not None:
                 vm._announce_disk_size(deadline)
         return vm
@@ -511,12 +530,16 @@ class Vm:
 
     # -- while it runs ------------------------------------------------------------------------
 
-    def pause(self, deadline: float) -> None:
+    def pause(self, deadline: float | None = None) -> None:
+        """Stop the guest's vCPUs (a no-op when stopped)."""
+        deadline = _default(deadline)
         if self._status(deadline) == "running":
             self._qmp_cmd("stop", deadline)
         self.state = VmState.PAUSED
 
-    def cont(self, deadline: float) -> None:
+    def cont(self, deadline: float | None = None) -> None:
+        """Run the guest's vCPUs again (a no-op when running)."""
+        deadline = _default(deadline)
         if self._status(deadline) != "running":
             self._qmp_cmd("cont", deadline)
         self.state = VmState.RUNNING
@@ -598,8 +621,9 @@ class Vm:
 
     # -- ending -------------------------------------------------------------------------------
 
-    def quit(self, deadline: float) -> None:
+    def quit(self, deadline: float | None = None) -> None:
         """Ask QEMU to exit; kill it if it does not by the deadline."""
+        deadline = _default(deadline)
         if self._proc is not None and self._proc.poll() is None and self._qmp is not None:
             with contextlib.suppress(BackendError):
                 self._qmp.command("quit", deadline=deadline)
@@ -646,6 +670,10 @@ class Vm:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def _default(deadline: float | None) -> float:
+    return time.monotonic() + _QMP_DEFAULT_S if deadline is None else deadline
 
 
 def _alive(pid: int) -> bool:

@@ -136,6 +136,10 @@ def warm_snapshot(kernel: GuestKernel, root_image: RootImage, memory_mib: int, c
                 ready = vm.read_line(sock, bytearray(), deadline, "the agent's ready line")
                 if "ready" not in ready:
                     raise BackendError(f"the guest agent's first line was not ready: {ready}")
+                # Saved with the host still connected: a restored agent sees no hang-up, so
+                # it answers the host's first request (`resume`) at once. (Hung up first, the
+                # agent would resend `ready` on the next connection, but only after its
+                # hang-up poll notices: measured 1.3 s after a restore against 0.4 s.)
                 state = work / "state"
                 vm.save_memory(state, deadline, ignore_shared=True)
             finally:
