@@ -33,7 +33,8 @@ BUILTIN_SPECS: dict[str, TemplateSpec] = {
     "microvm-base": TemplateSpec(
         name="microvm-base",
         description="The microVM tier's base root: python3, requests, curl, procps, iproute2",
-        packages=("bash", "ca-certificates", "coreutils", "curl", "iproute2", "mount", "procps",
-                  "python3", "python3-requests", "strace", "util-linux"),
+        # bubblewrap: the isolation suite probes user namespaces with it, as an attacker would.
+        packages=("bash", "bubblewrap", "ca-certificates", "coreutils", "curl", "iproute2",
+                  "mount", "procps", "python3", "python3-requests", "strace", "util-linux"),
     ),
 }

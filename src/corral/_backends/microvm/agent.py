@@ -42,6 +42,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import posixpath
@@ -803,6 +804,7 @@ class Command:
     done: threading.Event = field(default_factory=threading.Event)
     listener: socket.socket | None = None
     conns: set[int] = field(default_factory=set)
+    tag: str | None = None  # the host's command id: a kill from another host process names it
 
     def close_fds(self) -> None:
         """Close stdin and the PTY; only ever run on the stdin lane."""
@@ -1023,6 +1025,30 @@ class Agent:
             raise AgentError("protocol", "exec: 'egress_port' must be null or a TCP port")
         return argv, cwd, env
 
+    def _seccomp_file(self, request: Message) -> str:
+        """The file of the exec's syscall filter (the other tiers' own, compiled by the host),
+        written once per distinct program; "-" only in the host-side test mode."""
+        program = request.get("seccomp")
+        if program is None:
+            if self.config.strict:
+                raise AgentError("protocol", "exec: 'seccomp' (the syscall filter) is required")
+            return "-"
+        try:
+            data = base64.b64decode(program if isinstance(program, str) else "!", validate=True)
+        except (binascii.Error, ValueError):
+            raise AgentError("protocol", "exec: 'seccomp' must be base64") from None
+        if not data or len(data) % 8 or len(data) > 65536:
+            raise AgentError("protocol", "exec: 'seccomp' is not a BPF program")
+        path = f"/run/corral/seccomp-{hashlib.sha256(data).hexdigest()[:16]}.bpf"
+        if not os.path.exists(path):
+            os.makedirs("/run/corral", mode=0o755, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        return path
+
     def _host_cwd(self, cwd: str) -> str:
         """The guest's own path; in test mode /workspace is the override directory."""
         normal = posixpath.normpath(cwd)
@@ -1069,7 +1095,8 @@ class Agent:
                 outputs = [("stdout", out_r), ("stderr", err_r)]
             run_argv = [self.config.run, cgroup, self._host_cwd(cwd),
                         str(request["tmp_bytes"]), str(info_w), str(status_w),
-                        "1" if pty is not None else "0", "--", *argv]
+                        "1" if pty is not None else "0", self._seccomp_file(request),
+                        "--", *argv]
             try:
                 proc = subprocess.Popen(run_argv, env=env, stdin=stdio[0], stdout=stdio[1],
                                         stderr=stdio[2], pass_fds=(info_w, status_w))
@@ -1080,8 +1107,10 @@ class Agent:
             child_fds = []
             self._await_start(proc, info_r, cgroup, argv[0], cwd, deadline)
             leader = self._command_pid(cgroup)
+            tag = request.get("tag")
             command = Command(rid, cgroup, proc, leader or proc.pid, leader, master=master,
-                              stdin=stdin_w if pty is None else master)
+                              stdin=stdin_w if pty is None else master,
+                              tag=tag if isinstance(tag, str) else None)
             if master is not None or stdin_w is not None:
                 # The lane owns these descriptors from here: it closes them after its last
                 # write, so no op can reach a number the kernel has handed out again.
@@ -1252,8 +1281,10 @@ class Agent:
         _log(f"cannot remove cgroup {path}")
 
     def running(self, request: Message) -> Command | None:
-        target = request.get("target")
+        target, tag = request.get("target"), request.get("tag")
         with self.lock:
+            if isinstance(tag, str):
+                return next((c for c in self.commands.values() if c.tag == tag), None)
             return self.commands.get(target) if isinstance(target, int) else None
 
     # -- egress tunnel

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -422,6 +423,8 @@ class MicrovmBackend(HostBackedBackend):
             "memory_bytes": spec.tier.memory_bytes,
             "egress_port": int(proxy.group(1)) if proxy else None,
             "tag": request.command_id or None,
+            # The other tiers' syscall filter, installed by the guest's launcher before execve.
+            "seccomp": _seccomp_program(),
         }
         started = time.monotonic()
         exec_id, events = client.start_exec(fields)
@@ -646,6 +649,14 @@ class MicrovmBackend(HostBackedBackend):
             self._clients.clear()
         for client in clients:
             client.close()
+
+
+@functools.cache
+def _seccomp_program() -> str:
+    from .._linux.seccomp import compile_filter
+    from .wire import b64
+
+    return b64(compile_filter())
 
 
 def _read(path: Path) -> str:
