@@ -33,6 +33,19 @@ runsc 20240729, other test suites running alongside; ``bench/bench_gvisor.py`` r
   filter is wider (socket calls reach the host kernel, confined to that namespace). Raw and
   packet sockets stay off (``--net-raw=false``) and netlink is refused by the command's filter.
 * **Platform: systrap** (see ``runsc``); KVM is not available on the development machines.
+
+Issue 14 ("the gVisor tier made fast") is measured but not built yet. Measured 2026-12-01, same
+run (``bench/bench_gvisor.py --runs 8``, p50): ``runsc do true`` 158 ms, bare ``runsc run`` 182 ms,
+a Corral gVisor command 188 ms, create + first command 204 ms, a namespace-tier command 16 ms.
+By hand, in a long-lived sandbox (``runsc create`` ~110 ms + ``start`` ~95 ms): ``runsc exec
+true`` 23-38 ms (first 89 ms). So ``runsc exec`` alone cannot meet "within 1.5x of the namespace
+tier" (~25 ms); that needs a helper started once inside the sandbox. What ``runsc exec`` loses
+and a design must add back: the exec'd process reported ``Seccomp: 0`` in gVisor's
+``/proc/self/status`` (the OCI filter may not cover exec'd processes: verify before relying on
+it); all commands share one mount namespace (no per-command ``/tmp``), one PID namespace and
+the sandbox cgroup (per-command usage and OOM need the Sentry's own accounting, and a command's
+tree must be killed from inside, e.g. as one subcontainer each). ``runsc create`` must not get a
+pipe as stdout: the sandbox inherits it and the caller waits for EOF forever.
 """
 
 from __future__ import annotations
