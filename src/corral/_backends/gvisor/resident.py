@@ -1,0 +1,173 @@
+"""A long-lived gVisor sandbox with the in-sandbox helper (``inside``): issue 14's prototype.
+
+Not wired into ``GvisorBackend.exec`` (see the backend's docstring for what is left); the bench
+(``bench/bench_gvisor.py``, series ``resident_command``) and ``tests/integration/
+test_gvisor_resident.py`` drive it directly, to measure the design and to hold the
+per-command guarantees it already keeps (filter, identity, own ``/tmp``, tree killed).
+
+One ``runsc run`` per resident sandbox, attached, with the helper as the container's init and
+runsc's stdin/stdout as the helper's channel (``runsc create`` cannot be given pipes: the
+sandbox inherits them and ``create`` waits for their EOF). ``setpriv --pdeathsig KILL`` ties
+runsc to the thread that spawned it (the spawner thread lives as long as Corral), and the
+Sentry dies with runsc, so a resident sandbox never outlives its Corral process.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import json
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ...errors import BackendError
+from .._linux.seccomp import compile_filter
+from .bundle import write_config
+from .runsc import Runsc
+
+__all__ = ["Resident", "ResidentResult", "helper_config"]
+
+_HELPER_SOURCE = (Path(__file__).with_name("inside.py")).read_text()
+# Inside gVisor's kernel only (the Sentry is the runtime uid on the host): enough to give each
+# command its own mount and PID namespace and to drop to 1000 (SETPCAP: to empty the bounding set).
+_HELPER_CAPS = ["CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_SYS_ADMIN"]
+_START_TIMEOUT_S = 20.0
+
+
+def helper_config(command_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The resident sandbox's spec: a command's spec (``bundle.build_config``) whose process is
+    the helper, as root inside with ``_HELPER_CAPS``. The OCI seccomp profile is dropped: it
+    would forbid the helper's ``unshare`` and ``mount``; the helper installs the namespace
+    tier's filter into every command itself, right before exec."""
+    config = copy.deepcopy(dict(command_config))
+    process = config["process"]
+    process["args"] = ["python3", "-I", "-S", "-c", _HELPER_SOURCE]
+    process["env"] = ["PATH=/usr/bin:/bin"]
+    process["cwd"] = "/"
+    process["user"] = {"uid": 0, "gid": 0}
+    process["terminal"] = False
+    process["capabilities"] = {kind: list(_HELPER_CAPS) for kind in (
+        "bounding", "effective", "permitted")} | {"inheritable": [], "ambient": []}
+    process["rlimits"] = [r for r in process["rlimits"] if r["type"] != "RLIMIT_NPROC"]
+    config["linux"].pop("seccomp", None)
+    return config
+
+
+@dataclass(slots=True)
+class ResidentResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    cpu_s: float
+    peak_rss_bytes: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    done: threading.Event = field(default_factory=threading.Event)
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    reply: dict[str, Any] | None = None
+
+
+class Resident:
+    """One running helper sandbox. Thread-safe: commands may run concurrently."""
+
+    def __init__(self, runsc: Runsc, bundle: Path, container_id: str,
+                 config: Mapping[str, Any], spawn: Callable[[list[str]], subprocess.Popen[bytes]]
+                 ) -> None:
+        self._runsc = runsc
+        self._bundle = bundle
+        self._container_id = container_id
+        write_config(bundle, helper_config(config))
+        argv = ["setpriv", "--pdeathsig", "KILL", "--",
+                *runsc.run_argv(bundle=bundle, container_id=container_id)]
+        self._proc = spawn(argv)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._stdin: IO[bytes] = self._proc.stdin
+        self._stdout: IO[bytes] = self._proc.stdout
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next = 1
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="corral-resident", daemon=True)
+        self._reader.start()
+        self._send({"filter": base64.b64encode(compile_filter()).decode()})
+        if not self._ready.wait(_START_TIMEOUT_S):
+            self.close()
+            raise BackendError("the resident gVisor sandbox did not start: "
+                               f"{runsc.error_of(bundle) or 'no answer from its helper'}")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _send(self, message: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._stdin.write(json.dumps(message).encode() + b"\n")
+            self._stdin.flush()
+
+    def _read(self) -> None:
+        for line in self._stdout:
+            message = json.loads(line)
+            if message.get("ready"):
+                self._ready.set()
+                continue
+            pending = self._pending.get(message.get("id", -1))
+            if pending is None:
+                continue
+            if "out" in message:
+                target = pending.stdout if message["out"] == "stdout" else pending.stderr
+                target += base64.b64decode(message["data"])
+            else:
+                pending.reply = message
+                pending.done.set()
+        for pending in list(self._pending.values()):  # the sandbox died: nobody will answer
+            pending.done.set()
+
+    def run(self, argv: list[str], *, env: Mapping[str, str], cwd: str = "/workspace",
+            tmp_bytes: int = 64 << 20, nproc: int = 128, timeout: float = 30.0
+            ) -> ResidentResult:
+        with self._lock:
+            command_id = self._next
+            self._next += 1
+        pending = self._pending[command_id] = _Pending()
+        try:
+            self._send({"id": command_id, "op": "exec", "argv": argv, "env": dict(env),
+                        "cwd": cwd, "tmp_bytes": tmp_bytes, "nproc": nproc})
+            if not pending.done.wait(timeout):
+                self._send({"id": -command_id, "op": "kill", "target": command_id})
+                pending.done.wait(_START_TIMEOUT_S)
+            reply = pending.reply
+        finally:
+            del self._pending[command_id]
+        if reply is None:
+            raise BackendError("the resident gVisor sandbox died: "
+                               f"{self._runsc.error_of(self._bundle) or 'no reason logged'}")
+        if "error" in reply:
+            raise BackendError(f"the command could not start: {reply['error']}")
+        result = reply["exit"]
+        return ResidentResult(exit_code=int(result["code"]), stdout=bytes(pending.stdout),
+                              stderr=bytes(pending.stderr), cpu_s=float(result["cpu_s"]),
+                              peak_rss_bytes=int(result["peak_rss_bytes"]))
+
+    def close(self) -> None:
+        """Stop the sandbox: EOF to the helper (it kills its commands and exits), then runsc
+        is killed if it lingers; its state and bundle are removed."""
+        with contextlib.suppress(OSError, ValueError):
+            self._stdin.close()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=5)
+        self._reader.join(timeout=5)
+        self._stdout.close()
+        self._runsc.remove_state(self._container_id)
+        shutil.rmtree(self._bundle, ignore_errors=True)

@@ -1,0 +1,136 @@
+"""The resident gVisor sandbox (``gvisor.resident`` + ``gvisor.inside``, issue 14's prototype):
+one long-lived ``runsc run`` per sandbox, commands through the in-sandbox helper.
+
+Not wired into the tier yet; these tests hold what the prototype already keeps of the
+per-command guarantees, in a real gVisor sandbox built on a real Corral sandbox's pieces
+(network namespace, workspace, rootfs): every command filtered and unprivileged, its own
+``/tmp`` and PID namespace, its tree gone on return and on timeout. Bounded: a timeout on every
+command, one resident sandbox per test, closed and checked for leftovers afterwards.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral._backends.gvisor import GvisorBackend
+from corral._backends.gvisor.bundle import build_config, runtime_uid
+from corral._backends.gvisor.launcher import reap_orphans
+from corral._backends.gvisor.resident import Resident
+from corral._control.manager import Manager
+from corral._core.privileged import privileged_env
+from corral._core.resources import get_tier
+from corral._settings import Settings
+from corral.backends import SandboxSpec
+
+from .hostprocs import host_procs_of_uid
+
+pytestmark = pytest.mark.needs_root
+
+_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/workspace"}
+# gVisor's view of the process asking: its filter mode, no_new_privs (gVisor's status file
+# lacks the line: PR_GET_NO_NEW_PRIVS), capabilities, ids, and whether unshare(CLONE_NEWUSER),
+# refused by Corral's filter, goes through.
+_PROBE = ("import ctypes,os;l=ctypes.CDLL(None,use_errno=True);r=l.unshare(0x10000000);"
+          "s=dict(x.split(':\\t',1) for x in open('/proc/self/status').read().splitlines());"
+          "print(s['Seccomp'], l.prctl(39, 0, 0, 0, 0), s['CapEff'], s['CapBnd'], os.getuid(), "
+          "os.getgid(), 'allowed' if r == 0 else 'refused')")
+
+
+@pytest.fixture(scope="module")
+def backend(settings: Settings, manager: Manager,
+            gvisor_problems: list[str]) -> Iterator[GvisorBackend]:
+    if gvisor_problems:
+        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    gvisor = GvisorBackend(settings)
+    yield gvisor
+    gvisor.remove_instance()
+    gvisor.close()
+
+
+@pytest.fixture
+def resident(backend: GvisorBackend, settings: Settings) -> Iterator[tuple[Resident, Path]]:
+    """A resident sandbox on a fresh Corral sandbox's pieces; (resident, host workspace)."""
+    uid = settings.uid_start + settings.uid_count - 40 - secrets.randbelow(20)
+    spec = SandboxSpec(id=f"sbx_gr{secrets.token_hex(5)}", uid=uid, template="base",
+                       tier=get_tier("small"))
+    backend.create(spec)
+    launcher = backend._ready()
+    workspace = backend._ensure_runtime(spec)
+    template = backend._template(spec.template)
+    netns_path = backend._netns_path(spec.id)
+    config = build_config(
+        rootfs=backend._rootfs_for(template), template=template, workspace=workspace,
+        netns=netns_path, uid=uid, argv=["true"], cwd="/workspace", env=_ENV,
+        tmp_bytes=spec.tier.tmp_bytes, pids=spec.tier.pids, terminal=False)
+    container_id = f"{spec.id}.resident"
+
+    def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+        return launcher.spawner.run(netns_path, lambda: subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=privileged_env(), cwd="/"))
+
+    made = Resident(launcher.runsc, backend._bundles / container_id, container_id, config,
+                    spawn)
+    try:
+        yield made, workspace
+    finally:
+        made.close()
+        reap_orphans(runtime_uid(uid))
+        backend.destroy(spec)
+        assert [pid for pid, _ in host_procs_of_uid(runtime_uid(uid), zombies=True)] == []
+        assert not list((backend._bundles).glob(f"{spec.id}*"))
+        assert launcher.runsc.state_entries().get(container_id) is None
+
+
+def test_every_command_is_filtered_and_unprivileged(resident: tuple[Resident, Path]) -> None:
+    sandbox, _ = resident
+    for _ in range(2):  # the helper's filter goes into each command, not just the first
+        result = sandbox.run(["python3", "-c", _PROBE], env=_ENV, timeout=60)
+        assert result.exit_code == 0, result.stderr
+        seccomp, nnp, cap_eff, cap_bnd, uid, gid, unshare = result.stdout.decode().split()
+        assert (seccomp, nnp, uid, gid, unshare) == ("2", "1", "1000", "1000", "refused")
+        assert int(cap_eff, 16) == 0 and int(cap_bnd, 16) == 0
+
+
+def test_each_command_has_its_own_tmp_and_pid_namespace(
+        resident: tuple[Resident, Path]) -> None:
+    sandbox, workspace = resident
+    first = sandbox.run(["sh", "-c", "echo one > /tmp/mark; echo $$; ls /tmp"], env=_ENV)
+    assert first.stdout.split() == [b"2", b"mark"]  # the command is 2, its init 1
+    second = sandbox.run(["sh", "-c", "ls -A /tmp | wc -l; echo $$"], env=_ENV)
+    assert second.stdout.split() == [b"0", b"2"]  # a fresh /tmp, a fresh PID namespace
+    made = sandbox.run(["sh", "-c", "echo hi > /workspace/out"], env=_ENV)
+    assert made.exit_code == 0
+    assert (workspace / "out").read_text() == "hi\n"
+
+
+def test_exit_codes_and_streams(resident: tuple[Resident, Path]) -> None:
+    sandbox, _ = resident
+    result = sandbox.run(["sh", "-c", "echo out; echo err >&2; exit 3"], env=_ENV)
+    assert (result.exit_code, result.stdout, result.stderr) == (3, b"out\n", b"err\n")
+    assert sandbox.run(["sh", "-c", "kill -9 $$"], env=_ENV).exit_code == 137
+    with pytest.raises(Exception, match="could not start"):
+        sandbox.run(["no-such-program-here"], env=_ENV)
+    assert sandbox.run(["true"], env=_ENV).exit_code == 0  # the helper is still serving
+
+
+def test_the_tree_dies_on_return_and_on_timeout(resident: tuple[Resident, Path]) -> None:
+    sandbox, workspace = resident
+    # A background child that would write after its command returned.
+    result = sandbox.run(["sh", "-c", "(sleep 1; echo alive > /workspace/late) & echo started"],
+                         env=_ENV)
+    assert result.stdout == b"started\n"
+    started = time.monotonic()
+    timed_out = sandbox.run(["sh", "-c", "(sleep 2; echo alive > /workspace/late2) & sleep 60"],
+                            env=_ENV, timeout=1)
+    assert timed_out.exit_code == 137
+    assert time.monotonic() - started < 10
+    time.sleep(2.5)
+    assert not (workspace / "late").exists()
+    assert not (workspace / "late2").exists()
