@@ -69,7 +69,7 @@ from corral._backends.gvisor.bundle import (  # noqa: E402
     write_config,
 )
 from corral._backends.gvisor.launcher import reap_orphans  # noqa: E402
-from corral._backends.gvisor.resident import Resident  # noqa: E402
+from corral._backends.gvisor.resident import Resident, ensure_launcher  # noqa: E402
 from corral._backends.gvisor.runsc import Runsc, find_runsc, runsc_version  # noqa: E402
 from corral._control import manager as manager_mod  # noqa: E402
 from corral._settings import Settings  # noqa: E402
@@ -150,9 +150,17 @@ class LongLived:
         config["process"] = dict(config["process"], args=["sleep", "1000000"])
         write_config(self.bundle, config)
         self.base = bare.runsc.run_argv(bundle=self.bundle, container_id=self.container_id)[:-3]
-        # create's stdout must not be a pipe: the sandbox inherits it and create waits for EOF.
+        # create's stdout and stderr must not be pipes: the sandbox inherits them and create
+        # waits for their EOF, forever.
         t0 = time.perf_counter()
-        run_checked([*self.base, "create", f"--bundle={self.bundle}", self.container_id])
+        with open(bare.work / "create.err", "w+b") as err:
+            created = subprocess.run(
+                [*self.base, "create", f"--bundle={self.bundle}", self.container_id],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, timeout=60)
+            if created.returncode != 0:
+                err.seek(0)
+                raise RuntimeError(f"runsc create exited {created.returncode}: "
+                                   f"{err.read().decode(errors='replace').strip()}")
         t1 = time.perf_counter()
         run_checked([*self.base, "start", self.container_id])
         self.create_s, self.start_s = t1 - t0, time.perf_counter() - t1
@@ -165,7 +173,7 @@ class LongLived:
         t2 = time.perf_counter()
         self.resident = Resident(
             bare.runsc, bare.work / f"bench.{os.getpid()}.resident",
-            f"bench.{os.getpid()}.resident", bare.config,
+            f"bench.{os.getpid()}.resident", bare.config, ensure_launcher(bare.work),
             lambda argv: spawner.run(bare.netns, lambda: subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"})))

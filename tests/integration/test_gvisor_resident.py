@@ -21,7 +21,7 @@ import pytest
 from corral._backends.gvisor import GvisorBackend
 from corral._backends.gvisor.bundle import build_config, runtime_uid
 from corral._backends.gvisor.launcher import reap_orphans
-from corral._backends.gvisor.resident import Resident
+from corral._backends.gvisor.resident import Resident, ensure_launcher
 from corral._control.manager import Manager
 from corral._core.privileged import privileged_env
 from corral._core.resources import get_tier
@@ -76,7 +76,7 @@ def resident(backend: GvisorBackend, settings: Settings) -> Iterator[tuple[Resid
             env=privileged_env(), cwd="/"))
 
     made = Resident(launcher.runsc, backend._bundles / container_id, container_id, config,
-                    spawn)
+                    ensure_launcher(backend._dir), spawn)
     try:
         yield made, workspace
     finally:
@@ -115,8 +115,11 @@ def test_exit_codes_and_streams(resident: tuple[Resident, Path]) -> None:
     result = sandbox.run(["sh", "-c", "echo out; echo err >&2; exit 3"], env=_ENV)
     assert (result.exit_code, result.stdout, result.stderr) == (3, b"out\n", b"err\n")
     assert sandbox.run(["sh", "-c", "kill -9 $$"], env=_ENV).exit_code == 137
-    with pytest.raises(Exception, match="could not start"):
-        sandbox.run(["no-such-program-here"], env=_ENV)
+    missing = sandbox.run(["no-such-program-here"], env=_ENV)  # as a shell says it
+    assert missing.exit_code == 127
+    assert missing.stderr == b"no-such-program-here: No such file or directory\n"
+    with pytest.raises(Exception, match="chdir: No such file or directory"):
+        sandbox.run(["true"], env=_ENV, cwd="/workspace/none")
     assert sandbox.run(["true"], env=_ENV).exit_code == 0  # the helper is still serving
 
 

@@ -17,9 +17,12 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import hashlib
 import json
+import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,21 +34,62 @@ from .._linux.seccomp import compile_filter
 from .bundle import write_config
 from .runsc import Runsc
 
-__all__ = ["Resident", "ResidentResult", "helper_config"]
+__all__ = ["Resident", "ResidentResult", "ensure_launcher", "helper_config"]
 
 _HELPER_SOURCE = (Path(__file__).with_name("inside.py")).read_text()
+_LAUNCHER_SOURCE = Path(__file__).with_name("run.c")
 # Inside gVisor's kernel only (the Sentry is the runtime uid on the host): enough to give each
 # command its own mount and PID namespace and to drop to 1000 (SETPCAP: to empty the bounding set).
 _HELPER_CAPS = ["CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_SYS_ADMIN"]
 _START_TIMEOUT_S = 20.0
 
 
-def helper_config(command_config: Mapping[str, Any]) -> dict[str, Any]:
+def ensure_launcher(parent: Path) -> Path:
+    """The directory bound read-only at ``/.corral``: the launcher (``run.c``, built static
+    with the host's gcc) and the namespace tier's seccomp program (``filter``), made once,
+    named after their content, world-readable (the gofer is the sandbox's runtime uid)."""
+    source = _LAUNCHER_SOURCE.read_bytes()
+    program = compile_filter()
+    digest = hashlib.sha256(source + b"\0" + program).hexdigest()[:16]
+    dest = parent / f"resident.{digest}"
+    if (dest / "run").is_file():
+        return dest
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise BackendError("the resident gVisor sandbox builds its launcher with gcc on the "
+                           "host: install it (apt-get install gcc)")
+    parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+    tmp = Path(tempfile.mkdtemp(prefix=".resident-", dir=parent))
+    try:
+        built = subprocess.run(
+            [gcc, "-O2", "-static", "-Wall", "-Werror", "-o", str(tmp / "run"),
+             str(_LAUNCHER_SOURCE)], capture_output=True, text=True, timeout=120,
+            stdin=subprocess.DEVNULL)
+        if built.returncode != 0:
+            raise BackendError(f"cannot build the gVisor launcher: {built.stderr.strip()}")
+        (tmp / "filter").write_bytes(program)
+        os.chmod(tmp / "run", 0o755)
+        os.chmod(tmp / "filter", 0o644)
+        os.chmod(tmp, 0o755)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not (dest / "run").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def helper_config(command_config: Mapping[str, Any], launcher: Path) -> dict[str, Any]:
     """The resident sandbox's spec: a command's spec (``bundle.build_config``) whose process is
-    the helper, as root inside with ``_HELPER_CAPS``. The OCI seccomp profile is dropped: it
-    would forbid the helper's ``unshare`` and ``mount``; the helper installs the namespace
-    tier's filter into every command itself, right before exec."""
+    the helper, as root inside with ``_HELPER_CAPS``, and ``launcher`` (``ensure_launcher``)
+    at ``/.corral``. The OCI seccomp profile is dropped: it would forbid the launcher's
+    ``unshare`` and ``mount``; the launcher installs the namespace tier's filter into every
+    command itself, as its last step before exec."""
     config = copy.deepcopy(dict(command_config))
+    config["mounts"].append({"destination": "/.corral", "type": "bind", "source": str(launcher),
+                             "options": ["bind", "ro", "nosuid", "nodev"]})
     process = config["process"]
     process["args"] = ["python3", "-I", "-S", "-c", _HELPER_SOURCE]
     process["env"] = ["PATH=/usr/bin:/bin"]
@@ -80,12 +124,12 @@ class Resident:
     """One running helper sandbox. Thread-safe: commands may run concurrently."""
 
     def __init__(self, runsc: Runsc, bundle: Path, container_id: str,
-                 config: Mapping[str, Any], spawn: Callable[[list[str]], subprocess.Popen[bytes]]
-                 ) -> None:
+                 config: Mapping[str, Any], launcher: Path,
+                 spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> None:
         self._runsc = runsc
         self._bundle = bundle
         self._container_id = container_id
-        write_config(bundle, helper_config(config))
+        write_config(bundle, helper_config(config, launcher))
         argv = ["setpriv", "--pdeathsig", "KILL", "--",
                 *runsc.run_argv(bundle=bundle, container_id=container_id)]
         self._proc = spawn(argv)
@@ -98,7 +142,6 @@ class Resident:
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, name="corral-resident", daemon=True)
         self._reader.start()
-        self._send({"filter": base64.b64encode(compile_filter()).decode()})
         if not self._ready.wait(_START_TIMEOUT_S):
             self.close()
             raise BackendError("the resident gVisor sandbox did not start: "
@@ -151,7 +194,7 @@ class Resident:
             raise BackendError("the resident gVisor sandbox died: "
                                f"{self._runsc.error_of(self._bundle) or 'no reason logged'}")
         if "error" in reply:
-            raise BackendError(f"the command could not start: {reply['error']}")
+            raise BackendError(f"the command could not start: {reply['error']['error']}")
         result = reply["exit"]
         return ResidentResult(exit_code=int(result["code"]), stdout=bytes(pending.stdout),
                               stderr=bytes(pending.stderr), cpu_s=float(result["cpu_s"]),
