@@ -34,18 +34,43 @@ runsc 20240729, other test suites running alongside; ``bench/bench_gvisor.py`` r
   packet sockets stay off (``--net-raw=false``) and netlink is refused by the command's filter.
 * **Platform: systrap** (see ``runsc``); KVM is not available on the development machines.
 
-Issue 14 ("the gVisor tier made fast") is measured but not built yet. Measured 2026-12-01, same
-run (``bench/bench_gvisor.py --runs 8``, p50): ``runsc do true`` 158 ms, bare ``runsc run`` 182 ms,
-a Corral gVisor command 188 ms, create + first command 204 ms, a namespace-tier command 16 ms.
-By hand, in a long-lived sandbox (``runsc create`` ~110 ms + ``start`` ~95 ms): ``runsc exec
-true`` 23-38 ms (first 89 ms). So ``runsc exec`` alone cannot meet "within 1.5x of the namespace
-tier" (~25 ms); that needs a helper started once inside the sandbox. What ``runsc exec`` loses
-and a design must add back: the exec'd process reported ``Seccomp: 0`` in gVisor's
-``/proc/self/status`` (the OCI filter may not cover exec'd processes: verify before relying on
-it); all commands share one mount namespace (no per-command ``/tmp``), one PID namespace and
-the sandbox cgroup (per-command usage and OOM need the Sentry's own accounting, and a command's
-tree must be killed from inside, e.g. as one subcontainer each). ``runsc create`` must not get a
-pipe as stdout: the sandbox inherits it and the caller waits for EOF forever.
+Issue 14 ("the gVisor tier made fast"): designed, prototyped and measured, **not wired in yet**
+(commands still take the per-command path above). The design, in ``resident`` (host side),
+``inside`` (the helper, gVisor's init) and ``run.c`` (the per-command launcher):
+
+* One *resident* sandbox per Corral sandbox in use: one attached ``runsc run`` (``create``
+  cannot be given pipes: the sandbox inherits them and ``create`` waits for their EOF forever),
+  its init a small helper speaking JSON lines over runsc's stdin/stdout.
+* Not ``runsc exec``: measured here (``bench/bench_gvisor.py``, ``long_lived``), a ``runsc
+  exec`` process reports ``Seccomp: 0`` and may ``unshare(CLONE_NEWUSER)``: the OCI profile
+  covers the container's init only. It also runs as root inside unless given ``--user``, and
+  shares the init's mount and PID namespace (one ``/tmp`` for all commands).
+* Per command the helper spawns the static launcher with ``posix_spawn`` (a fork of the
+  Python helper costs 20-45 ms in gVisor's systrap, ``posix_spawn`` ~12 ms, the whole
+  launcher ~30 ms): own mount and PID namespace, a fresh size-limited ``/tmp`` and
+  ``/dev/shm`` (the namespace tier's semantics, kept), a namespace init that reaps and whose
+  exit kills the rest of the tree, and the command as 1000:1000 with no capabilities,
+  ``no_new_privs``, its rlimits and the namespace tier's own BPF filter (``_linux.seccomp``)
+  installed as the last step before exec. The helper holds KILL, SETGID, SETUID, SETPCAP and
+  SYS_ADMIN in gVisor's kernel only.
+* Usage per command comes from the namespace init's ``wait4`` (CPU of every reaped process,
+  peak as the largest single process's RSS: weaker than the cgroup's peak of the whole tree).
+
+Measured 2026-12-01, same run (``bench/bench_gvisor.py --runs 12``, p50, load 2.5-3.5 from
+other suites, so every number is ~1.5x the quiet machine's): ``runsc do true`` 274 ms, a
+Corral gVisor command today 329 ms, a namespace-tier command 27.6 ms, ``runsc exec --user
+1000:1000 true`` into a long-lived sandbox 34.0 ms, **a resident command 35.5 ms (1.29x the
+namespace tier's; target 1.5x and <= 50 ms)**; starting a resident sandbox ~0.35-0.66 s
+(``runsc run`` plus Python's start inside), paid once per busy period.
+
+Left before the tier can use it (each a guarantee the per-command path keeps today):
+wiring into ``exec`` with the supervise loop's streaming, output caps, interactive stdin and
+PTY (the helper has neither yet), ``kill_command`` (a ``kill`` op exists), stopping the
+resident sandbox after N idle seconds and restarting it on demand, OOM (one Sentry per
+sandbox: a memory bomb that trips the cgroup kills every running command, not just its own),
+the sweep telling a live resident's state from a crashed one's (``<id>.resident`` is removed
+as a dead command's today, which is right after a crash and wrong under another live
+process), and one resident per Corral process (two processes using one sandbox would run two).
 """
 
 from __future__ import annotations
