@@ -10,7 +10,11 @@ command, one resident sandbox per test, closed and checked for leftovers afterwa
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import os
 import secrets
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,6 +31,7 @@ from corral._core.privileged import privileged_env
 from corral._core.resources import get_tier
 from corral._settings import Settings
 from corral.backends import SandboxSpec
+from corral.errors import BackendError
 
 from .hostprocs import host_procs_of_uid
 
@@ -54,8 +59,9 @@ def backend(settings: Settings, manager: Manager,
 
 
 @pytest.fixture
-def resident(backend: GvisorBackend, settings: Settings) -> Iterator[tuple[Resident, Path]]:
-    """A resident sandbox on a fresh Corral sandbox's pieces; (resident, host workspace)."""
+def resident(backend: GvisorBackend, settings: Settings) -> Iterator[tuple[Resident, Path, int]]:
+    """A resident sandbox on a fresh Corral sandbox's pieces; (resident, host workspace,
+    sandbox uid)."""
     uid = settings.uid_start + settings.uid_count - 40 - secrets.randbelow(20)
     spec = SandboxSpec(id=f"sbx_gr{secrets.token_hex(5)}", uid=uid, template="base",
                        tier=get_tier("small"))
@@ -78,7 +84,7 @@ def resident(backend: GvisorBackend, settings: Settings) -> Iterator[tuple[Resid
     made = Resident(launcher.runsc, backend._bundles / container_id, container_id, config,
                     ensure_launcher(backend._dir), spawn)
     try:
-        yield made, workspace
+        yield made, workspace, uid
     finally:
         made.close()
         reap_orphans(runtime_uid(uid))
@@ -88,8 +94,9 @@ def resident(backend: GvisorBackend, settings: Settings) -> Iterator[tuple[Resid
         assert launcher.runsc.state_entries().get(container_id) is None
 
 
-def test_every_command_is_filtered_and_unprivileged(resident: tuple[Resident, Path]) -> None:
-    sandbox, _ = resident
+def test_every_command_is_filtered_and_unprivileged(
+        resident: tuple[Resident, Path, int]) -> None:
+    sandbox, _, _ = resident
     for _ in range(2):  # the helper's filter goes into each command, not just the first
         result = sandbox.run(["python3", "-c", _PROBE], env=_ENV, timeout=60)
         assert result.exit_code == 0, result.stderr
@@ -99,8 +106,8 @@ def test_every_command_is_filtered_and_unprivileged(resident: tuple[Resident, Pa
 
 
 def test_each_command_has_its_own_tmp_and_pid_namespace(
-        resident: tuple[Resident, Path]) -> None:
-    sandbox, workspace = resident
+        resident: tuple[Resident, Path, int]) -> None:
+    sandbox, workspace, _ = resident
     first = sandbox.run(["sh", "-c", "echo one > /tmp/mark; echo $$; ls /tmp"], env=_ENV)
     assert first.stdout.split() == [b"2", b"mark"]  # the command is 2, its init 1
     second = sandbox.run(["sh", "-c", "ls -A /tmp | wc -l; echo $$"], env=_ENV)
@@ -110,8 +117,8 @@ def test_each_command_has_its_own_tmp_and_pid_namespace(
     assert (workspace / "out").read_text() == "hi\n"
 
 
-def test_exit_codes_and_streams(resident: tuple[Resident, Path]) -> None:
-    sandbox, _ = resident
+def test_exit_codes_and_streams(resident: tuple[Resident, Path, int]) -> None:
+    sandbox, _, _ = resident
     result = sandbox.run(["sh", "-c", "echo out; echo err >&2; exit 3"], env=_ENV)
     assert (result.exit_code, result.stdout, result.stderr) == (3, b"out\n", b"err\n")
     assert sandbox.run(["sh", "-c", "kill -9 $$"], env=_ENV).exit_code == 137
@@ -123,8 +130,9 @@ def test_exit_codes_and_streams(resident: tuple[Resident, Path]) -> None:
     assert sandbox.run(["true"], env=_ENV).exit_code == 0  # the helper is still serving
 
 
-def test_the_tree_dies_on_return_and_on_timeout(resident: tuple[Resident, Path]) -> None:
-    sandbox, workspace = resident
+def test_the_tree_dies_on_return_and_on_timeout(
+        resident: tuple[Resident, Path, int]) -> None:
+    sandbox, workspace, _ = resident
     # A background child that would write after its command returned.
     result = sandbox.run(["sh", "-c", "(sleep 1; echo alive > /workspace/late) & echo started"],
                          env=_ENV)
@@ -137,3 +145,32 @@ def test_the_tree_dies_on_return_and_on_timeout(resident: tuple[Resident, Path])
     time.sleep(2.5)
     assert not (workspace / "late").exists()
     assert not (workspace / "late2").exists()
+
+
+def test_concurrent_commands_and_usage(resident: tuple[Resident, Path, int]) -> None:
+    sandbox, _, _ = resident
+    busy = "import time; t = time.process_time() + 0.3\nwhile time.process_time() < t: pass"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(sandbox.run, ["python3", "-c", busy], env=_ENV, timeout=60)
+        quick = [sandbox.run(["sh", "-c", f"echo {n}"], env=_ENV) for n in range(3)]
+        result = slow.result(timeout=90)
+    assert [r.stdout for r in quick] == [b"0\n", b"1\n", b"2\n"]
+    assert result.exit_code == 0, result.stderr
+    assert result.cpu_s >= 0.25
+    assert result.peak_rss_bytes > 1 << 20
+
+
+def test_a_dead_sentry_fails_its_commands_within_a_deadline(
+        resident: tuple[Resident, Path, int]) -> None:
+    sandbox, _, uid = resident
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(sandbox.run, ["sleep", "60"], env=_ENV, timeout=90)
+        time.sleep(1)
+        # What the OOM killer or a crash of gVisor does: every gVisor process of this sandbox.
+        for pid, _ in host_procs_of_uid(runtime_uid(uid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(BackendError, match="died"):
+            pending.result(timeout=30)
+    assert time.monotonic() - started < 15
