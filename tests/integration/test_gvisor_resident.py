@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import os
 import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ import pytest
 from corral._backends.gvisor import GvisorBackend
 from corral._backends.gvisor.bundle import build_config, runtime_uid
 from corral._backends.gvisor.launcher import reap_orphans
-from corral._backends.gvisor.resident import Resident, ensure_launcher
+from corral._backends.gvisor.resident import OnDemand, Resident, ensure_launcher
 from corral._control.manager import Manager
 from corral._core.privileged import privileged_env
 from corral._core.resources import get_tier
@@ -44,7 +46,11 @@ _ENV = {"PATH": "/usr/bin:/bin", "HOME": "/workspace"}
 _PROBE = ("import ctypes,os;l=ctypes.CDLL(None,use_errno=True);r=l.unshare(0x10000000);"
           "s=dict(x.split(':\\t',1) for x in open('/proc/self/status').read().splitlines());"
           "print(s['Seccomp'], l.prctl(39, 0, 0, 0, 0), s['CapEff'], s['CapBnd'], os.getuid(), "
-          "os.getgid(), 'allowed' if r == 0 else 'refused')")
+          "os.getgid(), 'allowed' if r == 0 else 'refused', "
+          # clone3 and netlink sockets: the namespace tier's own answers (ENOSYS so that libc
+          # falls back to clone; EAFNOSUPPORT), which the OCI profile cannot give in gVisor.
+          "l.syscall(435, 0, 0) == -1 and ctypes.get_errno(), "
+          "l.socket(16, 2, 0) == -1 and ctypes.get_errno())")
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +64,17 @@ def backend(settings: Settings, manager: Manager,
     gvisor.close()
 
 
+@dataclass
+class Pieces:
+    """A fresh Corral sandbox's pieces and a way to start resident sandboxes on them."""
+
+    start: Callable[[], Resident]
+    workspace: Path
+    uid: int
+
+
 @pytest.fixture
-def resident(backend: GvisorBackend, settings: Settings) -> Iterator[tuple[Resident, Path, int]]:
-    """A resident sandbox on a fresh Corral sandbox's pieces; (resident, host workspace,
-    sandbox uid)."""
+def pieces(backend: GvisorBackend, settings: Settings) -> Iterator[Pieces]:
     uid = settings.uid_start + settings.uid_count - 40 - secrets.randbelow(20)
     spec = SandboxSpec(id=f"sbx_gr{secrets.token_hex(5)}", uid=uid, template="base",
                        tier=get_tier("small"))
@@ -75,23 +88,34 @@ def resident(backend: GvisorBackend, settings: Settings) -> Iterator[tuple[Resid
         netns=netns_path, uid=uid, argv=["true"], cwd="/workspace", env=_ENV,
         tmp_bytes=spec.tier.tmp_bytes, pids=spec.tier.pids, terminal=False)
     container_id = f"{spec.id}.resident"
+    made: list[Resident] = []
 
     def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
         return launcher.spawner.run(netns_path, lambda: subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=privileged_env(), cwd="/"))
 
-    made = Resident(launcher.runsc, backend._bundles / container_id, container_id, config,
-                    ensure_launcher(backend._dir), spawn)
+    def start() -> Resident:
+        made.append(Resident(launcher.runsc, backend._bundles / container_id, container_id,
+                             config, ensure_launcher(backend._dir), spawn))
+        return made[-1]
+
     try:
-        yield made, workspace, uid
+        yield Pieces(start, workspace, uid)
     finally:
-        made.close()
+        for resident in made:
+            resident.close()  # idempotent
         reap_orphans(runtime_uid(uid))
         backend.destroy(spec)
         assert [pid for pid, _ in host_procs_of_uid(runtime_uid(uid), zombies=True)] == []
         assert not list((backend._bundles).glob(f"{spec.id}*"))
         assert launcher.runsc.state_entries().get(container_id) is None
+
+
+@pytest.fixture
+def resident(pieces: Pieces) -> tuple[Resident, Path, int]:
+    """(a resident sandbox, its host workspace, the sandbox uid)."""
+    return pieces.start(), pieces.workspace, pieces.uid
 
 
 def test_every_command_is_filtered_and_unprivileged(
@@ -100,8 +124,10 @@ def test_every_command_is_filtered_and_unprivileged(
     for _ in range(2):  # the helper's filter goes into each command, not just the first
         result = sandbox.run(["python3", "-c", _PROBE], env=_ENV, timeout=60)
         assert result.exit_code == 0, result.stderr
-        seccomp, nnp, cap_eff, cap_bnd, uid, gid, unshare = result.stdout.decode().split()
+        seccomp, nnp, cap_eff, cap_bnd, uid, gid, unshare, clone3, netlink = (
+            result.stdout.decode().split())
         assert (seccomp, nnp, uid, gid, unshare) == ("2", "1", "1000", "1000", "refused")
+        assert (int(clone3), int(netlink)) == (errno.ENOSYS, errno.EAFNOSUPPORT)
         assert int(cap_eff, 16) == 0 and int(cap_bnd, 16) == 0
 
 
@@ -174,3 +200,31 @@ def test_a_dead_sentry_fails_its_commands_within_a_deadline(
         with pytest.raises(BackendError, match="died"):
             pending.result(timeout=30)
     assert time.monotonic() - started < 15
+
+
+def test_on_demand_stops_when_idle_and_restarts(pieces: Pieces) -> None:
+    runtime = runtime_uid(pieces.uid)
+    holder = OnDemand(pieces.start, idle_s=1.0)
+    try:
+        assert holder.run(["true"], env=_ENV).exit_code == 0
+        assert holder.running and host_procs_of_uid(runtime)
+        deadline = time.monotonic() + 15
+        while holder.running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not holder.running
+        reap_orphans(runtime)
+        assert host_procs_of_uid(runtime, zombies=True) == []  # idle: no process at all
+        assert holder.run(["sh", "-c", "echo again"], env=_ENV).stdout == b"again\n"
+        assert holder.starts == 2
+        # A dead sandbox (its Sentry killed) is replaced by the next command.
+        for pid, _ in host_procs_of_uid(runtime):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while host_procs_of_uid(runtime) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert holder.run(["true"], env=_ENV).exit_code == 0
+        assert holder.starts == 3
+    finally:
+        holder.close()

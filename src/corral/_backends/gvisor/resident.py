@@ -34,7 +34,7 @@ from .._linux.seccomp import compile_filter
 from .bundle import write_config
 from .runsc import Runsc
 
-__all__ = ["Resident", "ResidentResult", "ensure_launcher", "helper_config"]
+__all__ = ["OnDemand", "Resident", "ResidentResult", "ensure_launcher", "helper_config"]
 
 _HELPER_SOURCE = (Path(__file__).with_name("inside.py")).read_text()
 _LAUNCHER_SOURCE = Path(__file__).with_name("run.c")
@@ -140,6 +140,7 @@ class Resident:
         self._pending: dict[int, _Pending] = {}
         self._next = 1
         self._ready = threading.Event()
+        self._closed = False
         self._reader = threading.Thread(target=self._read, name="corral-resident", daemon=True)
         self._reader.start()
         if not self._ready.wait(_START_TIMEOUT_S):
@@ -202,7 +203,10 @@ class Resident:
 
     def close(self) -> None:
         """Stop the sandbox: EOF to the helper (it kills its commands and exits), then runsc
-        is killed if it lingers; its state and bundle are removed."""
+        is killed if it lingers; its state and bundle are removed. Idempotent."""
+        if self._closed:
+            return  # and never again: the next resident may reuse the bundle path
+        self._closed = True
         with contextlib.suppress(OSError, ValueError):
             self._stdin.close()
         try:
@@ -214,3 +218,72 @@ class Resident:
         self._stdout.close()
         self._runsc.remove_state(self._container_id)
         shutil.rmtree(self._bundle, ignore_errors=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None and self._reader.is_alive()
+
+
+class OnDemand:
+    """A resident sandbox started by the first command that needs it and stopped once nothing
+    has run for ``idle_s`` seconds, so an idle Corral sandbox still costs no process; one that
+    died (the OOM killer took its Sentry, gVisor crashed) is replaced by the next command."""
+
+    def __init__(self, start: Callable[[], Resident], idle_s: float) -> None:
+        self._start = start
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._resident: Resident | None = None
+        self._busy = 0
+        self._timer: threading.Timer | None = None
+        self.starts = 0
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._resident is not None
+
+    def _acquire(self) -> Resident:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._resident is not None and not self._resident.alive and self._busy == 0:
+                self._resident.close()
+                self._resident = None
+            if self._resident is None:
+                self._resident = self._start()  # under the lock: one start at a time
+                self.starts += 1
+            self._busy += 1
+            return self._resident
+
+    def _release(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            if self._busy == 0 and self._resident is not None:
+                self._timer = threading.Timer(self._idle_s, self._expire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _expire(self) -> None:
+        # Closed under the lock: the next start reuses the container id and bundle path.
+        with self._lock:
+            if self._busy or self._resident is None:
+                return
+            self._resident.close()
+            self._resident = self._timer = None
+
+    def run(self, argv: list[str], **kwargs: Any) -> ResidentResult:
+        resident = self._acquire()
+        try:
+            return resident.run(argv, **kwargs)
+        finally:
+            self._release()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._resident is not None:
+                self._resident.close()
+            self._resident = self._timer = None
