@@ -7,7 +7,7 @@ it is stdlib only and imports nothing of Corral's. It speaks JSON lines on its s
 * host → helper ``{"id", "op": "exec", "argv", "env", "cwd", "tmp_bytes", "nproc"}`` → helper
   ``{"id", "out": "stdout"|"stderr", "data": B64}``... then exactly one of ``{"id", "exit":
   {"code", "cpu_s", "peak_rss_bytes"[, "killed"]}}`` or ``{"id", "error": {"error": M}}``
-  (the command never started);
+  (the command never started) or ``{"id", "exit": {"exec_errno": N}}`` (execve failed);
 * ``{"id", "op": "kill", "target"}`` → ``{"id", "ok"}``: the command's PID namespace is killed.
 
 The helper only multiplexes; each command's shape comes from the static launcher ``run.c``
@@ -55,13 +55,16 @@ def start_command(req: dict[str, Any]) -> tuple[int, int, int, int]:
 
 
 def parse_status(line: bytes, cmd: dict[str, Any]) -> None:
-    """A launcher's status line: "init PID", "exit CODE CPU_US MAXRSS_KB", "error ERRNO WHAT"."""
+    """A launcher's status line (see run.c): "init", "exit", "error" or "exec"."""
     kind, _, rest = line.decode(errors="replace").partition(" ")
     if kind == "init":
         cmd["init"] = int(rest)
     elif kind == "error" and cmd["exit"] is None:
         errno_text, _, what = rest.partition(" ")
         cmd["exit"] = {"error": f"{what}: {os.strerror(int(errno_text))}"}
+    elif kind == "exec" and cmd["exit"] is None:
+        errno_text, _, _ = rest.partition(" ")
+        cmd["exit"] = {"exec_errno": int(errno_text)}
     elif kind == "exit" and cmd["exit"] is None:  # an earlier error wins over init's code
         code, cpu_us, rss_kb = rest.split()
         cmd["exit"] = {"code": int(code), "cpu_s": int(cpu_us) / 1e6,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import errno
 import hashlib
 import json
 import os
@@ -110,14 +111,24 @@ class ResidentResult:
     stderr: bytes
     cpu_s: float
     peak_rss_bytes: int
+    timed_out: bool = False
+    killed: bool = False
+    #: execve failed with this errno (the program cannot be run); ``exit_code`` is then 127/126.
+    exec_errno: int | None = None
+
+
+OutputSink = Callable[[str, bytes], None]
 
 
 @dataclass(slots=True)
 class _Pending:
+    key: str
+    on_output: OutputSink | None
     done: threading.Event = field(default_factory=threading.Event)
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
     reply: dict[str, Any] | None = None
+    killed: bool = False
 
 
 class Resident:
@@ -125,7 +136,9 @@ class Resident:
 
     def __init__(self, runsc: Runsc, bundle: Path, container_id: str,
                  config: Mapping[str, Any], launcher: Path,
-                 spawn: Callable[[list[str]], subprocess.Popen[bytes]]) -> None:
+                 spawn: Callable[[list[str]], subprocess.Popen[bytes]],
+                 on_close: Callable[[], None] | None = None) -> None:
+        self._on_close = on_close
         self._runsc = runsc
         self._bundle = bundle
         self._container_id = container_id
@@ -167,26 +180,53 @@ class Resident:
             if pending is None:
                 continue
             if "out" in message:
-                target = pending.stdout if message["out"] == "stdout" else pending.stderr
-                target += base64.b64decode(message["data"])
+                data = base64.b64decode(message["data"])
+                if pending.on_output is not None:
+                    pending.on_output(message["out"], data)
+                else:
+                    target = pending.stdout if message["out"] == "stdout" else pending.stderr
+                    target += data
             else:
                 pending.reply = message
                 pending.done.set()
         for pending in list(self._pending.values()):  # the sandbox died: nobody will answer
             pending.done.set()
 
+    @property
+    def busy(self) -> int:
+        """How many commands are running."""
+        return len(self._pending)
+
+    def kill(self, key: str) -> bool:
+        """Kill the running command started with ``key`` (its whole PID namespace)."""
+        for command_id, pending in list(self._pending.items()):
+            if pending.key == key and not pending.done.is_set():
+                pending.killed = True
+                with contextlib.suppress(OSError, ValueError):
+                    self._send({"id": -command_id, "op": "kill", "target": command_id})
+                return True
+        return False
+
     def run(self, argv: list[str], *, env: Mapping[str, str], cwd: str = "/workspace",
-            tmp_bytes: int = 64 << 20, nproc: int = 128, timeout: float = 30.0
-            ) -> ResidentResult:
+            tmp_bytes: int = 64 << 20, nproc: int = 128, timeout: float = 30.0,
+            key: str = "", on_output: OutputSink | None = None) -> ResidentResult:
+        """Run one command to its end. ``on_output(stream, data)`` (from the reader thread)
+        gets the output instead of the result; ``key`` names it for ``kill``."""
         with self._lock:
             command_id = self._next
             self._next += 1
-        pending = self._pending[command_id] = _Pending()
+        pending = self._pending[command_id] = _Pending(key, on_output)
+        timed_out = False
         try:
-            self._send({"id": command_id, "op": "exec", "argv": argv, "env": dict(env),
-                        "cwd": cwd, "tmp_bytes": tmp_bytes, "nproc": nproc})
-            if not pending.done.wait(timeout):
-                self._send({"id": -command_id, "op": "kill", "target": command_id})
+            try:
+                self._send({"id": command_id, "op": "exec", "argv": argv, "env": dict(env),
+                            "cwd": cwd, "tmp_bytes": tmp_bytes, "nproc": nproc})
+            except (OSError, ValueError):
+                pass  # the sandbox is gone: the reader has ended, reply stays None
+            if not pending.done.wait(timeout) and not self._closed:
+                timed_out = True
+                with contextlib.suppress(OSError, ValueError):
+                    self._send({"id": -command_id, "op": "kill", "target": command_id})
                 pending.done.wait(_START_TIMEOUT_S)
             reply = pending.reply
         finally:
@@ -197,9 +237,15 @@ class Resident:
         if "error" in reply:
             raise BackendError(f"the command could not start: {reply['error']['error']}")
         result = reply["exit"]
+        if "exec_errno" in result:
+            failed = int(result["exec_errno"])
+            return ResidentResult(exit_code=127 if failed == errno.ENOENT else 126,
+                                  stdout=b"", stderr=b"", cpu_s=0.0, peak_rss_bytes=0,
+                                  exec_errno=failed)
         return ResidentResult(exit_code=int(result["code"]), stdout=bytes(pending.stdout),
                               stderr=bytes(pending.stderr), cpu_s=float(result["cpu_s"]),
-                              peak_rss_bytes=int(result["peak_rss_bytes"]))
+                              peak_rss_bytes=int(result["peak_rss_bytes"]),
+                              timed_out=timed_out, killed=pending.killed or timed_out)
 
     def close(self) -> None:
         """Stop the sandbox: EOF to the helper (it kills its commands and exits), then runsc
@@ -218,6 +264,8 @@ class Resident:
         self._stdout.close()
         self._runsc.remove_state(self._container_id)
         shutil.rmtree(self._bundle, ignore_errors=True)
+        if self._on_close is not None:
+            self._on_close()
 
     @property
     def alive(self) -> bool:
@@ -272,6 +320,16 @@ class OnDemand:
                 return
             self._resident.close()
             self._resident = self._timer = None
+
+    @property
+    def busy(self) -> int:
+        with self._lock:
+            return self._busy
+
+    def kill(self, key: str) -> bool:
+        with self._lock:
+            resident = self._resident
+        return resident is not None and resident.kill(key)
 
     def run(self, argv: list[str], **kwargs: Any) -> ResidentResult:
         resident = self._acquire()

@@ -13,7 +13,9 @@
  * cwd, then the namespace tier's seccomp filter as the very last step before execve.
  *
  * Status lines on fd 3: "init PID" (the helper kills it to kill the command), then one of
- * "exit CODE CPU_US MAXRSS_KB" or "error ERRNO WHAT". Static, libc only. */
+ * "exit CODE CPU_US MAXRSS_KB", "error ERRNO WHAT" (set-up failed: nothing ran) or "exec ERRNO
+ * PROGRAM" (execve failed: the program cannot be run, the caller words it as a shell would).
+ * Static, libc only. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -99,14 +101,11 @@ int main(int argc, char **argv) {
             if (setrlimit(RLIMIT_CORE, &core)) fail("rlimit core");
             if (chdir(argv[4])) fail("chdir");
             if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("no_new_privs");
-            close(STATUS_FD);
-            if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) {
-                /* The status fd is gone: say it where the caller reads the command's errors. */
-                dprintf(2, "corral: cannot install the seccomp filter: %s\n", strerror(errno));
-                _exit(125);
-            }
+            /* Closed by a successful execve only: a failed one is reported on it. */
+            if (fcntl(STATUS_FD, F_SETFD, FD_CLOEXEC)) fail("cloexec");
+            if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) fail("seccomp");
             execvpe(command[0], command, environ);
-            dprintf(2, "%s: %s\n", command[0], strerror(errno));
+            dprintf(STATUS_FD, "exec %d %s\n", errno, command[0]);
             _exit(errno == ENOENT ? 127 : 126);
         }
         close(0);
