@@ -75,16 +75,20 @@ process), and one resident per Corral process (two processes using one sandbox w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import (
     BackendName,
@@ -95,16 +99,22 @@ from ...backends import (
     SandboxSpec,
 )
 from ...errors import BackendError, BackendUnavailable, CommandError, ConfigError
-from ...models import ResourceTier
+from ...models import ResourceTier, Usage
 from .._linux.cgroups import detect_cgroups
 from .._linux.host import HostBackedBackend
+from .._linux.notfound import exec_failure
+from .._linux.process_io import OutputStream
+from .._linux.supervise import TIMEOUT_EXIT_CODE
 from .._linux.template import BaseTemplate
 from .bundle import build_config, ensure_rootfs, runtime_uid
 from .hostcheck import check_host, gvisor_dir
-from .launcher import GvisorLauncher, Launch
+from .launcher import _SHIM, GvisorLauncher, Launch, reap_orphans
+from .resident import OnDemand, Resident, ensure_launcher
 from .runsc import Runsc, find_runsc
 
 __all__ = ["GvisorBackend"]
+
+_KILLED_EXIT_CODE = 128 + 9
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +122,12 @@ logger = logging.getLogger(__name__)
 # (measured: ~35 for `sleep`). Inside, RLIMIT_NPROC holds the command to the tier's pids; the
 # host cgroup only has to keep a runaway gVisor from the host, never starve a Sentry of threads.
 _RUNTIME_TASKS = 64
+# EXPERIMENTAL (issue 14, see the module docstring): "1" runs plain commands (no PTY, no
+# interactive or given stdin) in a resident sandbox per Corral sandbox; anything else, or unset,
+# keeps the per-command sandbox.
+RESIDENT_ENV = "CORRAL_GVISOR_RESIDENT"
+# A resident sandbox with nothing running for this long is stopped (no process left).
+RESIDENT_IDLE_S = 10.0
 
 
 def _check_traversable(home: Path) -> None:
@@ -150,6 +166,8 @@ class GvisorBackend(HostBackedBackend):
         self._rootfs: dict[tuple[tuple[str, str, str], ...], Path] = {}
         self._launcher: GvisorLauncher | None = None
         self._lock = threading.Lock()
+        self._resident_on = os.environ.get(RESIDENT_ENV) == "1"
+        self._residents: dict[str, OnDemand] = {}
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -210,6 +228,9 @@ class GvisorBackend(HostBackedBackend):
         env = self._command_env(spec, request)
         if any("\0" in item for pair in env.items() for item in pair):
             raise CommandError("environment names and values may not contain NUL bytes")
+        if (self._resident_on and request.pty is None and not request.interactive
+                and request.stdin is None and request.on_start is None):
+            return self._exec_resident(spec, request, env, workspace, template, rootfs)
         # runsc creates a missing working directory (as the runtime uid); the control plane has
         # checked that it exists, so only a concurrent command removing it in between can leave
         # such an (empty) directory behind.
@@ -224,9 +245,152 @@ class GvisorBackend(HostBackedBackend):
             request=request,
         ))
 
+    # -- the resident sandbox (experimental, RESIDENT_ENV) ---------------------------------------
+
+    def _resident_group(self) -> str:
+        # Named like a command's group (c.<owner>.<name>): a crashed owner's is swept as one,
+        # and the runsc state named after it goes with it (_remove_runsc_leftovers).
+        return f"c.{self._owner}.resident"
+
+    def _exec_resident(self, spec: SandboxSpec, request: ExecRequest, env: dict[str, str],
+                       workspace: Path, template: BaseTemplate, rootfs: Path) -> ExecOutcome:
+        with self._lock:
+            holder = self._residents.get(spec.id)
+            if holder is None:
+                config = build_config(
+                    rootfs=rootfs, template=template, workspace=workspace,
+                    netns=self._netns_path(spec.id), uid=spec.uid, argv=["true"],
+                    cwd="/workspace", env={}, tmp_bytes=spec.tier.tmp_bytes,
+                    pids=spec.tier.pids, terminal=False)
+                holder = self._residents[spec.id] = OnDemand(
+                    lambda: self._start_resident(spec, config), RESIDENT_IDLE_S)
+        stdout = OutputStream("stdout", request.output_limit_bytes, request.on_stdout,
+                              stream_past_limit=request.stream_past_limit)
+        stderr = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
+                              stream_past_limit=request.stream_past_limit)
+        started = time.monotonic()
+        group = f"{spec.id}/{self._resident_group()}"
+        try:
+            # gVisor counts a task against RLIMIT_NPROC under the uid it was created with; the
+            # command is created as root and becomes 1000 after, so it is not in the count.
+            result = holder.run(
+                list(request.argv), env=env, cwd=request.cwd, tmp_bytes=spec.tier.tmp_bytes,
+                nproc=max(1, spec.tier.pids - 1), timeout=request.timeout_s,
+                key=request.command_id,
+                on_output=lambda name, data: (stdout if name == "stdout" else stderr).feed(data))
+        except BackendError as exc:
+            if "could not start" in str(exc) and "chdir" in str(exc):
+                raise CommandError(
+                    f"cannot enter the working directory {request.cwd}: {exc}") from None
+            with contextlib.suppress(BackendError, OSError):
+                if self.cgroups.usage(group).oom_killed:
+                    # The OOM killer took the Sentry: every command in it died of memory.
+                    return ExecOutcome(
+                        exit_code=_KILLED_EXIT_CODE, stdout=stdout.finish(),
+                        stderr=stderr.finish(), timed_out=False,
+                        usage=Usage(wall_s=time.monotonic() - started, cpu_s=0.0,
+                                    peak_memory_bytes=0, oom_killed=True))
+            raise
+        exit_code = result.exit_code
+        if result.exec_errno is not None and (failed := exec_failure(
+                request.argv[0], os.strerror(result.exec_errno))) is not None:
+            exit_code, message = failed
+            stderr.feed(message.encode())
+        if result.timed_out:
+            exit_code = TIMEOUT_EXIT_CODE
+        oom_killed = False
+        with contextlib.suppress(BackendError, OSError):
+            oom_killed = self.cgroups.usage(group).oom_killed
+        if oom_killed:
+            # One Sentry for all commands: the OOM kill counts for the whole group, so the
+            # resident sandbox is replaced (the next command starts a fresh one and group).
+            holder.close()
+        return ExecOutcome(
+            exit_code=exit_code, stdout=stdout.finish(), stderr=stderr.finish(),
+            timed_out=result.timed_out,
+            usage=Usage(wall_s=time.monotonic() - started, cpu_s=result.cpu_s,
+                        peak_memory_bytes=result.peak_rss_bytes, oom_killed=oom_killed),
+            stdout_truncated=stdout.dropped, stderr_truncated=stderr.dropped,
+            stdout_bytes=bytes(stdout.raw), stderr_bytes=bytes(stderr.raw))
+
+    def _start_resident(self, spec: SandboxSpec, config: dict[str, Any]) -> Resident:
+        """Start the resident sandbox in its own group of the sandbox's cgroup, placed there
+        before runsc runs (the FIFO shim, as ``launcher`` does for a command)."""
+        launcher = self._ready()
+        name = self._resident_group()
+        group = f"{spec.id}/{name}"
+        container_id = _container_id(spec.id, name)
+        bundle = self._bundles / container_id
+        self.cgroups.create_command(group)
+        fifo = self._bundles / f"{container_id}.release"
+
+        def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+            os.mkfifo(fifo, 0o600)
+            release = os.open(fifo, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                held = [*argv[:4], launcher.sh, "-c", _SHIM, "sh", str(fifo), *argv[4:]]
+                proc = launcher.spawner.run(self._netns_path(spec.id), lambda: subprocess.Popen(
+                    held, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, env=privileged_env(), cwd="/"))
+                try:
+                    self.cgroups.attach(group, (proc.pid,))
+                    os.write(release, b"go\n")
+                except BaseException:
+                    proc.kill()
+                    proc.wait()
+                    raise
+                return proc
+            finally:
+                os.close(release)
+                fifo.unlink(missing_ok=True)
+
+        def closed() -> None:
+            with contextlib.suppress(BackendError, OSError):
+                self.cgroups.kill(group)
+            reap_orphans(runtime_uid(spec.uid))
+            with contextlib.suppress(BackendError, OSError):
+                self.cgroups.remove(group)
+
+        try:
+            return Resident(launcher.runsc, bundle, container_id, config,
+                            ensure_launcher(self._dir), spawn, on_close=closed)
+        except BaseException:
+            closed()
+            raise
+
+    def _close_resident(self, sandbox_id: str) -> None:
+        with self._lock:
+            holder = self._residents.pop(sandbox_id, None)
+        if holder is not None:
+            holder.close()
+
+    def busy(self, spec: SandboxSpec) -> bool:
+        # The resident's group is no command: it alone does not make the sandbox busy.
+        with self._lock:
+            holder = self._residents.get(spec.id)
+        if holder is not None and holder.busy:
+            return True
+        resident = self._resident_group()
+        return any(name != resident for name in self.cgroups.children(spec.id))
+
+    def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
+        with self._lock:
+            holder = self._residents.get(spec.id)
+        if holder is not None and holder.kill(command_id):
+            return True
+        return super().kill_command(spec, command_id)
+
+    def close(self) -> None:
+        with self._lock:
+            holders, self._residents = list(self._residents.values()), {}
+        for holder in holders:
+            holder.close()
+        super().close()
+
     # -- the tier's own leftovers --------------------------------------------------------------
 
     def _destroy_extra(self, spec: SandboxSpec) -> None:
+        self._close_resident(spec.id)
         self._remove_runsc_leftovers(lambda sandbox_id: sandbox_id != spec.id)
 
     def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:
