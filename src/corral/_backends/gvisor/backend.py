@@ -34,9 +34,10 @@ runsc 20240729, other test suites running alongside; ``bench/bench_gvisor.py`` r
   packet sockets stay off (``--net-raw=false``) and netlink is refused by the command's filter.
 * **Platform: systrap** (see ``runsc``); KVM is not available on the development machines.
 
-Issue 14 ("the gVisor tier made fast"): designed, prototyped and measured, **not wired in yet**
-(commands still take the per-command path above). The design, in ``resident`` (host side),
-``inside`` (the helper, gVisor's init) and ``run.c`` (the per-command launcher):
+Issue 14 ("the gVisor tier made fast"): designed, measured, and wired in **only as an
+experimental opt-in** (``CORRAL_GVISOR_RESIDENT=1``; by default every command still takes the
+per-command path above). The design, in ``resident`` (host side), ``inside`` (the helper,
+gVisor's init) and ``run.c`` (the per-command launcher):
 
 * One *resident* sandbox per Corral sandbox in use: one attached ``runsc run`` (``create``
   cannot be given pipes: the sandbox inherits them and ``create`` waits for their EOF forever),
@@ -63,14 +64,22 @@ Corral gVisor command today 329 ms, a namespace-tier command 27.6 ms, ``runsc ex
 namespace tier's; target 1.5x and <= 50 ms)**; starting a resident sandbox ~0.35-0.66 s
 (``runsc run`` plus Python's start inside), paid once per busy period.
 
-Left before the tier can use it (each a guarantee the per-command path keeps today):
-wiring into ``exec`` with the supervise loop's streaming, output caps, interactive stdin and
-PTY (the helper has neither yet), ``kill_command`` (a ``kill`` op exists), stopping the
-resident sandbox after N idle seconds and restarting it on demand, OOM (one Sentry per
-sandbox: a memory bomb that trips the cgroup kills every running command, not just its own),
-the sweep telling a live resident's state from a crashed one's (``<id>.resident`` is removed
-as a dead command's today, which is right after a crash and wrong under another live
-process), and one resident per Corral process (two processes using one sandbox would run two).
+With the opt-in, a plain command (no PTY, no interactive or given stdin: those keep the
+per-command path) runs in the sandbox's resident sandbox, started on demand (``OnDemand``) in
+a group ``c.<owner>.resident`` of the sandbox cgroup (placed before runsc runs, like a
+command; so limits, pause and ``destroy`` hold it, and a crashed owner's is swept as a
+command's, its runsc state with it), stopped after ``RESIDENT_IDLE_S`` with nothing running.
+``kill_command``, ``busy`` and timeouts (exit 124) go through the helper. Left before it can be
+the default (each a guarantee the per-command path keeps):
+
+* PTY and interactive stdin in the helper (today those commands take the old path);
+* OOM: one Sentry for all commands, so a memory bomb that trips the cgroup can take the others
+  with it; the group's OOM counter is cumulative, so the resident is replaced after one;
+* peak memory is the largest process's RSS (``wait4``), not the whole tree's;
+* no host process is left *between* commands only after the idle stop: within
+  ``RESIDENT_IDLE_S`` the Sentry stays (``test_gvisor.py``'s host-side "nothing lingers"
+  check fails in this mode; inside, the command's PID namespace is gone on return);
+* one resident per Corral process: two processes using one sandbox run two.
 """
 
 from __future__ import annotations
@@ -115,6 +124,7 @@ from .runsc import Runsc, find_runsc
 __all__ = ["GvisorBackend"]
 
 _KILLED_EXIT_CODE = 128 + 9
+_RESIDENT_PREFIX = "resident-"
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +178,8 @@ class GvisorBackend(HostBackedBackend):
         self._lock = threading.Lock()
         self._resident_on = os.environ.get(RESIDENT_ENV) == "1"
         self._residents: dict[str, OnDemand] = {}
+        self._resident_groups: dict[str, str] = {}  # sandbox id -> its resident's group
+        self._resident_starts = 0
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -249,8 +261,10 @@ class GvisorBackend(HostBackedBackend):
 
     def _resident_group(self) -> str:
         # Named like a command's group (c.<owner>.<name>): a crashed owner's is swept as one,
-        # and the runsc state named after it goes with it (_remove_runsc_leftovers).
-        return f"c.{self._owner}.resident"
+        # and the runsc state named after it goes with it (_remove_runsc_leftovers). A new
+        # name per start: runsc must never meet a container id it may still hold state for.
+        self._resident_starts += 1
+        return f"c.{self._owner}.{_RESIDENT_PREFIX}{self._resident_starts}"
 
     def _exec_resident(self, spec: SandboxSpec, request: ExecRequest, env: dict[str, str],
                        workspace: Path, template: BaseTemplate, rootfs: Path) -> ExecOutcome:
@@ -269,7 +283,6 @@ class GvisorBackend(HostBackedBackend):
         stderr = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
                               stream_past_limit=request.stream_past_limit)
         started = time.monotonic()
-        group = f"{spec.id}/{self._resident_group()}"
         try:
             # gVisor counts a task against RLIMIT_NPROC under the uid it was created with; the
             # command is created as root and becomes 1000 after, so it is not in the count.
@@ -279,6 +292,7 @@ class GvisorBackend(HostBackedBackend):
                 key=request.command_id,
                 on_output=lambda name, data: (stdout if name == "stdout" else stderr).feed(data))
         except BackendError as exc:
+            group = f"{spec.id}/{self._resident_groups.get(spec.id, '')}"
             if "could not start" in str(exc) and "chdir" in str(exc):
                 raise CommandError(
                     f"cannot enter the working directory {request.cwd}: {exc}") from None
@@ -299,6 +313,7 @@ class GvisorBackend(HostBackedBackend):
         if result.timed_out:
             exit_code = TIMEOUT_EXIT_CODE
         oom_killed = False
+        group = f"{spec.id}/{self._resident_groups.get(spec.id, '')}"
         with contextlib.suppress(BackendError, OSError):
             oom_killed = self.cgroups.usage(group).oom_killed
         if oom_killed:
@@ -317,7 +332,8 @@ class GvisorBackend(HostBackedBackend):
         """Start the resident sandbox in its own group of the sandbox's cgroup, placed there
         before runsc runs (the FIFO shim, as ``launcher`` does for a command)."""
         launcher = self._ready()
-        name = self._resident_group()
+        with self._lock:
+            name = self._resident_groups[spec.id] = self._resident_group()
         group = f"{spec.id}/{name}"
         container_id = _container_id(spec.id, name)
         bundle = self._bundles / container_id
@@ -361,6 +377,7 @@ class GvisorBackend(HostBackedBackend):
     def _close_resident(self, sandbox_id: str) -> None:
         with self._lock:
             holder = self._residents.pop(sandbox_id, None)
+            self._resident_groups.pop(sandbox_id, None)
         if holder is not None:
             holder.close()
 
@@ -370,8 +387,8 @@ class GvisorBackend(HostBackedBackend):
             holder = self._residents.get(spec.id)
         if holder is not None and holder.busy:
             return True
-        resident = self._resident_group()
-        return any(name != resident for name in self.cgroups.children(spec.id))
+        return any(not name.rsplit(".", 1)[-1].startswith(_RESIDENT_PREFIX)
+                   for name in self.cgroups.children(spec.id))
 
     def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
         with self._lock:

@@ -1,4 +1,4 @@
-"""The in-sandbox helper of a resident gVisor sandbox (issue 14): a prototype, not wired in.
+"""The in-sandbox helper of a resident gVisor sandbox (issue 14; see ``resident``).
 
 This file runs *inside* gVisor as the container's init (``python3 -I -S -c <this source>``), so
 it is stdlib only and imports nothing of Corral's. It speaks JSON lines on its stdin and stdout

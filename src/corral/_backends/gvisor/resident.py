@@ -1,9 +1,10 @@
-"""A long-lived gVisor sandbox with the in-sandbox helper (``inside``): issue 14's prototype.
+"""A long-lived gVisor sandbox with the in-sandbox helper (``inside``): issue 14's design.
 
-Not wired into ``GvisorBackend.exec`` (see the backend's docstring for what is left); the bench
-(``bench/bench_gvisor.py``, series ``resident_command``) and ``tests/integration/
-test_gvisor_resident.py`` drive it directly, to measure the design and to hold the
-per-command guarantees it already keeps (filter, identity, own ``/tmp``, tree killed).
+Used by ``GvisorBackend.exec`` only behind the experimental opt-in (see the backend's
+docstring for what is left); the bench (``bench/bench_gvisor.py``, series
+``resident_command``) and ``tests/integration/test_gvisor_resident.py`` drive it directly, to
+measure the design and to hold the per-command guarantees it keeps (filter, identity, own
+``/tmp`` and PID namespace, tree killed on return and on timeout, idle stop).
 
 One ``runsc run`` per resident sandbox, attached, with the helper as the container's init and
 runsc's stdin/stdout as the helper's channel (``runsc create`` cannot be given pipes: the
@@ -154,9 +155,10 @@ class Resident:
         self._next = 1
         self._ready = threading.Event()
         self._closed = False
+        self._up = False
         self._reader = threading.Thread(target=self._read, name="corral-resident", daemon=True)
         self._reader.start()
-        if not self._ready.wait(_START_TIMEOUT_S):
+        if not self._ready.wait(_START_TIMEOUT_S) or not self._up:
             self.close()
             raise BackendError("the resident gVisor sandbox did not start: "
                                f"{runsc.error_of(bundle) or 'no answer from its helper'}")
@@ -174,6 +176,7 @@ class Resident:
         for line in self._stdout:
             message = json.loads(line)
             if message.get("ready"):
+                self._up = True
                 self._ready.set()
                 continue
             pending = self._pending.get(message.get("id", -1))
@@ -189,6 +192,7 @@ class Resident:
             else:
                 pending.reply = message
                 pending.done.set()
+        self._ready.set()  # runsc exited: a start still waiting fails now, not at its deadline
         for pending in list(self._pending.values()):  # the sandbox died: nobody will answer
             pending.done.set()
 
