@@ -17,6 +17,8 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -229,3 +231,50 @@ def test_on_demand_stops_when_idle_and_restarts(pieces: Pieces) -> None:
         assert holder.starts == 3
     finally:
         holder.close()
+
+
+def test_a_crashed_owner_leaves_no_resident_behind(
+        backend: GvisorBackend, home: str, settings: Settings, manager: Manager) -> None:
+    """The opt-in path (CORRAL_GVISOR_RESIDENT=1) in another process, SIGKILLed mid-command:
+    its resident sandbox dies with it, and the next start's sweep removes its group and runsc
+    state; the sandbox itself stays usable."""
+    env = {**os.environ, "CORRAL_HOME": str(settings.home), "CORRAL_GVISOR_RESIDENT": "1",
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    code = textwrap.dedent("""
+        from corral import Sandbox
+        from corral._control.manager import get_manager
+        sb = Sandbox.create(isolation="gvisor")
+        assert sb.commands.run("echo warm").stdout == "warm\\n"
+        print(sb.id, get_manager().store.get(sb.id).uid, flush=True)
+        sb.commands.run("sleep 300", timeout=60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, proc.communicate(timeout=30)[1]
+        sandbox_id, uid_text = line.split()
+        runtime = runtime_uid(int(uid_text))
+        assert host_procs_of_uid(runtime), "no resident sandbox is running"
+        time.sleep(1)  # the `sleep 300` is in flight
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    deadline = time.monotonic() + 15
+    while host_procs_of_uid(runtime) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert host_procs_of_uid(runtime) == []  # pdeathsig: runsc, and its Sentry with it
+    removed = manager.recover()
+    assert any(item.startswith(f"command {sandbox_id}/") and "resident-" in item
+               for item in removed), removed
+    assert any(item.startswith(f"runsc {sandbox_id}.") for item in removed), removed
+    assert not [p for p in (settings.home / "gvisor" / "state").iterdir()
+                if p.name.startswith((sandbox_id, f"runsc-{sandbox_id}"))]
+    from corral import Sandbox
+    sb = Sandbox.connect(sandbox_id, home=home)
+    try:
+        assert sb.commands.run("echo works").stdout == "works\n"
+    finally:
+        sb.kill()
