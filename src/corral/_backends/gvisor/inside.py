@@ -11,7 +11,11 @@ it is stdlib only and imports nothing of Corral's. It speaks JSON lines on its s
 * ``{"id", "op": "kill", "target"}`` → ``{"id", "ok"}``: the command's PID namespace is killed.
 
 The helper only multiplexes; each command's shape comes from the static launcher ``run.c``
-(bound at ``/.corral``), started with ``posix_spawn``. Why the helper is root inside, with
+(bound at ``/.corral``), started with ``posix_spawn``; after each command the helper sets up
+the next one's launcher ahead (``Launchers``: namespaces, mounts and init made while nothing
+runs), so a command waits only for its request, a vfork and its exec.
+
+Why the helper is root inside, with
 KILL, SETGID, SETUID, SETPCAP and SYS_ADMIN in gVisor's kernel only (the Sentry is the
 sandbox's runtime uid on the host): the launcher needs them to give each command its own mount
 and PID namespace, which neither ``runsc exec`` nor the OCI profile can, then drops them all.
@@ -24,6 +28,7 @@ unfiltered to make namespaces.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import selectors
@@ -35,23 +40,97 @@ LAUNCHER = "/.corral/run"
 FILTER = "/.corral/filter"
 
 
-def start_command(req: dict[str, Any]) -> tuple[int, int, int, int]:
-    """Spawn the launcher for one command; (pid, stdout, stderr, status read ends)."""
+Launch = dict[str, Any]  # {"pid", "out", "err", "status", "request" (pooled only)}
+
+
+def spawn_launcher(tail: list[str], env: dict[str, str], pooled: bool) -> Launch:
+    """Start the launcher with fresh pipes; ``tail`` follows FILTER on its command line."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     st_r, st_w = os.pipe()
     null = os.open("/dev/null", os.O_RDONLY)
+    mine, theirs = [out_w, err_w, st_w, null], []
     actions = [(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
                (os.POSIX_SPAWN_DUP2, err_w, 2), (os.POSIX_SPAWN_DUP2, st_w, 3)]
-    argv = [LAUNCHER, FILTER, str(int(req["tmp_bytes"])), str(int(req["nproc"])), req["cwd"],
-            "--", *req["argv"]]
+    if pooled:
+        req_r, req_w = os.pipe()
+        os.set_inheritable(req_w, False)
+        mine.append(req_r)
+        theirs.append(req_w)
+        actions.append((os.POSIX_SPAWN_DUP2, req_r, 4))
     try:
         # posix_spawn is a vfork: no copy of this process (a fork of it costs 20-45 ms here).
-        pid = os.posix_spawn(LAUNCHER, argv, req["env"], file_actions=actions)
-    finally:
-        for fd in (out_w, err_w, st_w, null):
+        # SIGPIPE: ignored here (a dead launcher's pipe is an error, not our death), default
+        # in the command.
+        pid = os.posix_spawn(LAUNCHER, [LAUNCHER, FILTER, *tail], env, file_actions=actions,
+                             setsigdef=(signal.SIGPIPE,))
+    except OSError:
+        for fd in (out_r, err_r, st_r, *theirs):
             os.close(fd)
-    return pid, out_r, err_r, st_r
+        raise
+    finally:
+        for fd in mine:
+            os.close(fd)
+    launch: Launch = {"pid": pid, "out": out_r, "err": err_r, "status": st_r}
+    if pooled:
+        launch["request"] = theirs[0]
+    return launch
+
+
+def encode_request(req: dict[str, Any]) -> bytes:
+    """The pooled launcher's request (see run.c): cwd, argc, argv, envc, env; NUL-separated."""
+    argv = [os.fsencode(a) for a in req["argv"]]
+    env = [os.fsencode(f"{k}={v}") for k, v in req["env"].items()]
+    fields = [os.fsencode(req["cwd"]), str(len(argv)).encode(), *argv,
+              str(len(env)).encode(), *env]
+    return b"".join(f + b"\0" for f in fields)
+
+
+class Launchers:
+    """One launcher set up ahead per (tmp size, pid limit), used by the next command."""
+
+    def __init__(self) -> None:
+        self.pool: dict[tuple[int, int], Launch] = {}
+
+    def start(self, req: dict[str, Any]) -> Launch:
+        key = (int(req["tmp_bytes"]), int(req["nproc"]))
+        launch = self.pool.pop(key, None)
+        if launch is not None:
+            try:
+                data = encode_request(req)
+                while data:
+                    data = data[os.write(launch["request"], data):]
+                os.close(launch["request"])
+                return launch
+            except OSError:  # it died while waiting: start the command the direct way
+                self.discard(launch)
+        tail = [str(key[0]), str(key[1]), req["cwd"], "--", *req["argv"]]
+        return spawn_launcher(tail, req["env"], pooled=False)
+
+    def refill(self, tmp_bytes: int, nproc: int) -> None:
+        key = (tmp_bytes, nproc)
+        if key not in self.pool:
+            try:
+                self.pool[key] = spawn_launcher([str(tmp_bytes), str(nproc), "--pool"],
+                                                {}, pooled=True)
+            except OSError:
+                pass  # the next command starts the direct way
+
+    @staticmethod
+    def discard(launch: Launch) -> None:
+        """A launcher no command will use: EOF on its request ends it (init exits: nothing
+        ran), then it is reaped."""
+        for name in ("request", "out", "err", "status"):
+            if name in launch:
+                with contextlib.suppress(OSError):
+                    os.close(launch[name])
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(launch["pid"], 0)
+
+    def close(self) -> None:
+        for launch in self.pool.values():
+            self.discard(launch)
+        self.pool.clear()
 
 
 def parse_status(line: bytes, cmd: dict[str, Any]) -> None:
@@ -78,7 +157,7 @@ def main() -> None:
         out.write(json.dumps(obj).encode() + b"\n")
         out.flush()
 
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    launchers = Launchers()
     sel = selectors.DefaultSelector()
     stdin = sys.stdin.fileno()  # read raw: the buffered reader would hide queued lines
     sel.register(stdin, selectors.EVENT_READ, ("ctl", None))
@@ -94,6 +173,7 @@ def main() -> None:
                     for cmd in commands.values():
                         if cmd.get("init"):
                             os.kill(cmd["init"], signal.SIGKILL)
+                    launchers.close()
                     return
                 buf += data
                 while b"\n" in buf:
@@ -101,14 +181,17 @@ def main() -> None:
                     req: dict[str, Any] = json.loads(line)
                     if req["op"] == "exec":
                         try:
-                            pid, o, e, s = start_command(req)
-                        except OSError as exc:
+                            launch = launchers.start(req)
+                        except (OSError, ValueError) as exc:
                             write({"id": req["id"], "error": {"error": f"launcher: {exc}"}})
                             continue
-                        commands[req["id"]] = {"pid": pid, "open": 3, "status": b"", "exit": None}
-                        sel.register(o, selectors.EVENT_READ, ("stdout", req["id"]))
-                        sel.register(e, selectors.EVENT_READ, ("stderr", req["id"]))
-                        sel.register(s, selectors.EVENT_READ, ("status", req["id"]))
+                        commands[req["id"]] = {
+                            "pid": launch["pid"], "open": 3, "status": b"", "exit": None,
+                            "key": (int(req["tmp_bytes"]), int(req["nproc"]))}
+                        sel.register(launch["out"], selectors.EVENT_READ, ("stdout", req["id"]))
+                        sel.register(launch["err"], selectors.EVENT_READ, ("stderr", req["id"]))
+                        sel.register(launch["status"], selectors.EVENT_READ,
+                                     ("status", req["id"]))
                     elif req["op"] == "kill":
                         target = commands.get(req["target"])
                         if target is not None:
@@ -142,6 +225,8 @@ def main() -> None:
                 else:
                     write({"id": cid, "exit": result})
                 del commands[cid]
+                # Between commands, not in one's way: set up the launcher for the next.
+                launchers.refill(*cmd["key"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 /* The per-command launcher inside a resident gVisor sandbox (see inside.py, resident.py).
  *
  *   run FILTER TMP_BYTES NPROC CWD -- ARGV...     (environment: the command's, exactly)
- *   fds: 0 1 2 the command's stdio, 3 the status pipe to the helper
+ *   run FILTER TMP_BYTES NPROC --pool             (the command comes later, on fd 4)
+ *   fds: 0 1 2 the command's stdio, 3 the status pipe to the helper, 4 the request (pooled)
+ *
+ * Pooled: the helper keeps one launcher set up ahead (namespaces, mounts, init), so a
+ * command's latency is only the request, a vfork and the exec.
  *
  * Started by the helper with posix_spawn (vfork: no copy of the helper's address space; a
  * Python fork costs 20-45 ms in gVisor's systrap, this whole launcher ~30 ms). It unshares a
@@ -35,6 +39,7 @@
 #include <grp.h>
 
 #define STATUS_FD 3
+#define REQUEST_FD 4
 #define SANDBOX_ID 1000
 #define MAX_FILTER (4096 * sizeof(struct sock_filter))
 
@@ -51,13 +56,65 @@ static int code_of(int status) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+/* The pooled mode's request on REQUEST_FD, read to EOF: "CWD\0ARGC\0ARGV...\0ENVC\0ENV...\0"
+ * (counts in decimal). Fills cwd, command and env from one buffer that lives until exec. */
+static int read_request(char **cwd, char ***command, char ***env) {
+    size_t size = 0, cap = 1 << 16;
+    char *buf = malloc(cap);
+    if (buf == NULL) return -1;
+    for (;;) {
+        if (size == cap && (buf = realloc(buf, cap *= 2)) == NULL) return -1;
+        ssize_t got = read(REQUEST_FD, buf + size, cap - size);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return -1;
+        if (got == 0) break;
+        size += (size_t)got;
+    }
+    close(REQUEST_FD);
+    size_t at = 0;
+    char *fields[3];
+    size_t nfields = 0, counts[2] = {0, 0};
+    char **lists[2] = {NULL, NULL};
+    /* cwd, then two counted lists */
+    for (int part = 0; part < 5; part++) {
+        if (at >= size || memchr(buf + at, 0, size - at) == NULL) { errno = EINVAL; return -1; }
+        char *field = buf + at;
+        at += strlen(field) + 1;
+        if (part == 0) { fields[nfields++] = field; continue; }
+        if (part == 1 || part == 3) {
+            size_t list = part == 1 ? 0 : 1;
+            counts[list] = strtoul(field, NULL, 10);
+            if (counts[list] > size) { errno = EINVAL; return -1; }
+            lists[list] = calloc(counts[list] + 1, sizeof(char *));
+            if (lists[list] == NULL) return -1;
+            for (size_t i = 0; i < counts[list]; i++) {
+                if (at >= size || memchr(buf + at, 0, size - at) == NULL) {
+                    errno = EINVAL;
+                    return -1;
+                }
+                lists[list][i] = buf + at;
+                at += strlen(buf + at) + 1;
+            }
+            part++;
+        }
+    }
+    if (counts[0] == 0) { errno = EINVAL; return -1; }
+    *cwd = fields[0];
+    *command = lists[0];
+    *env = lists[1];
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc < 7 || strcmp(argv[5], "--") != 0) {
+    int pooled = argc == 5 && strcmp(argv[4], "--pool") == 0;
+    if (!pooled && (argc < 7 || strcmp(argv[5], "--") != 0)) {
         dprintf(STATUS_FD, "error %d usage\n", EINVAL);
         return 125;
     }
-    char **command = argv + 6;
     extern char **environ;
+    char *cwd = pooled ? NULL : argv[4];
+    char **command = pooled ? NULL : argv + 6;
+    char **env = environ;
     unsigned long long tmp_bytes = strtoull(argv[2], NULL, 10);
     rlim_t nproc = (rlim_t)strtoull(argv[3], NULL, 10);
 
@@ -85,6 +142,8 @@ int main(int argc, char **argv) {
     if (init == 0) {
         if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
             fail("mount /proc");
+        /* Pooled: everything above was done ahead of time; the command comes now. */
+        if (pooled && read_request(&cwd, &command, &env)) fail("request");
         pid_t child = vfork();
         if (child < 0) fail("vfork");
         if (child == 0) {
@@ -99,12 +158,12 @@ int main(int argc, char **argv) {
             struct rlimit procs = {nproc, nproc}, core = {0, 0};
             if (nproc && setrlimit(RLIMIT_NPROC, &procs)) fail("rlimit nproc");
             if (setrlimit(RLIMIT_CORE, &core)) fail("rlimit core");
-            if (chdir(argv[4])) fail("chdir");
+            if (chdir(cwd)) fail("chdir");
             if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("no_new_privs");
             /* Closed by a successful execve only: a failed one is reported on it. */
             if (fcntl(STATUS_FD, F_SETFD, FD_CLOEXEC)) fail("cloexec");
             if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) fail("seccomp");
-            execvpe(command[0], command, environ);
+            execvpe(command[0], command, env);
             dprintf(STATUS_FD, "exec %d %s\n", errno, command[0]);
             _exit(errno == ENOENT ? 127 : 126);
         }
@@ -128,6 +187,7 @@ int main(int argc, char **argv) {
     close(0);
     close(1);
     close(2);
+    if (pooled) close(REQUEST_FD);
     dprintf(STATUS_FD, "init %d\n", (int)init);
     int status;
     while (waitpid(init, &status, 0) < 0 && errno == EINTR) {}
