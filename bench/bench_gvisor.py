@@ -22,8 +22,11 @@ does, so slow drift of the machine spreads over all of them):
   candidate. Once per run the bench also asks such an exec'd process for its seccomp state
   (``runsc_exec_seccomp`` in the report);
 * ``resident_command``: ``true`` through the in-sandbox helper of a long-lived sandbox
-  (``gvisor.resident``, the prototype of issue 14's design: own mount and PID namespace, fresh
-  ``/tmp``, the seccomp filter per command), started once.
+  (``gvisor.resident``, issue 14's design: own mount and PID namespace, fresh ``/tmp``, the
+  seccomp filter per command), started once, without Corral;
+* ``gvisor_resident_command``: ``commands.run(["true"])`` in a gVisor sandbox of a second data
+  directory whose backend has the experimental resident path on (``CORRAL_GVISOR_RESIDENT=1``):
+  the whole of Corral around it, comparable with ``namespace_command``.
 
 Prints one JSON document (progress goes to stderr). The target is ``create + first command`` of
 the gVisor tier within 1.5x of ``runsc_do_true`` (p50). The bench uses a temporary data
@@ -61,6 +64,7 @@ from bench_sandbox import (  # noqa: E402
 from corral import Sandbox  # noqa: E402
 from corral._backends._linux import netns  # noqa: E402
 from corral._backends._linux.template import load_template  # noqa: E402
+from corral._backends.gvisor.backend import RESIDENT_ENV  # noqa: E402
 from corral._backends.gvisor.bundle import (  # noqa: E402
     RUNTIME_UID_OFFSET,
     build_config,
@@ -206,8 +210,10 @@ class LongLived:
 
 
 class Bench:
-    def __init__(self, home: Path, runsc: str, bare: BareRunsc, long: LongLived) -> None:
+    def __init__(self, home: Path, runsc: str, bare: BareRunsc, long: LongLived,
+                 resident_home: Path) -> None:
         self.home = str(home)
+        self.resident_home = str(resident_home)
         self.runsc = runsc
         self.bare = bare
         self.long = long
@@ -218,7 +224,7 @@ class Bench:
             "gvisor_lifecycle", "gvisor_create", "gvisor_first_command",
             "gvisor_create_plus_first_command", "gvisor_destroy", "gvisor_command",
             "namespace_lifecycle", "namespace_create_plus_first_command", "namespace_command",
-            "runsc_exec_true", "resident_command",
+            "runsc_exec_true", "resident_command", "gvisor_resident_command",
         )}
         self.failures: dict[str, int] = {}
 
@@ -284,9 +290,12 @@ class Bench:
             lambda record: self._lifecycle("namespace", record),
             lambda record: self._command("namespace", record),
             self.runsc_exec_true, self.resident_command,
+            lambda record: self._command("gvisor_resident", record),
         ]
         for tier in ("gvisor", "namespace"):
             self.sandboxes[tier] = Sandbox.create(home=self.home, isolation=tier)
+        self.sandboxes["gvisor_resident"] = Sandbox.create(home=self.resident_home,
+                                                           isolation="gvisor")
         log(f"warming up ({WARMUP} runs of each series)")
         for _ in range(WARMUP):
             for step in steps:
@@ -363,7 +372,18 @@ def main(argv: list[str] | None = None) -> int:
         bare.close()
         teardown(settings, gvisor_leftovers)
         raise
-    bench = Bench(home, runsc, bare, long)
+    # A second data directory (its own uids) whose gVisor backend takes the resident path:
+    # the setting is read when the backend is made.
+    resident_home = Path(tempfile.mkdtemp(prefix="corral-bench-"))
+    os.chmod(resident_home, 0o711)
+    resident_settings = Settings(home=resident_home, uid_start=uid_start + UID_COUNT,
+                                 uid_count=UID_COUNT)
+    os.environ[RESIDENT_ENV] = "1"
+    try:
+        manager_mod.get_manager(resident_settings).backend_for("gvisor")
+    finally:
+        del os.environ[RESIDENT_ENV]
+    bench = Bench(home, runsc, bare, long, resident_home)
     try:
         gc.collect()
         log(f"bench: {args.runs} rounds, home {home}, uids from {uid_start}, seed {seed}")
@@ -374,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         long.close()
         bare.close()
         left = teardown(settings, gvisor_leftovers)
+        left += teardown(resident_settings, gvisor_leftovers)
     if left:
         log("bench: leftovers after clean-up:\n  " + "\n  ".join(left))
 
@@ -395,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         "results": {k: s[k] for k in (
             "runsc_do_true", "runsc_run_true", "gvisor_create_plus_first_command",
             "gvisor_command", "gvisor_lifecycle", "namespace_create_plus_first_command",
-            "namespace_command", "namespace_lifecycle", "runsc_exec_true", "resident_command")},
+            "namespace_command", "namespace_lifecycle", "runsc_exec_true", "resident_command",
+            "gvisor_resident_command")},
         "long_lived": {
             "runsc_create_ms": round(long.create_s * 1000, 1),
             "runsc_start_ms": round(long.start_s * 1000, 1),
@@ -415,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
                 round(s["gvisor_command"]["p50_ms"] / baseline, 3),
             "runsc_run_true_p50_over_runsc_do_true_p50":
                 round(s["runsc_run_true"]["p50_ms"] / baseline, 3),
+            "gvisor_resident_command_p50_over_namespace_command_p50":
+                round(s["gvisor_resident_command"]["p50_ms"] / s["namespace_command"]["p50_ms"],
+                      3),
             "resident_command_p50_over_namespace_command_p50":
                 round(s["resident_command"]["p50_ms"] / s["namespace_command"]["p50_ms"], 3),
             "runsc_exec_true_p50_over_namespace_command_p50":
