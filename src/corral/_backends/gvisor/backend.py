@@ -57,12 +57,17 @@ gVisor's init) and ``run.c`` (the per-command launcher):
 * Usage per command comes from the namespace init's ``wait4`` (CPU of every reaped process,
   peak as the largest single process's RSS: weaker than the cgroup's peak of the whole tree).
 
-Measured 2026-12-01, same run (``bench/bench_gvisor.py --runs 12``, p50, load 2.5-3.5 from
-other suites, so every number is ~1.5x the quiet machine's): ``runsc do true`` 274 ms, a
-Corral gVisor command today 329 ms, a namespace-tier command 27.6 ms, ``runsc exec --user
-1000:1000 true`` into a long-lived sandbox 34.0 ms, **a resident command 35.5 ms (1.29x the
-namespace tier's; target 1.5x and <= 50 ms)**; starting a resident sandbox ~0.35-0.66 s
-(``runsc run`` plus Python's start inside), paid once per busy period.
+* The helper sets up the next command's launcher while nothing runs (namespaces, mounts,
+  init), so a command waits only for its request, a vfork and its exec.
+
+Measured 2026-12-01, same run (``bench/bench_gvisor.py --runs 30``, p50, load 1.8-3.0 from
+other suites): ``runsc do true`` 207 ms, a Corral gVisor command on the per-command path 236
+ms, a namespace-tier command 22.0 ms, ``runsc exec --user=1000:1000 true`` into a long-lived
+sandbox 31.6 ms, the resident mechanism alone 21.5 ms, and **a Corral gVisor command on the
+resident path 31.8 ms: 1.45x the namespace tier's** (target 1.5x; and 175 ms under ``runsc
+do true``, target <= 50 ms). Other runs that day gave 1.29x-1.49x (before the launcher was
+set up ahead: 1.29x at 35.5 ms under heavier load). Starting a resident sandbox takes
+0.4-0.9 s (``runsc run`` plus Python's start inside), once per busy period.
 
 With the opt-in, a plain command (no PTY, no interactive or given stdin: those keep the
 per-command path) runs in the sandbox's resident sandbox, started on demand (``OnDemand``) in
