@@ -66,8 +66,8 @@ sandbox 31.6 ms, the resident mechanism alone 21.5 ms, and **a Corral gVisor com
 resident path 31.8 ms: 1.45x the namespace tier's** (target 1.5x), against 207 ms for
 ``runsc do true`` (the issue's target: at most 50 ms per command). Other runs that day gave
 1.29x-1.49x (1.29x at 35.5 ms before the launcher was set up ahead, under heavier load).
-Starting a resident sandbox takes
-0.4-0.9 s (``runsc run`` plus Python's start inside), once per busy period.
+Starting a resident sandbox takes 0.4-0.9 s (``runsc run`` plus Python's start inside), once
+per busy period.
 
 With the opt-in, a plain command (no PTY, no interactive or given stdin: those keep the
 per-command path) runs in the sandbox's resident sandbox, started on demand (``OnDemand``) in
