@@ -345,25 +345,25 @@ class GvisorBackend(HostBackedBackend):
         self.cgroups.create_command(group)
         fifo = self._bundles / f"{container_id}.release"
 
+        releases: list[int] = []
+
         def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
             os.mkfifo(fifo, 0o600)
-            release = os.open(fifo, os.O_RDWR | os.O_CLOEXEC)
+            # Open (and the FIFO in place) until the helper has answered: the shim opens it by
+            # name, maybe only after we wrote.
+            releases.append(os.open(fifo, os.O_RDWR | os.O_CLOEXEC))
+            held = [*argv[:4], launcher.sh, "-c", _SHIM, "sh", str(fifo), *argv[4:]]
+            proc = launcher.spawner.run(self._netns_path(spec.id), lambda: subprocess.Popen(
+                held, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env=privileged_env(), cwd="/"))
             try:
-                held = [*argv[:4], launcher.sh, "-c", _SHIM, "sh", str(fifo), *argv[4:]]
-                proc = launcher.spawner.run(self._netns_path(spec.id), lambda: subprocess.Popen(
-                    held, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL, env=privileged_env(), cwd="/"))
-                try:
-                    self.cgroups.attach(group, (proc.pid,))
-                    os.write(release, b"go\n")
-                except BaseException:
-                    proc.kill()
-                    proc.wait()
-                    raise
-                return proc
-            finally:
-                os.close(release)
-                fifo.unlink(missing_ok=True)
+                self.cgroups.attach(group, (proc.pid,))
+                os.write(releases[0], b"go\n")
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            return proc
 
         def closed() -> None:
             with contextlib.suppress(BackendError, OSError):
@@ -378,6 +378,10 @@ class GvisorBackend(HostBackedBackend):
         except BaseException:
             closed()
             raise
+        finally:
+            for release in releases:
+                os.close(release)
+            fifo.unlink(missing_ok=True)
 
     def _close_resident(self, sandbox_id: str) -> None:
         with self._lock:
