@@ -63,9 +63,14 @@ class Settings(BaseSettings):
         server_allow_keyless: serve keyless on loopback even though API keys once existed
             (all are revoked). Dangerous: any local process, and any web page that reaches
             loopback, may then run code. ``CORRAL_SERVER_ALLOW_KEYLESS``.
-        microvm_allow_tcg: TEST ONLY: let the (not yet selectable) microVM tier run guests
-            under QEMU's TCG emulation on a host without usable hardware KVM (PVM or none).
-            TCG is no isolation boundary worth the name. ``CORRAL_MICROVM_ALLOW_TCG``.
+        microvm_allow_tcg: TEST ONLY: let the microVM tier run guests under QEMU's TCG
+            emulation on a host without usable hardware KVM (PVM or none). TCG is no isolation
+            boundary worth the name. ``CORRAL_MICROVM_ALLOW_TCG``.
+        microvm_cache: where the microVM tier keeps what it derives from its inputs and can
+            share between data directories: guest kernels, root images, warm snapshots, empty
+            formatted disks (each keyed by a hash of what made it). ``CORRAL_MICROVM_CACHE``.
+        microvm_warm: restore new microVMs from the template's warm snapshot (on by default;
+            off, every VM boots cold). ``CORRAL_MICROVM_WARM``.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -92,6 +97,8 @@ class Settings(BaseSettings):
     server_allow_keyless: bool = False
     e2b_templates: str = ""
     microvm_allow_tcg: bool = False
+    microvm_cache: Path = Path("/var/cache/corral/microvm")
+    microvm_warm: bool = True
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

@@ -1,12 +1,17 @@
-"""Isolation backends, one module per tier, loaded lazily by name."""
+"""Isolation backends, one module per tier, loaded lazily by name.
+
+Importing this package costs nothing (no settings, no pydantic): the microVM tier's keeper, a
+process of its own per VM, imports modules under it and must start in milliseconds.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from .._settings import Settings
-from ..backends import BackendName, IsolationBackend
-from ..errors import BackendUnavailable, ConfigError
+if TYPE_CHECKING:
+    from .._settings import Settings
+    from ..backends import BackendName, IsolationBackend
 
 __all__ = ["BACKENDS", "load_backend"]
 
@@ -18,6 +23,8 @@ BACKENDS: dict[BackendName, str] = {
 
 def load_backend(settings: Settings, name: str | None = None) -> IsolationBackend:
     """Import and build the backend ``name`` (default: ``settings.backend``)."""
+    from ..errors import BackendUnavailable, ConfigError
+
     name = settings.backend if name is None else name
     target = BACKENDS.get(name)  # type: ignore[call-overload]
     if target is None:

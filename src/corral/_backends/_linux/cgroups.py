@@ -40,6 +40,10 @@ class CgroupDriver(Protocol):
     def create_sandbox(self, group: str, tier: ResourceTier) -> None: ...
     def create_command(self, group: str) -> None: ...
     def attach(self, group: str, pids: Iterable[int]) -> None: ...
+    def procs_files(self, group: str) -> list[Path]:
+        """The ``cgroup.procs`` files a process is written to to join ``group`` (for a helper
+        process that places its own child and should not load this driver)."""
+        ...
     def usage(self, group: str) -> CgroupUsage: ...
     def kill(self, group: str) -> None: ...
     def freeze(self, group: str, frozen: bool) -> None: ...
@@ -180,6 +184,9 @@ class CgroupV1:
             for pid in pid_list:
                 _write(path / "cgroup.procs", str(pid))
 
+    def procs_files(self, group: str) -> list[Path]:
+        return [path / "cgroup.procs" for path in self._paths(group)]
+
     def usage(self, group: str) -> CgroupUsage:
         mem = self._path("memory", group)
         oom = 0
@@ -284,6 +291,9 @@ class CgroupV2:
     def attach(self, group: str, pids: Iterable[int]) -> None:
         for pid in pids:
             _write(self._base / group / "cgroup.procs", str(pid))
+
+    def procs_files(self, group: str) -> list[Path]:
+        return [self._base / group / "cgroup.procs"]
 
     def usage(self, group: str) -> CgroupUsage:
         path = self._base / group

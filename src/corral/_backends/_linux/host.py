@@ -114,6 +114,11 @@ class HostBackedBackend:
         """Remove the tier's own leftovers of sandboxes that are not live."""
         return []
 
+    def _keep_group(self, sandbox_id: str, name: str) -> bool:
+        """True for a child group of a live sandbox that is the tier's own and still in use
+        (not a command of a dead owner), so the sweep leaves it."""
+        return False
+
     # -- shared pieces ------------------------------------------------------------------------
 
     def _attach_cgroups(self, cgroups: CgroupDriver) -> None:
@@ -306,6 +311,8 @@ class HostBackedBackend:
             for command in self.cgroups.children(sandbox_id):
                 owner = command.split(".")
                 if len(owner) >= 3 and owner_alive(owner[1], owner[2]):
+                    continue
+                if self._keep_group(sandbox_id, command):
                     continue
                 group = f"{sandbox_id}/{command}"
                 self.cgroups.kill(group)
