@@ -16,7 +16,17 @@ does, so slow drift of the machine spreads over all of them):
 * ``gvisor_lifecycle``: ``Sandbox.create(isolation="gvisor")``, its first ``commands.run(["true"])``
   and ``kill()``, split into ``create``, ``first_command`` and ``destroy``;
 * ``gvisor_command``: ``commands.run(["true"])`` in a gVisor sandbox that already exists;
-* ``namespace_lifecycle`` and ``namespace_command``: the same for the namespace tier.
+* ``namespace_lifecycle`` and ``namespace_command``: the same for the namespace tier;
+* ``runsc_exec_true``: ``runsc exec --user=1000:1000`` of ``true`` into one long-lived sandbox of
+  Corral's kind (started once with ``create`` + ``start``), without Corral: issue 14's first
+  candidate. Once per run the bench also asks such an exec'd process for its seccomp state
+  (``runsc_exec_seccomp`` in the report);
+* ``resident_command``: ``true`` through the in-sandbox helper of a long-lived sandbox
+  (``gvisor.resident``, issue 14's design: own mount and PID namespace, fresh ``/tmp``, the
+  seccomp filter per command), started once, without Corral;
+* ``gvisor_resident_command``: ``commands.run(["true"])`` in a gVisor sandbox of a second data
+  directory whose backend has the experimental resident path on (``CORRAL_GVISOR_RESIDENT=1``):
+  the whole of Corral around it, comparable with ``namespace_command``.
 
 Prints one JSON document (progress goes to stderr). The target is ``create + first command`` of
 the gVisor tier within 1.5x of ``runsc_do_true`` (p50). The bench uses a temporary data
@@ -54,6 +64,7 @@ from bench_sandbox import (  # noqa: E402
 from corral import Sandbox  # noqa: E402
 from corral._backends._linux import netns  # noqa: E402
 from corral._backends._linux.template import load_template  # noqa: E402
+from corral._backends.gvisor.backend import RESIDENT_ENV  # noqa: E402
 from corral._backends.gvisor.bundle import (  # noqa: E402
     RUNTIME_UID_OFFSET,
     build_config,
@@ -62,6 +73,7 @@ from corral._backends.gvisor.bundle import (  # noqa: E402
     write_config,
 )
 from corral._backends.gvisor.launcher import reap_orphans  # noqa: E402
+from corral._backends.gvisor.resident import Resident, ensure_launcher  # noqa: E402
 from corral._backends.gvisor.runsc import Runsc, find_runsc, runsc_version  # noqa: E402
 from corral._control import manager as manager_mod  # noqa: E402
 from corral._settings import Settings  # noqa: E402
@@ -123,11 +135,88 @@ class BareRunsc:
         netns.remove_netns(self.netns)
 
 
+# Asks the kernel it runs on whether it is filtered: gVisor's Seccomp field, and whether
+# unshare(CLONE_NEWUSER) (refused by Corral's filter) goes through.
+SECCOMP_PROBE = ("import ctypes;l=ctypes.CDLL(None,use_errno=True);r=l.unshare(0x10000000);"
+                 "s=open('/proc/self/status').read().split('Seccomp:')[1].split()[0];"
+                 "print(s, 'unshare-newuser', 'allowed' if r == 0 else 'refused')")
+
+
+class LongLived:
+    """One long-lived sandbox of Corral's kind (``runsc create`` + ``start``, ``sleep`` as its
+    init), commands by ``runsc exec``; and one resident helper sandbox beside it."""
+
+    def __init__(self, bare: BareRunsc, spawner: netns.Spawner) -> None:
+        self.bare = bare
+        self.container_id = f"bench.{os.getpid()}.long"
+        self.bundle = bare.work / self.container_id
+        config = dict(bare.config)
+        config["process"] = dict(config["process"], args=["sleep", "1000000"])
+        write_config(self.bundle, config)
+        self.base = bare.runsc.run_argv(bundle=self.bundle, container_id=self.container_id)[:-3]
+        # create's stdout and stderr must not be pipes: the sandbox inherits them and create
+        # waits for their EOF, forever.
+        t0 = time.perf_counter()
+        with open(bare.work / "create.err", "w+b") as err:
+            created = subprocess.run(
+                [*self.base, "create", f"--bundle={self.bundle}", self.container_id],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, timeout=60)
+            if created.returncode != 0:
+                err.seek(0)
+                raise RuntimeError(f"runsc create exited {created.returncode}: "
+                                   f"{err.read().decode(errors='replace').strip()}")
+        t1 = time.perf_counter()
+        run_checked([*self.base, "start", self.container_id])
+        self.create_s, self.start_s = t1 - t0, time.perf_counter() - t1
+        probe = subprocess.run(
+            [*self.base, "exec", "--user=1000:1000", self.container_id, "python3", "-c",
+             SECCOMP_PROBE], capture_output=True, text=True, timeout=60,
+            stdin=subprocess.DEVNULL)
+        self.exec_seccomp = (probe.stdout or probe.stderr).strip()
+        self.resident: Resident | None = None
+        t2 = time.perf_counter()
+        self.resident = Resident(
+            bare.runsc, bare.work / f"bench.{os.getpid()}.resident",
+            f"bench.{os.getpid()}.resident", bare.config, ensure_launcher(bare.work),
+            lambda argv: spawner.run(bare.netns, lambda: subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"})))
+        self.resident_start_s = time.perf_counter() - t2
+        probe_result = self.resident.run(["python3", "-c", SECCOMP_PROBE],
+                                         env={"PATH": "/usr/bin:/bin"})
+        self.resident_seccomp = probe_result.stdout.decode().strip()
+
+    def exec_true(self) -> None:
+        run_checked([*self.base, "exec", "--user=1000:1000", self.container_id, "true"])
+
+    def resident_true(self) -> None:
+        assert self.resident is not None
+        result = self.resident.run(["true"], env={"PATH": "/usr/bin:/bin"})
+        if result.exit_code != 0:
+            raise RuntimeError(f"resident `true` exited {result.exit_code}")
+
+    def close(self) -> None:
+        if self.resident is not None:
+            self.resident.close()
+        subprocess.run([*self.base, "kill", self.container_id, "KILL"], timeout=30,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+        subprocess.run([*self.base, "delete", "--force", self.container_id], timeout=60,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+        self.bare.runsc.remove_state(self.container_id)
+        shutil.rmtree(self.bundle, ignore_errors=True)
+        reap_orphans(runtime_uid(self.bare.uid))
+
+
 class Bench:
-    def __init__(self, home: Path, runsc: str, bare: BareRunsc) -> None:
+    def __init__(self, home: Path, runsc: str, bare: BareRunsc, long: LongLived,
+                 resident_home: Path) -> None:
         self.home = str(home)
+        self.resident_home = str(resident_home)
         self.runsc = runsc
         self.bare = bare
+        self.long = long
         self.sandboxes: dict[str, Sandbox] = {}
         self.rounds = 0
         self.samples: dict[str, list[float]] = {name: [] for name in (
@@ -135,6 +224,7 @@ class Bench:
             "gvisor_lifecycle", "gvisor_create", "gvisor_first_command",
             "gvisor_create_plus_first_command", "gvisor_destroy", "gvisor_command",
             "namespace_lifecycle", "namespace_create_plus_first_command", "namespace_command",
+            "runsc_exec_true", "resident_command", "gvisor_resident_command",
         )}
         self.failures: dict[str, int] = {}
 
@@ -151,6 +241,16 @@ class Bench:
         t = timed(self.bare)
         if record:
             self.samples["runsc_run_true"].append(t)
+
+    def runsc_exec_true(self, record: bool) -> None:
+        t = timed(self.long.exec_true)
+        if record:
+            self.samples["runsc_exec_true"].append(t)
+
+    def resident_command(self, record: bool) -> None:
+        t = timed(self.long.resident_true)
+        if record:
+            self.samples["resident_command"].append(t)
 
     def _command(self, tier: str, record: bool) -> None:
         sandbox = self.sandboxes[tier]
@@ -189,9 +289,13 @@ class Bench:
             lambda record: self._command("gvisor", record),
             lambda record: self._lifecycle("namespace", record),
             lambda record: self._command("namespace", record),
+            self.runsc_exec_true, self.resident_command,
+            lambda record: self._command("gvisor_resident", record),
         ]
         for tier in ("gvisor", "namespace"):
             self.sandboxes[tier] = Sandbox.create(home=self.home, isolation=tier)
+        self.sandboxes["gvisor_resident"] = Sandbox.create(home=self.resident_home,
+                                                           isolation="gvisor")
         log(f"warming up ({WARMUP} runs of each series)")
         for _ in range(WARMUP):
             for step in steps:
@@ -261,7 +365,25 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     (home / "bare").mkdir(mode=0o711)
     bare = BareRunsc(runsc, home / "bare", settings)
-    bench = Bench(home, runsc, bare)
+    long: LongLived | None = None
+    try:
+        long = LongLived(bare, netns.Spawner())
+    except BaseException:
+        bare.close()
+        teardown(settings, gvisor_leftovers)
+        raise
+    # A second data directory (its own uids) whose gVisor backend takes the resident path:
+    # the setting is read when the backend is made.
+    resident_home = Path(tempfile.mkdtemp(prefix="corral-bench-"))
+    os.chmod(resident_home, 0o711)
+    resident_settings = Settings(home=resident_home, uid_start=uid_start + UID_COUNT,
+                                 uid_count=UID_COUNT)
+    os.environ[RESIDENT_ENV] = "1"
+    try:
+        manager_mod.get_manager(resident_settings).backend_for("gvisor")
+    finally:
+        del os.environ[RESIDENT_ENV]
+    bench = Bench(home, runsc, bare, long, resident_home)
     try:
         gc.collect()
         log(f"bench: {args.runs} rounds, home {home}, uids from {uid_start}, seed {seed}")
@@ -269,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         cgroups = mgr.backend.cgroups.describe()  # type: ignore[attr-defined]
     finally:
         bench.close()
+        long.close()
         bare.close()
         left = teardown(settings, gvisor_leftovers)
+        left += teardown(resident_settings, gvisor_leftovers)
     if left:
         log("bench: leftovers after clean-up:\n  " + "\n  ".join(left))
 
@@ -292,7 +416,15 @@ def main(argv: list[str] | None = None) -> int:
         "results": {k: s[k] for k in (
             "runsc_do_true", "runsc_run_true", "gvisor_create_plus_first_command",
             "gvisor_command", "gvisor_lifecycle", "namespace_create_plus_first_command",
-            "namespace_command", "namespace_lifecycle")},
+            "namespace_command", "namespace_lifecycle", "runsc_exec_true", "resident_command",
+            "gvisor_resident_command")},
+        "long_lived": {
+            "runsc_create_ms": round(long.create_s * 1000, 1),
+            "runsc_start_ms": round(long.start_s * 1000, 1),
+            "resident_start_ms": round(long.resident_start_s * 1000, 1),
+            "runsc_exec_seccomp": long.exec_seccomp,
+            "resident_command_seccomp": long.resident_seccomp,
+        },
         "gvisor_lifecycle_parts": {
             "create": s["gvisor_create"],
             "first_command": s["gvisor_first_command"],
@@ -305,6 +437,13 @@ def main(argv: list[str] | None = None) -> int:
                 round(s["gvisor_command"]["p50_ms"] / baseline, 3),
             "runsc_run_true_p50_over_runsc_do_true_p50":
                 round(s["runsc_run_true"]["p50_ms"] / baseline, 3),
+            "gvisor_resident_command_p50_over_namespace_command_p50":
+                round(s["gvisor_resident_command"]["p50_ms"] / s["namespace_command"]["p50_ms"],
+                      3),
+            "resident_command_p50_over_namespace_command_p50":
+                round(s["resident_command"]["p50_ms"] / s["namespace_command"]["p50_ms"], 3),
+            "runsc_exec_true_p50_over_namespace_command_p50":
+                round(s["runsc_exec_true"]["p50_ms"] / s["namespace_command"]["p50_ms"], 3),
         },
         "targets": {
             f"gvisor_create_plus_first_command_within_{TARGET_RATIO}x_runsc_do_true":

@@ -44,9 +44,11 @@ __all__ = ["RUNTIME_UID_OFFSET", "build_config", "ensure_rootfs", "runtime_uid",
 
 RUNTIME_UID_OFFSET = 1 << 31
 _MAX_UID = 2**32 - 2  # (uid_t)-1 means "no change" to the kernel
-_ROOTFS_VERSION = "5"
-# Mount points every skeleton has, besides the template's own directories.
-_SKELETON_DIRS = ("etc", "proc", "dev", "sys", "tmp", "workspace", "home", "home/user")
+_ROOTFS_VERSION = "6"
+# Mount points every skeleton has, besides the template's own directories (``.corral``: the
+# resident sandbox's launcher, see ``resident``; empty in a per-command sandbox).
+_SKELETON_DIRS = ("etc", "proc", "dev", "sys", "tmp", "workspace", "home", "home/user",
+                  ".corral")
 # gVisor's /dev has these besides the usual null, zero, full, random, urandom, tty, ptmx and pts;
 # a command never needs them (mounting FUSE needs privileges it lacks), so an empty read-only
 # file is bound over each: less of gVisor's kernel within reach.

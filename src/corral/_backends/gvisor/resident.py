@@ -1,0 +1,351 @@
+"""A long-lived gVisor sandbox with the in-sandbox helper (``inside``): issue 14's design.
+
+Used by ``GvisorBackend.exec`` only behind the experimental opt-in (see the backend's
+docstring for what is left); the bench (``bench/bench_gvisor.py``, series
+``resident_command``) and ``tests/integration/test_gvisor_resident.py`` drive it directly, to
+measure the design and to hold the per-command guarantees it keeps (filter, identity, own
+``/tmp`` and PID namespace, tree killed on return and on timeout, idle stop).
+
+One ``runsc run`` per resident sandbox, attached, with the helper as the container's init and
+runsc's stdin/stdout as the helper's channel (``runsc create`` cannot be given pipes: the
+sandbox inherits them and ``create`` waits for their EOF). ``setpriv --pdeathsig KILL`` ties
+runsc to the thread that spawned it (the spawner thread lives as long as Corral), and the
+Sentry dies with runsc, so a resident sandbox never outlives its Corral process.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ...errors import BackendError
+from .._linux.seccomp import compile_filter
+from .bundle import write_config
+from .runsc import Runsc
+
+__all__ = ["OnDemand", "Resident", "ResidentResult", "ensure_launcher", "helper_config"]
+
+_HELPER_SOURCE = (Path(__file__).with_name("inside.py")).read_text()
+_LAUNCHER_SOURCE = Path(__file__).with_name("run.c")
+# Inside gVisor's kernel only (the Sentry is the runtime uid on the host): enough to give each
+# command its own mount and PID namespace and to drop to 1000 (SETPCAP: to empty the bounding set).
+_HELPER_CAPS = ["CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_SYS_ADMIN"]
+_START_TIMEOUT_S = 20.0
+
+
+def ensure_launcher(parent: Path) -> Path:
+    """The directory bound read-only at ``/.corral``: the launcher (``run.c``, built static
+    with the host's gcc) and the namespace tier's seccomp program (``filter``), made once,
+    named after their content, world-readable (the gofer is the sandbox's runtime uid)."""
+    source = _LAUNCHER_SOURCE.read_bytes()
+    program = compile_filter()
+    digest = hashlib.sha256(source + b"\0" + program).hexdigest()[:16]
+    dest = parent / f"resident.{digest}"
+    if (dest / "run").is_file():
+        return dest
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise BackendError("the resident gVisor sandbox builds its launcher with gcc on the "
+                           "host: install it (apt-get install gcc)")
+    parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+    tmp = Path(tempfile.mkdtemp(prefix=".resident-", dir=parent))
+    try:
+        built = subprocess.run(
+            [gcc, "-O2", "-static", "-Wall", "-Werror", "-o", str(tmp / "run"),
+             str(_LAUNCHER_SOURCE)], capture_output=True, text=True, timeout=120,
+            stdin=subprocess.DEVNULL)
+        if built.returncode != 0:
+            raise BackendError(f"cannot build the gVisor launcher: {built.stderr.strip()}")
+        (tmp / "filter").write_bytes(program)
+        os.chmod(tmp / "run", 0o755)
+        os.chmod(tmp / "filter", 0o644)
+        os.chmod(tmp, 0o755)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not (dest / "run").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def helper_config(command_config: Mapping[str, Any], launcher: Path) -> dict[str, Any]:
+    """The resident sandbox's spec: a command's spec (``bundle.build_config``) whose process is
+    the helper, as root inside with ``_HELPER_CAPS``, and ``launcher`` (``ensure_launcher``)
+    at ``/.corral``. The OCI seccomp profile is dropped: it would forbid the launcher's
+    ``unshare`` and ``mount``; the launcher installs the namespace tier's filter into every
+    command itself, as its last step before exec."""
+    config = copy.deepcopy(dict(command_config))
+    config["mounts"].append({"destination": "/.corral", "type": "bind", "source": str(launcher),
+                             "options": ["bind", "ro", "nosuid", "nodev"]})
+    process = config["process"]
+    process["args"] = ["python3", "-I", "-S", "-c", _HELPER_SOURCE]
+    process["env"] = ["PATH=/usr/bin:/bin"]
+    process["cwd"] = "/"
+    process["user"] = {"uid": 0, "gid": 0}
+    process["terminal"] = False
+    process["capabilities"] = {kind: list(_HELPER_CAPS) for kind in (
+        "bounding", "effective", "permitted")} | {"inheritable": [], "ambient": []}
+    process["rlimits"] = [r for r in process["rlimits"] if r["type"] != "RLIMIT_NPROC"]
+    config["linux"].pop("seccomp", None)
+    return config
+
+
+@dataclass(slots=True)
+class ResidentResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    cpu_s: float
+    peak_rss_bytes: int
+    timed_out: bool = False
+    killed: bool = False
+    #: execve failed with this errno (the program cannot be run); ``exit_code`` is then 127/126.
+    exec_errno: int | None = None
+
+
+OutputSink = Callable[[str, bytes], None]
+
+
+@dataclass(slots=True)
+class _Pending:
+    key: str
+    on_output: OutputSink | None
+    done: threading.Event = field(default_factory=threading.Event)
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    reply: dict[str, Any] | None = None
+    killed: bool = False
+
+
+class Resident:
+    """One running helper sandbox. Thread-safe: commands may run concurrently."""
+
+    def __init__(self, runsc: Runsc, bundle: Path, container_id: str,
+                 config: Mapping[str, Any], launcher: Path,
+                 spawn: Callable[[list[str]], subprocess.Popen[bytes]],
+                 on_close: Callable[[], None] | None = None) -> None:
+        self._on_close = on_close
+        self._runsc = runsc
+        self._bundle = bundle
+        self._container_id = container_id
+        write_config(bundle, helper_config(config, launcher))
+        argv = ["setpriv", "--pdeathsig", "KILL", "--",
+                *runsc.run_argv(bundle=bundle, container_id=container_id)]
+        self._proc = spawn(argv)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._stdin: IO[bytes] = self._proc.stdin
+        self._stdout: IO[bytes] = self._proc.stdout
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next = 1
+        self._ready = threading.Event()
+        self._closed = False
+        self._up = False
+        self._reader = threading.Thread(target=self._read, name="corral-resident", daemon=True)
+        self._reader.start()
+        if not self._ready.wait(_START_TIMEOUT_S) or not self._up:
+            self.close()
+            raise BackendError("the resident gVisor sandbox did not start: "
+                               f"{runsc.error_of(bundle) or 'no answer from its helper'}")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def _send(self, message: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._stdin.write(json.dumps(message).encode() + b"\n")
+            self._stdin.flush()
+
+    def _read(self) -> None:
+        for line in self._stdout:
+            message = json.loads(line)
+            if message.get("ready"):
+                self._up = True
+                self._ready.set()
+                continue
+            pending = self._pending.get(message.get("id", -1))
+            if pending is None:
+                continue
+            if "out" in message:
+                data = base64.b64decode(message["data"])
+                if pending.on_output is not None:
+                    pending.on_output(message["out"], data)
+                else:
+                    target = pending.stdout if message["out"] == "stdout" else pending.stderr
+                    target += data
+            else:
+                pending.reply = message
+                pending.done.set()
+        self._ready.set()  # runsc exited: a start still waiting fails now, not at its deadline
+        for pending in list(self._pending.values()):  # the sandbox died: nobody will answer
+            pending.done.set()
+
+    @property
+    def busy(self) -> int:
+        """How many commands are running."""
+        return len(self._pending)
+
+    def kill(self, key: str) -> bool:
+        """Kill the running command started with ``key`` (its whole PID namespace)."""
+        for command_id, pending in list(self._pending.items()):
+            if pending.key == key and not pending.done.is_set():
+                pending.killed = True
+                with contextlib.suppress(OSError, ValueError):
+                    self._send({"id": -command_id, "op": "kill", "target": command_id})
+                return True
+        return False
+
+    def run(self, argv: list[str], *, env: Mapping[str, str], cwd: str = "/workspace",
+            tmp_bytes: int = 64 << 20, nproc: int = 128, timeout: float = 30.0,
+            key: str = "", on_output: OutputSink | None = None) -> ResidentResult:
+        """Run one command to its end. ``on_output(stream, data)`` (from the reader thread)
+        gets the output instead of the result; ``key`` names it for ``kill``."""
+        with self._lock:
+            command_id = self._next
+            self._next += 1
+        pending = self._pending[command_id] = _Pending(key, on_output)
+        timed_out = False
+        try:
+            try:
+                self._send({"id": command_id, "op": "exec", "argv": argv, "env": dict(env),
+                            "cwd": cwd, "tmp_bytes": tmp_bytes, "nproc": nproc})
+            except (OSError, ValueError):
+                pass  # the sandbox is gone: the reader has ended, reply stays None
+            if not pending.done.wait(timeout) and not self._closed:
+                timed_out = True
+                with contextlib.suppress(OSError, ValueError):
+                    self._send({"id": -command_id, "op": "kill", "target": command_id})
+                pending.done.wait(_START_TIMEOUT_S)
+            reply = pending.reply
+        finally:
+            del self._pending[command_id]
+        if reply is None:
+            raise BackendError("the resident gVisor sandbox died: "
+                               f"{self._runsc.error_of(self._bundle) or 'no reason logged'}")
+        if "error" in reply:
+            raise BackendError(f"the command could not start: {reply['error']['error']}")
+        result = reply["exit"]
+        if "exec_errno" in result:
+            failed = int(result["exec_errno"])
+            return ResidentResult(exit_code=127 if failed == errno.ENOENT else 126,
+                                  stdout=b"", stderr=b"", cpu_s=0.0, peak_rss_bytes=0,
+                                  exec_errno=failed)
+        return ResidentResult(exit_code=int(result["code"]), stdout=bytes(pending.stdout),
+                              stderr=bytes(pending.stderr), cpu_s=float(result["cpu_s"]),
+                              peak_rss_bytes=int(result["peak_rss_bytes"]),
+                              timed_out=timed_out, killed=pending.killed or timed_out)
+
+    def close(self) -> None:
+        """Stop the sandbox: EOF to the helper (it kills its commands and exits), then runsc
+        is killed if it lingers; its state and bundle are removed. Idempotent."""
+        if self._closed:
+            return  # and never again: the next resident may reuse the bundle path
+        self._closed = True
+        with contextlib.suppress(OSError, ValueError):
+            self._stdin.close()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=5)
+        self._reader.join(timeout=5)
+        self._stdout.close()
+        self._runsc.remove_state(self._container_id)
+        shutil.rmtree(self._bundle, ignore_errors=True)
+        if self._on_close is not None:
+            self._on_close()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None and self._reader.is_alive()
+
+
+class OnDemand:
+    """A resident sandbox started by the first command that needs it and stopped once nothing
+    has run for ``idle_s`` seconds, so an idle Corral sandbox still costs no process; one that
+    died (the OOM killer took its Sentry, gVisor crashed) is replaced by the next command."""
+
+    def __init__(self, start: Callable[[], Resident], idle_s: float) -> None:
+        self._start = start
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._resident: Resident | None = None
+        self._busy = 0
+        self._timer: threading.Timer | None = None
+        self.starts = 0
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._resident is not None
+
+    def _acquire(self) -> Resident:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._resident is not None and not self._resident.alive and self._busy == 0:
+                self._resident.close()
+                self._resident = None
+            if self._resident is None:
+                self._resident = self._start()  # under the lock: one start at a time
+                self.starts += 1
+            self._busy += 1
+            return self._resident
+
+    def _release(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            if self._busy == 0 and self._resident is not None:
+                self._timer = threading.Timer(self._idle_s, self._expire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _expire(self) -> None:
+        # Closed under the lock: the next start reuses the container id and bundle path.
+        with self._lock:
+            if self._busy or self._resident is None:
+                return
+            self._resident.close()
+            self._resident = self._timer = None
+
+    @property
+    def busy(self) -> int:
+        with self._lock:
+            return self._busy
+
+    def kill(self, key: str) -> bool:
+        with self._lock:
+            resident = self._resident
+        return resident is not None and resident.kill(key)
+
+    def run(self, argv: list[str], **kwargs: Any) -> ResidentResult:
+        resident = self._acquire()
+        try:
+            return resident.run(argv, **kwargs)
+        finally:
+            self._release()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._resident is not None:
+                self._resident.close()
+            self._resident = self._timer = None
