@@ -49,7 +49,11 @@ def microvm_problems(settings: Settings) -> list[str]:
     """Why this host cannot run the microVM tier (empty when it can). Here that needs the test
     setting ``CORRAL_MICROVM_ALLOW_TCG=1`` (``scripts/test`` sets it): PVM runs no stock guest."""
     from corral._backends.microvm.hostcheck import check_host
+    from corral._backends.microvm.prepare import wait_for_prepare
 
+    # scripts/bootstrap --test builds the guest kernel and base root in the background; the
+    # microVM tests run last (tests/conftest.py) and wait for that build here.
+    wait_for_prepare(settings.microvm_cache, timeout_s=1200)
     return [f"{c.name}: {c.detail} (fix: {c.fix})" for c in check_host(settings) if not c.ok]
 
 

@@ -42,12 +42,14 @@ REPO = Path(__file__).resolve().parents[2]
 CORRAL = str(REPO / ".venv" / "bin" / "corral")
 
 
-@pytest.fixture(scope="module", params=["namespace", "gvisor"])
+@pytest.fixture(scope="module", params=["namespace", "gvisor", "microvm"])
 def embedded_report(request: pytest.FixtureRequest, settings: Settings, manager: object,
-                    gvisor_problems: list[str]) -> DrillReport:
+                    gvisor_problems: list[str], microvm_problems: list[str]) -> DrillReport:
     """The whole drill on the default configuration of each tier this host can run."""
     if request.param == "gvisor" and gvisor_problems:
         pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    if request.param == "microvm" and microvm_problems:
+        pytest.skip("the microVM tier cannot run on this host: " + "; ".join(microvm_problems))
     return run_drill(SdkTarget(home=settings.home, isolation=str(request.param)))
 
 

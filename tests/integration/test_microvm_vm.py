@@ -44,6 +44,9 @@ def kernel() -> GuestKernel:
         pytest.skip("no hardware KVM here and CORRAL_MICROVM_ALLOW_TCG=1 is not set")
     if shutil.which("qemu-system-x86_64") is None:
         pytest.skip("qemu-system-x86_64 is not installed (scripts/bootstrap installs it)")
+    from corral._backends.microvm.prepare import wait_for_prepare
+
+    wait_for_prepare(CACHE_HOME, timeout_s=1200)
     built = find_kernel(CACHE_HOME)
     if built is None:
         pytest.skip("the guest kernel is not built: python -m corral._backends.microvm.kernel")

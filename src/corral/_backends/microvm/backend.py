@@ -393,6 +393,11 @@ class MicrovmBackend(HostBackedBackend):
                                    f"{_START_DEADLINE_S:.0f} s")
             time.sleep(0.002)
 
+    def _ensure_runtime(self, spec: SandboxSpec) -> Path:
+        # The host tiers' version mounts a host workspace; this tier's workspace is a disk.
+        self._ensure_host_pieces(spec)
+        return self._disk_dir(spec.id)
+
     def _ensure_host_pieces(self, spec: SandboxSpec) -> None:
         """Rebuild what a reboot or crash removed (netns pin, cgroup, run dir, disk top)."""
         path = self._netns_path(spec.id)
