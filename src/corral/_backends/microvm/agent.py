@@ -14,6 +14,8 @@ Where this agent differs from (or adds to) the contract:
   ``{"id", "more": [ENTRY...]}`` batches of at most ``BATCH_ENTRIES`` entries before the final
   ``{"id", "ok": [ENTRY...]}`` with the rest: the result is the concatenation. Over
   ``MAX_WALK_ENTRIES`` entries or ``MAX_WALK_DEPTH`` levels the reply is a ``too_large`` error.
+* The channel is ``/dev/virtio-ports/corral.agent`` when udev made that link; the guest has no
+  udev, so the agent finds the port by its name in ``/sys/class/virtio-ports`` (``/dev/vportNpM``).
 * ``ready`` is sent at start and again whenever the host end reconnects after a hang-up (the
   agent cannot see a restore itself; the host sends ``resume`` after one and waits for its ok).
   ``{"id", "op": "ping"}`` → ``{"id", "ok": true}`` lets a host check the agent is there.
@@ -193,14 +195,29 @@ class Channel:
 
     @staticmethod
     def _open_port(path: str) -> int:
+        # /dev/virtio-ports/NAME is a udev symlink and the guest runs no udev: find the port's
+        # device by its name in sysfs.
+        name = os.path.basename(path)
         deadline = time.monotonic() + 30
         while True:
-            try:
-                return os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"corral-agent: no channel {path}") from None
-                time.sleep(0.05)
+            for candidate in (path, *Channel._ports_named(name)):
+                with contextlib.suppress(FileNotFoundError):
+                    return os.open(candidate, os.O_RDWR | os.O_CLOEXEC)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"corral-agent: no channel {path} (no virtio-serial port "
+                                 f"named {name!r})")
+            time.sleep(0.05)
+
+    @staticmethod
+    def _ports_named(name: str) -> list[str]:
+        root = "/sys/class/virtio-ports"
+        found = []
+        with contextlib.suppress(OSError):
+            for port in sorted(os.listdir(root)):
+                with contextlib.suppress(OSError), open(os.path.join(root, port, "name")) as f:
+                    if f.read().strip() == name:
+                        found.append(f"/dev/{port}")
+        return found
 
     def send(self, message: Message) -> None:
         data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
