@@ -16,9 +16,11 @@ Where this agent differs from (or adds to) the contract:
   ``MAX_WALK_ENTRIES`` entries or ``MAX_WALK_DEPTH`` levels the reply is a ``too_large`` error.
 * The channel is ``/dev/virtio-ports/corral.agent`` when udev made that link; the guest has no
   udev, so the agent finds the port by its name in ``/sys/class/virtio-ports`` (``/dev/vportNpM``).
-* ``ready`` is sent at start and again whenever the host end reconnects after a hang-up (the
-  agent cannot see a restore itself; the host sends ``resume`` after one and waits for its ok).
-  ``{"id", "op": "ping"}`` → ``{"id", "ok": true}`` lets a host check the agent is there.
+* ``ready`` is sent at start and again when the agent saw the host end hang up and come back
+  (reads EOF, then the port stops polling POLLHUP). A quick close-and-reconnect can hide the
+  hang-up from the guest, and the agent cannot see a restore itself, so a host that connects to
+  a running guest sends ``{"id", "op": "ping"}`` (→ ``{"id", "ok": true}``) rather than wait for
+  ``ready``, and ``resume`` after a restore.
 * ``resume`` also detaches the commands running at snapshot time: they keep running (and count
   as ``orphans`` in ``procs``) but send nothing more, and open write handles and tunnel
   connections of the old session are dropped.
