@@ -337,6 +337,14 @@ def test_kill_ends_a_running_command_and_answers_false_for_others(guest: Guest) 
     assert c.ok("procs") == {"commands": [], "orphans": 0}
 
 
+def test_a_kill_sent_right_after_exec_is_not_lost(guest: Guest) -> None:
+    c = guest.client
+    rid = c.start(["sleep", "60"])
+    assert c.ok("kill", target=rid) is True  # before ``started``: still honoured
+    result = c.finish(rid)
+    assert result["exit"]["signal"] == 9 and result["exit"]["timed_out"] is False
+
+
 def test_stdin_pipe_and_close(guest: Guest) -> None:
     c = guest.client
     rid = c.start(["sh", "-c", "cat; echo done"], stdin="pipe")

@@ -26,6 +26,8 @@ Where this agent differs from (or adds to) the contract:
   connections of the old session are dropped.
 * Ops the channel may carry while a previous slow op runs (more than ``MAX_INFLIGHT`` file or
   lifecycle ops at once, a stream lane over its bound) get a ``busy`` error rather than queue.
+* ``kill`` of an exec whose ``started`` has not been sent yet answers true and kills the command
+  the moment it is placed (its ``exit`` then has signal 9).
 * A write handle that failed (e.g. ``no_space``) is gone: later ops on it get a ``protocol``
   error naming it. An unknown exec ``timeout`` of null means no time limit.
 * A command's cgroup is ``cmd/<id>``, or ``cmd/<id>.<n>`` when a group of that name is still
@@ -846,6 +848,9 @@ class Agent:
         self.commands: dict[int, Command] = {}
         self.handles: dict[int, WriteHandle] = {}
         self.conns: dict[int, Conn] = {}
+        # Execs between their request and ``started``, and the kills that arrived meanwhile.
+        self.starting: set[int] = set()
+        self.kill_pending: set[int] = set()
         self.cmd_root = os.path.join(config.cgroup_root, "cmd")
         self._inflight = threading.BoundedSemaphore(MAX_INFLIGHT)
         self._next = 0
@@ -931,6 +936,8 @@ class Agent:
             return
         assert threaded is not None
         if op == "exec":
+            with self.lock:  # here, so a kill read right after the exec finds it
+                self.starting.add(rid)
             threading.Thread(target=self._exec_thread, args=(rid, message), daemon=True).start()
             return
         if not self._inflight.acquire(blocking=False):
@@ -959,6 +966,10 @@ class Agent:
             self.fail(rid, exc.kind, exc.message)
         except Exception as exc:
             self.fail(rid, "io", f"exec failed: {exc!r}")
+        finally:
+            with self.lock:
+                self.starting.discard(rid)
+                self.kill_pending.discard(rid)
 
     def _make_cgroup(self, rid: int, request: Message) -> str:
         path = os.path.join(self.cmd_root, str(rid))
@@ -1096,6 +1107,11 @@ class Agent:
                 master = stdin_w = None
             with self.lock:
                 self.commands[rid] = command
+                self.starting.discard(rid)
+                if rid in self.kill_pending:  # killed before it was placed
+                    self.kill_pending.discard(rid)
+                    command.killed = True
+                    command.kill_tree()
             self.channel.send({"id": rid, "started": {"pid": command.pid}})
             pumps = [threading.Thread(target=self._pump, args=(command, name, fd), daemon=True)
                      for name, fd in outputs]
@@ -1107,6 +1123,8 @@ class Agent:
         except BaseException:
             with self.lock:
                 self.commands.pop(rid, None)
+                self.starting.discard(rid)
+                self.kill_pending.discard(rid)
             with contextlib.suppress(OSError):
                 _write(os.path.join(cgroup, "cgroup.kill"), "1")
             self._remove_cgroup(cgroup)
@@ -1518,7 +1536,11 @@ def _op_signal(agent: Agent, rid: int, request: Message) -> None:
 def _op_kill(agent: Agent, rid: int, request: Message) -> None:
     command = agent.running(request)
     if command is None:
-        agent.reply(rid, False)
+        with agent.lock:
+            starting = request.get("target") in agent.starting
+            if starting:
+                agent.kill_pending.add(request["target"])
+        agent.reply(rid, starting)  # a command still starting dies as soon as it is placed
         return
     command.killed = True
     command.kill_tree()
