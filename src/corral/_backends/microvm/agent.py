@@ -14,14 +14,20 @@ Where this agent differs from (or adds to) the contract:
   ``{"id", "more": [ENTRY...]}`` batches of at most ``BATCH_ENTRIES`` entries before the final
   ``{"id", "ok": [ENTRY...]}`` with the rest: the result is the concatenation. Over
   ``MAX_WALK_ENTRIES`` entries or ``MAX_WALK_DEPTH`` levels the reply is a ``too_large`` error.
-* ``ready`` is sent at start and again whenever the host end reconnects after a hang-up (the
-  agent cannot see a restore itself; the host sends ``resume`` after one and waits for its ok).
-  ``{"id", "op": "ping"}`` → ``{"id", "ok": true}`` lets a host check the agent is there.
+* The channel is ``/dev/virtio-ports/corral.agent`` when udev made that link; the guest has no
+  udev, so the agent finds the port by its name in ``/sys/class/virtio-ports`` (``/dev/vportNpM``).
+* ``ready`` is sent at start and again when the agent saw the host end hang up and come back
+  (reads EOF, then the port stops polling POLLHUP). A quick close-and-reconnect can hide the
+  hang-up from the guest, and the agent cannot see a restore itself, so a host that connects to
+  a running guest sends ``{"id", "op": "ping"}`` (→ ``{"id", "ok": true}``) rather than wait for
+  ``ready``, and ``resume`` after a restore.
 * ``resume`` also detaches the commands running at snapshot time: they keep running (and count
   as ``orphans`` in ``procs``) but send nothing more, and open write handles and tunnel
   connections of the old session are dropped.
 * Ops the channel may carry while a previous slow op runs (more than ``MAX_INFLIGHT`` file or
   lifecycle ops at once, a stream lane over its bound) get a ``busy`` error rather than queue.
+* ``kill`` of an exec whose ``started`` has not been sent yet answers true and kills the command
+  the moment it is placed (its ``exit`` then has signal 9).
 * A write handle that failed (e.g. ``no_space``) is gone: later ops on it get a ``protocol``
   error naming it. An unknown exec ``timeout`` of null means no time limit.
 * A command's cgroup is ``cmd/<id>``, or ``cmd/<id>.<n>`` when a group of that name is still
@@ -194,26 +200,29 @@ class Channel:
 
     @staticmethod
     def _open_port(path: str) -> int:
-        # /dev/virtio-ports/<name> is a udev link, and the guest runs no udev: find the port
-        # by the name the host gave it in sysfs (/dev/vportNpM).
+        # /dev/virtio-ports/NAME is a udev symlink and the guest runs no udev: find the port's
+        # device by its name in sysfs.
         name = os.path.basename(path)
         deadline = time.monotonic() + 30
         while True:
-            try:
-                return os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:
-                pass
-            sysfs = "/sys/class/virtio-ports"
-            for entry in sorted(os.listdir(sysfs)) if os.path.isdir(sysfs) else []:
-                try:
-                    with open(os.path.join(sysfs, entry, "name")) as f:
-                        if f.read().strip() == name:
-                            return os.open(f"/dev/{entry}", os.O_RDWR | os.O_CLOEXEC)
-                except OSError:
-                    continue
+            for candidate in (path, *Channel._ports_named(name)):
+                with contextlib.suppress(FileNotFoundError):
+                    return os.open(candidate, os.O_RDWR | os.O_CLOEXEC)
             if time.monotonic() > deadline:
-                raise SystemExit(f"corral-agent: no channel {path}") from None
+                raise SystemExit(f"corral-agent: no channel {path} (no virtio-serial port "
+                                 f"named {name!r})")
             time.sleep(0.05)
+
+    @staticmethod
+    def _ports_named(name: str) -> list[str]:
+        root = "/sys/class/virtio-ports"
+        found = []
+        with contextlib.suppress(OSError):
+            for port in sorted(os.listdir(root)):
+                with contextlib.suppress(OSError), open(os.path.join(root, port, "name")) as f:
+                    if f.read().strip() == name:
+                        found.append(f"/dev/{port}")
+        return found
 
     def send(self, message: Message) -> None:
         data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
@@ -841,6 +850,9 @@ class Agent:
         self.commands: dict[int, Command] = {}
         self.handles: dict[int, WriteHandle] = {}
         self.conns: dict[int, Conn] = {}
+        # Execs between their request and ``started``, and the kills that arrived meanwhile.
+        self.starting: set[int] = set()
+        self.kill_pending: set[int] = set()
         self.cmd_root = os.path.join(config.cgroup_root, "cmd")
         self._inflight = threading.BoundedSemaphore(MAX_INFLIGHT)
         self._next = 0
@@ -926,6 +938,8 @@ class Agent:
             return
         assert threaded is not None
         if op == "exec":
+            with self.lock:  # here, so a kill read right after the exec finds it
+                self.starting.add(rid)
             threading.Thread(target=self._exec_thread, args=(rid, message), daemon=True).start()
             return
         if not self._inflight.acquire(blocking=False):
@@ -954,6 +968,10 @@ class Agent:
             self.fail(rid, exc.kind, exc.message)
         except Exception as exc:
             self.fail(rid, "io", f"exec failed: {exc!r}")
+        finally:
+            with self.lock:
+                self.starting.discard(rid)
+                self.kill_pending.discard(rid)
 
     def _make_cgroup(self, rid: int, request: Message) -> str:
         path = os.path.join(self.cmd_root, str(rid))
@@ -1118,6 +1136,11 @@ class Agent:
                 master = stdin_w = None
             with self.lock:
                 self.commands[rid] = command
+                self.starting.discard(rid)
+                if rid in self.kill_pending:  # killed before it was placed
+                    self.kill_pending.discard(rid)
+                    command.killed = True
+                    command.kill_tree()
             self.channel.send({"id": rid, "started": {"pid": command.pid}})
             pumps = [threading.Thread(target=self._pump, args=(command, name, fd), daemon=True)
                      for name, fd in outputs]
@@ -1129,6 +1152,8 @@ class Agent:
         except BaseException:
             with self.lock:
                 self.commands.pop(rid, None)
+                self.starting.discard(rid)
+                self.kill_pending.discard(rid)
             with contextlib.suppress(OSError):
                 _write(os.path.join(cgroup, "cgroup.kill"), "1")
             self._remove_cgroup(cgroup)
@@ -1542,7 +1567,11 @@ def _op_signal(agent: Agent, rid: int, request: Message) -> None:
 def _op_kill(agent: Agent, rid: int, request: Message) -> None:
     command = agent.running(request)
     if command is None:
-        agent.reply(rid, False)
+        with agent.lock:
+            starting = request.get("target") in agent.starting
+            if starting:
+                agent.kill_pending.add(request["target"])
+        agent.reply(rid, starting)  # a command still starting dies as soon as it is placed
         return
     command.killed = True
     command.kill_tree()

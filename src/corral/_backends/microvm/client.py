@@ -107,13 +107,23 @@ class KeeperClient:
                 raise BackendError(f"the microVM's keeper went away: {exc}") from None
 
     def call(self, op: str, *, timeout: float = REQUEST_TIMEOUT_S, **fields: Any) -> Any:
-        """Send one request and return its ``ok`` value; agent errors become Corral errors."""
-        box: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=1)
+        """Send one request and return its ``ok`` value; agent errors become Corral errors.
+        Long listings come as ``more`` batches before the ``ok``: they are joined here."""
+        box: queue.Queue[dict[str, Any]] = queue.Queue()
+        batches: list[Any] = []
         mid = next(self._ids)
+
+        def deliver(message: dict[str, Any]) -> None:
+            more = message.get("more")
+            if isinstance(more, list) and "ok" not in message and "error" not in message:
+                batches.extend(more)
+            else:
+                box.put(message)
+
         with self._lock:
             if self.closed:
                 raise BackendError("the microVM's keeper went away (the VM stopped)")
-            self._waiters[mid] = box.put
+            self._waiters[mid] = deliver
         try:
             self._send({"id": mid, "op": op, **fields})
             try:
@@ -126,7 +136,10 @@ class KeeperClient:
                 self._waiters.pop(mid, None)
         if "error" in answer:
             raise_for(answer["error"])
-        return answer.get("ok")
+        result = answer.get("ok")
+        if batches and isinstance(result, list):
+            return batches + result
+        return result
 
     def start_exec(self, fields: dict[str, Any]) -> tuple[int, queue.Queue[dict[str, Any]]]:
         """Start a command; its events (``started``, ``out``, ``exit``/``error``) arrive on the
