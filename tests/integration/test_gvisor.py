@@ -427,7 +427,7 @@ def test_refuses_without_runsc_and_never_runs_weaker(
     assert _leftovers(settings, made) == []
 
 
-def test_doctor_reports_both_tiers(settings: Settings) -> None:
+def test_doctor_reports_every_tier(settings: Settings) -> None:
     env = {**os.environ, "CORRAL_HOME": str(settings.home)}
     done = subprocess.run([sys.executable, "-m", "corral", "doctor", "--json"], env=env,
                           capture_output=True, text=True, timeout=120)
@@ -435,7 +435,7 @@ def test_doctor_reports_both_tiers(settings: Settings) -> None:
     assert done.returncode == 0, done.stderr
     assert report["ok"] is True
     tiers = report["tiers"]
-    assert set(tiers) == {"namespace", "gvisor"}
+    assert set(tiers) == {"namespace", "gvisor", "microvm"}
     assert tiers["gvisor"]["supported"] is True and tiers["namespace"]["supported"] is True
     names = {c["name"] for c in tiers["gvisor"]["checks"]}
     assert {"runsc", "gvisor sandbox"} <= names

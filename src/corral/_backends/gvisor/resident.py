@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from ..._core.privileged import privileged_env
 from ...errors import BackendError
 from .._linux.seccomp import compile_filter
 from .bundle import write_config
@@ -66,7 +67,7 @@ def ensure_launcher(parent: Path) -> Path:
         built = subprocess.run(
             [gcc, "-O2", "-static", "-Wall", "-Werror", "-o", str(tmp / "run"),
              str(_LAUNCHER_SOURCE)], capture_output=True, text=True, timeout=120,
-            stdin=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, env=privileged_env())
         if built.returncode != 0:
             raise BackendError(f"cannot build the gVisor launcher: {built.stderr.strip()}")
         (tmp / "filter").write_bytes(program)

@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..._core.privileged import privileged_env
 from ...errors import BackendError, BackendUnavailable, UsageError
 
 __all__ = ["MAX_DEPTH", "base_disk", "chain", "create_top", "disks_dir", "rebase", "remove", "seal",
@@ -46,7 +47,7 @@ def _qemu_img(*args: str, what: str, timeout: float = _TIMEOUT_S) -> str:
                                  "qemu-utils")
     try:
         result = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout,
-                                check=False)
+                                check=False, env=privileged_env(), stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         raise BackendError(f"qemu-img took longer than {timeout:.0f} s to {what}") from exc
     if result.returncode != 0:
@@ -86,7 +87,8 @@ def base_disk(size_bytes: int, cache: Path) -> Path:
             result = subprocess.run(
                 ["mkfs.ext4", "-q", "-F", "-m", "0", "-L", "workspace",
                  "-E", f"root_owner={_UID}:{_GID},lazy_itable_init=0,nodiscard", str(raw)],
-                capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
+                capture_output=True, text=True, timeout=_TIMEOUT_S, check=False,
+                env=privileged_env(), stdin=subprocess.DEVNULL)
         except FileNotFoundError as exc:
             raise BackendUnavailable("mkfs.ext4 is missing; apt-get install e2fsprogs") from exc
         if result.returncode != 0:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..._core.privileged import privileged_env
 from ...errors import BackendError, BackendUnavailable
 
 __all__ = ["FRAGMENT", "GuestKernel", "build_kernel", "find_kernel", "kernel_key",
@@ -62,7 +63,8 @@ def source_version() -> str | None:
     try:
         out = subprocess.run(
             ["dpkg-query", "-W", "-f=${Status}\t${Version}", SOURCE_PACKAGE],
-            capture_output=True, text=True, timeout=30, check=False)
+            capture_output=True, text=True, timeout=30, check=False, env=privileged_env(),
+            stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return None
     status, _, version = out.stdout.partition("\t")

@@ -22,6 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..._core.privileged import privileged_env
+
 __all__ = ["main", "preparing", "wait_for_prepare"]
 
 log = logging.getLogger(__name__)
@@ -86,15 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="build in a detached process and return at once")
     parser.add_argument("--wait", type=float, metavar="SECONDS",
                         help="only wait for a build in progress")
+    parser.add_argument("--cache", type=Path, help="the microVM cache (default: settings')")
     args = parser.parse_args(argv)
-    cache = Settings().microvm_cache
+    cache = args.cache or Settings().microvm_cache
     if args.wait is not None:
         return 0 if wait_for_prepare(cache, args.wait) else 1
     if args.background:
         cache.mkdir(parents=True, exist_ok=True, mode=0o755)
         with (cache / _LOG).open("ab") as out:
-            subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.DEVNULL,
-                             stdout=out, stderr=out, start_new_session=True, close_fds=True)
+            # Niced: it overlaps the first test suites, which should not wait for it.
+            subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", __name__,
+                              "--cache", str(cache)],
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
+                             env=privileged_env(), start_new_session=True, close_fds=True)
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with _locked(cache, block=True):

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..._core.privileged import privileged_env
 from ...errors import BackendError, BackendUnavailable, UsageError
 from .._linux.template import BaseTemplate
 
@@ -114,7 +115,7 @@ def _key(root: Path, etc: Path) -> str:
 def _run(argv: list[str], what: str) -> None:
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=_STEP_TIMEOUT_S,
-                                check=False)
+                                check=False, env=privileged_env(), stdin=subprocess.DEVNULL)
     except FileNotFoundError as exc:
         raise BackendUnavailable(f"{argv[0]} is missing to {what}; install it (apt-get install "
                                  "e2fsprogs gcc libc6-dev)") from exc

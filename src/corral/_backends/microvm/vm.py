@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..._core.privileged import privileged_env
 from ...errors import BackendError, BackendUnavailable, UsageError
 from .accel import Accel
 from .qmp import Qmp
@@ -355,7 +356,7 @@ class Vm:
         try:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-                pass_fds=(write_info,))
+                pass_fds=(write_info,), env=privileged_env())
         except OSError as exc:
             os.close(read_info)
             raise BackendUnavailable(f"cannot start QEMU under bwrap: {exc}") from exc

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..._core.privileged import privileged_env
 from ...errors import BackendError
 from . import disk
 from .accel import Accel
@@ -67,7 +68,7 @@ def qemu_version() -> str:
     that wrote it."""
     try:
         out = subprocess.run([QEMU, "--version"], capture_output=True, text=True, timeout=30,
-                             check=True).stdout
+                             check=True, env=privileged_env(), stdin=subprocess.DEVNULL).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise BackendError(f"cannot run {QEMU} --version: {exc}") from exc
     return out.splitlines()[0].strip() if out else "unknown"
