@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 _LOCK = "prepare.lock"
 _LOG = "prepare.log"
+# Not __name__: run with -m, this module is __main__.
+_MODULE = "corral._backends.microvm.prepare"
 
 
 @contextlib.contextmanager
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         cache.mkdir(parents=True, exist_ok=True, mode=0o755)
         with (cache / _LOG).open("ab") as out:
             # Niced: it overlaps the first test suites, which should not wait for it.
-            subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", __name__,
+            subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", _MODULE,
                               "--cache", str(cache)],
                              stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
                              env=privileged_env(), start_new_session=True, close_fds=True)
