@@ -19,9 +19,26 @@ from corral._settings import Settings
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # scripts/test runs the microVM cases in a session of their own beside the rest:
+    # CORRAL_TEST_PARTITION=microvm keeps only them, =rest only the others.
+    partition = os.environ.get("CORRAL_TEST_PARTITION")
+    if partition in ("microvm", "rest"):
+        keep = [item for item in items if ("microvm" in item.nodeid) == (partition == "microvm")]
+        dropped = [item for item in items if ("microvm" in item.nodeid) != (partition == "microvm")]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
     # The microVM cases last: their guest kernel may still be building in the background
     # (scripts/bootstrap --test), and the rest of the suite runs meanwhile.
     items.sort(key=lambda item: "microvm" in item.nodeid)
+    if any("microvm" in item.nodeid for item in items):
+        from corral._backends.microvm.prepare import preparing, wait_for_prepare
+
+        cache = Settings().microvm_cache
+        if preparing(cache):
+            # Here, not in a fixture: a per-test timeout must not cut the wait short.
+            print("\nwaiting for the microVM guest kernel's background build ...", flush=True)
+            wait_for_prepare(cache, timeout_s=1500)
     if os.geteuid() == 0:
         return
     skip = pytest.mark.skip(reason="needs root: sandboxes need namespaces, cgroups and mounts")
