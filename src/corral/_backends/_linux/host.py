@@ -191,6 +191,12 @@ class HostBackedBackend:
 
     def _ensure_runtime(self, spec: SandboxSpec) -> Path:
         """Rebuild what a reboot or crash removed (netns pin, cgroup, mount)."""
+        self._ensure_netns_and_cgroup(spec)
+        return self._store.ensure_mounted(spec)
+
+    def _ensure_netns_and_cgroup(self, spec: SandboxSpec) -> None:
+        """The pieces every tier's sandbox has on the host, rebuilt if a reboot or crash
+        removed them: the pinned network namespace and the sandbox's cgroup."""
         path = self._netns_path(spec.id)
         if not netns.is_pinned(path):
             path.unlink(missing_ok=True)
@@ -198,7 +204,6 @@ class HostBackedBackend:
         if spec.id not in self._ensured:
             self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
             self._ensured.add(spec.id)
-        return self._store.ensure_mounted(spec)
 
     def allocate_uid(self, taken: Set[int]) -> int:
         return lowest_free_uid(taken, self._settings.uid_start, self._settings.uid_count)

@@ -23,6 +23,7 @@ leftovers. What is its own:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import json
@@ -66,6 +67,7 @@ from ..execlimits import check_exec_size
 from .client import KeeperClient
 from .files import VmFiles
 from .keeper import CONFIG, ERROR, PIDFILE, SOCKET, KeeperConfig
+from .wire import b64, unb64
 
 __all__ = ["MicrovmBackend"]
 
@@ -96,8 +98,6 @@ class _VmProcess:
         self._client, self._id = client, exec_id
 
     def write(self, data: bytes) -> None:
-        from .wire import b64
-
         for start in range(0, len(data), 1 << 20):
             self._client.notify("stdin", target=self._id, data=b64(data[start:start + (1 << 20)]))
 
@@ -164,8 +164,6 @@ class MicrovmBackend(HostBackedBackend):
         return self._launcher
 
     def _limits(self, tier: ResourceTier) -> ResourceTier:
-        import dataclasses
-
         return dataclasses.replace(tier, memory_bytes=tier.memory_bytes + _QEMU_OVERHEAD_BYTES,
                                    pids=_HOST_TASKS)
 
@@ -400,13 +398,7 @@ class MicrovmBackend(HostBackedBackend):
 
     def _ensure_host_pieces(self, spec: SandboxSpec) -> None:
         """Rebuild what a reboot or crash removed (netns pin, cgroup, run dir, disk top)."""
-        path = self._netns_path(spec.id)
-        if not netns.is_pinned(path):
-            path.unlink(missing_ok=True)
-            netns.create_netns(path)
-        if spec.id not in self._ensured:
-            self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
-            self._ensured.add(spec.id)
+        self._ensure_netns_and_cgroup(spec)
         RUN_ROOT.mkdir(mode=0o700, exist_ok=True)
         self._run_path(spec.id).mkdir(mode=0o700, exist_ok=True)
         if not self._top(spec.id).exists():
@@ -464,8 +456,6 @@ class MicrovmBackend(HostBackedBackend):
                 raise BackendError("the microVM stopped answering while a command ran; "
                                    "its sandbox may need to be destroyed") from None
             if "out" in message:
-                from .wire import unb64
-
                 data = unb64(message.get("data", ""))
                 (err if message["out"] == "stderr" else out).feed(data)
             elif "started" in message:
@@ -659,7 +649,6 @@ class MicrovmBackend(HostBackedBackend):
 @functools.cache
 def _seccomp_program() -> str:
     from .._linux.seccomp import compile_filter
-    from .wire import b64
 
     return b64(compile_filter())
 
