@@ -416,7 +416,7 @@ def test_pty_echo_resize_and_ctrl_d(client: httpx.Client) -> None:
                                                 "input": {"pty": _b64(data)}})
             assert reply.status_code == 200, reply.text
 
-        send(b"echo hi-$((6*7))\n")
+        send(b"PS1='RE''ADY> '; echo hi-$((6*7))\n")
         stream.wait_for(lambda e: b"hi-42" in output(e, "pty"))
         send(b"stty size\n")
         stream.wait_for(lambda e: b"24 80" in output(e, "pty"))
@@ -424,7 +424,9 @@ def test_pty_echo_resize_and_ctrl_d(client: httpx.Client) -> None:
                                          "pty": {"size": {"cols": 100, "rows": 30}}})
         assert reply.status_code == 200 and reply.json() == {}
         send(b"stty size\n")
-        stream.wait_for(lambda e: b"30 100" in output(e, "pty"))
+        # Ctrl-D ends bash only once readline has the terminal in raw mode again, which it does
+        # before drawing the prompt; earlier, the cooked terminal hands bash a NUL byte instead.
+        stream.wait_for(lambda e: b"READY> " in output(e, "pty").rpartition(b"30 100")[2])
         assert unary(client, "CloseStdin", {"process": {"pid": pid}}).status_code == 400
         send(b"\x04")  # Ctrl-D ends the shell
         evts = events(stream.finish())

@@ -16,8 +16,8 @@ sb = step("create", lambda: Sandbox.create(timeout=180))
 step("id", lambda: sb.sandbox_id)
 
 
-def read_until(it: object, seen: list[bytes], marker: bytes) -> None:
-    while marker not in b"".join(seen):
+def read_until(it: object, seen: list[bytes], marker: bytes, start: int = 0) -> None:
+    while marker not in b"".join(seen)[start:]:
         _, _, pty = next(it)  # type: ignore[call-overload]
         if pty is not None:
             seen.append(bytes(pty))
@@ -28,13 +28,17 @@ def pty_session() -> dict[str, object]:
     it = iter(handle)
     seen: list[bytes] = []
     # MA''RK: the terminal's echo of the line shows the quotes, so only the output matches.
-    sb.pty.send_stdin(handle.pid, b"echo hi-$((40+2)); stty size; echo MA''RK1\n")
+    sb.pty.send_stdin(handle.pid, b"PS1='RE''ADY> '; echo hi-$((40+2)); stty size; echo MA''RK1\n")
     read_until(it, seen, b"MARK1\r\n")
     before = b"".join(seen)
     sb.pty.resize(handle.pid, PtySize(rows=30, cols=100))
     sb.pty.send_stdin(handle.pid, b"stty size; echo MA''RK2\n")
     read_until(it, seen, b"MARK2\r\n")
     after = b"".join(seen)[len(before):]
+    # Ctrl-D ends the shell only once readline has put the terminal in raw mode again, which it
+    # does before drawing the prompt; sent earlier, the cooked terminal turns it into a NUL byte
+    # and bash waits for more (the same holds for bash on any host, loaded machines show it).
+    read_until(it, seen, b"READY> ", start=b"".join(seen).rindex(b"MARK2\r\n"))
     sb.pty.send_stdin(handle.pid, b"\x04")  # Ctrl-D: the shell ends
     for _ in it:
         pass
