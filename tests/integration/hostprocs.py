@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["host_procs_of_uid", "host_uid", "status_field"]
+__all__ = ["host_procs_of_uid", "host_uid", "not_resident", "status_field"]
 
 
 def host_uid(sandbox_id: str) -> int:
@@ -45,3 +45,18 @@ def host_procs_of_uid(uid: int, *, zombies: bool = False) -> list[tuple[int, str
                     found.append((int(entry), status))
                 break
     return found
+
+
+def not_resident(procs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Those of ``procs`` that are not a resident gVisor sandbox's (runsc, gofer, Sentry: its
+    own cgroup group ``c.<owner>.resident-N``, kept between commands until it is idle)."""
+    kept = []
+    for pid, status in procs:
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                groups = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        if ".resident-" not in groups:
+            kept.append((pid, status))
+    return kept

@@ -14,6 +14,7 @@ the gateway's listener, limits, clean-up and host checks.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import itertools
 import json
 import os
@@ -39,7 +40,7 @@ from corral._core.resources import get_tier
 from corral._settings import Settings
 from corral.backends import ExecOutcome, ExecRequest, ProcessIO, SandboxSpec
 
-from .hostprocs import host_procs_of_uid
+from .hostprocs import host_procs_of_uid, not_resident
 
 pytestmark = pytest.mark.needs_root
 
@@ -187,11 +188,30 @@ def test_timeout_kills_the_whole_tree(backend: GvisorBackend, spec: SandboxSpec)
     assert out.timed_out and out.exit_code == 124, out
     assert out.stdout == "started\n"
     assert time.monotonic() - started < 10
-    assert host_procs_of_uid(runtime_uid(spec.uid), zombies=True) == []
-    assert run(backend, spec, "echo next").stdout == "next\n"
+    # On the host only the resident gVisor sandbox stays (until it is idle); inside it, nothing
+    # of the command's tree is left: the next command sees its own processes only.
+    assert not_resident(host_procs_of_uid(runtime_uid(spec.uid), zombies=True)) == []
+    left = run(backend, spec, "echo next; ps -eo comm= | sort | tr '\\n' ' '")
+    assert left.stdout == "next\nbash ps run sort tr ", left
 
 
 # -- terminals, interaction, kill and pause ------------------------------------------------------
+
+
+def test_given_stdin_larger_than_a_pipe_and_one_that_is_never_read(
+    backend: GvisorBackend, spec: SandboxSpec
+) -> None:
+    """Given stdin reaches the command whole, then EOF; a command that never reads 1 MiB of
+    it does not hold up the resident sandbox's helper: a command beside it runs, and both end."""
+    data = bytes(range(256)) * 4096  # 1 MiB, sixteen pipe buffers
+    out = run(backend, spec, "sha256sum", stdin=data)
+    assert out.stdout.split()[0] == hashlib.sha256(data).hexdigest(), out
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ignoring = pool.submit(run, backend, spec, "sleep 1; echo ignored", stdin=data)
+        time.sleep(0.3)
+        assert run(backend, spec, "echo beside", timeout=10).stdout == "beside\n"
+        assert ignoring.result(timeout=30).stdout == "ignored\n"
+    assert run(backend, spec, "cat", stdin=None).stdout == ""  # no stdin: EOF at once
 
 
 def test_interactive_stdin(backend: GvisorBackend, spec: SandboxSpec) -> None:

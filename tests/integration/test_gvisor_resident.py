@@ -1,8 +1,9 @@
-"""The resident gVisor sandbox (``gvisor.resident`` + ``gvisor.inside``, issue 14's prototype):
-one long-lived ``runsc run`` per sandbox, commands through the in-sandbox helper.
+"""The resident gVisor sandbox (``gvisor.resident`` + ``gvisor.inside``, issue 14): one
+long-lived ``runsc run`` per sandbox, commands through the in-sandbox helper.
 
-Not wired into the tier yet; these tests hold what the prototype already keeps of the
-per-command guarantees, in a real gVisor sandbox built on a real Corral sandbox's pieces
+The tier's own tests (``test_gvisor.py``, the conformance, isolation and drill suites) run
+through it; these drive it directly and hold the per-command guarantees it keeps, in a real
+gVisor sandbox built on a real Corral sandbox's pieces
 (network namespace, workspace, rootfs): every command filtered and unprivileged, its own
 ``/tmp`` and PID namespace, its tree gone on return and on timeout. Bounded: a timeout on every
 command, one resident sandbox per test, closed and checked for leftovers afterwards.
@@ -60,7 +61,8 @@ def backend(settings: Settings, manager: Manager,
             gvisor_problems: list[str]) -> Iterator[GvisorBackend]:
     if gvisor_problems:
         pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
-    gvisor = GvisorBackend(settings)
+    # Its own residents off: these tests start the ones they look at, on the backend's pieces.
+    gvisor = GvisorBackend(settings.model_copy(update={"gvisor_resident": False}))
     yield gvisor
     gvisor.remove_instance()
     gvisor.close()
@@ -235,7 +237,7 @@ def test_on_demand_stops_when_idle_and_restarts(pieces: Pieces) -> None:
 
 def test_a_crashed_owner_leaves_no_resident_behind(
         backend: GvisorBackend, home: str, settings: Settings, manager: Manager) -> None:
-    """The opt-in path (CORRAL_GVISOR_RESIDENT=1) in another process, SIGKILLed mid-command:
+    """The resident path in another process, SIGKILLed mid-command:
     its resident sandbox dies with it, and the next start's sweep removes its group and runsc
     state; the sandbox itself stays usable."""
     env = {**os.environ, "CORRAL_HOME": str(settings.home), "CORRAL_GVISOR_RESIDENT": "1",

@@ -1,25 +1,71 @@
-"""The gVisor tier: every command runs in a fresh gVisor sandbox (``runsc run``), a user-space
-kernel between the command and the host, on top of the namespace tier's per-sandbox pieces.
+"""The gVisor tier: commands run in gVisor (``runsc``), a user-space kernel between them and the
+host, on top of the namespace tier's per-sandbox pieces.
 
 A sandbox's runtime is the same as in the namespace tier, built by the same code and laid out
 under the same names (so either tier's sweep recognises it): a network namespace holding only
 ``lo``, a cgroup with the tier's limits, and the layered workspace. What differs is how a command
-runs: runsc with an OCI bundle (``bundle``), as uid 1000 inside, its gVisor processes as the
-sandbox's own runtime uid outside.
+runs: in a gVisor sandbox made from an OCI bundle (``bundle``), as uid 1000 inside, its gVisor
+processes as the sandbox's own runtime uid outside.
 
-Choices, measured on the development machines (2 cores, Linux 6.18, cgroup v1, no nested KVM,
-runsc 20240729, other test suites running alongside; ``bench/bench_gvisor.py`` repeats them):
+**How a command runs: in the sandbox's resident gVisor sandbox** (``resident``, ``inside``,
+``run.c``; on by default, ``Settings.gvisor_resident``), issue 14's "gVisor made fast":
 
-* **A fresh sandbox per command, not a long-lived one with ``runsc exec``.** ``runsc exec`` into a
-  running sandbox costs ~28 ms against ~170 ms for ``runsc run``, but booting a long-lived sandbox
-  (``runsc create`` + ``start``) takes ~210 ms, so create + first command would be ~240 ms, about
-  1.8x bare ``runsc do true`` (~130 ms) where the target is 1.5x; a fresh ``runsc run`` gives
-  ~195-200 ms (create ~10 ms). A long-lived sandbox would also keep a Sentry (~40 MB) alive per
-  idle sandbox where the namespace tier keeps nothing, and its commands would share one kernel,
-  process table and PID namespace, so neither "each command its own PID namespace" nor "whatever
-  a command leaves behind dies with it" would hold without more machinery inside. One sandbox
-  per command keeps the namespace tier's semantics exactly: a command's cgroup holds its whole
-  sandbox, so timeouts, ``kill_command``, pause and usage work the same way.
+* One *resident* gVisor sandbox per Corral sandbox while it is in use: one attached ``runsc
+  run`` (``create`` cannot be given pipes: the sandbox inherits them and ``create`` waits for
+  their EOF forever), its init a small helper speaking JSON lines over runsc's stdin/stdout.
+  Started on demand (``OnDemand``) by the first command, in a group ``c.<owner>.resident-N``
+  of the sandbox cgroup, placed there before runsc runs, like a command (so limits, pause and
+  ``destroy`` hold it, and a crashed owner's is swept as a command's, its runsc state with
+  it); stopped after ``Settings.gvisor_idle_s`` with nothing running, so an idle sandbox costs
+  no process. Closed before the workspace is mounted anew (a snapshot's seal, a restore), and
+  replaced when the mount it was given is not the workspace's any more.
+* Not ``runsc exec``: measured here (``bench/bench_gvisor.py``, ``long_lived``), a ``runsc
+  exec`` process reports ``Seccomp: 0`` and may ``unshare(CLONE_NEWUSER)``: the OCI profile
+  covers the container's init only. It also runs as root inside unless given ``--user``, and
+  shares the init's mount and PID namespace (one ``/tmp`` for all commands).
+* Per command the helper spawns the static launcher with ``posix_spawn`` (a fork of the
+  Python helper costs 20-45 ms in gVisor's systrap, ``posix_spawn`` ~12 ms): own mount and
+  PID namespace, a fresh size-limited ``/tmp`` and ``/dev/shm`` (the namespace tier's
+  semantics, kept), a namespace init that reaps and whose exit kills the rest of the tree,
+  and the command as 1000:1000 with no capabilities, ``no_new_privs``, its rlimits and the
+  namespace tier's own BPF filter (``_linux.seccomp``) installed as the last step before exec.
+  The helper holds KILL, SETGID, SETUID, SETPCAP and SYS_ADMIN in gVisor's kernel only. The
+  helper sets up the next command's launcher while nothing runs, so a command waits only for
+  its request, a vfork and its exec. Given stdin and interactive stdin go through the helper,
+  which buffers and never blocks on a command that does not read.
+* ``kill_command``, ``busy`` and timeouts (exit 124) go through the helper; the tree of a
+  command is gone when it returns (its PID namespace dies with its init).
+
+What differs from a gVisor sandbox per command, each said where it shows:
+
+* memory: the commands of one sandbox share one gVisor kernel. The sandbox's memory limit
+  holds as before (the host cgroup), but a command that exhausts it takes down the Sentry and
+  with it the sandbox's other running commands: each ends as OOM-killed (137), and the next
+  command starts a fresh resident. Per command, peak memory is the largest single process's
+  RSS (the namespace init's ``wait4``), not the whole tree's;
+* a terminal (PTY) command takes a gVisor sandbox of its own (the path below): a terminal is a
+  long session whose start (~200 ms) is paid once; its processes do not see the resident's;
+* between commands, within ``gvisor_idle_s``, the resident's host processes (runsc, gofer,
+  Sentry) stay: "nothing lingers" holds inside at once, on the host after the idle stop;
+* one resident per Corral process: two processes using one sandbox run two (each in its own
+  group, under the same sandbox limits).
+
+Measured 2026-12-01, same run (``bench/bench_gvisor.py --runs 30``, p50, load 1.8-3.0 from
+other suites): ``runsc do true`` 207 ms, a gVisor sandbox per command 236 ms, a namespace-tier
+command 22.0 ms, ``runsc exec --user=1000:1000 true`` into a long-lived sandbox 31.6 ms, the
+resident mechanism alone 21.5 ms, and **a Corral gVisor command on the resident path 31.8 ms:
+1.45x the namespace tier's** (target 1.5x; the issue's other target: at most 50 ms per
+command). Starting a resident takes 0.4-0.9 s (``runsc run`` plus Python's start inside), once
+per busy period.
+
+**A gVisor sandbox per command** (PTY commands; every command with ``gvisor_resident`` off):
+
+* ``runsc run`` of a fresh sandbox (~195-200 ms against ~130-200 ms for bare ``runsc do
+  true``), its whole sandbox in the command's cgroup, so timeouts, ``kill_command``, pause and
+  usage work exactly as in the namespace tier, and a memory bomb ends only its own command.
+
+Shared by both:
+
 * **Network: ``--network=host`` inside the sandbox's network namespace.** gVisor's own network
   stack (``sandbox``/``none``) has a loopback of its own, so the egress gateway's listener, bound
   to 127.0.0.1 in the sandbox's namespace, is unreachable from it; bridging it would need a relay
@@ -27,64 +73,12 @@ runsc 20240729, other test suites running alongside; ``bench/bench_gvisor.py`` r
   talk over loopback. With ``host``, gVisor hands socket calls to the host kernel in a namespace
   that holds only ``lo``, exactly the namespace tier's network: no route, no resolver, the
   gateway (and only it) at ``127.0.0.1:<port>``, and one command's server reachable from the
-  next. The price, measured: ~30 ms per command (runsc ships precompiled seccomp filters only
-  for gVisor's own network stack and compiles the host-network one at every start), which puts
-  create + first command at ~1.5x bare ``runsc do`` instead of ~1.25x; and the Sentry's own
-  filter is wider (socket calls reach the host kernel, confined to that namespace). Raw and
-  packet sockets stay off (``--net-raw=false``) and netlink is refused by the command's filter.
+  next. The price, measured: ~30 ms per gVisor start (runsc ships precompiled seccomp filters
+  only for gVisor's own network stack and compiles the host-network one at every start); and
+  the Sentry's own filter is wider (socket calls reach the host kernel, confined to that
+  namespace). Raw and packet sockets stay off (``--net-raw=false``) and netlink is refused by
+  the command's filter.
 * **Platform: systrap** (see ``runsc``); KVM is not available on the development machines.
-
-Issue 14 ("the gVisor tier made fast"): designed, measured, and wired in **only as an
-experimental opt-in** (``CORRAL_GVISOR_RESIDENT=1``; by default every command still takes the
-per-command path above). The design, in ``resident`` (host side), ``inside`` (the helper,
-gVisor's init) and ``run.c`` (the per-command launcher):
-
-* One *resident* sandbox per Corral sandbox in use: one attached ``runsc run`` (``create``
-  cannot be given pipes: the sandbox inherits them and ``create`` waits for their EOF forever),
-  its init a small helper speaking JSON lines over runsc's stdin/stdout.
-* Not ``runsc exec``: measured here (``bench/bench_gvisor.py``, ``long_lived``), a ``runsc
-  exec`` process reports ``Seccomp: 0`` and may ``unshare(CLONE_NEWUSER)``: the OCI profile
-  covers the container's init only. It also runs as root inside unless given ``--user``, and
-  shares the init's mount and PID namespace (one ``/tmp`` for all commands).
-* Per command the helper spawns the static launcher with ``posix_spawn`` (a fork of the
-  Python helper costs 20-45 ms in gVisor's systrap, ``posix_spawn`` ~12 ms, the whole
-  launcher ~30 ms): own mount and PID namespace, a fresh size-limited ``/tmp`` and
-  ``/dev/shm`` (the namespace tier's semantics, kept), a namespace init that reaps and whose
-  exit kills the rest of the tree, and the command as 1000:1000 with no capabilities,
-  ``no_new_privs``, its rlimits and the namespace tier's own BPF filter (``_linux.seccomp``)
-  installed as the last step before exec. The helper holds KILL, SETGID, SETUID, SETPCAP and
-  SYS_ADMIN in gVisor's kernel only.
-* Usage per command comes from the namespace init's ``wait4`` (CPU of every reaped process,
-  peak as the largest single process's RSS: weaker than the cgroup's peak of the whole tree).
-* The helper sets up the next command's launcher while nothing runs (namespaces, mounts,
-  init), so a command waits only for its request, a vfork and its exec.
-
-Measured 2026-12-01, same run (``bench/bench_gvisor.py --runs 30``, p50, load 1.8-3.0 from
-other suites): ``runsc do true`` 207 ms, a Corral gVisor command on the per-command path 236
-ms, a namespace-tier command 22.0 ms, ``runsc exec --user=1000:1000 true`` into a long-lived
-sandbox 31.6 ms, the resident mechanism alone 21.5 ms, and **a Corral gVisor command on the
-resident path 31.8 ms: 1.45x the namespace tier's** (target 1.5x), against 207 ms for
-``runsc do true`` (the issue's target: at most 50 ms per command). Other runs that day gave
-1.29x-1.49x (1.29x at 35.5 ms before the launcher was set up ahead, under heavier load).
-Starting a resident sandbox takes 0.4-0.9 s (``runsc run`` plus Python's start inside), once
-per busy period.
-
-With the opt-in, a plain command (no PTY, no interactive or given stdin: those keep the
-per-command path) runs in the sandbox's resident sandbox, started on demand (``OnDemand``) in
-a group ``c.<owner>.resident`` of the sandbox cgroup (placed before runsc runs, like a
-command; so limits, pause and ``destroy`` hold it, and a crashed owner's is swept as a
-command's, its runsc state with it), stopped after ``RESIDENT_IDLE_S`` with nothing running.
-``kill_command``, ``busy`` and timeouts (exit 124) go through the helper. Left before it can be
-the default (each a guarantee the per-command path keeps):
-
-* PTY and interactive stdin in the helper (today those commands take the old path);
-* OOM: one Sentry for all commands, so a memory bomb that trips the cgroup can take the others
-  with it; the group's OOM counter is cumulative, so the resident is replaced after one;
-* peak memory is the largest process's RSS (``wait4``), not the whole tree's;
-* no host process is left *between* commands only after the idle stop: within
-  ``RESIDENT_IDLE_S`` the Sentry stays (``test_gvisor.py``'s host-side "nothing lingers"
-  check fails in this mode; inside, the command's PID namespace is gone on return);
-* one resident per Corral process: two processes using one sandbox run two.
 """
 
 from __future__ import annotations
@@ -111,6 +105,7 @@ from ...backends import (
     HostCheck,
     Leftover,
     SandboxSpec,
+    SealResult,
 )
 from ...errors import BackendError, BackendUnavailable, CommandError, ConfigError
 from ...models import ResourceTier, Usage
@@ -137,12 +132,6 @@ logger = logging.getLogger(__name__)
 # (measured: ~35 for `sleep`). Inside, RLIMIT_NPROC holds the command to the tier's pids; the
 # host cgroup only has to keep a runaway gVisor from the host, never starve a Sentry of threads.
 _RUNTIME_TASKS = 64
-# EXPERIMENTAL (issue 14, see the module docstring): "1" runs plain commands (no PTY, no
-# interactive or given stdin) in a resident sandbox per Corral sandbox; anything else, or unset,
-# keeps the per-command sandbox.
-RESIDENT_ENV = "CORRAL_GVISOR_RESIDENT"
-# A resident sandbox with nothing running for this long is stopped (no process left).
-RESIDENT_IDLE_S = 10.0
 
 
 def _check_traversable(home: Path) -> None:
@@ -181,8 +170,11 @@ class GvisorBackend(HostBackedBackend):
         self._rootfs: dict[tuple[tuple[str, str, str], ...], Path] = {}
         self._launcher: GvisorLauncher | None = None
         self._lock = threading.Lock()
-        self._resident_on = os.environ.get(RESIDENT_ENV) == "1"
-        self._residents: dict[str, OnDemand] = {}
+        self._resident_on = settings.gvisor_resident
+        # At most this many residents start ahead at once (``create``): one per core.
+        self._prestarts = threading.Semaphore(max(1, os.cpu_count() or 1))
+        # sandbox id -> its resident and the identity of the workspace mount it was given
+        self._residents: dict[str, tuple[OnDemand, tuple[int, int]]] = {}
         self._resident_groups: dict[str, str] = {}  # sandbox id -> its resident's group
         self._resident_starts = 0
 
@@ -232,8 +224,12 @@ class GvisorBackend(HostBackedBackend):
             runtime_uid(spec.uid)
         except ValueError as exc:
             raise BackendError(str(exc)) from exc
-        self._rootfs_for(self._template(spec.template))
+        template = self._template(spec.template)
+        rootfs = self._rootfs_for(template)
         self._create_host_pieces(spec)
+        if self._resident_on:
+            self._resident_for(spec, self._ensure_runtime(spec), template, rootfs).prestart(
+                self._prestarts)
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         launcher = self._ready()
@@ -245,8 +241,7 @@ class GvisorBackend(HostBackedBackend):
         env = self._command_env(spec, request)
         if any("\0" in item for pair in env.items() for item in pair):
             raise CommandError("environment names and values may not contain NUL bytes")
-        if (self._resident_on and request.pty is None and not request.interactive
-                and request.stdin is None and request.on_start is None):
+        if self._resident_on and request.pty is None:
             return self._exec_resident(spec, request, env, workspace, template, rootfs)
         # runsc creates a missing working directory (as the runtime uid); the control plane has
         # checked that it exists, so only a concurrent command removing it in between can leave
@@ -262,7 +257,7 @@ class GvisorBackend(HostBackedBackend):
             request=request,
         ))
 
-    # -- the resident sandbox (experimental, RESIDENT_ENV) ---------------------------------------
+    # -- the resident sandbox (Settings.gvisor_resident) ----------------------------------------
 
     def _resident_group(self) -> str:
         # Named like a command's group (c.<owner>.<name>): a crashed owner's is swept as one,
@@ -271,18 +266,37 @@ class GvisorBackend(HostBackedBackend):
         self._resident_starts += 1
         return f"c.{self._owner}.{_RESIDENT_PREFIX}{self._resident_starts}"
 
-    def _exec_resident(self, spec: SandboxSpec, request: ExecRequest, env: dict[str, str],
-                       workspace: Path, template: BaseTemplate, rootfs: Path) -> ExecOutcome:
+    def _resident_for(self, spec: SandboxSpec, workspace: Path, template: BaseTemplate,
+                      rootfs: Path) -> OnDemand:
+        """The sandbox's resident holder, made on first use.
+
+        A resident keeps the workspace mount it was started on; one started before the
+        workspace was mounted anew (a snapshot sealed its layer, a restore reset it) would
+        write into a sealed layer. Those close it first; the mount's identity catches any other
+        remount, and the holder is replaced."""
+        mounted = os.stat(workspace)
+        identity = (mounted.st_dev, mounted.st_ino)
+        stale: OnDemand | None = None
         with self._lock:
-            holder = self._residents.get(spec.id)
+            holder, given = self._residents.get(spec.id, (None, identity))
+            if holder is not None and given != identity:
+                stale, holder = holder, None
             if holder is None:
                 config = build_config(
                     rootfs=rootfs, template=template, workspace=workspace,
                     netns=self._netns_path(spec.id), uid=spec.uid, argv=["true"],
                     cwd="/workspace", env={}, tmp_bytes=spec.tier.tmp_bytes,
                     pids=spec.tier.pids, terminal=False)
-                holder = self._residents[spec.id] = OnDemand(
-                    lambda: self._start_resident(spec, config), RESIDENT_IDLE_S)
+                holder = OnDemand(lambda: self._start_resident(spec, config),
+                                  self._settings.gvisor_idle_s)
+                self._residents[spec.id] = (holder, identity)
+        if stale is not None:
+            stale.close()
+        return holder
+
+    def _exec_resident(self, spec: SandboxSpec, request: ExecRequest, env: dict[str, str],
+                       workspace: Path, template: BaseTemplate, rootfs: Path) -> ExecOutcome:
+        holder = self._resident_for(spec, workspace, template, rootfs)
         stdout = OutputStream("stdout", request.output_limit_bytes, request.on_stdout,
                               stream_past_limit=request.stream_past_limit)
         stderr = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
@@ -294,7 +308,8 @@ class GvisorBackend(HostBackedBackend):
             result = holder.run(
                 list(request.argv), env=env, cwd=request.cwd, tmp_bytes=spec.tier.tmp_bytes,
                 nproc=max(1, spec.tier.pids - 1), timeout=request.timeout_s,
-                key=request.command_id,
+                key=request.command_id, stdin=request.stdin,
+                on_start=request.on_start if request.interactive else None,
                 on_output=lambda name, data: (stdout if name == "stdout" else stderr).feed(data))
         except BackendError as exc:
             group = f"{spec.id}/{self._resident_groups.get(spec.id, '')}"
@@ -324,7 +339,7 @@ class GvisorBackend(HostBackedBackend):
         if oom_killed:
             # One Sentry for all commands: the OOM kill counts for the whole group, so the
             # resident sandbox is replaced (the next command starts a fresh one and group).
-            holder.close()
+            self._close_resident(spec.id)
         return ExecOutcome(
             exit_code=exit_code, stdout=stdout.finish(), stderr=stderr.finish(),
             timed_out=result.timed_out,
@@ -383,37 +398,54 @@ class GvisorBackend(HostBackedBackend):
                 os.close(release)
             fifo.unlink(missing_ok=True)
 
+    def _holder(self, sandbox_id: str) -> OnDemand | None:
+        with self._lock:
+            entry = self._residents.get(sandbox_id)
+        return entry[0] if entry is not None else None
+
     def _close_resident(self, sandbox_id: str) -> None:
         with self._lock:
-            holder = self._residents.pop(sandbox_id, None)
+            entry = self._residents.pop(sandbox_id, None)
             self._resident_groups.pop(sandbox_id, None)
-        if holder is not None:
-            holder.close()
+        if entry is not None:
+            entry[0].close()
+
+    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
+        self._close_resident(spec.id)  # nothing runs (the caller's promise); its mount goes
+        return super().seal_workspace(spec, layer_id)
+
+    def reset_workspace(self, spec: SandboxSpec) -> None:
+        self._close_resident(spec.id)
+        super().reset_workspace(spec)
 
     def busy(self, spec: SandboxSpec) -> bool:
         # The resident's group is no command: it alone does not make the sandbox busy.
-        with self._lock:
-            holder = self._residents.get(spec.id)
+        holder = self._holder(spec.id)
         if holder is not None and holder.busy:
             return True
         return any(not name.rsplit(".", 1)[-1].startswith(_RESIDENT_PREFIX)
                    for name in self.cgroups.children(spec.id))
 
     def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
-        with self._lock:
-            holder = self._residents.get(spec.id)
+        holder = self._holder(spec.id)
         if holder is not None and holder.kill(command_id):
             return True
         return super().kill_command(spec, command_id)
 
     def close(self) -> None:
         with self._lock:
-            holders, self._residents = list(self._residents.values()), {}
+            holders, self._residents = [h for h, _ in self._residents.values()], {}
         for holder in holders:
             holder.close()
         super().close()
 
     # -- the tier's own leftovers --------------------------------------------------------------
+
+    def destroy(self, spec: SandboxSpec) -> None:
+        # First: a resident still starting (ahead, from create) is waited for and stopped, so
+        # it never makes its group inside a cgroup being removed.
+        self._close_resident(spec.id)
+        super().destroy(spec)
 
     def _destroy_extra(self, spec: SandboxSpec) -> None:
         self._close_resident(spec.id)

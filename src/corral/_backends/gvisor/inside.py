@@ -4,11 +4,16 @@ This file runs *inside* gVisor as the container's init (``python3 -I -S -c <this
 it is stdlib only and imports nothing of Corral's. It speaks JSON lines on its stdin and stdout
 (runsc's attached pipes, the only channel there is: ``--host-uds=none``):
 
-* host → helper ``{"id", "op": "exec", "argv", "env", "cwd", "tmp_bytes", "nproc"}`` → helper
+* host → helper ``{"id", "op": "exec", "argv", "env", "cwd", "tmp_bytes", "nproc"[, "stdin":
+  B64][, "interactive": true]}`` → helper
   ``{"id", "out": "stdout"|"stderr", "data": B64}``... then exactly one of ``{"id", "exit":
   {"code", "cpu_s", "peak_rss_bytes"[, "killed"]}}`` or ``{"id", "error": {"error": M}}``
   (the command never started) or ``{"id", "exit": {"exec_errno": N}}`` (execve failed);
-* ``{"id", "op": "kill", "target"}`` → ``{"id", "ok"}``: the command's PID namespace is killed.
+* ``{"id", "op": "kill", "target"}`` → ``{"id", "ok"}``: the command's PID namespace is killed;
+* ``{"op": "stdin", "target", "data": B64}`` and ``{"op": "close_stdin", "target"}`` (no answer):
+  an interactive command's input. A command's stdin is a pipe: what ``stdin`` gave, then EOF
+  (at once for a command given none, on ``close_stdin`` for an interactive one). The helper
+  buffers what the command has not read yet and never blocks on it.
 
 The helper only multiplexes; each command's shape comes from the static launcher ``run.c``
 (bound at ``/.corral``), started with ``posix_spawn``; after each command the helper sets up
@@ -40,17 +45,18 @@ LAUNCHER = "/.corral/run"
 FILTER = "/.corral/filter"
 
 
-Launch = dict[str, Any]  # {"pid", "out", "err", "status", "request" (pooled only)}
+Launch = dict[str, Any]  # {"pid", "stdin", "out", "err", "status", "request" (pooled only)}
 
 
 def spawn_launcher(tail: list[str], env: dict[str, str], pooled: bool) -> Launch:
     """Start the launcher with fresh pipes; ``tail`` follows FILTER on its command line."""
+    in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     st_r, st_w = os.pipe()
-    null = os.open("/dev/null", os.O_RDONLY)
-    mine, theirs = [out_w, err_w, st_w, null], []
-    actions = [(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
+    os.set_blocking(in_w, False)  # a command that does not read must not stall the helper
+    mine, theirs = [in_r, out_w, err_w, st_w], []
+    actions = [(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
                (os.POSIX_SPAWN_DUP2, err_w, 2), (os.POSIX_SPAWN_DUP2, st_w, 3)]
     if pooled:
         req_r, req_w = os.pipe()
@@ -65,13 +71,13 @@ def spawn_launcher(tail: list[str], env: dict[str, str], pooled: bool) -> Launch
         pid = os.posix_spawn(LAUNCHER, [LAUNCHER, FILTER, *tail], env, file_actions=actions,
                              setsigdef=(signal.SIGPIPE,))
     except OSError:
-        for fd in (out_r, err_r, st_r, *theirs):
+        for fd in (in_w, out_r, err_r, st_r, *theirs):
             os.close(fd)
         raise
     finally:
         for fd in mine:
             os.close(fd)
-    launch: Launch = {"pid": pid, "out": out_r, "err": err_r, "status": st_r}
+    launch: Launch = {"pid": pid, "stdin": in_w, "out": out_r, "err": err_r, "status": st_r}
     if pooled:
         launch["request"] = theirs[0]
     return launch
@@ -120,7 +126,7 @@ class Launchers:
     def discard(launch: Launch) -> None:
         """A launcher no command will use: EOF on its request ends it (init exits: nothing
         ran), then it is reaped."""
-        for name in ("request", "out", "err", "status"):
+        for name in ("request", "stdin", "out", "err", "status"):
             if name in launch:
                 with contextlib.suppress(OSError):
                     os.close(launch[name])
@@ -148,6 +154,31 @@ def parse_status(line: bytes, cmd: dict[str, Any]) -> None:
         code, cpu_us, rss_kb = rest.split()
         cmd["exit"] = {"code": int(code), "cpu_s": int(cpu_us) / 1e6,
                        "peak_rss_bytes": int(rss_kb) * 1024}
+
+
+def pump_stdin(sel: selectors.BaseSelector, cid: int, cmd: dict[str, Any]) -> None:
+    """Write what the command has not read yet without blocking; close its stdin once all is
+    written and it is to end. Waits for the pipe to drain through the selector."""
+    fd = cmd.get("in_fd")
+    if fd is None:
+        return
+    try:
+        while cmd["inbuf"]:
+            del cmd["inbuf"][:os.write(fd, cmd["inbuf"])]
+    except BlockingIOError:
+        if not cmd["in_waiting"]:
+            sel.register(fd, selectors.EVENT_WRITE, ("stdin", cid))
+            cmd["in_waiting"] = True
+        return
+    except OSError:  # the command stopped reading (EPIPE): what is left is dropped
+        cmd["inbuf"].clear()
+        cmd["in_close"] = True
+    if cmd["in_waiting"]:
+        sel.unregister(fd)
+        cmd["in_waiting"] = False
+    if cmd["in_close"]:
+        os.close(fd)
+        cmd["in_fd"] = None
 
 
 def main() -> None:
@@ -185,9 +216,13 @@ def main() -> None:
                         except (OSError, ValueError) as exc:
                             write({"id": req["id"], "error": {"error": f"launcher: {exc}"}})
                             continue
-                        commands[req["id"]] = {
+                        commands[req["id"]] = cmd = {
                             "pid": launch["pid"], "open": 3, "status": b"", "exit": None,
-                            "key": (int(req["tmp_bytes"]), int(req["nproc"]))}
+                            "key": (int(req["tmp_bytes"]), int(req["nproc"])),
+                            "in_fd": launch["stdin"], "in_waiting": False,
+                            "inbuf": bytearray(base64.b64decode(req.get("stdin") or "")),
+                            "in_close": not req.get("interactive")}
+                        pump_stdin(sel, req["id"], cmd)
                         sel.register(launch["out"], selectors.EVENT_READ, ("stdout", req["id"]))
                         sel.register(launch["err"], selectors.EVENT_READ, ("stderr", req["id"]))
                         sel.register(launch["status"], selectors.EVENT_READ,
@@ -199,8 +234,17 @@ def main() -> None:
                             if target.get("init"):
                                 os.kill(target["init"], signal.SIGKILL)
                         write({"id": req["id"], "ok": target is not None})
+                    elif req["op"] in ("stdin", "close_stdin"):
+                        target = commands.get(req["target"])
+                        if target is not None and target["in_fd"] is not None:
+                            target["inbuf"] += base64.b64decode(req.get("data") or "")
+                            target["in_close"] |= req["op"] == "close_stdin"
+                            pump_stdin(sel, req["target"], target)
                 continue
             cmd = commands[cid]
+            if kind == "stdin":
+                pump_stdin(sel, cid, cmd)
+                continue
             data = os.read(key.fd, 65536)
             if data and kind == "status":
                 cmd["status"] += data
@@ -216,6 +260,10 @@ def main() -> None:
                 os.close(key.fd)
                 cmd["open"] -= 1
             if cmd["open"] == 0:
+                if cmd["in_fd"] is not None:  # it ended without reading all it was given
+                    if cmd["in_waiting"]:
+                        sel.unregister(cmd["in_fd"])
+                    os.close(cmd["in_fd"])
                 os.waitpid(cmd["pid"], 0)
                 result = cmd["exit"] or (
                     {"code": 137, "cpu_s": 0.0, "peak_rss_bytes": 0, "killed": True}

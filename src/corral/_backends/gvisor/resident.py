@@ -21,6 +21,7 @@ import copy
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -37,7 +38,8 @@ from .._linux.seccomp import compile_filter
 from .bundle import write_config
 from .runsc import Runsc
 
-__all__ = ["OnDemand", "Resident", "ResidentResult", "ensure_launcher", "helper_config"]
+__all__ = ["OnDemand", "Resident", "ResidentIO", "ResidentResult", "ensure_launcher",
+           "helper_config"]
 
 _HELPER_SOURCE = (Path(__file__).with_name("inside.py")).read_text()
 _LAUNCHER_SOURCE = Path(__file__).with_name("run.c")
@@ -45,6 +47,8 @@ _LAUNCHER_SOURCE = Path(__file__).with_name("run.c")
 # command its own mount and PID namespace and to drop to 1000 (SETPCAP: to empty the bounding set).
 _HELPER_CAPS = ["CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_SYS_ADMIN"]
 _START_TIMEOUT_S = 20.0
+
+logger = logging.getLogger(__name__)
 
 
 def ensure_launcher(parent: Path) -> Path:
@@ -120,6 +124,24 @@ class ResidentResult:
 
 
 OutputSink = Callable[[str, bytes], None]
+
+
+class ResidentIO:
+    """An interactive command's stdin (``ProcessIO`` without a terminal), from any thread."""
+
+    def __init__(self, resident: Resident, command_id: int) -> None:
+        self._resident = resident
+        self._command_id = command_id
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._resident.send_stdin(self._command_id, data, close=False)
+
+    def close_stdin(self) -> None:
+        self._resident.send_stdin(self._command_id, b"", close=True)
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Not a terminal: nothing to resize (a terminal takes the per-command path)."""
 
 
 @dataclass(slots=True)
@@ -202,6 +224,14 @@ class Resident:
         """How many commands are running."""
         return len(self._pending)
 
+    def send_stdin(self, command_id: int, data: bytes, *, close: bool) -> None:
+        """More input for a running interactive command (dropped once it has ended)."""
+        if command_id not in self._pending:
+            return
+        with contextlib.suppress(OSError, ValueError):  # the sandbox is gone: run() reports it
+            self._send({"id": 0, "op": "close_stdin" if close else "stdin",
+                        "target": command_id, "data": base64.b64encode(data).decode()})
+
     def kill(self, key: str) -> bool:
         """Kill the running command started with ``key`` (its whole PID namespace)."""
         for command_id, pending in list(self._pending.items()):
@@ -214,20 +244,39 @@ class Resident:
 
     def run(self, argv: list[str], *, env: Mapping[str, str], cwd: str = "/workspace",
             tmp_bytes: int = 64 << 20, nproc: int = 128, timeout: float = 30.0,
-            key: str = "", on_output: OutputSink | None = None) -> ResidentResult:
+            key: str = "", on_output: OutputSink | None = None, stdin: bytes | None = None,
+            on_start: Callable[[ResidentIO], None] | None = None) -> ResidentResult:
         """Run one command to its end. ``on_output(stream, data)`` (from the reader thread)
-        gets the output instead of the result; ``key`` names it for ``kill``."""
+        gets the output instead of the result; ``key`` names it for ``kill``. ``stdin`` is
+        its input, then EOF; with ``on_start`` it is interactive instead: ``on_start`` gets a
+        ``ResidentIO`` for more input once the command is on its way, and EOF comes from
+        ``close_stdin`` (or the command's end)."""
         with self._lock:
             command_id = self._next
             self._next += 1
         pending = self._pending[command_id] = _Pending(key, on_output)
         timed_out = False
         try:
+            request: dict[str, Any] = {"id": command_id, "op": "exec", "argv": argv,
+                                       "env": dict(env), "cwd": cwd, "tmp_bytes": tmp_bytes,
+                                       "nproc": nproc}
+            if stdin:
+                request["stdin"] = base64.b64encode(stdin).decode()
+            if on_start is not None:
+                request["interactive"] = True
             try:
-                self._send({"id": command_id, "op": "exec", "argv": argv, "env": dict(env),
-                            "cwd": cwd, "tmp_bytes": tmp_bytes, "nproc": nproc})
+                self._send(request)
             except (OSError, ValueError):
                 pass  # the sandbox is gone: the reader has ended, reply stays None
+            else:
+                if on_start is not None:
+                    try:
+                        on_start(ResidentIO(self, command_id))
+                    except BaseException:  # nobody will feed or wait for it: it ends now
+                        with contextlib.suppress(OSError, ValueError):
+                            self._send({"id": -command_id, "op": "kill", "target": command_id})
+                        pending.done.wait(_START_TIMEOUT_S)
+                        raise
             if not pending.done.wait(timeout) and not self._closed:
                 timed_out = True
                 with contextlib.suppress(OSError, ValueError):
@@ -289,6 +338,7 @@ class OnDemand:
         self._resident: Resident | None = None
         self._busy = 0
         self._timer: threading.Timer | None = None
+        self._closed = False
         self.starts = 0
 
     @property
@@ -298,6 +348,8 @@ class OnDemand:
 
     def _acquire(self) -> Resident:
         with self._lock:
+            if self._closed:  # its sandbox is being destroyed or remounted: never start again
+                raise BackendError("the sandbox's gVisor sandbox was stopped under this command")
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
@@ -310,13 +362,42 @@ class OnDemand:
             self._busy += 1
             return self._resident
 
+    def prestart(self, slots: threading.Semaphore) -> None:
+        """Start the resident in the background (a new sandbox's first command then finds it
+        up, or waits only for what is left of its start), when one of ``slots`` is free: a
+        burst of creates must not become a burst of gVisor starts. A failed start is only
+        logged; the first command tries again and reports its own error."""
+        if self.running or not slots.acquire(blocking=False):
+            return
+
+        def start() -> None:
+            try:
+                with self._lock:
+                    if self._closed or self._resident is not None:
+                        return
+                    self._resident = self._start()  # not busy meanwhile: nothing runs yet
+                    self.starts += 1
+                    if self._busy == 0:
+                        self._arm_idle_timer()
+            except BackendError as exc:
+                logger.info("a resident gVisor sandbox did not start ahead: %s", exc)
+            finally:
+                slots.release()
+
+        threading.Thread(target=start, name="corral-resident-start", daemon=True).start()
+
     def _release(self) -> None:
         with self._lock:
             self._busy -= 1
             if self._busy == 0 and self._resident is not None:
-                self._timer = threading.Timer(self._idle_s, self._expire)
-                self._timer.daemon = True
-                self._timer.start()
+                self._arm_idle_timer()
+
+    def _arm_idle_timer(self) -> None:  # under the lock
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(self._idle_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
 
     def _expire(self) -> None:
         # Closed under the lock: the next start reuses the container id and bundle path.
@@ -345,6 +426,7 @@ class OnDemand:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._timer is not None:
                 self._timer.cancel()
             if self._resident is not None:

@@ -7,6 +7,7 @@ Usage: python pty_watch.py
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from _steps import done, step
@@ -35,13 +36,27 @@ def pty_session() -> dict[str, object]:
     sb.pty.send_stdin(handle.pid, b"stty size; echo MA''RK2\n")
     read_until(it, seen, b"MARK2\r\n")
     after = b"".join(seen)[len(before):]
-    # Ctrl-D ends the shell only once readline has put the terminal in raw mode again, which it
-    # does before drawing the prompt; sent earlier, the cooked terminal turns it into a NUL byte
-    # and bash waits for more (the same holds for bash on any host, loaded machines show it).
     read_until(it, seen, b"READY> ", start=b"".join(seen).rindex(b"MARK2\r\n"))
-    sb.pty.send_stdin(handle.pid, b"\x04")  # Ctrl-D: the shell ends
+    # Ctrl-D: the shell ends. A terminal may turn it into a NUL byte that bash ignores when it
+    # arrives as readline switches the line discipline (seen on a loaded host with bare bash
+    # too): sent again, Ctrl-D only, while the shell has not ended.
+    ended = threading.Event()
+
+    def ctrl_d() -> None:
+        for _ in range(3):
+            try:
+                sb.pty.send_stdin(handle.pid, b"\x04")
+            except Exception:  # noqa: BLE001 - it ended between the check and the send
+                return
+            if ended.wait(3):
+                return
+
+    sender = threading.Thread(target=ctrl_d, daemon=True)
+    sender.start()
     for _ in it:
         pass
+    ended.set()
+    sender.join()
     result = handle.wait()
     return {"pid": handle.pid, "before": before.decode(errors="replace"),
             "after": after.decode(errors="replace"), "exit_code": result.exit_code}
