@@ -372,6 +372,28 @@ def test_usage_and_memory_limit(backend: GvisorBackend, spec: SandboxSpec) -> No
     assert run(backend, spec, "echo ok").stdout == "ok\n"
 
 
+def test_a_memory_bomb_beside_a_command_in_the_resident(
+    backend: GvisorBackend, spec: SandboxSpec
+) -> None:
+    """The price of one gVisor kernel per sandbox, as documented: when a command exhausts the
+    sandbox's memory, gVisor may refuse its allocation (MemoryError, exit 1) or the host's OOM
+    killer takes the resident's Sentry; the command beside it then either goes on or ends
+    OOM-killed too (137, ``oom_killed``). Never a hang or a made-up result, and the next command
+    gets a working sandbox."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(run, backend, spec, "sleep 5; echo beside", timeout=60)
+        time.sleep(0.5)
+        bomb = run(backend, spec, ["python3", "-c", (
+            "chunks = []\n"
+            "for i in range(32):\n"  # 32 x 64 MiB = 2 GiB at most
+            "    chunks.append(b'\\x01' * (64 << 20))")], timeout=60)
+        assert bomb.usage.oom_killed and bomb.exit_code in (1, 128 + 9), bomb
+        other = beside.result(timeout=30)
+    assert ((other.exit_code, other.stdout) == (0, "beside\n")
+            or (other.exit_code == 128 + 9 and other.usage.oom_killed)), other
+    assert run(backend, spec, "echo ok").stdout == "ok\n"
+
+
 def test_process_limit(backend: GvisorBackend, spec: SandboxSpec) -> None:
     """The tier's pid limit, enforced inside gVisor (RLIMIT_NPROC): fork fails with EAGAIN.
     Children are spawned (vfork + exec of sleep), not forked Pythons: a forked Python costs gVisor
@@ -393,6 +415,37 @@ def test_process_limit(backend: GvisorBackend, spec: SandboxSpec) -> None:
 
 
 # -- clean-up and host checks --------------------------------------------------------------------
+
+
+def test_a_gvisor_sandbox_per_command_when_the_resident_is_off(
+    backend: GvisorBackend, settings: Settings
+) -> None:
+    """``gvisor_resident=False``: every command in a gVisor sandbox of its own (the path a
+    terminal always takes), with the same results, and what only it gives: a memory bomb ends
+    its own command, not one running beside it."""
+    gvisor = GvisorBackend(settings.model_copy(update={"gvisor_resident": False}))
+    made = SandboxSpec(id=f"sbx_gp{secrets.token_hex(5)}",
+                       uid=settings.uid_start + settings.uid_count - next(_taken),
+                       template="base", tier=get_tier("small"))
+    gvisor.create(made)
+    try:
+        out = run(gvisor, made, "ps -eo comm= | sort | tr '\\n' ' '; cat; exit 3", stdin=b"in")
+        assert (out.exit_code, out.stdout) == (3, "bash ps sort tr in"), out  # no launcher init
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            beside = pool.submit(run, gvisor, made, "sleep 3; echo beside", timeout=60)
+            bomb = run(gvisor, made, ["python3", "-c", (
+                "chunks = []\n"
+                "for i in range(32):\n"  # 32 x 64 MiB = 2 GiB at most
+                "    chunks.append(b'\\x01' * (64 << 20))")], timeout=60)
+            assert bomb.usage.oom_killed, bomb
+            assert beside.result(timeout=60).stdout == "beside\n"
+        late = run(gvisor, made, "sleep 30 & echo started; wait", timeout=2)
+        assert late.timed_out and late.stdout == "started\n"
+        assert host_procs_of_uid(runtime_uid(made.uid), zombies=True) == []  # nothing kept
+    finally:
+        gvisor.destroy(made)
+        assert _leftovers(settings, made) == []
+        gvisor.close()
 
 
 def test_sweep_removes_runsc_leftovers(

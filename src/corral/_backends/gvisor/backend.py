@@ -118,7 +118,7 @@ from .._linux.template import BaseTemplate
 from .bundle import build_config, ensure_rootfs, runtime_uid
 from .hostcheck import check_host, gvisor_dir
 from .launcher import _SHIM, GvisorLauncher, Launch, reap_orphans
-from .resident import OnDemand, Resident, ensure_launcher
+from .resident import OnDemand, Resident, ResidentDied, ensure_launcher
 from .runsc import Runsc, find_runsc
 
 __all__ = ["GvisorBackend"]
@@ -175,7 +175,7 @@ class GvisorBackend(HostBackedBackend):
         self._prestarts = threading.Semaphore(max(1, os.cpu_count() or 1))
         # sandbox id -> its resident and the identity of the workspace mount it was given
         self._residents: dict[str, tuple[OnDemand, tuple[int, int]]] = {}
-        self._resident_groups: dict[str, str] = {}  # sandbox id -> its resident's group
+        self._oom_groups: set[str] = set()  # "sandbox/group" of residents the OOM killer hit
         self._resident_starts = 0
 
     # -- set-up ----------------------------------------------------------------------------
@@ -312,18 +312,16 @@ class GvisorBackend(HostBackedBackend):
                 on_start=request.on_start if request.interactive else None,
                 on_output=lambda name, data: (stdout if name == "stdout" else stderr).feed(data))
         except BackendError as exc:
-            group = f"{spec.id}/{self._resident_groups.get(spec.id, '')}"
             if "could not start" in str(exc) and "chdir" in str(exc):
                 raise CommandError(
                     f"cannot enter the working directory {request.cwd}: {exc}") from None
-            with contextlib.suppress(BackendError, OSError):
-                if self.cgroups.usage(group).oom_killed:
-                    # The OOM killer took the Sentry: every command in it died of memory.
-                    return ExecOutcome(
-                        exit_code=_KILLED_EXIT_CODE, stdout=stdout.finish(),
-                        stderr=stderr.finish(), timed_out=False,
-                        usage=Usage(wall_s=time.monotonic() - started, cpu_s=0.0,
-                                    peak_memory_bytes=0, oom_killed=True))
+            if isinstance(exc, ResidentDied) and self._ended_by_oom(exc.group):
+                # The OOM killer took the Sentry: every command in it died of memory.
+                return ExecOutcome(
+                    exit_code=_KILLED_EXIT_CODE, stdout=stdout.finish(),
+                    stderr=stderr.finish(), timed_out=False,
+                    usage=Usage(wall_s=time.monotonic() - started, cpu_s=0.0,
+                                peak_memory_bytes=0, oom_killed=True))
             raise
         exit_code = result.exit_code
         if result.exec_errno is not None and (failed := exec_failure(
@@ -332,10 +330,7 @@ class GvisorBackend(HostBackedBackend):
             stderr.feed(message.encode())
         if result.timed_out:
             exit_code = TIMEOUT_EXIT_CODE
-        oom_killed = False
-        group = f"{spec.id}/{self._resident_groups.get(spec.id, '')}"
-        with contextlib.suppress(BackendError, OSError):
-            oom_killed = self.cgroups.usage(group).oom_killed
+        oom_killed = self._ended_by_oom(result.group)
         if oom_killed:
             # One Sentry for all commands: the OOM kill counts for the whole group, so the
             # resident sandbox is replaced (the next command starts a fresh one and group).
@@ -348,12 +343,24 @@ class GvisorBackend(HostBackedBackend):
             stdout_truncated=stdout.dropped, stderr_truncated=stderr.dropped,
             stdout_bytes=bytes(stdout.raw), stderr_bytes=bytes(stderr.raw))
 
+    def _ended_by_oom(self, group: str) -> bool:
+        """Whether the OOM killer acted in a resident's group. Remembered before the group is
+        removed, so a command beside the one that saw it first still learns why it ended."""
+        if group in self._oom_groups:
+            return True
+        with contextlib.suppress(BackendError, OSError):
+            if self.cgroups.usage(group).oom_killed:
+                with self._lock:
+                    self._oom_groups.add(group)
+                return True
+        return False
+
     def _start_resident(self, spec: SandboxSpec, config: dict[str, Any]) -> Resident:
         """Start the resident sandbox in its own group of the sandbox's cgroup, placed there
         before runsc runs (the FIFO shim, as ``launcher`` does for a command)."""
         launcher = self._ready()
         with self._lock:
-            name = self._resident_groups[spec.id] = self._resident_group()
+            name = self._resident_group()
         group = f"{spec.id}/{name}"
         container_id = _container_id(spec.id, name)
         bundle = self._bundles / container_id
@@ -389,7 +396,7 @@ class GvisorBackend(HostBackedBackend):
 
         try:
             return Resident(launcher.runsc, bundle, container_id, config,
-                            ensure_launcher(self._dir), spawn, on_close=closed)
+                            ensure_launcher(self._dir), spawn, on_close=closed, group=group)
         except BaseException:
             closed()
             raise
@@ -403,10 +410,12 @@ class GvisorBackend(HostBackedBackend):
             entry = self._residents.get(sandbox_id)
         return entry[0] if entry is not None else None
 
-    def _close_resident(self, sandbox_id: str) -> None:
+    def _close_resident(self, sandbox_id: str, *, forget: bool = False) -> None:
         with self._lock:
             entry = self._residents.pop(sandbox_id, None)
-            self._resident_groups.pop(sandbox_id, None)
+            if forget:
+                self._oom_groups = {g for g in self._oom_groups
+                                    if not g.startswith(f"{sandbox_id}/")}
         if entry is not None:
             entry[0].close()
 
@@ -448,7 +457,7 @@ class GvisorBackend(HostBackedBackend):
         super().destroy(spec)
 
     def _destroy_extra(self, spec: SandboxSpec) -> None:
-        self._close_resident(spec.id)
+        self._close_resident(spec.id, forget=True)
         self._remove_runsc_leftovers(lambda sandbox_id: sandbox_id != spec.id)
 
     def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:

@@ -38,8 +38,8 @@ from .._linux.seccomp import compile_filter
 from .bundle import write_config
 from .runsc import Runsc
 
-__all__ = ["OnDemand", "Resident", "ResidentIO", "ResidentResult", "ensure_launcher",
-           "helper_config"]
+__all__ = ["OnDemand", "Resident", "ResidentDied", "ResidentIO", "ResidentResult",
+           "ensure_launcher", "helper_config"]
 
 _HELPER_SOURCE = (Path(__file__).with_name("inside.py")).read_text()
 _LAUNCHER_SOURCE = Path(__file__).with_name("run.c")
@@ -121,6 +121,8 @@ class ResidentResult:
     killed: bool = False
     #: execve failed with this errno (the program cannot be run); ``exit_code`` is then 127/126.
     exec_errno: int | None = None
+    #: the cgroup of the resident it ran in (``Resident.group``)
+    group: str = ""
 
 
 OutputSink = Callable[[str, bytes], None]
@@ -155,13 +157,24 @@ class _Pending:
     killed: bool = False
 
 
+class ResidentDied(BackendError):
+    """The resident sandbox ended under a command (its Sentry killed, gVisor crashed).
+    ``group`` names the cgroup it ran in, for the caller to ask why (the OOM killer?)."""
+
+    def __init__(self, message: str, group: str) -> None:
+        super().__init__(message)
+        self.group = group
+
+
 class Resident:
-    """One running helper sandbox. Thread-safe: commands may run concurrently."""
+    """One running helper sandbox. Thread-safe: commands may run concurrently. ``group`` is
+    only a label: the cgroup its owner placed it in."""
 
     def __init__(self, runsc: Runsc, bundle: Path, container_id: str,
                  config: Mapping[str, Any], launcher: Path,
                  spawn: Callable[[list[str]], subprocess.Popen[bytes]],
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, group: str = "") -> None:
+        self.group = group
         self._on_close = on_close
         self._runsc = runsc
         self._bundle = bundle
@@ -286,8 +299,9 @@ class Resident:
         finally:
             del self._pending[command_id]
         if reply is None:
-            raise BackendError("the resident gVisor sandbox died: "
-                               f"{self._runsc.error_of(self._bundle) or 'no reason logged'}")
+            raise ResidentDied("the resident gVisor sandbox died: "
+                               f"{self._runsc.error_of(self._bundle) or 'no reason logged'}",
+                               self.group)
         if "error" in reply:
             raise BackendError(f"the command could not start: {reply['error']['error']}")
         result = reply["exit"]
@@ -295,11 +309,12 @@ class Resident:
             failed = int(result["exec_errno"])
             return ResidentResult(exit_code=127 if failed == errno.ENOENT else 126,
                                   stdout=b"", stderr=b"", cpu_s=0.0, peak_rss_bytes=0,
-                                  exec_errno=failed)
+                                  exec_errno=failed, group=self.group)
         return ResidentResult(exit_code=int(result["code"]), stdout=bytes(pending.stdout),
                               stderr=bytes(pending.stderr), cpu_s=float(result["cpu_s"]),
                               peak_rss_bytes=int(result["peak_rss_bytes"]),
-                              timed_out=timed_out, killed=pending.killed or timed_out)
+                              timed_out=timed_out, killed=pending.killed or timed_out,
+                              group=self.group)
 
     def close(self) -> None:
         """Stop the sandbox: EOF to the helper (it kills its commands and exits), then runsc
