@@ -8,8 +8,10 @@ sandbox started from it (fork, create, restore) resumes that image over its laye
 from __future__ import annotations
 
 import builtins
+import concurrent.futures
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 
@@ -157,19 +159,31 @@ class Snapshots:
         origin: dict[str, object] = {"forked_from": info.id, "layer": layer}
         if image is not None:
             origin["memory_image"] = image
+
+        def child() -> SandboxRecord:
+            return self._sandboxes.create(
+                template=info.template, resources=info.resources, timeout=None,
+                labels=info.labels, network=network_spec(info.network),
+                secrets=sorted(info.secrets), tenant=info.tenant,
+                max_for_tenant=max_for_tenant, idle_timeout=info.idle_timeout,
+                isolation=info.isolation, snapshot=None, caller=caller,
+                parent_layer=layer, origin=origin, memory_image=image)
+
         try:
-            for _ in range(count):
-                children.append(self._sandboxes.create(
-                    template=info.template, resources=info.resources, timeout=None,
-                    labels=info.labels, network=network_spec(info.network),
-                    secrets=sorted(info.secrets), tenant=info.tenant,
-                    max_for_tenant=max_for_tenant, idle_timeout=info.idle_timeout,
-                    isolation=info.isolation, snapshot=None, caller=caller,
-                    parent_layer=layer, origin=origin, memory_image=image))
+            # The children start side by side, a few at a time: a microVM child's start is
+            # seconds of mostly one CPU, and each other tier's is a few processes' work.
+            workers = min(count, max(2, os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(workers, "corral-fork") as pool:
+                futures = [pool.submit(child) for _ in range(count)]
+                concurrent.futures.wait(futures)
+            children = [f.result() for f in futures if f.exception() is None]
+            for future in futures:
+                if (failed := future.exception()) is not None:
+                    raise failed
         except BaseException:
-            for child in children:
+            for made in children:
                 with contextlib.suppress(Exception):
-                    self._sandboxes.destroy(child, reason="fork failed")
+                    self._sandboxes.destroy(made, reason="fork failed")
             if image is not None:  # nothing names it: it goes now
                 self._store.settle_memory_image(image)
                 self._layers.collect()
