@@ -161,6 +161,11 @@ class SandboxInfo(_Public):
     layer: str | None = Field(
         default=None, description="The top read-only layer of its workspace (from a snapshot, "
                                   "fork or restore); null for a fresh workspace.")
+    memory_image: str | None = Field(
+        default=None, description="The memory image its processes resumed from (a memory "
+                                  "snapshot or fork, microvm tier), as named in the audit "
+                                  "trail, while its workspace is still that image's; null for "
+                                  "one that booted or was sealed or restored since.")
 
 
 class SnapshotInfo(_Public):

@@ -134,6 +134,7 @@ def test_create_from_a_memory_snapshot_resumes_its_image(manager: Manager,
     record = manager.sandboxes.get(child.id)
     assert record.memory_image == image and vm.resumed_from(child.id) == image
     assert manager.sandboxes.spec(record).memory_image == image
+    assert manager.get(child.id).memory_image == image  # what every surface shows
     assert manager.files(child.id).read("state.txt") == b"at-the-instant"
     created = _events(manager, child.id, "sandbox.created")[0]
     assert created["memory_image"] == image and created["snapshot"] == snap.id
@@ -145,6 +146,7 @@ def test_create_from_a_memory_snapshot_resumes_its_image(manager: Manager,
     # Once the child's workspace moves on (a disk seal), it no longer names the image.
     manager.snapshot(child.id)
     assert manager.sandboxes.get(child.id).memory_image is None
+    assert manager.get(child.id).memory_image is None
 
 
 def test_fork_with_memory_resumes_every_child_and_the_image_goes_with_them(

@@ -282,7 +282,7 @@ def info_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
         emit_json(_info_json(info))
     else:
         for key, value in _info_json(info).items():
-            click.echo(f"{key:11} {value}")
+            click.echo(f"{key:12} {value}")
 
 
 @click.command(name="pause")

@@ -40,4 +40,5 @@ class SandboxRecord:
             id=self.id, template=self.template, resources=self.resources, state=self.state,
             created_at=self.created_at, expires_at=self.expires_at, labels=self.labels,
             network=self.network, secrets=sorted(self.secrets),
-            idle_timeout=self.idle_timeout, isolation=self.isolation, layer=self.layer)
+            idle_timeout=self.idle_timeout, isolation=self.isolation, layer=self.layer,
+            memory_image=self.memory_image)
