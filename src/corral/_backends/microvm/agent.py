@@ -1232,17 +1232,34 @@ class Agent:
     def _wait(self, command: Command, deadline: float | None, started: float,
               pumps: list[threading.Thread], status_r: int) -> None:
         timed_out = False
-        while True:
-            wait = None if deadline is None or command.detached else max(
-                0.0, deadline - time.monotonic())
-            try:
-                command.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
+        # Woken by the exit itself (a pidfd): Popen.wait(timeout) polls with sleeps that
+        # double up to 50 ms, which a short command pays in full under emulation.
+        try:
+            exited: int | None = os.pidfd_open(command.proc.pid)
+        except OSError:
+            exited = None
+        try:
+            while True:
+                wait = None if deadline is None or command.detached else max(
+                    0.0, deadline - time.monotonic())
+                if timed_out and wait is not None:
+                    wait = 0.05  # killed: its tree is going; look again shortly
+                try:
+                    if exited is None:
+                        command.proc.wait(timeout=wait)
+                        break
+                    if select.select([exited], [], [], wait)[0]:
+                        command.proc.wait()
+                        break
+                except subprocess.TimeoutExpired:
+                    pass
                 if command.detached:
                     continue
                 timed_out = True
                 command.kill_tree()
+        finally:
+            if exited is not None:
+                os.close(exited)
         # Whatever the command left behind dies before exit is reported.
         command.kill_tree()
         events = os.path.join(command.cgroup, "cgroup.events")
