@@ -308,6 +308,30 @@ def test_pause_freezes_and_resume_continues(backend: GvisorBackend, spec: Sandbo
     assert (root / "tick").read_text() == "100\n"
 
 
+def test_pause_right_after_create_waits_for_the_resident_start(
+    backend: GvisorBackend, settings: Settings
+) -> None:
+    """A pause that comes while the resident is still starting (ahead, from create) lets the
+    start finish first: frozen mid-start it would time out, and destroy would wait for it."""
+    made = SandboxSpec(id=f"sbx_gq{secrets.token_hex(5)}",
+                       uid=settings.uid_start + settings.uid_count - next(_taken),
+                       template="base", tier=get_tier("small"))
+    backend.create(made)
+    try:
+        started = time.monotonic()
+        backend.pause(made, True)
+        try:
+            holder = backend._holder(made.id)
+            assert holder is not None and holder.running  # up before anything froze
+        finally:
+            backend.pause(made, False)
+        assert time.monotonic() - started < 10
+        assert run(backend, made, "echo up", timeout=20).stdout == "up\n"
+    finally:
+        backend.destroy(made)
+        assert _leftovers(settings, made) == []
+
+
 # -- network ------------------------------------------------------------------------------------
 
 

@@ -427,6 +427,14 @@ class GvisorBackend(HostBackedBackend):
         self._close_resident(spec.id)
         super().reset_workspace(spec)
 
+    def pause(self, spec: SandboxSpec, paused: bool) -> None:
+        # A resident frozen mid-start would time out under its own lock (and hold up the
+        # destroy that waits for that lock): a start under way finishes first.
+        holder = self._holder(spec.id)
+        if paused and holder is not None:
+            holder.settle()
+        super().pause(spec, paused)
+
     def busy(self, spec: SandboxSpec) -> bool:
         # The resident's group is no command: it alone does not make the sandbox busy.
         holder = self._holder(spec.id)

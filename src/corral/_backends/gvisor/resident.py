@@ -427,6 +427,11 @@ class OnDemand:
         with self._lock:
             return self._busy
 
+    def settle(self) -> None:
+        """Return once no start is under way (a start holds the lock throughout)."""
+        with self._lock:
+            pass
+
     def kill(self, key: str) -> bool:
         with self._lock:
             resident = self._resident
