@@ -365,8 +365,10 @@ def test_snapshot_fork_and_restore_are_audited(home: str, sandboxes: list[Sandbo
 
 
 def test_snapshot_fork_and_restore_on_each_tier(home: str, sandboxes: list[Sandbox],
-                                                isolation: str) -> None:
-    """The layers are the tiers' shared host half: the same workspace semantics on gVisor."""
+                                                isolation_all: str) -> None:
+    """The same workspace semantics on every tier: the host tiers share the layers; the microVM
+    tier's workspace is a disk whose seal is a qcow2 layer (its own code, the same contract)."""
+    isolation = isolation_all
     sb = Sandbox.create(home=home, isolation=isolation)
     sandboxes.append(sb)
     sh(sb, POPULATE)
