@@ -92,6 +92,7 @@ _RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_XDEV
 _SYS_OPENAT2 = 437
 _MS_NOSUID, _MS_NODEV, _MS_BIND = 0x2, 0x4, 0x1000
 _RNDADDENTROPY = 0x40085203
+_RNDRESEEDCRNG = 0x5207
 _BLKFLSBUF = 0x1261
 _FIFREEZE, _FITHAW = 0xC0045877, 0xC0045878
 
@@ -1748,10 +1749,14 @@ def _op_resume(agent: Agent, rid: int, request: Message) -> None:
     if not isinstance(hostname, str) or not 0 < len(hostname) <= 64:
         raise AgentError("protocol", "resume: 'hostname' must be 1..64 characters")
     # The restored kernel's pool is the snapshot's, shared by every sibling: mix in fresh bytes.
+    # Credited bytes only reach the input pool; the generator that getrandom() reads reseeds
+    # from it on its own schedule (seconds to a minute), so siblings would keep drawing the
+    # same stream until then. Force the reseed now.
     info = struct.pack("ii", len(seed) * 8, len(seed)) + seed
     try:
         with open("/dev/urandom", "wb", buffering=0) as f:
             fcntl.ioctl(f.fileno(), _RNDADDENTROPY, info)
+            fcntl.ioctl(f.fileno(), _RNDRESEEDCRNG)
     except OSError as exc:
         raise AgentError("io", f"cannot reseed the RNG: {exc.strerror}") from None
     if agent.config.strict:

@@ -127,10 +127,12 @@ CASES = [
                   "the victim's files")),
     Case("cred.victim-search", "credentials", "search the whole filesystem for another sandbox's "
          "secret", "not found",
-         _no_leak("timeout 20 find /tmp /var/tmp /home /srv /opt /var/lib / \\( -path /proc -o "
-                  "-path /sys -o -path /dev \\) -prune -o -type f \\( -name '*notes*' -o "
-                  "-name '*secret*' -o -name '*.env' \\) -size -1000k -print 2>/dev/null | "
-                  "head -2000 | "
+         # Corral's data directory first: on a busy host the rest of the tree can use up the
+         # time limit or the 2000 names before the search reaches the planted file.
+         _no_leak("timeout 20 find {home} /tmp /var/tmp /home /srv /opt /var/lib / "
+                  "\\( -path /proc -o -path /sys -o -path /dev \\) -prune -o -type f "
+                  "\\( -name '*notes*' -o -name '*secret*' -o -name '*.env' \\) "
+                  "-size -1000k -print 2>/dev/null | head -2000 | "
                   "xargs -r grep -hIs -m1 '{victim_secret}' 2>/dev/null | head -5; echo searched",
                   "a filesystem-wide search")),
     Case("cred.victim-proc", "credentials", "reach another sandbox through /proc (its root, "
