@@ -174,8 +174,7 @@ class Snapshots:
             # seconds of mostly one CPU, and each other tier's is a few processes' work.
             workers = min(count, max(2, os.cpu_count() or 1))
             with concurrent.futures.ThreadPoolExecutor(workers, "corral-fork") as pool:
-                futures = [pool.submit(child) for _ in range(count)]
-                concurrent.futures.wait(futures)
+                futures = [pool.submit(child) for _ in range(count)]  # all end with the pool
             children = [f.result() for f in futures if f.exception() is None]
             for future in futures:
                 if (failed := future.exception()) is not None:

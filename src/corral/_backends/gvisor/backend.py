@@ -228,8 +228,9 @@ class GvisorBackend(HostBackedBackend):
         rootfs = self._rootfs_for(template)
         self._create_host_pieces(spec)
         if self._resident_on:
-            self._resident_for(spec, self._ensure_runtime(spec), template, rootfs).prestart(
-                self._prestarts)
+            # The pieces were just made: only the workspace's path is wanted here.
+            self._resident_for(spec, self._store.ensure_mounted(spec), template,
+                               rootfs).prestart(self._prestarts)
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         launcher = self._ready()
@@ -461,11 +462,10 @@ class GvisorBackend(HostBackedBackend):
     def destroy(self, spec: SandboxSpec) -> None:
         # First: a resident still starting (ahead, from create) is waited for and stopped, so
         # it never makes its group inside a cgroup being removed.
-        self._close_resident(spec.id)
+        self._close_resident(spec.id, forget=True)
         super().destroy(spec)
 
     def _destroy_extra(self, spec: SandboxSpec) -> None:
-        self._close_resident(spec.id, forget=True)
         self._remove_runsc_leftovers(lambda sandbox_id: sandbox_id != spec.id)
 
     def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:
