@@ -77,6 +77,17 @@ class Settings(BaseSettings):
             a memory bomb then ends only its own command). ``CORRAL_GVISOR_RESIDENT``.
         gvisor_idle_s: how long a resident gVisor sandbox with nothing running is kept
             before it is stopped. ``CORRAL_GVISOR_IDLE_S``.
+        registries: the registries images may be pulled from (comma-separated hosts, with
+            ``:port`` if not the default; ``docker.io`` covers Docker Hub's names; ``*`` any).
+            A registry on loopback is spoken to over plain HTTP, every other one over verified
+            TLS. ``CORRAL_REGISTRIES``.
+        registries_require_digest: only digest-pinned references (``name@sha256:...``).
+            ``CORRAL_REGISTRIES_REQUIRE_DIGEST``.
+        registry_auth_file: registry credentials (a ``containers-auth.json``, as ``skopeo
+            login`` writes it); read on the host by the pull, never given to a sandbox.
+            ``CORRAL_REGISTRY_AUTH_FILE``.
+        image_max_bytes: the most an image may unpack to (file content, all layers).
+        image_pull_timeout_s: how long one image pull may take.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -107,6 +118,11 @@ class Settings(BaseSettings):
     microvm_warm: bool = True
     gvisor_resident: bool = True
     gvisor_idle_s: float = Field(default=10.0, gt=0, le=3600)
+    registries: str = "docker.io,ghcr.io,quay.io"
+    registries_require_digest: bool = False
+    registry_auth_file: Path | None = None
+    image_max_bytes: int = Field(default=16 * 2**30, ge=2**20)
+    image_pull_timeout_s: float = Field(default=1800.0, gt=0)
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

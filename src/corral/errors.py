@@ -25,8 +25,10 @@ The tree::
     │   └── FileNotFound
     ├── BackendError           the isolation backend failed
     │   └── BackendUnavailable a kernel feature or host tool is missing
+    ├── ImageError             an image could not be pulled or is refused as unsafe
     ├── PolicyError
     │   ├── CeilingExceeded    beyond what the operator lets this tenant ever ask for
+    │   ├── ImageRefused       an image from a registry or in a form the operator does not allow
     │   └── QuotaExceeded      a tenant or sandbox limit: no free uid, too many sandboxes, ...
     │       └── TooLarge       a request body or file over its size limit
     └── TransportError         the remote SDK could not reach the service
@@ -51,6 +53,8 @@ __all__ = [
     "FileError",
     "FileNotFound",
     "HostRefused",
+    "ImageError",
+    "ImageRefused",
     "InterpreterUnavailable",
     "OriginRefused",
     "PathRefused",
@@ -172,8 +176,24 @@ class BackendUnavailable(BackendError):
     status = 503
 
 
+class ImageError(CorralError):
+    """An image that could not be fetched (unreachable, unknown, digest mismatch) or whose
+    content is refused (a layer escaping its root, an unknown format); nothing of it is kept."""
+
+    code = "image_error"
+    status = 422
+
+
 class PolicyError(CorralError):
     code = "policy_error"
+    status = 403
+
+
+class ImageRefused(PolicyError):
+    """The operator's supply-chain policy refuses the image (a registry not on the allowlist,
+    a reference without a digest); the message names the setting."""
+
+    code = "image_refused"
     status = 403
 
 

@@ -166,6 +166,10 @@ class SandboxInfo(_Public):
                                   "snapshot or fork, microvm tier), as named in the audit "
                                   "trail, while its workspace is still that image's; null for "
                                   "one that booted or was sealed or restored since.")
+    template_version: str | None = Field(
+        default=None, description="The exact build of its template it runs on: an image's "
+                                  "manifest digest (sha256:...), or a Debian template build's "
+                                  "spec hash; null for base.")
 
 
 class SnapshotInfo(_Public):

@@ -41,6 +41,16 @@ def _command_from(args: Sequence[str]) -> str | list[str]:
     return args[0] if len(args) == 1 else list(args)
 
 
+def _image_command(ctx: click.Context, sb: Sandbox) -> list[str]:
+    """The image's Entrypoint + Cmd, for `corral run --image REF` without a command."""
+    from .._control.commands import image_config
+
+    config = image_config(ctx.obj["settings"].home / "templates", sb.get_info().template)
+    if config is None or not config.argv:
+        raise click.UsageError("the image names no Entrypoint or Cmd; put a command after --")
+    return config.argv
+
+
 def _run_and_report(
     sb: Sandbox, command: str | list[str], *, timeout: float | None, env: dict[str, str],
     cwd: str | None, forward_stdin: bool, as_json: bool, context: dict[str, str],
@@ -153,8 +163,9 @@ def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[st
 @click.pass_context
 @handle_errors
 def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[str, ...],
-        secret_names: tuple[str, ...], template: str | None, isolation: str | None,
-        snapshot_ref: str | None, timeout: float | None, env: tuple[str, ...],
+        secret_names: tuple[str, ...], template: str | None, image: str | None,
+        isolation: str | None, snapshot_ref: str | None, timeout: float | None,
+        env: tuple[str, ...],
         cwd: str | None, forward_stdin: bool, binary: bool, context: tuple[str, ...],
         as_json: bool, command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
@@ -169,12 +180,15 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
       corral run --allow pypi.org -- pip download requests
       corral run --stdin -- python3 - < script.py
       corral run --json -- ls -la      {exit_code, stdout, stderr, timed_out, usage, ...}
+      corral run --image 127.0.0.1:5000/tools:1      the image's entrypoint and command
     """
-    cmd = _command_from(command)
+    cmd = _command_from(command) if command or image is None else None
     variables = parse_pairs(env)
     with sdk().create(template, resources=resources, network=_network(allow, deny),
                         secrets=list(secret_names), isolation=isolation,
-                        snapshot=snapshot_ref, home=home_of(ctx)) as sb:
+                        snapshot=snapshot_ref, image=image, home=home_of(ctx)) as sb:
+        if cmd is None:
+            cmd = _image_command(ctx, sb)
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
                         forward_stdin=forward_stdin, as_json=as_json,
                         context=parse_pairs(context, "--context"), binary=binary)
@@ -193,8 +207,8 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
 @handle_errors
 def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
            allow: tuple[str, ...], deny: tuple[str, ...], secret_names: tuple[str, ...],
-           template: str | None, isolation: str | None, snapshot_ref: str | None,
-           as_json: bool) -> None:
+           template: str | None, image: str | None, isolation: str | None,
+           snapshot_ref: str | None, as_json: bool) -> None:
     """Create a sandbox and print its id (--json: the sandbox, as `corral info --json`).
 
     It lives until `corral rm ID` or its lifetime (--ttl) ends.
@@ -206,7 +220,8 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
     label_map = parse_pairs(labels, "--label")
     sb = sdk().create(template, resources=resources, timeout=ttl, labels=label_map,
                         network=_network(allow, deny), secrets=list(secret_names),
-                        isolation=isolation, snapshot=snapshot_ref, home=home_of(ctx))
+                        isolation=isolation, snapshot=snapshot_ref, image=image,
+                        home=home_of(ctx))
     if as_json:
         emit_json(_info_json(sb.get_info()))
     else:
@@ -282,7 +297,7 @@ def info_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
         emit_json(_info_json(info))
     else:
         for key, value in _info_json(info).items():
-            click.echo(f"{key:12} {value}")
+            click.echo(f"{key:16} {value}")
 
 
 @click.command(name="pause")

@@ -23,11 +23,14 @@ __all__ = ["fork", "restore", "snapshot", "snapshots", "start_options"]
 
 
 def start_options(fn: F) -> F:
-    """--template, --isolation and --snapshot, shared by `run` and `create`."""
+    """--template, --image, --isolation and --snapshot, shared by `run` and `create`."""
     for decorator in reversed([
         click.option("--template", default=None, metavar="NAME",
                      help="Root filesystem: base (default), or one built with "
                           "`corral templates build` (python, node, ...)."),
+        click.option("--image", default=None, metavar="REF",
+                     help="Root filesystem from an image instead ([host/]path[:tag][@sha256:"
+                          "...], oci:/dir, docker-archive:/file.tar); pulled unless it was."),
         click.option("--isolation", type=click.Choice(list(BACKENDS)), default=None,
                      help="Isolation tier (default: the configured one, namespace unless set); "
                           "`corral doctor` says which this host supports."),

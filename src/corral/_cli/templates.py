@@ -154,7 +154,58 @@ def build(ctx: click.Context, name: str | None, spec_file: Path | None, as_json:
 
 
 def _row(build: BuiltTemplate) -> dict[str, Any]:
-    return {"kind": "built", **build.to_dict()}
+    return {"kind": "image" if build.image is not None else "built", **build.to_dict()}
+
+
+@templates.command(name="pull")
+@click.argument("reference")
+@click.option("--name", "-n", default=None,
+              help="Make it template NAME (default: img-<digest>, which never moves); a later "
+                   "pull of another image with the same NAME makes that one current.")
+@json_option
+@click.pass_context
+@handle_errors
+def pull(ctx: click.Context, reference: str, name: str | None, as_json: bool) -> None:
+    """Pull an image and make it a template.
+
+    \b
+    REFERENCE is one of
+      [host[:port]/]path[:tag][@sha256:...]   from a registry on CORRAL_REGISTRIES
+      oci:/path/to/layout[:tag]               an OCI image layout on this host
+      docker-archive:/path/to/image.tar       a `docker save` tarball on this host
+
+    Layers are unpacked once and shared between images; nothing of an image is trusted:
+    paths that leave the root, device nodes, setuid bits and file owners are refused or
+    cleared. Sandboxes of the template get the image's Env and WorkingDir.
+    """
+    from .._images.pull import pull_image
+
+    settings = ctx.obj["settings"]
+    console = Console(stderr=True)
+    try:
+        with _terminate_as_interrupt(), _Progress(console, live=not as_json) as progress:
+            result = pull_image(reference, settings, name=name, allow_local=True,
+                                on_progress=None if as_json else
+                                (lambda line: progress(f"I: {line}")))
+    except KeyboardInterrupt:
+        message = f"pulling {reference[:80]!r} was interrupted; nothing was kept"
+        if as_json:
+            click.echo(json.dumps({"code": "interrupted", "message": message}), err=True)
+        else:
+            click.secho(f"corral: {message}", err=True, fg="red")
+        sys.exit(EXIT_INTERRUPTED)
+    built = result.template
+    if as_json:
+        emit_json({**_row(built), "reference": result.reference, "digest": result.digest,
+                   "cached": result.cached, "layers_reused": result.layers_reused,
+                   "layers_unpacked": result.layers_unpacked,
+                   "duration_s": round(result.duration_s, 3)})
+    elif result.cached:
+        click.echo(f"{built.name}: already {result.reference}; nothing fetched")
+    else:
+        click.echo(f"{built.name}: {result.reference} in {result.duration_s:.1f} s "
+                   f"({result.layers_unpacked} layers unpacked, {result.layers_reused} "
+                   f"reused, {_mib(built.size_bytes)})")
 
 
 @templates.command(name="ls")
@@ -171,12 +222,15 @@ def ls(ctx: click.Context, as_json: bool) -> None:
             "current": True}
         emit_json([base, *(_row(b) for b in builds)])
         return
-    click.echo(f"{'NAME':<12} {'HASH':<17} {'SIZE':>9}  {'BUILT':<19}  PACKAGES")
-    click.echo(f"{'base':<12} {'-':<17} {'-':>9}  {'-':<19}  (the host's system)")
+    width = max([12, *(len(b.name) for b in builds)])
+    click.echo(f"{'NAME':<{width}} {'VERSION':<17} {'SIZE':>9}  {'BUILT':<19}  CONTENT")
+    click.echo(f"{'base':<{width}} {'-':<17} {'-':>9}  {'-':<19}  (the host's system)")
     for b in builds:
         mark = "*" if b.current else " "
-        click.echo(f"{b.name:<12} {b.hash + mark:<17} {_mib(b.size_bytes):>9}  "
-                   f"{_when(b.built_at):<19}  {' '.join(b.packages)}")
+        content = (f"image {b.image.get('reference')}" if b.image is not None
+                   else " ".join(b.packages))
+        click.echo(f"{b.name:<{width}} {b.hash + mark:<17} {_mib(b.size_bytes):>9}  "
+                   f"{_when(b.built_at):<19}  {content}")
     missing = [n for n in BUILTIN_SPECS if not any(b.name == n for b in builds)]
     if missing:
         click.echo(f"not built yet: {', '.join(missing)} "

@@ -7,15 +7,21 @@ nothing here knows about them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import logging
+import os
 import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
 from .._core.resources import get_tier
+from .._images.config import ImageConfig
 from ..backends import ExecRequest, OutputCallback, ProcessIO
 from ..errors import CommandError, CommandNotFound, FileError, FileNotFound, SandboxBusy
 from ..models import CommandResult, ResourceTier
@@ -143,6 +149,9 @@ class Commands:
         command = validate.command(cmd, cwd, envs, stdin)
         validate.context(context)
         info = self._sandboxes.get(sandbox_id)
+        image = image_config(self._sandboxes.templates_dir, info.template)
+        if image is not None:
+            command = _with_image(command, image, cwd_given=cwd is not None)
         if info.state == "paused":
             raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to run commands")
         self._ready()
@@ -151,7 +160,7 @@ class Commands:
             limit = info.expires_at - time.time()
         else:
             limit = validate.command_timeout(timeout, tier)
-        if command.cwd != "/workspace":
+        if command.cwd != "/workspace" and (image is None or command.cwd != image.working_dir):
             self._check_cwd(info, validate.workspace_path(command.cwd))
         self._admission.admit(caller)
         return command, info, tier, limit
@@ -177,3 +186,42 @@ class Commands:
         if not self._sandboxes.backend(info).kill_command(self._sandboxes.spec(info),
                                                           command_id):
             raise CommandNotFound(f"command {command_id} is not running in {sandbox_id}")
+
+
+# Corral's own for the sandbox user (home is the workspace); an image's values would point a
+# command at directories it cannot write.
+_SANDBOX_IDENTITY = frozenset({"HOME", "USER", "LOGNAME"})
+
+
+def _with_image(command: validate.Command, image: ImageConfig, *,
+                cwd_given: bool) -> validate.Command:
+    """The image's environment under the caller's, and its working directory unless the caller
+    chose one (Docker's rules; the user is always the sandbox user)."""
+    env = {k: v for k, v in image.env.items() if k not in _SANDBOX_IDENTITY}
+    cwd = command.cwd if cwd_given or image.working_dir is None else image.working_dir
+    argv = command.argv
+    if argv[:2] == ["/bin/bash", "-c"] and len(argv) == 3 and image.shell != "/bin/bash":
+        argv = [image.shell, "-c", argv[2]]
+    return dataclasses.replace(command, argv=argv, env={**env, **command.env}, cwd=cwd)
+
+
+def image_config(templates_dir: Path, template: str) -> ImageConfig | None:
+    """The image config of template ``template``'s current build (None if it is no image)."""
+    try:
+        pointer = os.readlink(templates_dir / f"{template}.current")
+    except OSError:
+        return None
+    return _image_config(templates_dir, pointer)
+
+
+@functools.lru_cache(maxsize=256)
+def _image_config(templates_dir: Path, build: str) -> ImageConfig | None:
+    # Keyed by the build's directory, which never changes once made.
+    try:
+        meta = json.loads((templates_dir / build / "template.json").read_text())
+    except (OSError, ValueError):
+        return None
+    image = meta.get("image") if isinstance(meta, dict) else None
+    if not isinstance(image, dict):
+        return None
+    return ImageConfig.from_dict(image.get("config") or {})

@@ -132,7 +132,8 @@ class Manager:
         secrets: Sequence[str] | None = None, tenant: str | None = None,
         max_for_tenant: int | None = None, idle_timeout: float | None = None,
         isolation: str | None = None, snapshot: str | None = None,
-        caller: Tenant | None = None,
+        caller: Tenant | None = None, image: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
     ) -> SandboxInfo:
         """Create a sandbox; from ``snapshot`` (id or name), its workspace starts as the
         snapshot's and its template defaults to the snapshot's.
@@ -140,12 +141,13 @@ class Manager:
         ``caller`` is who asks (default: the operator): its tiers and sandbox quota apply,
         and its ceiling (over the server default) bounds template, isolation, tier, hosts,
         secrets and lifetime (``CeilingExceeded`` beyond it). ``tenant`` is the owner
-        (default: the caller)."""
+        (default: the caller). ``image``: an image reference instead of a template, pulled
+        first unless it already was (``on_progress`` hears how that goes)."""
         return self.sandboxes.create(
             template=template, resources=resources, timeout=timeout, labels=labels,
             network=network, secrets=secrets, tenant=tenant, max_for_tenant=max_for_tenant,
             idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot,
-            caller=caller).public()
+            caller=caller, image=image, on_progress=on_progress).public()
 
     def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxInfo:
         """The sandbox; with ``tenant``, only if it belongs to that tenant (else not found)."""

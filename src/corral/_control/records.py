@@ -34,6 +34,8 @@ class SandboxRecord:
     # The memory image it resumed from (a memory snapshot or fork) while its workspace is
     # still that image's; cleared when the workspace is sealed or restored to a disk snapshot.
     memory_image: str | None = None
+    # The exact build it runs on: a Debian build's spec hash, or an image's manifest digest.
+    template_version: str | None = None
 
     def public(self) -> SandboxInfo:
         return SandboxInfo(
@@ -41,4 +43,4 @@ class SandboxRecord:
             created_at=self.created_at, expires_at=self.expires_at, labels=self.labels,
             network=self.network, secrets=sorted(self.secrets),
             idle_timeout=self.idle_timeout, isolation=self.isolation, layer=self.layer,
-            memory_image=self.memory_image)
+            memory_image=self.memory_image, template_version=self.template_version)

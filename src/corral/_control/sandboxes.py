@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._audit.auditor import Auditor
-from .._backends._linux.template import require_template
+from .._backends._linux.template import template_version
 from .._core.resources import get_tier
+from .._images.pull import pull_image
 from .._settings import Settings
 from ..backends import IsolationBackend, SandboxSpec
 from ..errors import (
@@ -27,6 +28,7 @@ from ..errors import (
     SandboxExpired,
     SandboxNotFound,
     SnapshotNotFound,
+    UsageError,
 )
 from ..models import SnapshotInfo
 from . import validate
@@ -67,6 +69,7 @@ class Sandboxes:
                  auditor: Auditor, egress: EgressBroker, admission: Admission, layers: Layers,
                  locks: WorkspaceLocks, ready: Callable[[], None]) -> None:
         self._settings = settings
+        self.templates_dir = settings.home / "templates"
         self._store = store
         self._backends = backends
         self._auditor = auditor
@@ -105,11 +108,23 @@ class Sandboxes:
         idle_timeout: float | None, isolation: str | None, snapshot: str | None,
         caller: Tenant | None, parent_layer: str | None = None,
         origin: Mapping[str, Any] | None = None, memory_image: str | None = None,
+        image: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
     ) -> SandboxRecord:
         """A running sandbox (see ``Manager.create``). A fork passes ``parent_layer``, the
         sealed workspace it starts from (and ``memory_image``, the memory it resumes, for a
-        memory fork), and ``origin``, added to its ``sandbox.created`` event."""
+        memory fork), and ``origin``, added to its ``sandbox.created`` event. ``image``: an
+        image reference, pulled first unless already (``corral._images``)."""
         tier = get_tier(resources)
+        pulled = None
+        if image is not None:
+            if template is not None or snapshot is not None:
+                raise UsageError("give an image, a template or a snapshot to start from, not "
+                                 "two of them")
+            # Only the host's operator (in-process, no caller) may name images on the host.
+            pulled = pull_image(image, self._settings, allow_local=caller is None,
+                                on_progress=on_progress)
+            template = pulled.template.name
         if tenant is None:
             tenant = caller.name if caller is not None else "local"
         if caller is not None and not caller.is_local:
@@ -128,13 +143,13 @@ class Sandboxes:
             memory_image = self._store.snapshot_memory_image(snap.id)
             template = snap.template if template is None else template
             origin = {"snapshot": snapshot, "layer": layer, **(origin or {})}
-        image = None if memory_image is None else self._store.memory_image(memory_image)
+        memory = None if memory_image is None else self._store.memory_image(memory_image)
         if memory_image is not None:
-            if image is None:
+            if memory is None:
                 raise SnapshotNotFound(f"memory image {memory_image} is gone; take the "
                                        "snapshot again")
             # A memory image is a running machine: it resumes only on the tier that made it.
-            isolation = image["isolation"] if asked_isolation is None else isolation
+            isolation = memory["isolation"] if asked_isolation is None else isolation
             origin = {**(origin or {}), "memory_image": memory_image}
         template = "base" if template is None else template
         policy = policy_from(network)
@@ -150,21 +165,22 @@ class Sandboxes:
         check_ceiling(ceiling, tenant=caller.name if caller else tenant, template=template,
                       isolation=isolation, resources=resources, network=policy,
                       secrets=names, lifetime_s=ttl)
-        if image is not None:  # before loading a tier it could never resume on
-            check_resumable(image, snapshot=snapshot or str(memory_image), template=template,
+        if memory is not None:  # before loading a tier it could never resume on
+            check_resumable(memory, snapshot=snapshot or str(memory_image), template=template,
                             resources=resources, isolation=isolation)
         backend = self._backends.get(isolation)
-        if image is not None:
+        if memory is not None:
             capable(backend, "starting from a memory snapshot")
         clean_labels = validate.labels(labels)
         self._ready()
-        require_template(template, self._settings.home / "templates")
+        version = template_version(template, self.templates_dir)
         info = self._store.insert(
             sandbox_id=new_id(), template=template, resources=resources, ttl_s=ttl,
             labels=clean_labels, allocate_uid=backend.allocate_uid,
             network=policy.to_json(), secrets=placeholders,
             tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
             isolation=isolation, layer=layer, memory_image=memory_image,
+            template_version=version,
         )
         try:
             backend.create(self.spec(info))
@@ -174,7 +190,9 @@ class Sandboxes:
         self._store.set_state(info.id, "running")
         info = dataclasses.replace(info, state="running")
         self._auditor.event(info.id, "sandbox.created", {
-            "template": template, "resources": resources, "uid": info.uid,
+            "template": template, "template_version": version,
+            **({"image": pulled.reference} if pulled is not None else {}),
+            "resources": resources, "uid": info.uid,
             "expires_at": info.expires_at, "labels": clean_labels, "limits": tier.to_dict(),
             "backend": backend.name, "isolation": isolation, "network": policy.to_json(),
             "secrets": sorted(placeholders), "tenant": tenant, **(origin or {}),

@@ -98,6 +98,7 @@ def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
         tenant=row["tenant"], idle_timeout=row["idle_timeout"],
         last_active=row["last_active"] or row["created_at"],
         isolation=row["isolation"], layer=row["layer"], memory_image=row["memory_image"],
+        template_version=row["template_version"],
     )
 
 
@@ -136,6 +137,8 @@ class Store:
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN layer TEXT")
         if "memory_image" not in columns:
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN memory_image TEXT")
+        if "template_version" not in columns:  # a store made before it was recorded
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN template_version TEXT")
         if "memory_image" not in {r[1] for r in self._db.execute("PRAGMA table_info(snapshots)")}:
             # A store made before memory snapshots: every snapshot in it is a disk snapshot.
             self._db.execute("ALTER TABLE snapshots ADD COLUMN memory_image TEXT")
@@ -170,6 +173,7 @@ class Store:
         tenant: str = "local", max_for_tenant: int | None = None,
         idle_timeout: float | None = None, isolation: str = "namespace",
         layer: str | None = None, memory_image: str | None = None,
+        template_version: str | None = None,
     ) -> SandboxRecord:
         """Insert a sandbox in state ``creating``; its uid is what the tier's ``allocate_uid``
         picks among the ones not recorded here, inside the insert's transaction.
@@ -190,11 +194,11 @@ class Store:
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
                 "expires_at, labels, network, secrets, tenant, idle_timeout, last_active, "
-                "isolation, layer, memory_image) "
-                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "isolation, layer, memory_image, template_version) "
+                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
                  json.dumps(network or {}), json.dumps(secrets or {}), tenant, idle_timeout,
-                 now, isolation, layer, memory_image),
+                 now, isolation, layer, memory_image, template_version),
             )
         info = self.get(sandbox_id)
         assert info is not None

@@ -42,11 +42,11 @@ class EmbeddedTransport:
     def create(self, *, template: str | None, resources: str, timeout: float | None,
                labels: Mapping[str, str] | None, network: Any, secrets: Sequence[str] | None,
                idle_timeout: float | None, isolation: str | None,
-               snapshot: str | None) -> SandboxInfo:
+               snapshot: str | None, image: str | None = None) -> SandboxInfo:
         return self.manager.create(template=template, resources=resources, timeout=timeout,
                                    labels=labels, network=network, secrets=secrets,
                                    idle_timeout=idle_timeout, isolation=isolation,
-                                   snapshot=snapshot, caller=self.caller)
+                                   snapshot=snapshot, caller=self.caller, image=image)
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         return self.manager.get(sandbox_id)

@@ -211,14 +211,15 @@ def encodable(kwargs: Mapping[str, Any]) -> Iterator[None]:
 def create_body(*, template: str | None, resources: str, timeout: float | None,
                 labels: Mapping[str, str] | None, network: Any,
                 secrets: Sequence[str] | None, idle_timeout: float | None = None,
-                isolation: str | None = None, snapshot: str | None = None) -> dict[str, Any]:
+                isolation: str | None = None, snapshot: str | None = None,
+                image: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"resources": resources, "timeout": timeout,
                             "labels": dict(labels or {}), "network": network or "none",
                             "secrets": list(secrets or []), "idle_timeout": idle_timeout}
     # Sent only when chosen, so a plain create still works against a server that predates them
     # (it refuses unknown fields); the server picks the defaults (base, or the snapshot's).
     for key, value in (("template", template), ("isolation", isolation),
-                       ("snapshot", snapshot)):
+                       ("snapshot", snapshot), ("image", image)):
         if value is not None:
             body[key] = value
     return body

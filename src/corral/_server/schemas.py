@@ -97,6 +97,11 @@ class CreateSandbox(_Strict):
                                   "says which this host supports.")
     snapshot: _SnapshotRef | None = Field(
         default=None, description="Start from this snapshot's workspace (id or name).")
+    image: str | None = Field(
+        default=None, min_length=1, max_length=1024,
+        description="An image reference instead of a template ([host/]path[:tag][@sha256:...])"
+                    ", from a registry the operator allows; pulled first unless it already "
+                    "was.")
 
 
 class TakeSnapshot(_Strict):

@@ -58,10 +58,17 @@ class BuiltTemplate:
     installed_packages: int
     spec: dict[str, Any]
     current: bool = False
+    # A pulled image: its reference, manifest digest, layers and config (corral._images).
+    image: dict[str, Any] | None = None
 
     @property
     def root(self) -> Path:
         return self.path / "root"
+
+    @property
+    def version(self) -> str:
+        """What names this exact build: an image's manifest digest, else the spec hash."""
+        return str(self.image["digest"]) if self.image else self.hash
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +76,11 @@ class BuiltTemplate:
             "built_at": self.built_at, "build_s": round(self.build_s, 3),
             "size_bytes": self.size_bytes, "packages": list(self.packages),
             "installed_packages": self.installed_packages, "current": self.current,
+            "version": self.version,
+            "image": None if self.image is None else {
+                "reference": self.image.get("reference"), "digest": self.image.get("digest"),
+                "layers": len(self.image.get("layers", ())),
+                "config": self.image.get("config")},
         }
 
 
@@ -88,6 +100,7 @@ def read_build(path: Path) -> BuiltTemplate | None:
             built_at=float(meta["built_at"]), build_s=float(meta["build_s"]),
             size_bytes=int(meta["size_bytes"]), packages=tuple(meta["spec"]["packages"]),
             installed_packages=int(meta.get("installed_packages", 0)), spec=meta["spec"],
+            image=meta.get("image") if isinstance(meta.get("image"), dict) else None,
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -19,21 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..._images.config import ImageConfig
 from ..._templates.builtin import BUILTIN_SPECS
 from ..._templates.catalog import BuiltTemplate, current_build, list_builds
 from ..._templates.spec import check_name
 from ...errors import UsageError
 
 __all__ = ["SANDBOX_GID", "SANDBOX_UID", "TEMPLATES", "BaseTemplate", "load_template",
-           "require_template"]
+           "executable_in_root", "require_template", "template_python", "template_version"]
 
 # The names a sandbox may ask for without a spec file: the host system and the built-in specs
 # (these still have to be built once, see require_template). Any built name works too.
@@ -74,6 +77,11 @@ _MASKED_PROC = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/kallsyms
 _SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # A built root is ours, so its /opt and /var (dpkg's database: `dpkg -l` works) come along.
 _BUILT_EXTRA_DIRS = ("opt", "var")
+# An image's root brings every top-level directory of its own (/app, /srv, /root...) except
+# these: the sandbox makes them itself (/etc is curated; /home/user and /workspace are the
+# workspace; /mnt is for mounts), or they are the kernel's.
+_IMAGE_SKIPPED_DIRS = frozenset({"etc", "proc", "sys", "dev", "tmp", "run", "home", "workspace",
+                                 "mnt", "lost+found", ".corral"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +94,8 @@ class BaseTemplate:
     # The whole built root filesystem (None for ``base``, whose root is the host's). Its /etc is
     # the unedited build: sandboxes must get ``etc`` instead.
     root: Path | None = None
+    image: ImageConfig | None = None  # a pulled image's environment, working directory, ...
+    version: str | None = None  # BuiltTemplate.version
 
 
 def _copy_host_etc(tmp: Path) -> None:
@@ -216,6 +226,12 @@ def require_template(name: str, templates_dir: Path) -> None:
         _current(name, templates_dir)
 
 
+def template_version(name: str, templates_dir: Path) -> str | None:
+    """The version of ``name`` a sandbox created now gets (``BuiltTemplate.version``; None for
+    ``base``, the host's own). Raises ``UsageError`` like ``require_template``."""
+    return None if name == "base" else _current(name, templates_dir).version
+
+
 def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = None) -> BaseTemplate:
     """Return the template ``name``, making its curated ``/etc`` on first use.
 
@@ -234,5 +250,66 @@ def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = No
     except FileNotFoundError:
         # Removed (`corral templates rm`) while we looked; never recreate its directory.
         raise _not_built(name, templates_dir) from None
-    return BaseTemplate(etc=etc, system=_system_of(build.root, _SYSTEM_DIRS + _BUILT_EXTRA_DIRS),
-                        masked_proc=masked, root=build.root)
+    if build.image is None:
+        return BaseTemplate(etc=etc,
+                            system=_system_of(build.root, _SYSTEM_DIRS + _BUILT_EXTRA_DIRS),
+                            masked_proc=masked, root=build.root, version=build.version)
+    top = sorted(n for n in os.listdir(build.root) if n not in _IMAGE_SKIPPED_DIRS)
+    return BaseTemplate(etc=etc, system=_system_of(build.root, tuple(top)), masked_proc=masked,
+                        root=build.root, version=build.version,
+                        image=ImageConfig.from_dict(build.image.get("config") or {}))
+
+
+_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
+
+
+def template_python(template: BaseTemplate) -> str | None:
+    """Where python3 is inside the template's root (None if it has none): helpers that run
+    inside a sandbox (the gVisor resident) need it, and an image may not have it."""
+    return _PYTHONS[0] if template.root is None else _python_in(template.root)
+
+
+@functools.lru_cache(maxsize=256)
+def _python_in(root: Path) -> str | None:
+    # A build's root never changes once made, so its answer holds.
+    for path in _PYTHONS:
+        if executable_in_root(root, path):
+            return path
+    return None
+
+
+def executable_in_root(root: Path, path: str, hops: int = 40) -> bool:
+    """Is ``path`` an executable file inside ``root``, its symlinks resolved within ``root``
+    (as they resolve inside the sandbox), never on the host?"""
+    parts = [p for p in path.split("/") if p]
+    resolved: list[str] = []
+    while parts and hops > 0:
+        part = parts.pop(0)
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        if part == ".":
+            continue
+        here = root.joinpath(*resolved, part)
+        try:
+            st = os.lstat(here)
+        except OSError:
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            hops -= 1
+            target = os.readlink(here)
+            if target.startswith("/"):
+                resolved = []
+            parts = [p for p in target.split("/") if p] + parts
+            continue
+        resolved.append(part)
+        if parts and not stat.S_ISDIR(st.st_mode):
+            return False
+    if parts:
+        return False
+    try:
+        st = os.lstat(root.joinpath(*resolved))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and bool(st.st_mode & 0o111)

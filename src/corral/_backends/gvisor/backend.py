@@ -114,7 +114,7 @@ from .._linux.host import HostBackedBackend
 from .._linux.notfound import exec_failure
 from .._linux.process_io import OutputStream
 from .._linux.supervise import TIMEOUT_EXIT_CODE
-from .._linux.template import BaseTemplate
+from .._linux.template import BaseTemplate, template_python
 from .bundle import build_config, ensure_rootfs, runtime_uid
 from .hostcheck import check_host, gvisor_dir
 from .launcher import _SHIM, GvisorLauncher, Launch, reap_orphans
@@ -227,7 +227,7 @@ class GvisorBackend(HostBackedBackend):
         template = self._template(spec.template)
         rootfs = self._rootfs_for(template)
         self._create_host_pieces(spec)
-        if self._resident_on:
+        if self._resident_fits(template):
             # The pieces were just made: only the workspace's path is wanted here.
             self._resident_for(spec, self._store.ensure_mounted(spec), template,
                                rootfs).prestart(self._prestarts)
@@ -242,7 +242,7 @@ class GvisorBackend(HostBackedBackend):
         env = self._command_env(spec, request)
         if any("\0" in item for pair in env.items() for item in pair):
             raise CommandError("environment names and values may not contain NUL bytes")
-        if self._resident_on and request.pty is None:
+        if request.pty is None and self._resident_fits(template):
             return self._exec_resident(spec, request, env, workspace, template, rootfs)
         # runsc creates a missing working directory (as the runtime uid); the control plane has
         # checked that it exists, so only a concurrent command removing it in between can leave
@@ -259,6 +259,11 @@ class GvisorBackend(HostBackedBackend):
         ))
 
     # -- the resident sandbox (Settings.gvisor_resident) ----------------------------------------
+
+    def _resident_fits(self, template: BaseTemplate) -> bool:
+        # The helper inside is Python: a root without python3 (an image) runs each command in
+        # a gVisor sandbox of its own instead.
+        return self._resident_on and template_python(template) is not None
 
     def _resident_group(self) -> str:
         # Named like a command's group (c.<owner>.<name>): a crashed owner's is swept as one,
@@ -288,7 +293,9 @@ class GvisorBackend(HostBackedBackend):
                     netns=self._netns_path(spec.id), uid=spec.uid, argv=["true"],
                     cwd="/workspace", env={}, tmp_bytes=spec.tier.tmp_bytes,
                     pids=spec.tier.pids, terminal=False)
-                holder = OnDemand(lambda: self._start_resident(spec, config),
+                python = template_python(template)
+                assert python is not None  # callers check _resident_fits first
+                holder = OnDemand(lambda: self._start_resident(spec, config, python),
                                   self._settings.gvisor_idle_s)
                 self._residents[spec.id] = (holder, identity)
         if stale is not None:
@@ -356,7 +363,8 @@ class GvisorBackend(HostBackedBackend):
                 return True
         return False
 
-    def _start_resident(self, spec: SandboxSpec, config: dict[str, Any]) -> Resident:
+    def _start_resident(self, spec: SandboxSpec, config: dict[str, Any],
+                        python: str) -> Resident:
         """Start the resident sandbox in its own group of the sandbox's cgroup, placed there
         before runsc runs (the FIFO shim, as ``launcher`` does for a command)."""
         launcher = self._ready()
@@ -397,7 +405,8 @@ class GvisorBackend(HostBackedBackend):
 
         try:
             return Resident(launcher.runsc, bundle, container_id, config,
-                            ensure_launcher(self._dir), spawn, on_close=closed, group=group)
+                            ensure_launcher(self._dir), spawn, on_close=closed, group=group,
+                            python=python)
         except BaseException:
             closed()
             raise

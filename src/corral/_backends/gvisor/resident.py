@@ -88,7 +88,8 @@ def ensure_launcher(parent: Path) -> Path:
     return dest
 
 
-def helper_config(command_config: Mapping[str, Any], launcher: Path) -> dict[str, Any]:
+def helper_config(command_config: Mapping[str, Any], launcher: Path,
+                  python: str = "python3") -> dict[str, Any]:
     """The resident sandbox's spec: a command's spec (``bundle.build_config``) whose process is
     the helper, as root inside with ``_HELPER_CAPS``, and ``launcher`` (``ensure_launcher``)
     at ``/.corral``. The OCI seccomp profile is dropped: it would forbid the launcher's
@@ -98,7 +99,7 @@ def helper_config(command_config: Mapping[str, Any], launcher: Path) -> dict[str
     config["mounts"].append({"destination": "/.corral", "type": "bind", "source": str(launcher),
                              "options": ["bind", "ro", "nosuid", "nodev"]})
     process = config["process"]
-    process["args"] = ["python3", "-I", "-S", "-c", _HELPER_SOURCE]
+    process["args"] = [python, "-I", "-S", "-c", _HELPER_SOURCE]
     process["env"] = ["PATH=/usr/bin:/bin"]
     process["cwd"] = "/"
     process["user"] = {"uid": 0, "gid": 0}
@@ -173,13 +174,14 @@ class Resident:
     def __init__(self, runsc: Runsc, bundle: Path, container_id: str,
                  config: Mapping[str, Any], launcher: Path,
                  spawn: Callable[[list[str]], subprocess.Popen[bytes]],
-                 on_close: Callable[[], None] | None = None, group: str = "") -> None:
+                 on_close: Callable[[], None] | None = None, group: str = "",
+                 python: str = "python3") -> None:
         self.group = group
         self._on_close = on_close
         self._runsc = runsc
         self._bundle = bundle
         self._container_id = container_id
-        write_config(bundle, helper_config(config, launcher))
+        write_config(bundle, helper_config(config, launcher, python))
         argv = ["setpriv", "--pdeathsig", "KILL", "--",
                 *runsc.run_argv(bundle=bundle, container_id=container_id)]
         self._proc = spawn(argv)

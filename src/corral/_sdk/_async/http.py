@@ -84,11 +84,12 @@ class AsyncHTTPTransport:
     async def create(self, *, template: str | None, resources: str, timeout: float | None,
                      labels: Mapping[str, str] | None, network: Any,
                      secrets: Sequence[str] | None, idle_timeout: float | None,
-                     isolation: str | None, snapshot: str | None) -> SandboxInfo:
+                     isolation: str | None, snapshot: str | None,
+                     image: str | None = None) -> SandboxInfo:
         body = _wire.create_body(template=template, resources=resources, timeout=timeout,
                                  labels=labels, network=network, secrets=secrets,
                                  idle_timeout=idle_timeout, isolation=isolation,
-                                 snapshot=snapshot)
+                                 snapshot=snapshot, image=image)
         return _wire.sandbox_info(await self._json("POST", "/v1/sandboxes", json=body))
 
     async def get(self, sandbox_id: str) -> SandboxInfo:

@@ -380,6 +380,7 @@ class Sandbox:
         idle_timeout: float | None = None,
         isolation: str | None = None,
         snapshot: str | SnapshotInfo | None = None,
+        image: str | None = None,
         home: str | Path | None = None,
         url: str | None = None,
         api_key: str | None = None,
@@ -407,6 +408,10 @@ class Sandbox:
                 user-space kernel between the code and the host; ``corral doctor`` says which
                 tiers this host supports).
             snapshot: start from this snapshot's workspace (a ``SnapshotInfo``, id or name).
+            image: start from an image instead of a template: ``[host/]path[:tag][@sha256:...]``
+                from a registry the operator allows (``CORRAL_REGISTRIES``); embedded, also
+                ``oci:/path[:tag]`` or ``docker-archive:/path.tar``. Pulled first unless it
+                already was; its environment and working directory apply to commands.
             home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
             url: a Corral service to use (default ``CORRAL_URL``; embedded when unset).
             api_key: its API key (default ``CORRAL_API_KEY``).
@@ -425,7 +430,7 @@ class Sandbox:
                                        timeout=timeout, labels=labels, network=network,
                                        secrets=secrets, idle_timeout=idle_timeout,
                                        isolation=isolation,
-                                       snapshot=_wire.snapshot_ref(snapshot))
+                                       snapshot=_wire.snapshot_ref(snapshot), image=image)
         except BaseException:
             if transport is None:  # one passed in stays its owner's to close
                 opened.close()

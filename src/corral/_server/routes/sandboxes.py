@@ -23,7 +23,8 @@ def create_sandbox(body: CreateSandbox, who: TenantDep, manager: ManagerDep) -> 
                           timeout=body.timeout, labels=body.labels, network=network,
                           secrets=body.secrets, caller=who,
                           idle_timeout=body.idle_timeout,
-                          isolation=body.isolation, snapshot=body.snapshot)
+                          isolation=body.isolation, snapshot=body.snapshot,
+                          image=body.image)
     return (info)
 
 
