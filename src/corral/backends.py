@@ -131,6 +131,10 @@ class ExecRequest:
     # A terminal of (rows, cols): stdin, stdout and stderr are one PTY (output is "stdout").
     pty: tuple[int, int] | None = None
     on_start: Callable[[ProcessIO], None] | None = None
+    # An image build's step (corral._images.build): this host directory, owned by the
+    # sandbox's uid, is the command's whole root, writable, and the command is root in its
+    # user namespace (still that uid on the host, without capabilities). Namespace tier only.
+    build_root: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,12 +121,29 @@ def _when(ts: float) -> str:
 @click.option("--file", "-f", "spec_file", type=click.Path(path_type=Path, dir_okay=False),
               default=None, help="Build from a spec file (.toml or .json); NAME overrides its "
                                  "name.")
+@click.option("--dockerfile", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              default=None, help="Build NAME from a Dockerfile instead (one stage; every RUN "
+                                 "runs in a Corral sandbox).")
+@click.option("--context", "context_dir",
+              type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="COPY/ADD sources come from here (default: the Dockerfile's directory).")
+@click.option("--build-arg", "build_args", multiple=True, metavar="NAME=VALUE",
+              help="Set an ARG (repeatable).")
+@click.option("--allow", "allow", multiple=True, metavar="HOST",
+              help="Hosts RUN steps may reach through the egress gateway (default: none).")
 @json_option
 @click.pass_context
 @handle_errors
-def build(ctx: click.Context, name: str | None, spec_file: Path | None, as_json: bool) -> None:
-    """Build template NAME (python, node) or one from --file; reuses an existing build of the
-    same spec."""
+def build(ctx: click.Context, name: str | None, spec_file: Path | None,
+          dockerfile: Path | None, context_dir: Path | None, build_args: tuple[str, ...],
+          allow: tuple[str, ...], as_json: bool) -> None:
+    """Build template NAME (python, node, go) or one from --file or --dockerfile; reuses an
+    existing build of the same input (each Dockerfile step is cached)."""
+    if dockerfile is not None:
+        _build_dockerfile(ctx, name, dockerfile, context_dir, build_args, allow, as_json)
+        return
+    if context_dir or build_args or allow:
+        raise errors.UsageError("--context, --build-arg and --allow go with --dockerfile")
     spec = _spec_from(name, spec_file)
     templates_dir: Path = ctx.obj["settings"].home / "templates"
     try:
@@ -151,6 +168,41 @@ def build(ctx: click.Context, name: str | None, spec_file: Path | None, as_json:
     else:
         click.echo(f"{built.name}: built {built.path.name} in {result.duration_s:.1f} s "
                    f"({_mib(built.size_bytes)}, {built.installed_packages} packages)")
+
+
+def _build_dockerfile(ctx: click.Context, name: str | None, dockerfile: Path,
+                      context_dir: Path | None, build_args: tuple[str, ...],
+                      allow: tuple[str, ...], as_json: bool) -> None:
+    from .._control.manager import get_manager
+    from .._images.build import build_dockerfile
+    from .common import parse_pairs
+
+    if name is None:
+        raise errors.UsageError("name the template to build: `corral templates build NAME "
+                                "--dockerfile PATH`")
+    network = {"allow": list(allow)} if allow else "none"
+    console = Console(stderr=True)
+    try:
+        with _terminate_as_interrupt(), _Progress(console, live=not as_json) as progress:
+            result = build_dockerfile(
+                get_manager(ctx.obj["settings"]), dockerfile, name=name, context=context_dir,
+                build_args=parse_pairs(build_args, "--build-arg"), network=network,
+                on_progress=None if as_json else (lambda line: progress(f"I: {line}")))
+    except KeyboardInterrupt:
+        message = f"building template {name!r} was interrupted; finished steps stay cached"
+        if as_json:
+            click.echo(json.dumps({"code": "interrupted", "message": message}), err=True)
+        else:
+            click.secho(f"corral: {message}", err=True, fg="red")
+        sys.exit(EXIT_INTERRUPTED)
+    built = result.template
+    if as_json:
+        emit_json({**_row(built), "digest": result.digest, "steps_run": result.steps_run,
+                   "steps_cached": result.steps_cached,
+                   "duration_s": round(result.duration_s, 3)})
+    else:
+        click.echo(f"{built.name}: built {built.path.name} in {result.duration_s:.1f} s "
+                   f"({result.steps_run} steps run, {result.steps_cached} cached)")
 
 
 def _row(build: BuiltTemplate) -> dict[str, Any]:

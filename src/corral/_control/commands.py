@@ -73,13 +73,17 @@ class Commands:
         interactive: bool = False, pty: tuple[int, int] | None = None,
         on_start: Callable[[ProcessIO], None] | None = None, lifetime: bool = False,
         command_id: str | None = None, caller: Tenant | None = None,
-        stream_past_limit: bool = False,
+        stream_past_limit: bool = False, build_root: str | None = None,
     ) -> CommandResult:
-        """Run a command to completion (see ``Manager.run``; ``stream_past_limit``: see
+        """Run a command to completion (see ``Manager.run``; ``stream_past_limit`` and
+        ``build_root``, given as the working directory inside that root: see
         ``ExecRequest``)."""
         command, info, tier, limit = self.prepare(sandbox_id, cmd, timeout=timeout, envs=envs,
-                                                  cwd=cwd, stdin=stdin, context=context,
-                                                  lifetime=lifetime, caller=caller)
+                                                  cwd=None if build_root else cwd, stdin=stdin,
+                                                  context=context, lifetime=lifetime,
+                                                  caller=caller, build=build_root is not None)
+        if build_root is not None:
+            command = dataclasses.replace(command, cwd=cwd or "/")
         if info.idle_timeout is not None:
             self._store.touch(sandbox_id)
         # A command never outlives its sandbox.
@@ -111,6 +115,7 @@ class Commands:
                         on_stdout=self._auditor.recorded_callback(recorder, "stdout", on_stdout),
                         on_stderr=self._auditor.recorded_callback(recorder, "stderr", on_stderr),
                         interactive=interactive, pty=pty, on_start=on_start,
+                        build_root=build_root,
                     ))
             except BaseException as exc:
                 span.set_attribute("corral.outcome", "failed")
@@ -143,13 +148,14 @@ class Commands:
         self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None,
         envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
         context: Mapping[str, Any] | None, lifetime: bool, caller: Tenant | None = None,
+        build: bool = False,
     ) -> tuple[validate.Command, SandboxRecord, ResourceTier, float]:
         """Everything ``run`` refuses, refused before anything runs; with ``caller``, the
         start is counted (last, so a refused command does not use up the quota)."""
         command = validate.command(cmd, cwd, envs, stdin)
         validate.context(context)
         info = self._sandboxes.get(sandbox_id)
-        image = image_config(self._sandboxes.templates_dir, info.template)
+        image = None if build else image_config(self._sandboxes.templates_dir, info.template)
         if image is not None:
             command = _with_image(command, image, cwd_given=cwd is not None)
         if info.state == "paused":

@@ -53,7 +53,8 @@ from .config import ImageConfig, parse_config
 from .reference import ImagePolicy, ImageRef, parse_reference
 from .unpack import LayerContent, LayerLimits, compose_root, unpack_layer
 
-__all__ = ["PullResult", "image_template_name", "pull_image"]
+__all__ = ["LayerCache", "PullResult", "image_template_name", "images_dir", "make_build",
+           "pull_image"]
 
 Progress = Callable[[str], None]
 
@@ -82,7 +83,7 @@ def image_template_name(digest: str) -> str:
     return f"img-{digest.removeprefix('sha256:')[:16]}"
 
 
-def _images_dir(settings: Settings) -> Path:
+def images_dir(settings: Settings) -> Path:
     return settings.home / "images"
 
 
@@ -234,7 +235,10 @@ def _manifest_layers(manifest: dict[str, Any], config: dict[str, Any]) -> list[_
     return out
 
 
-class _LayerCache:
+class LayerCache:
+    """Unpacked layers by ``diff_id`` (pulled) or by build-step key (built), each unpacked or
+    made once under its own lock."""
+
     def __init__(self, images: Path, limits: LayerLimits, progress: Progress) -> None:
         self.dir = images / "layers"
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o711)
@@ -321,7 +325,7 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
         if existing is not None:
             return _done(existing, templates_dir, ref, ref.digest, cached=True, reused=0,
                          unpacked=0, started=started, progress=progress)
-    images = _images_dir(settings)
+    images = images_dir(settings)
     images.mkdir(parents=True, exist_ok=True, mode=0o711)
     skopeo = _Skopeo(settings, images, progress)
     digest, source = ref.digest, ref.source
@@ -349,7 +353,7 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
     config_blob = _read_json_blob(layout, config_entry["digest"], "config")
     image_config = parse_config(config_blob)
     layers = _manifest_layers(manifest, config_blob)
-    cache = _LayerCache(images, LayerLimits(max_bytes=settings.image_max_bytes), progress)
+    cache = LayerCache(images, LayerLimits(max_bytes=settings.image_max_bytes), progress)
     contents: list[tuple[Path, LayerContent]] = []
     used = reused = 0
     for index, layer in enumerate(layers, 1):
@@ -359,8 +363,8 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
         reused += was_cached
         contents.append((cache.path(layer.diff_id) / "tree", content))
     chosen = name or image_template_name(digest)
-    built = _make_build(templates_dir, chosen, digest, ref, image_config, contents, used,
-                        time.monotonic() - started, progress)
+    built = make_build(templates_dir, chosen, digest, ref.canonical, image_config, contents,
+                       used, time.monotonic() - started, progress)
     return _done(built, templates_dir, ref, digest, cached=False, reused=reused,
                  unpacked=len(layers) - reused, started=started, progress=progress)
 
@@ -389,9 +393,12 @@ def _done(built: BuiltTemplate, templates_dir: Path, ref: ImageRef, digest: str,
                       layers_unpacked=unpacked, duration_s=time.monotonic() - started)
 
 
-def _make_build(templates_dir: Path, name: str, digest: str, ref: ImageRef,
-                image_config: ImageConfig, contents: list[tuple[Path, LayerContent]],
-                size: int, pull_s: float, progress: Progress) -> BuiltTemplate:
+def make_build(templates_dir: Path, name: str, digest: str, reference: str,
+               image_config: ImageConfig, contents: list[tuple[Path, LayerContent]],
+               size: int, pull_s: float, progress: Progress,
+               extra: dict[str, Any] | None = None) -> BuiltTemplate:
+    """Template build ``name`` for an image: its root stacked from ``contents``, and its
+    metadata (reference, digest, layers, config, and ``extra``)."""
     templates_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
     short = digest.removeprefix("sha256:")[:16]
     final = build_dir(templates_dir, name, short)
@@ -411,10 +418,10 @@ def _make_build(templates_dir: Path, name: str, digest: str, ref: ImageRef,
             meta = {
                 "name": name, "hash": short, "built_at": time.time(), "build_s": pull_s,
                 "size_bytes": size, "installed_packages": 0,
-                "spec": {"packages": [], "image": ref.canonical},
-                "image": {"reference": ref.canonical, "digest": digest,
+                "spec": {"packages": [], "image": reference},
+                "image": {"reference": reference, "digest": digest,
                           "layers": [c.diff_id for _, c in contents],
-                          "config": image_config.to_dict()},
+                          "config": image_config.to_dict(), **(extra or {})},
             }
             (work / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
             os.chmod(work / METADATA, 0o644)
@@ -428,5 +435,5 @@ def _make_build(templates_dir: Path, name: str, digest: str, ref: ImageRef,
     built = read_build(final)
     if built is None:
         raise ImageError(f"template {name} was removed while it was being made; pull again")
-    progress(f"template {name} is {ref.canonical}")
+    progress(f"template {name} is {reference}")
     return built

@@ -39,7 +39,8 @@ from typing import IO, Any
 
 from ..errors import ImageError
 
-__all__ = ["LayerContent", "LayerLimits", "compose_root", "unpack_layer"]
+__all__ = ["LayerContent", "LayerLimits", "SafeTree", "compose_root", "path_components",
+           "unpack_layer"]
 
 _OPAQUE = ".wh..wh..opq"
 _WHITEOUT = ".wh."
@@ -99,7 +100,7 @@ class _Hashing(io.RawIOBase):
             self.sha256.update(chunk)
 
 
-def _components(name: str, what: str) -> list[str]:
+def path_components(name: str, what: str) -> list[str]:
     """The path's components inside the root; ``..`` anywhere refuses the layer."""
     if len(name.encode(errors="surrogateescape")) > _MAX_PATH:
         raise ImageError(f"{what}: a path is longer than {_MAX_PATH} bytes")
@@ -117,7 +118,7 @@ def _show(name: str) -> str:
     return repr(name if len(name) <= 120 else name[:120] + "...")
 
 
-class _Tree:
+class SafeTree:
     """A directory tree written through directory descriptors only (see the module doc).
 
     It keeps the descriptors of one path's directories, the last one asked for: layers list
@@ -262,7 +263,7 @@ def unpack_layer(blob: IO[bytes], media_type: str, dest: Path, *, diff_id: str,
         stream = _stream(blob, media_type, what)
         hashing = _Hashing(stream)
         reader = io.BufferedReader(hashing, buffer_size=_CHUNK)
-        tree = _Tree(dest, what)
+        tree = SafeTree(dest, what)
         try:
             with tarfile.open(fileobj=reader, mode="r|", errorlevel=2) as archive:
                 for member in archive:
@@ -287,13 +288,13 @@ def unpack_layer(blob: IO[bytes], media_type: str, dest: Path, *, diff_id: str,
     return content
 
 
-def _entry(archive: tarfile.TarFile, member: tarfile.TarInfo, tree: _Tree,
+def _entry(archive: tarfile.TarFile, member: tarfile.TarInfo, tree: SafeTree,
            content: LayerContent, counter: _Counter) -> None:
     what = tree.what
     counter.entries += 1
     if counter.entries > counter.limits.max_entries:
         raise ImageError(f"{what}: more than {counter.limits.max_entries} entries")
-    parts = _components(member.name, what)
+    parts = path_components(member.name, what)
     if not parts:
         return  # the root itself ("./")
     *parent_parts, name = parts
@@ -334,7 +335,7 @@ def _entry(archive: tarfile.TarFile, member: tarfile.TarInfo, tree: _Tree,
                          f"{member.type!r}")
 
 
-def _fresh_entry(tree: _Tree, parent_parts: list[str], name: str) -> int:
+def _fresh_entry(tree: SafeTree, parent_parts: list[str], name: str) -> int:
     """The parent's descriptor, made if missing, with nothing left at ``name``."""
     parent = tree.directory(parent_parts, create=True)
     assert parent is not None
@@ -342,7 +343,7 @@ def _fresh_entry(tree: _Tree, parent_parts: list[str], name: str) -> int:
     return parent
 
 
-def _directory(tree: _Tree, parent_parts: list[str], name: str,
+def _directory(tree: SafeTree, parent_parts: list[str], name: str,
                member: tarfile.TarInfo) -> None:
     parent = tree.directory(parent_parts, create=True)
     assert parent is not None
@@ -358,7 +359,7 @@ def _directory(tree: _Tree, parent_parts: list[str], name: str,
     os.fchmod(fd, _safe_mode(member.mode, directory=True, image_owner=member.uid))
 
 
-def _file(archive: tarfile.TarFile, member: tarfile.TarInfo, tree: _Tree,
+def _file(archive: tarfile.TarFile, member: tarfile.TarInfo, tree: SafeTree,
           parent_parts: list[str], name: str, counter: _Counter) -> None:
     if counter.bytes + member.size > counter.limits.max_bytes:
         raise ImageError(f"{tree.what}: the image unpacks to more than "
@@ -386,10 +387,10 @@ def _file(archive: tarfile.TarFile, member: tarfile.TarInfo, tree: _Tree,
         os.close(fd)
 
 
-def _hard_link(tree: _Tree, parent_parts: list[str], name: str,
+def _hard_link(tree: SafeTree, parent_parts: list[str], name: str,
                member: tarfile.TarInfo) -> None:
     what = tree.what
-    target = _components(member.linkname, what)
+    target = path_components(member.linkname, what)
     if not target:
         raise ImageError(f"{what}: hard link {_show(member.name)} points at the root")
     missing = ImageError(f"{what}: hard link {_show(member.name)} points at "
@@ -421,7 +422,7 @@ def _scan(fd: int) -> Iterator[tuple[str, os.stat_result]]:
 
 
 def compose_root(layers: list[tuple[Path, LayerContent]], dest: Path, *,
-                 workdir: str | None = None) -> None:
+                 workdir: str | None = None, link: bool = True) -> None:
     """Stack unpacked layers (lowest first) into the empty directory ``dest``.
 
     Files and symlinks are hard links to the layers' own (nothing is copied; the layers and
@@ -429,18 +430,19 @@ def compose_root(layers: list[tuple[Path, LayerContent]], dest: Path, *,
     layer's whiteouts and opaque directories remove what the layers below it put there, and a
     directory in a layer replaces a file or symlink of the same path below it (as overlayfs
     stacks them). ``/etc`` is always a real directory afterwards, and ``workdir`` exists.
+    ``link=False`` copies every file instead (a root that is going to be written: a build's).
     """
-    out = _Tree(dest, "image")
+    out = SafeTree(dest, "image")
     try:
         for tree_path, content in layers:
             for rel in content.opaque:
-                out.clear(_components(rel, "image"))
+                out.clear(path_components(rel, "image"))
             for rel in content.whiteouts:
-                *parent_parts, name = _components(rel, "image")
+                *parent_parts, name = path_components(rel, "image")
                 out.remove(parent_parts, name)
             layer_fd = os.open(tree_path, _DIR_FLAGS)
             try:
-                _link_tree(layer_fd, [], out)
+                _link_tree(layer_fd, [], out, link)
             finally:
                 os.close(layer_fd)
         root_fd = out.directory([], create=False)
@@ -454,12 +456,12 @@ def compose_root(layers: list[tuple[Path, LayerContent]], dest: Path, *,
         except FileNotFoundError:
             os.mkdir("etc", 0o755, dir_fd=root_fd)
         if workdir:
-            out.directory(_components(workdir, "image config WorkingDir"), create=True)
+            out.directory(path_components(workdir, "image config WorkingDir"), create=True)
     finally:
         out.close()
 
 
-def _link_tree(source_fd: int, parts: list[str], out: _Tree) -> None:
+def _link_tree(source_fd: int, parts: list[str], out: SafeTree, link: bool) -> None:
     dest_fd = out.directory(parts, create=False)
     assert dest_fd is not None
     for name, st in sorted(_scan(source_fd)):
@@ -476,13 +478,16 @@ def _link_tree(source_fd: int, parts: list[str], out: _Tree) -> None:
             os.fchmod(child, stat.S_IMODE(st.st_mode))
             sub = os.open(name, _DIR_FLAGS, dir_fd=source_fd)
             try:
-                _link_tree(sub, [*parts, name], out)
+                _link_tree(sub, [*parts, name], out, link)
             finally:
                 os.close(sub)
             dest_fd = out.directory(parts, create=False)  # the cache may have been reset
             assert dest_fd is not None
         else:
             out.remove(parts, name)
+            if not link:
+                _copy_entry(source_fd, dest_fd, name, st)
+                continue
             try:
                 os.link(name, name, src_dir_fd=source_fd, dst_dir_fd=dest_fd,
                         follow_symlinks=False)
@@ -493,7 +498,7 @@ def _link_tree(source_fd: int, parts: list[str], out: _Tree) -> None:
 
 
 def _copy_entry(source_fd: int, dest_fd: int, name: str, st: os.stat_result) -> None:
-    """Another file system (the layer cache was moved): copy instead of linking."""
+    """A copy of one file or symlink (another file system, or a root to be written)."""
     if stat.S_ISLNK(st.st_mode):
         os.symlink(os.readlink(name, dir_fd=source_fd), name, dir_fd=dest_fd)
         return

@@ -36,7 +36,8 @@ from ..._templates.spec import check_name
 from ...errors import UsageError
 
 __all__ = ["SANDBOX_GID", "SANDBOX_UID", "TEMPLATES", "BaseTemplate", "load_template",
-           "executable_in_root", "require_template", "template_python", "template_version"]
+           "build_root_template", "executable_in_root", "require_template", "template_python",
+           "template_version"]
 
 # The names a sandbox may ask for without a spec file: the host system and the built-in specs
 # (these still have to be built once, see require_template). Any built name works too.
@@ -96,6 +97,9 @@ class BaseTemplate:
     root: Path | None = None
     image: ImageConfig | None = None  # a pulled image's environment, working directory, ...
     version: str | None = None  # BuiltTemplate.version
+    # An image build's root (ExecRequest.build_root): bound writable, /etc included, and the
+    # command runs as root inside its user namespace, without the workspace.
+    writable: bool = False
 
 
 def _copy_host_etc(tmp: Path) -> None:
@@ -313,3 +317,24 @@ def executable_in_root(root: Path, path: str, hops: int = 40) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and bool(st.st_mode & 0o111)
+
+
+def build_root_template(root: Path) -> BaseTemplate:
+    """The template for an image build's step: every top-level directory of ``root`` bound
+    writable (``ExecRequest.build_root``)."""
+    masked = tuple(p for p in _MASKED_PROC if os.path.exists(p))
+    system = []
+    for name in sorted(os.listdir(root)):
+        if name in _BUILD_SKIPPED_DIRS:
+            continue
+        path = root / name
+        if path.is_symlink():
+            system.append(("symlink", os.readlink(path), f"/{name}"))
+        elif path.is_dir():
+            system.append(("bind-rw", str(path), f"/{name}"))
+    return BaseTemplate(etc=root / "etc", system=tuple(system), masked_proc=masked, root=root,
+                        writable=True)
+
+
+# The kernel's and the sandbox's own; everything else of a build's root is the command's.
+_BUILD_SKIPPED_DIRS = frozenset({"proc", "sys", "dev", "tmp", "run", "workspace"})

@@ -233,6 +233,8 @@ class GvisorBackend(HostBackedBackend):
                                rootfs).prestart(self._prestarts)
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
+        if request.build_root is not None:
+            raise BackendUnavailable("image builds run their steps on the namespace tier")
         launcher = self._ready()
         workspace = self._ensure_runtime(spec)
         template = self._template(spec.template)

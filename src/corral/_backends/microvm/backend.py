@@ -407,6 +407,8 @@ class MicrovmBackend(HostBackedBackend):
     # -- commands ---------------------------------------------------------------------------
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
+        if request.build_root is not None:
+            raise BackendUnavailable("image builds run their steps on the namespace tier")
         env = self._command_env(spec, request)
         check_exec_size(request.argv, env)
         client = self._client(spec)

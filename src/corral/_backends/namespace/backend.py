@@ -5,6 +5,7 @@ a private network namespace per sandbox and a per-sandbox host uid.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..._settings import Settings
@@ -13,6 +14,7 @@ from ...errors import BackendUnavailable
 from .._linux.cgroups import detect_cgroups
 from .._linux.host import HostBackedBackend
 from .._linux.hostcheck import check_host
+from .._linux.template import build_root_template
 from .runner import CommandLauncher, Launch
 
 __all__ = ["NamespaceBackend"]
@@ -52,9 +54,11 @@ class NamespaceBackend(HostBackedBackend):
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         launcher = self._ready()
         workspace = self._ensure_runtime(spec)
+        template = (self._template(spec.template) if request.build_root is None
+                    else build_root_template(Path(request.build_root)))
         return launcher.run(Launch(
             uid=spec.uid, netns_path=self._netns_path(spec.id),
-            template=self._template(spec.template), workspace=workspace,
+            template=template, workspace=workspace,
             tmp_bytes=spec.tier.tmp_bytes, group=f"{spec.id}/{self._group_name(request)}",
             request=request, env=self._command_env(spec, request),
         ))

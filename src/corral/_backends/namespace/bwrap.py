@@ -51,7 +51,9 @@ def build_options(
         # No --unshare-net: the command joins its sandbox's persistent namespace instead.
         "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
         "--disable-userns",
-        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
+        # A build step is root in its user namespace: it owns the root it writes.
+        "--uid", "0" if template.writable else str(SANDBOX_UID),
+        "--gid", "0" if template.writable else str(SANDBOX_GID),
         "--hostname", "sandbox",
         "--die-with-parent", "--cap-drop", "ALL",
     ]
@@ -62,10 +64,13 @@ def build_options(
     for kind, source, dest in template.system:
         if kind == "symlink":
             args += ["--symlink", source, dest]
+        elif kind == "bind-rw":
+            args += ["--bind", source, dest]
         else:
             args += ["--ro-bind", source, dest]
+    if not template.writable:  # a build's /etc is among its writable directories
+        args += ["--ro-bind", str(template.etc), "/etc"]
     args += [
-        "--ro-bind", str(template.etc), "/etc",
         # bwrap's /dev is a writable tmpfs; keep /dev/shm writable (POSIX semaphores need it) as
         # a size-limited tmpfs of its own and make the rest read-only.
         "--dev", "/dev",
@@ -77,9 +82,14 @@ def build_options(
         args += ["--ro-bind", "/dev/null", hidden]
     args += [
         "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
-        "--bind", str(workspace), "/workspace",
-        # E2B's home: the same workspace, where E2B's SDKs and templates expect the user's files.
-        "--bind", str(workspace), "/home/user",
+    ]
+    if not template.writable:  # a build step's files are its root's, not a workspace's
+        args += [
+            "--bind", str(workspace), "/workspace",
+            # E2B's home: the same workspace, where E2B's SDKs and templates expect the files.
+            "--bind", str(workspace), "/home/user",
+        ]
+    args += [
         "--remount-ro", "/",
         "--chdir", cwd,
         "--info-fd", str(fds.info),
