@@ -272,6 +272,21 @@ def test_node_runs_in_the_node_template(node_build: Build, shim: Shim, home: str
           f"{result['size_bytes'] / 2**20:.0f} MiB")
 
 
+def test_go_compiles_and_runs_a_program_offline(cli: Cli, home: str) -> None:
+    go_build = _build(cli, "go", "--json")
+    result = json.loads(go_build.done.stdout)
+    assert result["name"] == "go"
+    with Sandbox.create(home=home, template="go") as sb:
+        sb.files.write("/workspace/hello/go.mod", "module hello\n\ngo 1.19\n")
+        sb.files.write("/workspace/hello/main.go",
+                       'package main\n\nimport "fmt"\n\nfunc main() { fmt.Println(6 * 7) }\n')
+        # No network: the module has no dependencies, so nothing is downloaded.
+        ran = sb.commands.run("cd hello && go build -o hello . && ./hello", timeout=60)
+        assert (ran.exit_code, ran.stdout) == (0, "42\n"), ran.stderr
+    print(f"\ngo template: clean build {go_build.seconds:.1f} s, "
+          f"{result['size_bytes'] / 2**20:.0f} MiB")
+
+
 # -- refusals ------------------------------------------------------------------------------------
 
 

@@ -44,6 +44,7 @@ def templates() -> None:
     base     the host's own system, read-only (always there)
     python   python3, pip, venv, git, curl, build-essential
     node     nodejs, npm
+    go       golang-go, git, gcc
     Others from a spec file: corral templates build --file spec.toml
 
     \b

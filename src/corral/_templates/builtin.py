@@ -27,6 +27,13 @@ BUILTIN_SPECS: dict[str, TemplateSpec] = {
         description="Node.js with npm",
         packages=("ca-certificates", "nodejs", "npm"),
     ),
+    # Go modules download through the egress gateway (GOPROXY's host allowed) or come vendored;
+    # git for modules fetched from version control.
+    "go": TemplateSpec(
+        name="go",
+        description="Go with its toolchain, git and a C toolchain for cgo",
+        packages=("ca-certificates", "gcc", "git", "golang-go", "libc6-dev"),
+    ),
     # The microVM tier's ``base``: on the other tiers ``base`` is the host's own /usr (6 GB),
     # which a VM cannot share without 9p (and 9p blocks migration), so the microVM tier boots a
     # small Debian root of its own (corral._backends.microvm.rootimage).
