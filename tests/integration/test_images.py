@@ -232,3 +232,21 @@ def test_a_docker_save_archive_becomes_a_template(images: Images) -> None:
     with Sandbox.create(template="from-archive", home=images.home) as sb:
         assert sb.commands.run(["cat", "/app/hello.txt"]).stdout == "hello\n"
         assert sb.commands.run(["pwd"]).stdout == "/app\n"
+
+
+def test_tags_name_versions_of_a_template(images: Images) -> None:
+    one = _json(images, "templates", "pull", images.ref("test/bb"), "--name", "versioned:one")
+    two = _json(images, "templates", "pull", images.ref("test/bb2"), "--name", "versioned:two")
+    assert one["version"] != two["version"]
+    listed = [t for t in _json(images, "templates", "ls") if t["name"] == "versioned"]
+    assert sorted(tag for t in listed for tag in t["tags"]) == ["one", "two"]
+    assert [t["version"] for t in listed if t["current"]] == [images.bb2_digest]
+    with Sandbox.create(template="versioned:one", home=images.home) as sb:
+        assert sb.get_info().template_version == images.bb_digest
+        assert sb.commands.run(["cat", "/app/hello.txt"]).stdout == "hello\n"
+    with Sandbox.create(template="versioned", home=images.home) as sb:
+        assert sb.get_info().template_version == images.bb2_digest
+    bad = _cli(images, "templates", "pull", images.ref("test/bb"), "--name", "versioned:.bad")
+    assert bad.exit_code != 0 and "invalid tag" in bad.output
+    text = _cli(images, "templates", "ls")
+    assert "[one]" in text.output and "[two]" in text.output

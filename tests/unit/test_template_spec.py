@@ -34,7 +34,7 @@ def test_a_full_spec_parses() -> None:
 
 
 def test_builtin_specs_are_valid_and_named_for_their_key() -> None:
-    assert set(BUILTIN_SPECS) == {"python", "node", "code-interpreter", "microvm-base"}
+    assert set(BUILTIN_SPECS) == {"python", "node", "go", "code-interpreter", "microvm-base"}
     for name, builtin in BUILTIN_SPECS.items():
         assert builtin.name == name
         assert parse_spec(builtin.to_dict()).hash == builtin.hash

@@ -14,7 +14,8 @@ from corral._control.records import SandboxRecord
 _WIRE = {"id": "sbx_0123456789ab", "template": "base", "resources": "small",
          "state": "running", "created_at": 1.0, "expires_at": 2.0, "labels": {"a": "b"},
          "network": {"mode": "none"}, "secrets": ["TOKEN"], "idle_timeout": None,
-         "isolation": "gvisor", "layer": None, "memory_image": None}
+         "isolation": "gvisor", "layer": None, "memory_image": None,
+         "template_version": None}
 
 
 def test_the_public_sandbox_has_nothing_of_the_operator() -> None:
@@ -25,9 +26,11 @@ def test_the_public_sandbox_has_nothing_of_the_operator() -> None:
 def test_the_sdk_ignores_fields_a_newer_server_adds_and_defaults_what_an_older_one_lacks() -> None:
     newer = SandboxInfo.model_validate({**_WIRE, "region": "eu-1"})
     assert newer.to_dict() == _WIRE
-    older = {k: v for k, v in _WIRE.items() if k not in ("isolation", "layer", "memory_image")}
+    older = {k: v for k, v in _WIRE.items()
+             if k not in ("isolation", "layer", "memory_image", "template_version")}
     parsed = SandboxInfo.model_validate(older)
-    assert (parsed.isolation, parsed.layer, parsed.memory_image) == ("namespace", None, None)
+    assert (parsed.isolation, parsed.layer, parsed.memory_image, parsed.template_version) == \
+        ("namespace", None, None, None)
     with pytest.raises(ValidationError):
         SandboxInfo.model_validate({**_WIRE, "state": "exploded"})
 

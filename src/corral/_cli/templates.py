@@ -212,9 +212,10 @@ def _row(build: BuiltTemplate) -> dict[str, Any]:
 
 @templates.command(name="pull")
 @click.argument("reference")
-@click.option("--name", "-n", default=None,
+@click.option("--name", "-n", default=None, metavar="NAME[:TAG]",
               help="Make it template NAME (default: img-<digest>, which never moves); a later "
-                   "pull of another image with the same NAME makes that one current.")
+                   "pull of another image with the same NAME makes that one current, while "
+                   "NAME:TAG keeps naming this one.")
 @json_option
 @click.pass_context
 @handle_errors
@@ -266,7 +267,8 @@ def pull(ctx: click.Context, reference: str, name: str | None, as_json: bool) ->
 @click.pass_context
 @handle_errors
 def ls(ctx: click.Context, as_json: bool) -> None:
-    """List templates: base and every build (the current one of each name is marked *)."""
+    """List templates: base and every build, newest first (the current one of each name is
+    marked *, tags in brackets: `--template NAME:TAG` picks that build)."""
     builds = list_builds(ctx.obj["settings"].home / "templates")
     if as_json:
         base: dict[str, Any] = {
@@ -282,6 +284,8 @@ def ls(ctx: click.Context, as_json: bool) -> None:
         mark = "*" if b.current else " "
         content = (f"image {b.image.get('reference')}" if b.image is not None
                    else " ".join(b.packages))
+        if b.tags:
+            content = f"[{', '.join(b.tags)}] {content}"
         click.echo(f"{b.name:<{width}} {b.hash + mark:<17} {_mib(b.size_bytes):>9}  "
                    f"{_when(b.built_at):<19}  {content}")
     missing = [n for n in BUILTIN_SPECS if not any(b.name == n for b in builds)]

@@ -22,6 +22,7 @@ from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
 from .._core.resources import get_tier
 from .._images.config import ImageConfig
+from .._templates import catalog
 from ..backends import ExecRequest, OutputCallback, ProcessIO
 from ..errors import CommandError, CommandNotFound, FileError, FileNotFound, SandboxBusy
 from ..models import CommandResult, ResourceTier
@@ -214,7 +215,7 @@ def _with_image(command: validate.Command, image: ImageConfig, *,
 def image_config(templates_dir: Path, template: str) -> ImageConfig | None:
     """The image config of template ``template``'s current build (None if it is no image)."""
     try:
-        pointer = os.readlink(templates_dir / f"{template}.current")
+        pointer = os.readlink(catalog.pointer(templates_dir, template))
     except OSError:
         return None
     return _image_config(templates_dir, pointer)

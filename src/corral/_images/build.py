@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._templates.catalog import BuiltTemplate, locked, read_build
-from .._templates.spec import check_name
+from .._templates.catalog import BuiltTemplate, locked, read_build, split_reference
+from .._templates.spec import check_reference
 from ..errors import ImageError, UsageError
 from .config import ImageConfig
 from .pull import LayerCache, make_build, pull_image
@@ -583,7 +583,7 @@ def build_dockerfile(manager: Manager, dockerfile: Path, *, name: str,
     """
     started = time.monotonic()
     progress = on_progress or (lambda line: None)
-    check_name(name)
+    name, tag = split_reference(check_reference(name))
     dockerfile = dockerfile.absolute()
     context = (context or dockerfile.parent).absolute()
     if not context.is_dir():
@@ -651,6 +651,8 @@ def build_dockerfile(manager: Manager, dockerfile: Path, *, name: str,
 
         with name_lock(templates_dir, name):
             set_current(templates_dir, name, built.hash)
+            if tag is not None:
+                set_current(templates_dir, name, built.hash, tag=tag)
         existing = read_build(built.path)
         assert existing is not None
         return BuildResult(template=replace(existing, current=True), digest=digest,

@@ -46,8 +46,9 @@ from .._templates.catalog import (
     name_lock,
     read_build,
     set_current,
+    split_reference,
 )
-from .._templates.spec import check_name
+from .._templates.spec import check_reference
 from ..errors import BackendUnavailable, ImageError, UsageError
 from .config import ImageConfig, parse_config
 from .reference import ImagePolicy, ImageRef, parse_reference
@@ -314,8 +315,9 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
     ImagePolicy.from_setting(settings.registries,
                              require_digest=settings.registries_require_digest
                              ).check(ref, allow_local=allow_local)
+    tag = None
     if name is not None:
-        check_name(name)
+        name, tag = split_reference(check_reference(name))
         if name.startswith("img-"):
             raise UsageError(f"template names starting with 'img-' are Corral's own (an image "
                              f"by digest); choose another name than {name!r}")
@@ -324,7 +326,7 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
         existing = _existing(templates_dir, name or image_template_name(ref.digest), ref.digest)
         if existing is not None:
             return _done(existing, templates_dir, ref, ref.digest, cached=True, reused=0,
-                         unpacked=0, started=started, progress=progress)
+                         unpacked=0, started=started, progress=progress, tag=tag)
     images = images_dir(settings)
     images.mkdir(parents=True, exist_ok=True, mode=0o711)
     skopeo = _Skopeo(settings, images, progress)
@@ -337,7 +339,7 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
         existing = _existing(templates_dir, name or image_template_name(digest), digest)
         if existing is not None:
             return _done(existing, templates_dir, ref, digest, cached=True, reused=0,
-                         unpacked=0, started=started, progress=progress)
+                         unpacked=0, started=started, progress=progress, tag=tag)
     layout = images / "oci"
     # One skopeo at a time writes the layout's index; blobs are shared, so it stays one layout.
     with locked(images / ".locks" / "layout.lock",
@@ -366,7 +368,8 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
     built = make_build(templates_dir, chosen, digest, ref.canonical, image_config, contents,
                        used, time.monotonic() - started, progress)
     return _done(built, templates_dir, ref, digest, cached=False, reused=reused,
-                 unpacked=len(layers) - reused, started=started, progress=progress)
+                 unpacked=len(layers) - reused, started=started, progress=progress,
+                 tag=tag)
 
 
 def _untag(layout: Path, tag: str) -> None:
@@ -383,9 +386,11 @@ def _untag(layout: Path, tag: str) -> None:
 
 def _done(built: BuiltTemplate, templates_dir: Path, ref: ImageRef, digest: str, *,
           cached: bool, reused: int, unpacked: int, started: float,
-          progress: Progress) -> PullResult:
+          progress: Progress, tag: str | None = None) -> PullResult:
     with name_lock(templates_dir, built.name):
         set_current(templates_dir, built.name, built.hash)
+        if tag is not None:
+            set_current(templates_dir, built.name, built.hash, tag=tag)
     if cached:
         progress(f"{ref.canonical} is already template {built.name}; nothing fetched")
     return PullResult(template=replace(built, current=True), reference=ref.canonical,

@@ -7,6 +7,7 @@ Layout of ``$CORRAL_HOME/templates``::
     <name>-<hash>/template.json     what was built, when, how big (written before the rename)
     <name>-<hash>/etc.<stamp>/      the curated /etc sandboxes see (namespace/template.py)
     <name>.current -> <name>-<hash> the build a sandbox of template <name> gets
+    <name>.tag.<tag> -> <name>-<hash> the build a sandbox of template <name>:<tag> gets
     .locks/                         flock files: one per build, one per name
     .build-*/  .trash-*/            builds in progress, removals in progress
 
@@ -42,6 +43,8 @@ __all__ = [
 
 METADATA = "template.json"
 _BUILD_DIR = re.compile(r"(?P<name>[a-z][a-z0-9_-]*)-(?P<hash>[0-9a-f]{16})")
+TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_TAG_POINTER = ".tag."
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,7 @@ class BuiltTemplate:
     installed_packages: int
     spec: dict[str, Any]
     current: bool = False
+    tags: tuple[str, ...] = ()  # the tags naming this build (``name:tag``)
     # A pulled image: its reference, manifest digest, layers and config (corral._images).
     image: dict[str, Any] | None = None
 
@@ -76,7 +80,7 @@ class BuiltTemplate:
             "built_at": self.built_at, "build_s": round(self.build_s, 3),
             "size_bytes": self.size_bytes, "packages": list(self.packages),
             "installed_packages": self.installed_packages, "current": self.current,
-            "version": self.version,
+            "version": self.version, "tags": list(self.tags),
             "image": None if self.image is None else {
                 "reference": self.image.get("reference"), "digest": self.image.get("digest"),
                 "layers": len(self.image.get("layers", ())),
@@ -106,33 +110,60 @@ def read_build(path: Path) -> BuiltTemplate | None:
         return None
 
 
+def split_reference(reference: str) -> tuple[str, str | None]:
+    """``name`` or ``name:tag``, split (not validated)."""
+    name, sep, tag = reference.partition(":")
+    return name, (tag if sep else None)
+
+
+def pointer(templates_dir: Path, reference: str) -> Path:
+    """The symlink naming the build ``reference`` (``name`` or ``name:tag``) gets."""
+    name, tag = split_reference(reference)
+    return templates_dir / (f"{name}.current" if tag is None else f"{name}{_TAG_POINTER}{tag}")
+
+
 def _pointer(templates_dir: Path, name: str) -> Path:
     return templates_dir / f"{name}.current"
 
 
 def current_build(templates_dir: Path, name: str) -> BuiltTemplate | None:
-    """The build sandboxes of template ``name`` get, or None if it is not built."""
+    """The build sandboxes of template ``name`` (or ``name:tag``) get, or None if there is
+    none."""
     try:
-        target = os.readlink(_pointer(templates_dir, name))
+        target = os.readlink(pointer(templates_dir, name))
     except OSError:
         return None
     match = _BUILD_DIR.fullmatch(target)
-    if match is None or match["name"] != name:
+    if match is None or match["name"] != split_reference(name)[0]:
         return None
     build = read_build(templates_dir / target)
     return None if build is None else replace(build, current=True)
 
 
-def set_current(templates_dir: Path, name: str, spec_hash: str) -> None:
-    """Point ``name`` at one of its builds. Call with ``name_lock`` held."""
-    pointer = _pointer(templates_dir, name)
-    tmp = templates_dir / f".{name}.current.{secrets.token_hex(4)}"
+def set_current(templates_dir: Path, name: str, spec_hash: str,
+                tag: str | None = None) -> None:
+    """Point ``name`` (``name:tag`` with ``tag``) at one of its builds. Call with ``name_lock``
+    held."""
+    target = pointer(templates_dir, name if tag is None else f"{name}:{tag}")
+    tmp = templates_dir / f".{name}.pointer.{secrets.token_hex(4)}"
     os.symlink(f"{name}-{spec_hash}", tmp)
     try:
-        os.replace(tmp, pointer)
+        os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _tags(templates_dir: Path, entries: list[Path]) -> dict[str, list[str]]:
+    """Build directory name -> the tags pointing at it."""
+    found: dict[str, list[str]] = {}
+    for entry in entries:
+        name, sep, tag = entry.name.partition(_TAG_POINTER)
+        if not sep or not TAG.fullmatch(tag):
+            continue
+        with contextlib.suppress(OSError):
+            found.setdefault(os.readlink(entry), []).append(tag)
+    return found
 
 
 def list_builds(templates_dir: Path) -> list[BuiltTemplate]:
@@ -142,11 +173,14 @@ def list_builds(templates_dir: Path) -> list[BuiltTemplate]:
     except FileNotFoundError:
         return []
     current: dict[str, str | None] = {}
+    tags = _tags(templates_dir, entries)
     builds = []
     for entry in entries:
         build = read_build(entry)
         if build is None:
             continue
+        if entry.name in tags:
+            build = replace(build, tags=tuple(sorted(tags[entry.name])))
         if build.name not in current:
             with contextlib.suppress(OSError):
                 current[build.name] = os.readlink(_pointer(templates_dir, build.name))
@@ -164,6 +198,9 @@ def remove_builds(templates_dir: Path, name: str) -> list[BuiltTemplate]:
     with name_lock(templates_dir, name):
         builds = [b for b in list_builds(templates_dir) if b.name == name]
         _pointer(templates_dir, name).unlink(missing_ok=True)
+        for build in builds:
+            for tag in build.tags:
+                pointer(templates_dir, f"{name}:{tag}").unlink(missing_ok=True)
         for build in builds:
             trash = templates_dir / f".trash-{build.path.name}-{secrets.token_hex(4)}"
             os.rename(build.path, trash)

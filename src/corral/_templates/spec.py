@@ -28,6 +28,7 @@ __all__ = [
     "TemplateFile",
     "TemplateSpec",
     "check_name",
+    "check_reference",
     "load_spec_file",
     "parse_spec",
 ]
@@ -108,6 +109,21 @@ class TemplateSpec:
                       for f in self.files],
             "setup": list(self.setup),
         }
+
+
+def check_reference(reference: object, *, where: str = "template") -> str:
+    """Return ``reference`` (``name`` or ``name:tag``) if it can name a build, else raise
+    ``UsageError``."""
+    from .catalog import TAG
+
+    if isinstance(reference, str) and ":" in reference:
+        name, _, tag = reference.partition(":")
+        check_name(name, where=f"{where} name")
+        if not TAG.fullmatch(tag):
+            raise UsageError(f"invalid tag {tag[:64]!r} in {where} {reference[:80]!r}: 1-64 "
+                             "letters, digits, '_', '.', '-', not starting with '.' or '-'")
+        return reference
+    return check_name(reference, where=f"{where} name")
 
 
 def check_name(name: object, *, where: str = "template name") -> str:

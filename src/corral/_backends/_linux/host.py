@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..._settings import Settings
+from ..._templates import catalog
 from ..._workspace.files import WorkspaceFiles
 from ...backends import EgressEndpoint, ExecRequest, Leftover, SandboxSpec, SealResult, WorkspaceFS
 from ...errors import BackendError, BackendUnavailable, ConfigError
@@ -148,7 +149,7 @@ class HostBackedBackend:
         if template.root is None:
             return template.etc.is_dir()
         try:
-            pointer = os.readlink(self._templates_dir / f"{name}.current")
+            pointer = os.readlink(catalog.pointer(self._templates_dir, name))
         except OSError:
             return False
         return template.root.parent.name == pointer and template.etc.is_dir()

@@ -32,7 +32,7 @@ from pathlib import Path
 from ..._images.config import ImageConfig
 from ..._templates.builtin import BUILTIN_SPECS
 from ..._templates.catalog import BuiltTemplate, current_build, list_builds
-from ..._templates.spec import check_name
+from ..._templates.spec import check_reference
 from ...errors import UsageError
 
 __all__ = ["SANDBOX_GID", "SANDBOX_UID", "TEMPLATES", "BaseTemplate", "load_template",
@@ -215,7 +215,7 @@ def _not_built(name: str, templates_dir: Path) -> UsageError:
 
 def _current(name: str, templates_dir: Path) -> BuiltTemplate:
     try:
-        check_name(name)
+        check_reference(name)
     except UsageError:
         raise _not_built(name, templates_dir) from None
     build = current_build(templates_dir, name)
