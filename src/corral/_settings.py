@@ -88,6 +88,21 @@ class Settings(BaseSettings):
             ``CORRAL_REGISTRY_AUTH_FILE``.
         image_max_bytes: the most an image may unpack to (file content, all layers).
         image_pull_timeout_s: how long one image pull may take.
+        index_pypi: the Python package index the ``pypi`` network preset allows and points pip
+            at (a PEP 503 simple index URL; a name, not an IP literal: pin a mirror's address
+            with ``egress_hosts``, and list a private one in ``egress_allow_cidrs``).
+            ``CORRAL_INDEX_PYPI``.
+        index_pypi_files: comma-separated URLs or hosts pip downloads files from besides the
+            index's own host; unset: ``files.pythonhosted.org`` for the public index, nothing
+            for any other (a mirror serves its files itself). ``CORRAL_INDEX_PYPI_FILES``.
+        index_npm: the npm registry the ``npm`` preset allows and points npm at.
+            ``CORRAL_INDEX_NPM``.
+        index_debian: the Debian archive the ``debian`` preset allows and writes apt sources
+            for. ``CORRAL_INDEX_DEBIAN``.
+        index_debian_security: the security archive beside it; unset: the public one for the
+            public archive, none for a mirror. ``CORRAL_INDEX_DEBIAN_SECURITY``.
+        index_debian_suite: the release the apt sources name (``bookworm``).
+            ``CORRAL_INDEX_DEBIAN_SUITE``.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -123,6 +138,12 @@ class Settings(BaseSettings):
     registry_auth_file: Path | None = None
     image_max_bytes: int = Field(default=16 * 2**30, ge=2**20)
     image_pull_timeout_s: float = Field(default=1800.0, gt=0)
+    index_pypi: str = "https://pypi.org/simple"
+    index_pypi_files: str | None = None
+    index_npm: str = "https://registry.npmjs.org"
+    index_debian: str = "http://deb.debian.org/debian"
+    index_debian_security: str | None = None
+    index_debian_suite: str = Field(default="bookworm", pattern=r"^[a-z][a-z0-9.-]{0,39}$")
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:

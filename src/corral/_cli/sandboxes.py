@@ -137,12 +137,19 @@ def command_options(fn: F) -> F:
 
 
 def network_options(fn: F) -> F:
-    """--allow, --deny and --secret, shared by `run` and `create`."""
+    """--allow, --deny, --index, --require-lock and --secret, shared by `run` and `create`."""
     for decorator in reversed([
         click.option("--allow", "allow", multiple=True, metavar="HOST",
                      help="Allow egress to HOST (pypi.org, *.github.com, host:port); repeatable."),
         click.option("--deny", "deny", multiple=True, metavar="HOST",
                      help="Deny HOST even if an allow rule matches; repeatable."),
+        # Not --preset: click would offer it beside --resources for a mistyped --resource.
+        click.option("--index", "presets", multiple=True, metavar="NAME",
+                     help="Package index preset (pypi, npm, debian): allow the operator's "
+                          "index and point the client at it; repeatable."),
+        click.option("--require-lock", "require_lock", is_flag=True,
+                     help="With --index pypi: pip installs only hashed requirements "
+                          "(pip install --require-hashes -r FILE)."),
         click.option("--secret", "secret_names", multiple=True, metavar="NAME",
                      help="Expose host secret NAME as a placeholder in env NAME; repeatable."),
     ]):
@@ -150,8 +157,14 @@ def network_options(fn: F) -> F:
     return fn
 
 
-def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[str]] | str:
-    return {"allow": list(allow), "deny": list(deny)} if allow else "none"
+def _network(allow: tuple[str, ...], deny: tuple[str, ...], presets: tuple[str, ...] = (),
+             require_lock: bool = False) -> dict[str, Any] | str:
+    if not allow and not presets and not require_lock:
+        return "none"
+    network: dict[str, Any] = {"allow": list(allow), "deny": list(deny)}
+    if presets or require_lock:
+        network.update(presets=list(presets), require_lock=require_lock)
+    return network
 
 
 @click.command(cls=TakesCommand)
@@ -163,9 +176,9 @@ def _network(allow: tuple[str, ...], deny: tuple[str, ...]) -> dict[str, list[st
 @click.pass_context
 @handle_errors
 def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[str, ...],
-        secret_names: tuple[str, ...], template: str | None, image: str | None,
-        isolation: str | None, snapshot_ref: str | None, timeout: float | None,
-        env: tuple[str, ...],
+        presets: tuple[str, ...], require_lock: bool, secret_names: tuple[str, ...],
+        template: str | None, image: str | None, isolation: str | None,
+        snapshot_ref: str | None, timeout: float | None, env: tuple[str, ...],
         cwd: str | None, forward_stdin: bool, binary: bool, context: tuple[str, ...],
         as_json: bool, command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
@@ -178,13 +191,15 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
       corral run -- python3 -c 'print(1+1)'
       corral run -r large --timeout 60 -- 'make -j2 && ./test.sh'
       corral run --allow pypi.org -- pip download requests
+      corral run --index pypi -- pip install --target deps requests
       corral run --stdin -- python3 - < script.py
       corral run --json -- ls -la      {exit_code, stdout, stderr, timed_out, usage, ...}
       corral run --image 127.0.0.1:5000/tools:1      the image's entrypoint and command
     """
     cmd = _command_from(command) if command or image is None else None
     variables = parse_pairs(env)
-    with sdk().create(template, resources=resources, network=_network(allow, deny),
+    network = _network(allow, deny, presets, require_lock)
+    with sdk().create(template, resources=resources, network=network,
                         secrets=list(secret_names), isolation=isolation,
                         snapshot=snapshot_ref, image=image, home=home_of(ctx)) as sb:
         if cmd is None:
@@ -206,9 +221,10 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
 @click.pass_context
 @handle_errors
 def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
-           allow: tuple[str, ...], deny: tuple[str, ...], secret_names: tuple[str, ...],
-           template: str | None, image: str | None, isolation: str | None,
-           snapshot_ref: str | None, as_json: bool) -> None:
+           allow: tuple[str, ...], deny: tuple[str, ...], presets: tuple[str, ...],
+           require_lock: bool, secret_names: tuple[str, ...], template: str | None,
+           image: str | None, isolation: str | None, snapshot_ref: str | None,
+           as_json: bool) -> None:
     """Create a sandbox and print its id (--json: the sandbox, as `corral info --json`).
 
     It lives until `corral rm ID` or its lifetime (--ttl) ends.
@@ -219,7 +235,8 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
     """
     label_map = parse_pairs(labels, "--label")
     sb = sdk().create(template, resources=resources, timeout=ttl, labels=label_map,
-                        network=_network(allow, deny), secrets=list(secret_names),
+                        network=_network(allow, deny, presets, require_lock),
+                        secrets=list(secret_names),
                         isolation=isolation, snapshot=snapshot_ref, image=image,
                         home=home_of(ctx))
     if as_json:

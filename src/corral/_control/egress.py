@@ -4,6 +4,7 @@ secret store, decisions into the audit trail, a listener per command."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets as random
 import socket
 import threading
@@ -16,34 +17,55 @@ from .._egress.ca import CertificateAuthority
 from .._egress.gateway import BoundSecret, Decision, EgressContext, Gateway
 from .._egress.policy import NetworkPolicy, Rule
 from .._settings import Settings
-from ..backends import IsolationBackend, SandboxSpec
-from ..errors import BackendError, UsageError
+from ..backends import IsolationBackend, SandboxSpec, WorkspaceFS
+from ..errors import BackendError, CorralError, UsageError
+from .presets import PackageIndexes, check_names
 from .secrets import SecretStore
 from .store import Store
 
 __all__ = ["EgressBroker", "NetworkSpec", "network_spec", "policy_from"]
 
-NetworkSpec = str | Mapping[str, Iterable[str]] | None
+NetworkSpec = str | Mapping[str, Iterable[str] | bool] | None
+
+logger = logging.getLogger(__name__)
+_KEYS = ("allow", "deny", "presets", "require_lock")
 
 # Where the sandbox finds the gateway's CA (the template's bundle includes it too).
 _CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 
-def policy_from(network: NetworkSpec) -> NetworkPolicy:
-    """``None``/``"none"``, or ``{"allow": [...], "deny": [...]}``.
+def policy_from(network: NetworkSpec, indexes: PackageIndexes | None = None) -> NetworkPolicy:
+    """``None``/``"none"``, or ``{"allow": [...], "deny": [...], "presets": [...],
+    "require_lock": bool}`` (every key optional).
+
+    ``indexes`` expands the presets into allow rules for the operator's index hosts, so the
+    ceiling check sees them. Without it the presets are carried but not expanded: that is the
+    form of a stored policy (``network_spec``), whose allow rules already hold the expansion.
 
     Raises:
-        UsageError: anything else, or a malformed rule.
+        UsageError: anything else, an unknown preset, or a malformed rule.
     """
     if network is None or network == "none":
         return NetworkPolicy.none()
     if isinstance(network, Mapping):
-        unknown = set(network) - {"allow", "deny"}
+        unknown = set(network) - set(_KEYS)
         if unknown:
-            raise UsageError(f"unknown network keys {sorted(unknown)}; use 'allow' and 'deny'")
-        return NetworkPolicy.build(network.get("allow"), network.get("deny"))
-    raise UsageError(f"network must be 'none' or {{'allow': [...], 'deny': [...]}}, "
-                     f"not {network!r}")
+            raise UsageError(f"unknown network keys {sorted(unknown)}; use "
+                             f"{', '.join(repr(k) for k in _KEYS)}")
+        presets, require_lock = check_names(network.get("presets"),
+                                            network.get("require_lock", False))
+        allow = network.get("allow")
+        if isinstance(allow, str) or isinstance(allow, bool):
+            raise UsageError("allow and deny take a list of rules, not a single string")
+        rules = list(allow or ())
+        if indexes is not None:
+            rules += indexes.rules(presets)
+        deny = network.get("deny")
+        if isinstance(deny, bool):
+            raise UsageError("allow and deny take a list of rules, not a single string")
+        return NetworkPolicy.build(rules, deny, presets=presets, require_lock=require_lock)
+    raise UsageError(f"network must be 'none' or {{'allow': [...], 'deny': [...], "
+                     f"'presets': [...]}}, not {network!r}")
 
 
 class EgressBroker:
@@ -56,8 +78,13 @@ class EgressBroker:
         self._cidrs = parse_cidrs(c for c in settings.egress_allow_cidrs.split(",") if c.strip())
         # Made now, before any template is built, so every sandbox's trust bundle has it.
         self.ca = CertificateAuthority(settings.home / "egress")
+        self.indexes = PackageIndexes(settings)
         self._gateway: Gateway | None = None
         self._lock = threading.Lock()
+
+    def policy(self, network: NetworkSpec) -> NetworkPolicy:
+        """``policy_from`` with this operator's package indexes for the presets."""
+        return policy_from(network, self.indexes)
 
     def placeholders_for(self, names: Iterable[str]) -> dict[str, str]:
         """A fresh random placeholder per secret name; unknown names are refused."""
@@ -107,7 +134,8 @@ class EgressBroker:
                     command_id: str) -> Iterator[dict[str, str]]:
         """The environment a command gets for egress; a listener lives while it runs."""
         env = dict(placeholders)
-        if NetworkPolicy.from_json(dict(network)).mode == "none":
+        policy = NetworkPolicy.from_json(dict(network))
+        if policy.mode == "none":
             yield env  # no listener, no proxy variables: nothing answers
             return
         endpoint = backend.egress_endpoint(spec)
@@ -127,17 +155,53 @@ class EgressBroker:
             for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"):
                 env[name] = _CA_BUNDLE
             env["NODE_EXTRA_CA_CERTS"] = "/etc/corral/egress-ca.pem"
+            if policy.presets:
+                env.update(self._client_config(backend, spec, policy))
             yield env
         finally:
             handle.close()
+
+    def _client_config(self, backend: IsolationBackend, spec: SandboxSpec,
+                       policy: NetworkPolicy) -> dict[str, str]:
+        """The presets' client environment; their config files written first if changed."""
+        files = self.indexes.files(policy.presets)
+        if files:
+            try:
+                _write_changed(backend.files(spec), files)
+            except CorralError as exc:
+                # The sandbox's own doing (a directory where the file goes, a full disk): its
+                # client then lacks the config; the gateway still allows only the index hosts.
+                logger.warning("sandbox %s: could not write package client config: %s",
+                               spec.id, exc)
+        return self.indexes.environment(policy.presets, require_lock=policy.require_lock)
 
     def close(self) -> None:
         if self._gateway is not None:
             self._gateway.close()
 
 
+def _write_changed(fs: WorkspaceFS, files: Mapping[str, bytes | None]) -> None:
+    """Make each directory (``None``) and write each file through the workspace API (never
+    following the sandbox's symlinks out), unless it already holds exactly that: most commands
+    then write nothing."""
+    for path, data in files.items():
+        if data is None:
+            fs.make_dir(path)
+            continue
+        if fs.exists(path) and fs.read(path) == data:
+            continue
+        parent = path.rsplit("/", 1)[0]
+        fs.make_dir(parent)
+        fs.write(path, data)
+
+
 def network_spec(network: Mapping[str, Any]) -> NetworkSpec:
     """A stored policy back in the form ``create`` takes."""
     if not network or network.get("mode") == "none" and not network.get("deny"):
         return "none"
-    return {"allow": list(network.get("allow") or []), "deny": list(network.get("deny") or [])}
+    spec: dict[str, Any] = {"allow": list(network.get("allow") or []),
+                            "deny": list(network.get("deny") or [])}
+    if network.get("presets"):
+        spec.update(presets=list(network["presets"]),
+                    require_lock=network.get("require_lock") is True)
+    return spec

@@ -32,7 +32,7 @@ from ..errors import (
 )
 from ..models import SnapshotInfo
 from . import validate
-from .egress import EgressBroker, NetworkSpec, policy_from
+from .egress import EgressBroker, NetworkSpec
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .memimages import capable, check_resumable
@@ -152,7 +152,7 @@ class Sandboxes:
             isolation = memory["isolation"] if asked_isolation is None else isolation
             origin = {**(origin or {}), "memory_image": memory_image}
         template = "base" if template is None else template
-        policy = policy_from(network)
+        policy = self._egress.policy(network)
         names = validate.secret_names(secrets)
         placeholders = self._egress.placeholders_for(names)
         if idle_timeout is not None:
@@ -247,7 +247,7 @@ class Sandboxes:
 
     def set_network(self, sandbox_id: str, network: NetworkSpec, *,
                     caller: Tenant | None) -> SandboxRecord:
-        policy = policy_from(network)
+        policy = self._egress.policy(network)
         info = self.get(sandbox_id)
         check_ceiling(self._admission.ceiling_for(caller),
                       tenant=caller.name if caller else info.tenant, network=policy)

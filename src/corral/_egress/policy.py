@@ -140,11 +140,18 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True)
 class NetworkPolicy:
-    """``mode`` is ``none`` (no network at all) or ``allowlist``."""
+    """``mode`` is ``none`` (no network at all) or ``allowlist``.
+
+    ``presets`` names the package-index presets the allow rules were expanded from, and
+    ``require_lock`` asks their clients to install only locked, hashed requirements; the
+    gateway decides on the rules alone, the control plane derives client config from these.
+    """
 
     mode: str = "none"
     allow: tuple[Rule, ...] = ()
     deny: tuple[Rule, ...] = ()
+    presets: tuple[str, ...] = ()
+    require_lock: bool = False
 
     @classmethod
     def none(cls) -> NetworkPolicy:
@@ -152,8 +159,10 @@ class NetworkPolicy:
 
     @classmethod
     def build(cls, allow: Iterable[str] | None = None,
-              deny: Iterable[str] | None = None) -> NetworkPolicy:
-        """An allowlist policy; with no allow rules it is the same as ``none``."""
+              deny: Iterable[str] | None = None, *, presets: Sequence[str] = (),
+              require_lock: bool = False) -> NetworkPolicy:
+        """An allowlist policy; with no allow rules it is the same as ``none``. Repeated allow
+        rules are kept once (a preset's host may also be named by hand)."""
         if isinstance(allow, str) or isinstance(deny, str):
             raise UsageError("allow and deny take a list of rules, not a single string")
         allow_texts, deny_texts = list(allow or ()), list(deny or ())
@@ -162,11 +171,12 @@ class NetworkPolicy:
             raise UsageError(f"at most {_MAX_RULES} network rules per sandbox, got "
                              f"{len(allow_texts) + len(deny_texts)}; allow a wildcard such as "
                              "'*.example.com' instead of many names")
-        allow_rules = tuple(Rule.parse(r) for r in allow_texts)
+        allow_rules = tuple(dict.fromkeys(Rule.parse(r) for r in allow_texts))
         deny_rules = tuple(Rule.parse(r) for r in deny_texts)
         if not allow_rules:
             return cls(mode="none", deny=deny_rules)
-        return cls(mode="allowlist", allow=allow_rules, deny=deny_rules)
+        return cls(mode="allowlist", allow=allow_rules, deny=deny_rules,
+                   presets=tuple(presets), require_lock=require_lock)
 
     def decide(self, host: str, port: int) -> Verdict:
         """Deny rules first, then an allow rule must match. ``host`` must be normalised."""
@@ -181,8 +191,11 @@ class NetworkPolicy:
         return Verdict(False, "no-match", f"{host}:{port} matches no allow rule")
 
     def to_json(self) -> dict[str, object]:
-        return {"mode": self.mode, "allow": [str(r) for r in self.allow],
-                "deny": [str(r) for r in self.deny]}
+        data: dict[str, object] = {"mode": self.mode, "allow": [str(r) for r in self.allow],
+                                   "deny": [str(r) for r in self.deny]}
+        if self.presets:  # only then: a policy without presets keeps its long-standing shape
+            data.update(presets=list(self.presets), require_lock=self.require_lock)
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, object] | None) -> NetworkPolicy:
@@ -190,5 +203,9 @@ class NetworkPolicy:
             return cls.none()
         allow = data.get("allow") or []
         deny = data.get("deny") or []
+        presets = data.get("presets") or []
         assert isinstance(allow, Sequence) and isinstance(deny, Sequence)
-        return cls.build([str(r) for r in allow], [str(r) for r in deny])
+        assert isinstance(presets, Sequence)
+        return cls.build([str(r) for r in allow], [str(r) for r in deny],
+                         presets=[str(p) for p in presets],
+                         require_lock=data.get("require_lock") is True)

@@ -79,6 +79,14 @@ Isolation: Any = Literal[ISOLATION_TIERS]
 class NetworkBody(_Strict):
     allow: list[str] = Field(default_factory=list)
     deny: list[str] = Field(default_factory=list)
+    presets: list[str] = Field(
+        default_factory=list,
+        description="Package-index presets (pypi, npm, debian): allow the operator's index "
+                    "hosts and point the clients at them.")
+    require_lock: bool = Field(
+        default=False,
+        description="With the pypi preset: pip installs only hashed requirements "
+                    "(--require-hashes).")
 
 
 class CreateSandbox(_Strict):
