@@ -532,6 +532,15 @@ def main():
         emit("fatal", message=f"the {language} kernel could not start: {exc}")
         os._exit(3)
     inbox = _Inbox(getattr(kernel, "interrupt", None))
+    # An interrupt is for the cell that runs: one landing between cells (sent just as a cell
+    # ended, or before the next one began) must not end the kernel and everything it holds.
+    in_cell = [False]
+
+    def on_sigint(signum, frame):
+        if in_cell[0]:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
     emit("ready", kernel=kernel.kernel, language=language, pid=os.getpid())
     while True:
         message = inbox.next()
@@ -543,7 +552,11 @@ def main():
         try:
             os.environ.update(envs)  # for this cell only, as E2B's env_vars
             try:
-                kernel.run(message.get("code", ""))
+                in_cell[0] = True
+                try:
+                    kernel.run(message.get("code", ""))
+                finally:
+                    in_cell[0] = False
             except KeyboardInterrupt:
                 emit("error", name="KeyboardInterrupt", value="", traceback="KeyboardInterrupt")
         except SystemExit as exc:
