@@ -250,3 +250,37 @@ def test_tags_name_versions_of_a_template(images: Images) -> None:
     assert bad.exit_code != 0 and "invalid tag" in bad.output
     text = _cli(images, "templates", "ls")
     assert "[one]" in text.output and "[two]" in text.output
+
+
+def test_the_http_api_creates_from_registry_images_only(images: Images) -> None:
+    from tests.integration.servers import Server
+
+    with Server(images.manager) as server:
+        with Sandbox.create(image=images.ref("test/bb"), url=server.url) as sb:
+            assert sb.commands.run(["cat", "hello.txt"]).stdout == "hello\n"
+            assert sb.get_info().template_version == images.bb_digest
+        # A host path is the operator's to name, never an API caller's.
+        with pytest.raises(ImageRefused, match=r"only its operator"):
+            Sandbox.create(image=f"oci:{images.bb.layout}:latest", url=server.url)
+        with pytest.raises(ImageRefused, match=r"CORRAL_REGISTRIES"):
+            Sandbox.create(image="quay.io/acme/tool:1", url=server.url)
+
+
+def test_prune_removes_what_no_template_uses(images: Images) -> None:
+    marker = secrets.token_hex(8).encode()
+    own = layer_from_members([Member("pruned.txt", data=marker)])
+    image = write_layout(images.work / f"p-{marker.decode()}", [images.base_layer, own])
+    pulled = pull_image(f"oci:{image.layout}:latest", images.settings, name="to-prune",
+                        allow_local=True)
+    layers = images.settings.home / "images" / "layers"
+    top = layers / image.diff_ids[1].removeprefix("sha256:")
+    base = layers / image.diff_ids[0].removeprefix("sha256:")
+    assert top.is_dir() and base.is_dir()
+    assert _cli(images, "templates", "rm", "to-prune").exit_code == 0
+    pruned = _json(images, "templates", "prune")
+    assert pruned["removed"] >= 1 and pruned["freed_bytes"] > 0
+    assert not top.exists()  # only to-prune used it
+    assert base.is_dir()  # the other images still use the base layer
+    assert not pulled.template.path.exists()
+    with Sandbox.create(image=images.ref("test/bb"), home=images.home) as sb:
+        assert sb.commands.run(["cat", "/app/hello.txt"]).stdout == "hello\n"

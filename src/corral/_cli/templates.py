@@ -206,6 +206,22 @@ def _build_dockerfile(ctx: click.Context, name: str | None, dockerfile: Path,
                    f"({result.steps_run} steps run, {result.steps_cached} cached)")
 
 
+@templates.command(name="prune")
+@json_option
+@click.pass_context
+@handle_errors
+def prune(ctx: click.Context, as_json: bool) -> None:
+    """Remove unpacked image layers and downloaded blobs that no template uses any more (after
+    `corral templates rm`); a later pull fetches again what it needs."""
+    from .._images.pull import prune_images
+
+    removed, freed = prune_images(ctx.obj["settings"])
+    if as_json:
+        emit_json({"removed": removed, "freed_bytes": freed})
+    else:
+        click.echo(f"removed {removed} unused layers and blobs ({_mib(freed)})")
+
+
 def _row(build: BuiltTemplate) -> dict[str, Any]:
     return {"kind": "image" if build.image is not None else "built", **build.to_dict()}
 

@@ -43,7 +43,7 @@ from .._templates.catalog import BuiltTemplate, locked, read_build, split_refere
 from .._templates.spec import check_reference
 from ..errors import ImageError, UsageError
 from .config import ImageConfig
-from .pull import LayerCache, make_build, pull_image
+from .pull import LayerCache, images_dir, make_build, pull_image
 from .unpack import LayerContent, LayerLimits, SafeTree, compose_root, path_components
 
 if TYPE_CHECKING:
@@ -589,7 +589,16 @@ def build_dockerfile(manager: Manager, dockerfile: Path, *, name: str,
     if not context.is_dir():
         raise UsageError(f"the build context {context} is not a directory")
     steps = _parse(dockerfile)
-    given = dict(build_args or {})
+    # Shared with pulls: `corral templates prune` waits, so the layers this build makes
+    # before its template refers to them are not taken away under it.
+    with locked(images_dir(manager.settings) / ".locks" / "pulls.lock", shared=True):
+        return _build(manager, dockerfile, context, steps, name, tag, dict(build_args or {}),
+                      network, progress, started)
+
+
+def _build(manager: Manager, dockerfile: Path, context: Path, steps: list[_Instruction],
+           name: str, tag: str | None, given: dict[str, str], network: Any,
+           progress: Progress, started: float) -> BuildResult:
     variables: dict[str, str] = {}
     state: _State | None = None
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=manager.settings.home))

@@ -22,6 +22,7 @@ packages.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +43,7 @@ from .._templates.catalog import (
     METADATA,
     BuiltTemplate,
     build_dir,
+    list_builds,
     locked,
     name_lock,
     read_build,
@@ -55,7 +57,7 @@ from .reference import ImagePolicy, ImageRef, parse_reference
 from .unpack import LayerContent, LayerLimits, compose_root, unpack_layer
 
 __all__ = ["LayerCache", "PullResult", "image_template_name", "images_dir", "make_build",
-           "pull_image"]
+           "prune_images", "pull_image"]
 
 Progress = Callable[[str], None]
 
@@ -275,10 +277,20 @@ class LayerCache:
                 size = blob.stat().st_size
                 self._progress(f"layer {index}/{count} {short}: unpacking "
                                f"{size / 2**20:.1f} MiB")
+                last = [time.monotonic()]
+
+                def unpacked(total: int) -> None:
+                    # At most one line a second: a big layer shows it moves, a small one is quiet.
+                    if time.monotonic() - last[0] >= 1.0:
+                        last[0] = time.monotonic()
+                        self._progress(f"layer {index}/{count} {short}: "
+                                       f"{(total - used) / 2**20:.0f} MiB written")
+
                 with open(blob, "rb") as stream:
                     content = unpack_layer(stream, layer.media_type, work / "tree",
                                            diff_id=layer.diff_id, limits=self._limits,
-                                           used_bytes=used, what=f"layer {index} ({short})")
+                                           used_bytes=used, what=f"layer {index} ({short})",
+                                           on_progress=unpacked)
                 (work / "layer.json").write_text(json.dumps(content.to_dict()))
                 os.rename(work, final)
             except BaseException:
@@ -309,6 +321,54 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
         ImageError: it cannot be fetched, or its content is refused.
         BackendUnavailable: skopeo is missing.
     """
+    # Shared: pulls run side by side; `prune` waits for them all (it removes what is unused).
+    with locked(images_dir(settings) / ".locks" / "pulls.lock", shared=True):
+        return _pull(reference, settings, name=name, allow_local=allow_local,
+                     on_progress=on_progress)
+
+
+def prune_images(settings: Settings) -> tuple[int, int]:
+    """Remove unpacked layers and downloaded blobs no template build uses any more; returns
+    (entries removed, bytes freed). Waits for pulls under way."""
+    images = images_dir(settings)
+    if not images.is_dir():
+        return 0, 0
+    with locked(images / ".locks" / "pulls.lock"):
+        used_layers: set[str] = set()
+        used_blobs: set[str] = set()
+        for build in list_builds(settings.home / "templates"):
+            if build.image is not None:
+                used_layers.update(str(d).removeprefix("sha256:")
+                                   for d in build.image.get("layers", ()))
+                used_blobs.update(str(d).removeprefix("sha256:")
+                                  for d in build.image.get("blobs", ()))
+        removed = freed = 0
+        layers = images / "layers"
+        for entry in (list(layers.iterdir()) if layers.is_dir() else []):
+            if entry.name not in used_layers:
+                freed += _size_of(entry)
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+        blobs = images / "oci" / "blobs" / "sha256"
+        for entry in (list(blobs.iterdir()) if blobs.is_dir() else []):
+            if entry.name not in used_blobs:
+                freed += entry.lstat().st_size
+                entry.unlink(missing_ok=True)
+                removed += 1
+    return removed, freed
+
+
+def _size_of(path: Path) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in (*dirnames, *filenames):
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def _pull(reference: str, settings: Settings, *, name: str | None,
+          allow_local: bool, on_progress: Progress | None) -> PullResult:
     progress = on_progress or (lambda line: None)
     started = time.monotonic()
     ref = parse_reference(reference)
@@ -365,8 +425,9 @@ def pull_image(reference: str, settings: Settings, *, name: str | None = None,
         reused += was_cached
         contents.append((cache.path(layer.diff_id) / "tree", content))
     chosen = name or image_template_name(digest)
+    blobs = [local_digest, config_entry["digest"], *(layer.digest for layer in layers)]
     built = make_build(templates_dir, chosen, digest, ref.canonical, image_config, contents,
-                       used, time.monotonic() - started, progress)
+                       used, time.monotonic() - started, progress, extra={"blobs": blobs})
     return _done(built, templates_dir, ref, digest, cached=False, reused=reused,
                  unpacked=len(layers) - reused, started=started, progress=progress,
                  tag=tag)

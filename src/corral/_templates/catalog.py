@@ -209,17 +209,20 @@ def remove_builds(templates_dir: Path, name: str) -> list[BuiltTemplate]:
 
 
 @contextlib.contextmanager
-def locked(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (released if the process dies)."""
+def locked(path: Path, on_wait: Callable[[], None] | None = None, *,
+           shared: bool = False) -> Iterator[None]:
+    """Hold an exclusive (or ``shared``) ``flock`` on ``path`` (released if the process
+    dies)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             if on_wait is not None:
                 on_wait()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, mode)
         yield
     finally:
         os.close(fd)
