@@ -551,6 +551,25 @@ def _beyond_ceiling(body: dict[str, Any], what: str) -> Run:
     return run
 
 
+def _image_refused(image: str, what: str) -> Run:
+    """Create a sandbox from ``image`` with a tenant key: only ``image_refused`` (403) holds;
+    anything else means the service tried (read a host path, or called out to a registry the
+    operator never allowed)."""
+    def run(ctx: DrillContext) -> Outcome:
+        assert ctx.service is not None
+        with _client(ctx, ctx.service.api_key) as api:
+            response = api.post("/v1/sandboxes", json={"labels": {"corral-drill": "image"},
+                                                       "image": image})
+            if response.status_code == 201:
+                api.delete(f"/v1/sandboxes/{response.json()['id']}")
+        shown = f"create from {what} -> {response.status_code} {response.text[:160]}"
+        evidence = (Evidence("response", shown),)
+        if response.status_code == 403 and '"image_refused"' in response.text:
+            return Outcome("held", shown, evidence)
+        return Outcome("breached", shown, evidence)
+    return run
+
+
 def _ceiling_network_update(ctx: DrillContext) -> Outcome:
     key, early = _ceiling_key(ctx)
     if early is not None:
@@ -752,6 +771,13 @@ CASES = [
                                              "secret CORRAL_DRILL_CEILING_SECRET"), SERVICE),
     Case("caller.ceiling-lifetime", "caller", "ask for a lifetime beyond the ceiling (2 h)",
          "ceiling_exceeded", _beyond_ceiling({"timeout": 7200}, "timeout 7200 s"), SERVICE),
+    # Images: host paths and registries beyond the operator's allowlist.
+    Case("caller.image-host-path", "caller", "create a sandbox from an image at a host path "
+         "(docker-archive:/etc/shadow)", "403 image_refused, nothing read",
+         _image_refused("docker-archive:/etc/shadow", "docker-archive:/etc/shadow"), SERVICE),
+    Case("caller.image-registry", "caller", "create a sandbox from an image in a registry the "
+         "operator did not allow", "403 image_refused before any connection",
+         _image_refused("evil.drill.invalid/x/y:1", "evil.drill.invalid/x/y:1"), SERVICE),
     # Quotas and the browser.
     Case("caller.quota-terminals", "caller", "open terminals after the commands-per-minute "
          "quota is spent", "every terminal is refused", _quota_terminals, SERVICE),
