@@ -456,7 +456,10 @@ def compose_root(layers: list[tuple[Path, LayerContent]], dest: Path, *,
         except FileNotFoundError:
             os.mkdir("etc", 0o755, dir_fd=root_fd)
         if workdir:
-            out.directory(path_components(workdir, "image config WorkingDir"), create=True)
+            # Docker makes a missing WorkingDir; one through a symlink of the image's own is
+            # left for the sandbox to resolve inside its root (never followed here).
+            with contextlib.suppress(ImageError):
+                out.directory(path_components(workdir, "image config WorkingDir"), create=True)
     finally:
         out.close()
 
