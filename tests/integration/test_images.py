@@ -284,3 +284,14 @@ def test_prune_removes_what_no_template_uses(images: Images) -> None:
     assert not pulled.template.path.exists()
     with Sandbox.create(image=images.ref("test/bb"), home=images.home) as sb:
         assert sb.commands.run(["cat", "/app/hello.txt"]).stdout == "hello\n"
+
+
+def test_a_template_spec_can_name_an_image(images: Images) -> None:
+    spec = images.work / "from-spec.toml"
+    spec.write_text(f'name = "from-spec"\nimage = "{images.ref("test/bb")}"\n')
+    built = _json(images, "templates", "build", "--file", str(spec))
+    assert built["name"] == "from-spec" and built["digest"] == images.bb_digest
+    both = images.work / "both.toml"
+    both.write_text(f'name = "both"\nimage = "{images.ref("test/bb")}"\npackages = ["jq"]\n')
+    refused = _cli(images, "templates", "build", "--file", str(both))
+    assert refused.exit_code != 0 and "takes no packages" in refused.output

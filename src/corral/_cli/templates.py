@@ -146,6 +146,9 @@ def build(ctx: click.Context, name: str | None, spec_file: Path | None,
     if context_dir or build_args or allow:
         raise errors.UsageError("--context, --build-arg and --allow go with --dockerfile")
     spec = _spec_from(name, spec_file)
+    if spec.image is not None:  # a spec naming an image: the image, pulled as NAME
+        ctx.invoke(pull, reference=spec.image, name=spec.name, as_json=as_json)
+        return
     templates_dir: Path = ctx.obj["settings"].home / "templates"
     try:
         console = Console(stderr=True)

@@ -45,7 +45,7 @@ _NAME = re.compile(r"[a-z][a-z0-9_-]{0,39}")
 RESERVED_NAMES = frozenset({"base"})
 # Debian policy 5.6.1: lower case letters, digits, + - . ; at least two characters.
 _PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.-]+")
-_KEYS = ("name", "description", "packages", "files", "setup")
+_KEYS = ("name", "description", "packages", "files", "setup", "image")
 _FILE_KEYS = ("path", "content", "mode")
 # Only these parts of a built root become part of a sandbox's root (see template.py); a file
 # anywhere else would be built but never seen.
@@ -79,6 +79,9 @@ class TemplateSpec:
     files: tuple[TemplateFile, ...] = ()
     setup: tuple[str, ...] = ()
     description: str = ""
+    # An image reference instead of packages: the template is that image, pulled
+    # (corral._images); the builder never sees such a spec.
+    image: str | None = None
 
     def normalised(self) -> dict[str, Any]:
         """What the hash covers: everything that changes the built root, nothing else."""
@@ -219,6 +222,18 @@ def parse_spec(data: object, *, where: str = "template spec",
     description = data.get("description", "")
     if not isinstance(description, str):
         raise UsageError(f"{where}: description must be a string")
+    if "image" in data:
+        image = data["image"]
+        if not isinstance(image, str) or not image:
+            raise UsageError(f"{where}: image must be an image reference such as "
+                             "\"registry.example/team/tools:1.4\"")
+        extra = [k for k in ("packages", "files", "setup") if k in data]
+        if extra:
+            raise UsageError(f"{where}: an image template takes no {', '.join(extra)}; "
+                             "describe changes to an image in a Dockerfile "
+                             "(`corral templates build NAME --dockerfile PATH`)")
+        return TemplateSpec(name=str(chosen), packages=(), description=description,
+                            image=image)
     if "packages" not in data:
         raise UsageError(f"{where}: no 'packages'; list the Debian packages to install, e.g. "
                          "packages = [\"python3\"]")
