@@ -73,6 +73,20 @@ def _spec_from(name: str | None, spec_file: Path | None) -> TemplateSpec:
 
 
 @contextlib.contextmanager
+def _interruptible(message: str, *, as_json: bool) -> Iterator[None]:
+    """Ctrl-C or SIGTERM inside: ``message`` said (JSON on stderr with --json), exit 130."""
+    try:
+        with _terminate_as_interrupt():
+            yield
+    except KeyboardInterrupt:
+        if as_json:  # like every other error: JSON on stderr
+            click.echo(json.dumps({"code": "interrupted", "message": message}), err=True)
+        else:
+            click.secho(f"corral: {message}", err=True, fg="red")
+        sys.exit(EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl-C, so the builder stops mmdebstrap and removes its files."""
     def raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -150,18 +164,10 @@ def build(ctx: click.Context, name: str | None, spec_file: Path | None,
         ctx.invoke(pull, reference=spec.image, name=spec.name, as_json=as_json)
         return
     templates_dir: Path = ctx.obj["settings"].home / "templates"
-    try:
-        console = Console(stderr=True)
-        with _terminate_as_interrupt(), _Progress(console, live=not as_json) as progress:
-            result = build_template(spec, templates_dir,
-                                    on_progress=None if as_json else progress)
-    except KeyboardInterrupt:
-        message = f"building template {spec.name!r} was interrupted; nothing was kept"
-        if as_json:  # like every other error: JSON on stderr
-            click.echo(json.dumps({"code": "interrupted", "message": message}), err=True)
-        else:
-            click.secho(f"corral: {message}", err=True, fg="red")
-        sys.exit(EXIT_INTERRUPTED)
+    console = Console(stderr=True)
+    with _interruptible(f"building template {spec.name!r} was interrupted; nothing was kept",
+                        as_json=as_json), _Progress(console, live=not as_json) as progress:
+        result = build_template(spec, templates_dir, on_progress=None if as_json else progress)
     built = result.template
     if as_json:
         emit_json({**built.to_dict(), "cached": result.cached,
@@ -186,19 +192,13 @@ def _build_dockerfile(ctx: click.Context, name: str | None, dockerfile: Path,
                                 "--dockerfile PATH`")
     network = {"allow": list(allow)} if allow else "none"
     console = Console(stderr=True)
-    try:
-        with _terminate_as_interrupt(), _Progress(console, live=not as_json) as progress:
-            result = build_dockerfile(
-                get_manager(ctx.obj["settings"]), dockerfile, name=name, context=context_dir,
-                build_args=parse_pairs(build_args, "--build-arg"), network=network,
-                on_progress=None if as_json else (lambda line: progress(f"I: {line}")))
-    except KeyboardInterrupt:
-        message = f"building template {name!r} was interrupted; finished steps stay cached"
-        if as_json:
-            click.echo(json.dumps({"code": "interrupted", "message": message}), err=True)
-        else:
-            click.secho(f"corral: {message}", err=True, fg="red")
-        sys.exit(EXIT_INTERRUPTED)
+    message = f"building template {name!r} was interrupted; finished steps stay cached"
+    with _interruptible(message, as_json=as_json), \
+            _Progress(console, live=not as_json) as progress:
+        result = build_dockerfile(
+            get_manager(ctx.obj["settings"]), dockerfile, name=name, context=context_dir,
+            build_args=parse_pairs(build_args, "--build-arg"), network=network,
+            on_progress=None if as_json else (lambda line: progress(f"I: {line}")))
     built = result.template
     if as_json:
         emit_json({**_row(built), "digest": result.digest, "steps_run": result.steps_run,
@@ -255,18 +255,11 @@ def pull(ctx: click.Context, reference: str, name: str | None, as_json: bool) ->
 
     settings = ctx.obj["settings"]
     console = Console(stderr=True)
-    try:
-        with _terminate_as_interrupt(), _Progress(console, live=not as_json) as progress:
-            result = pull_image(reference, settings, name=name, allow_local=True,
-                                on_progress=None if as_json else
-                                (lambda line: progress(f"I: {line}")))
-    except KeyboardInterrupt:
-        message = f"pulling {reference[:80]!r} was interrupted; nothing was kept"
-        if as_json:
-            click.echo(json.dumps({"code": "interrupted", "message": message}), err=True)
-        else:
-            click.secho(f"corral: {message}", err=True, fg="red")
-        sys.exit(EXIT_INTERRUPTED)
+    with _interruptible(f"pulling {reference[:80]!r} was interrupted; nothing was kept",
+                        as_json=as_json), _Progress(console, live=not as_json) as progress:
+        result = pull_image(reference, settings, name=name, allow_local=True,
+                            on_progress=None if as_json else
+                            (lambda line: progress(f"I: {line}")))
     built = result.template
     if as_json:
         emit_json({**_row(built), "reference": result.reference, "digest": result.digest,

@@ -207,6 +207,21 @@ class SafeTree:
             os.unlink(name, dir_fd=parent)
         return True
 
+    def replace_with_directory(self, parts: list[str], name: str, mode: int) -> None:
+        """``name`` in ``parts`` a directory of ``mode`` (a file or symlink there is replaced,
+        as overlayfs lets a directory above hide one)."""
+        parent = self.directory(parts, create=True)
+        assert parent is not None
+        try:
+            if not stat.S_ISDIR(os.lstat(name, dir_fd=parent).st_mode):
+                self.remove(parts, name)
+                os.mkdir(name, 0o700, dir_fd=parent)
+        except FileNotFoundError:
+            os.mkdir(name, 0o700, dir_fd=parent)
+        fd = self.directory([*parts, name], create=False)
+        assert fd is not None
+        os.fchmod(fd, mode)
+
     def clear(self, parts: list[str]) -> None:
         """Remove everything inside directory ``parts`` (an opaque directory's lower part)."""
         fd = self.directory(parts, create=False)
@@ -345,18 +360,8 @@ def _fresh_entry(tree: SafeTree, parent_parts: list[str], name: str) -> int:
 
 def _directory(tree: SafeTree, parent_parts: list[str], name: str,
                member: tarfile.TarInfo) -> None:
-    parent = tree.directory(parent_parts, create=True)
-    assert parent is not None
-    try:
-        st = os.lstat(name, dir_fd=parent)
-        if not stat.S_ISDIR(st.st_mode):
-            tree.remove(parent_parts, name)
-            os.mkdir(name, 0o700, dir_fd=parent)
-    except FileNotFoundError:
-        os.mkdir(name, 0o700, dir_fd=parent)
-    fd = tree.directory([*parent_parts, name], create=False)
-    assert fd is not None
-    os.fchmod(fd, _safe_mode(member.mode, directory=True, image_owner=member.uid))
+    tree.replace_with_directory(parent_parts, name,
+                                _safe_mode(member.mode, directory=True, image_owner=member.uid))
 
 
 def _file(archive: tarfile.TarFile, member: tarfile.TarInfo, tree: SafeTree,
@@ -469,16 +474,7 @@ def _link_tree(source_fd: int, parts: list[str], out: SafeTree, link: bool) -> N
     assert dest_fd is not None
     for name, st in sorted(_scan(source_fd)):
         if stat.S_ISDIR(st.st_mode):
-            try:
-                existing = os.lstat(name, dir_fd=dest_fd)
-                if not stat.S_ISDIR(existing.st_mode):
-                    out.remove(parts, name)
-                    os.mkdir(name, 0o700, dir_fd=dest_fd)
-            except FileNotFoundError:
-                os.mkdir(name, 0o700, dir_fd=dest_fd)
-            child = out.directory([*parts, name], create=False)
-            assert child is not None
-            os.fchmod(child, stat.S_IMODE(st.st_mode))
+            out.replace_with_directory(parts, name, stat.S_IMODE(st.st_mode))
             sub = os.open(name, _DIR_FLAGS, dir_fd=source_fd)
             try:
                 _link_tree(sub, [*parts, name], out, link)
