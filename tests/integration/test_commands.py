@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from corral import (
@@ -11,6 +17,7 @@ from corral import (
     SandboxNotFound,
     UsageError,
 )
+from corral._settings import Settings
 
 pytestmark = pytest.mark.needs_root
 
@@ -215,3 +222,24 @@ def test_output_cut_at_the_cap_is_said_live_the_moment_it_happens(sandbox: Sandb
     assert result.stdout == "".join(text for _, text in seen)
     assert result.stdout.endswith("a\n" + marker)
     assert result.stdout_truncated == 1100000 - 1048576
+
+
+def test_signals_the_service_ignores_are_not_inherited(settings: Settings) -> None:
+    # A service started in the background (SIGINT, SIGQUIT ignored) or under nohup (SIGHUP):
+    # a command inside must still get the default handling, or Ctrl-C would reach nothing.
+    script = textwrap.dedent("""
+        import signal, sys
+        for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(s, signal.SIG_IGN)
+        from corral import Sandbox
+        with Sandbox.create(home=sys.argv[1]) as sb:
+            print(sb.commands.run(["grep", "SigIgn", "/proc/self/status"]).stdout, end="")
+    """)
+    env = {**os.environ, "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    done = subprocess.run([sys.executable, "-c", script, str(settings.home)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ignored = int(done.stdout.split()[1], 16)
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1):
+        assert not ignored & (1 << (sig - 1)), (sig, done.stdout)

@@ -20,6 +20,7 @@ import re
 import resource
 import selectors
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -102,6 +103,17 @@ class Launch:
     env: Mapping[str, str]
 
 
+# Signals Python itself ignores and subprocess restores in the child anyway.
+_RESTORED = frozenset({signal.SIGPIPE, signal.SIGXFSZ})
+_CHECKED = tuple(s for s in signal.Signals
+                 if s not in _RESTORED and s not in (signal.SIGKILL, signal.SIGSTOP))
+
+
+def ignored_signals() -> list[signal.Signals]:
+    """The signals this process ignores (which a child would inherit as ignored)."""
+    return [s for s in _CHECKED if signal.getsignal(s) == signal.SIG_IGN]
+
+
 class CommandLauncher:
     """Starts commands for one backend: the bwrap binary, the cgroup driver, the spawner thread."""
 
@@ -111,6 +123,7 @@ class CommandLauncher:
         self.spawner = netns.Spawner()
         self.setsid = shutil.which("setsid") or "setsid"
         self.setpriv = shutil.which("setpriv") or "setpriv"
+        self.env = shutil.which("env") or "env"
         # When a kill takes bwrap's outer process before the sandbox's init, the init is
         # re-parented; as a subreaper we get it (and reap it) instead of a host init that may
         # never reap (containers often run one that doesn't).
@@ -174,6 +187,11 @@ class CommandLauncher:
         # change uid costs milliseconds per command.
         argv = [self.setpriv, f"--reuid={launch.uid}", f"--regid={launch.uid}",
                 "--clear-groups", "--", *argv]
+        if ignored_signals():
+            # Ignored signals survive exec: a service started in the background (SIGINT and
+            # SIGQUIT ignored) or under nohup would hand that on, and Ctrl-C in a terminal
+            # would then reach nothing. Only then, one more exec resets them all.
+            argv = [self.env, "--default-signal", "--", *argv]
         argv, stdio, terminal = command_stdio(request, argv, self.setsid)  # setsid execs: same pid
 
         def spawn() -> subprocess.Popen[bytes]:
