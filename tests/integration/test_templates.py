@@ -409,7 +409,7 @@ def test_an_interrupted_build_leaves_nothing(sig: signal.Signals, cli_env: dict[
         shim.paused.unlink(missing_ok=True)  # releases a hook the interrupt left behind
         if builder.poll() is None:
             builder.kill()
-            builder.wait()
+        builder.communicate()  # reaped and its pipes closed, also when the test failed
     assert builder.returncode == 130, err
     assert "interrupted; nothing was kept" in err
     templates = _templates(settings)
