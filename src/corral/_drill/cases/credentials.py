@@ -127,9 +127,11 @@ CASES = [
                   "the victim's files")),
     Case("cred.victim-search", "credentials", "search the whole filesystem for another sandbox's "
          "secret", "not found",
-         # Corral's data directory first: on a busy host the rest of the tree can use up the
-         # time limit or the 2000 names before the search reaches the planted file.
-         _no_leak("timeout 20 find {home} /tmp /var/tmp /home /srv /opt /var/lib / "
+         # Near its own directory first (a neighbour is where another sandbox would be), then
+         # Corral's data directory: on a busy host the rest of the tree can use up the time
+         # limit or the 2000 names before the search reaches the planted file.
+         _no_leak("near=$(cd .. && pwd); [ \"$near\" = / ] && near=; "
+                  "timeout 20 find $near {home} /tmp /var/tmp /home /srv /opt /var/lib / "
                   "\\( -path /proc -o -path /sys -o -path /dev \\) -prune -o -type f "
                   "\\( -name '*notes*' -o -name '*secret*' -o -name '*.env' \\) "
                   "-size -1000k -print 2>/dev/null | head -2000 | "
