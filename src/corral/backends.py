@@ -22,6 +22,7 @@ Contract:
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -39,12 +40,14 @@ __all__ = [
     "Leftover",
     "Listener",
     "MemorySnapshots",
+    "Mount",
     "OutputCallback",
     "OutputCut",
     "ProcessIO",
     "SandboxSpec",
     "SealResult",
     "TreeItem",
+    "VolumeStorage",
     "WatchEvent",
     "WatchOp",
     "WatchableFS",
@@ -75,6 +78,24 @@ class OutputCut(str):  # noqa: SLOT000 - a str with two read-only attributes
 
 
 @dataclass(frozen=True, slots=True)
+class Mount:
+    """A directory from outside the sandbox, mounted at ``target`` (under ``/mnt/`` or
+    ``/workspace/``, validated by the control plane) when the sandbox is built.
+
+    Attributes:
+        kind: ``volume``, a persistent named volume (``VolumeStorage``; ``source`` is its id),
+            or ``data``, one of the operator's approved host directories (``source`` is its
+            name in ``Settings.data_mounts``, never a path an API caller chose).
+        read_only: writes fail with ``EROFS`` inside. Data mounts are always read-only.
+    """
+
+    kind: Literal["volume", "data"]
+    source: str
+    target: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class SandboxSpec:
     """Everything a backend needs to build or rebuild a sandbox's runtime."""
 
@@ -90,6 +111,9 @@ class SandboxSpec:
     # device state at one instant, over ``layers`` (whose top is the image's own layer), with a
     # fresh RNG seed, clock and identity. None: a fresh boot over ``layers``.
     memory_image: str | None = None
+    # Volumes and data mounts, in the order they are mounted (a later target may be under an
+    # earlier one). A tier that cannot mount them refuses ``create`` with ``BackendUnavailable``.
+    mounts: tuple[Mount, ...] = ()
 
 
 class ProcessIO(Protocol):
@@ -351,6 +375,30 @@ class MemorySnapshots(Protocol):
         ...
 
 
+@runtime_checkable
+class VolumeStorage(Protocol):
+    """An optional capability of an ``IsolationBackend``: persistent named volumes, each a
+    filesystem of a fixed size (a full volume is ``ENOSPC`` inside) that outlives sandboxes,
+    restarts and crashes, mounted by ``SandboxSpec.mounts``. Volumes are the control plane's to
+    name, own and lock (one writer or many readers); a tier only stores them."""
+
+    def create_volume(self, volume_id: str, size_bytes: int) -> None:
+        """Make an empty volume; on failure nothing of it is left."""
+        ...
+
+    def remove_volume(self, volume_id: str) -> None:
+        """Delete a volume no sandbox mounts. Idempotent."""
+        ...
+
+    def volume_usage(self, volume_id: str) -> int:
+        """Bytes used in the volume."""
+        ...
+
+    def volume_ids(self) -> list[str]:
+        """Every volume on disk (to find ones a crash left without a record)."""
+        ...
+
+
 class IsolationBackend(Protocol):
     """One isolation tier. See the module docstring for the contract."""
 
@@ -380,6 +428,12 @@ class IsolationBackend(Protocol):
 
     def files(self, spec: SandboxSpec) -> WorkspaceFS:
         """The sandbox's ``/workspace``, ready for file operations."""
+        ...
+
+    def open_port(self, spec: SandboxSpec, port: int, timeout_s: float) -> socket.socket:
+        """A blocking stream socket connected to ``127.0.0.1:port`` as the sandbox sees it
+        (its own loopback, never the host's), for the port proxy to relay; the caller owns and
+        closes it. Raises ``PortClosed`` when nothing accepts there within ``timeout_s``."""
         ...
 
     def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:

@@ -26,6 +26,12 @@ The tree::
     ├── BackendError           the isolation backend failed
     │   └── BackendUnavailable a kernel feature or host tool is missing
     ├── ImageError             an image could not be pulled or is refused as unsafe
+    ├── PortError              an exposed port could not be served
+    │   ├── PortNotExposed     the sandbox's owner has not exposed that port
+    │   └── PortClosed         exposed, but nothing in the sandbox listens on it
+    ├── VolumeError
+    │   ├── VolumeNotFound
+    │   └── VolumeInUse        mounted by a sandbox (delete), or held by a writer (mount)
     ├── PolicyError
     │   ├── CeilingExceeded    beyond what the operator lets this tenant ever ask for
     │   ├── ImageRefused       an image from a registry or in a form the operator does not allow
@@ -59,6 +65,9 @@ __all__ = [
     "OriginRefused",
     "PathRefused",
     "PolicyError",
+    "PortClosed",
+    "PortError",
+    "PortNotExposed",
     "QuotaExceeded",
     "RequestRefused",
     "SandboxBusy",
@@ -71,6 +80,9 @@ __all__ = [
     "TooLarge",
     "TransportError",
     "UsageError",
+    "VolumeError",
+    "VolumeInUse",
+    "VolumeNotFound",
     "error_class",
 ]
 
@@ -182,6 +194,45 @@ class ImageError(CorralError):
 
     code = "image_error"
     status = 422
+
+
+class PortError(CorralError):
+    code = "port_error"
+    status = 502
+
+
+class PortNotExposed(PortError):
+    """The port is not exposed (never, or no longer); its owner exposes it with
+    ``sb.ports.expose(port)``."""
+
+    code = "port_not_exposed"
+    status = 404
+
+
+class PortClosed(PortError):
+    """The port is exposed but nothing in the sandbox accepts connections on it (the server
+    is not started yet, crashed, or listens on another port)."""
+
+    code = "port_closed"
+    status = 502
+
+
+class VolumeError(CorralError):
+    code = "volume_error"
+    status = 400
+
+
+class VolumeNotFound(VolumeError):
+    code = "volume_not_found"
+    status = 404
+
+
+class VolumeInUse(VolumeError):
+    """A volume mounted by a sandbox cannot be deleted, and one a sandbox writes cannot be
+    mounted by another; the message names the sandbox."""
+
+    code = "volume_in_use"
+    status = 409
 
 
 class PolicyError(CorralError):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import posixpath
 import shlex
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Set
@@ -45,7 +46,14 @@ from ..backends import (
     WatchOp,
     WorkspaceFS,
 )
-from ..errors import BackendError, FileError, FileNotFound, QuotaExceeded, SandboxNotFound
+from ..errors import (
+    BackendError,
+    FileError,
+    FileNotFound,
+    PortClosed,
+    QuotaExceeded,
+    SandboxNotFound,
+)
 from ..models import FileEntry, ResourceTier, Usage
 
 __all__ = ["MemoryBackend", "MemoryFS", "MemoryVMBackend", "spec_for"]
@@ -450,6 +458,9 @@ class MemoryBackend:
 
     def egress_endpoint(self, spec: SandboxSpec) -> EgressEndpoint:
         raise BackendError("the in-memory test backend has no network; use network='none'")
+
+    def open_port(self, spec: SandboxSpec, port: int, timeout_s: float) -> socket.socket:
+        raise PortClosed(f"the in-memory test backend runs no servers (port {port})")
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         fs = self._workspace(spec)

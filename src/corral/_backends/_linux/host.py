@@ -23,7 +23,7 @@ from ..._settings import Settings
 from ..._templates import catalog
 from ..._workspace.files import WorkspaceFiles
 from ...backends import EgressEndpoint, ExecRequest, Leftover, SandboxSpec, SealResult, WorkspaceFS
-from ...errors import BackendError, BackendUnavailable, ConfigError
+from ...errors import BackendError, BackendUnavailable, ConfigError, PortClosed
 from ...models import ResourceTier
 from . import netns
 from .cgroups import CgroupDriver
@@ -231,6 +231,29 @@ class HostBackedBackend:
             return sock
 
         return spawner.run(self._netns_path(spec.id), bind)
+
+    def open_port(self, spec: SandboxSpec, port: int, timeout_s: float) -> socket.socket:
+        """A socket made inside the sandbox's network namespace (a socket keeps the
+        namespace it was made in), connected from this thread: the spawner thread only makes
+        it, so a slow connect never holds up other sandboxes' commands. gVisor runs with
+        ``--network=host`` in that namespace, so its loopback is this one too."""
+        spawner = self._spawner()
+        self._ensure_netns_and_cgroup(spec)
+        sock = spawner.run(self._netns_path(spec.id),
+                           lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(("127.0.0.1", port))
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            sock.close()
+            reason = "timed out" if isinstance(exc, TimeoutError) else (
+                exc.strerror or str(exc))
+            raise PortClosed(f"nothing in sandbox {spec.id} accepts connections on port "
+                             f"{port} ({reason}); start a server listening on 0.0.0.0:{port} "
+                             f"or 127.0.0.1:{port} there") from None
+        return sock
 
     def files(self, spec: SandboxSpec) -> WorkspaceFS:
         return WorkspaceFiles(self.workspace_root(spec), spec.uid)
