@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .backends import BackendName
 
@@ -103,6 +106,11 @@ class Settings(BaseSettings):
             public archive, none for a mirror. ``CORRAL_INDEX_DEBIAN_SECURITY``.
         index_debian_suite: the release the apt sources name (``bookworm``).
             ``CORRAL_INDEX_DEBIAN_SUITE``.
+        data_mounts: the host directories sandboxes may mount read-only, by name
+            (``name=/abs/dir``, comma-separated, or a JSON object): the operator's list, so an
+            API caller names a data mount and never a host path. ``CORRAL_DATA_MOUNTS``.
+        volume_max_bytes: the largest volume one ``Volume.create`` may ask for.
+            ``CORRAL_VOLUME_MAX_BYTES``.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -144,6 +152,35 @@ class Settings(BaseSettings):
     index_debian: str = "http://deb.debian.org/debian"
     index_debian_security: str | None = None
     index_debian_suite: str = Field(default="bookworm", pattern=r"^[a-z][a-z0-9.-]{0,39}$")
+    # NoDecode: the env value is ours to parse (name=path pairs, or JSON) in the validator.
+    data_mounts: Annotated[dict[str, Path], NoDecode] = Field(default_factory=dict)
+    volume_max_bytes: int = Field(default=64 * 2**30, ge=2**20)
+
+    @field_validator("data_mounts", mode="before")
+    @classmethod
+    def _parse_data_mounts(cls, value: object) -> object:
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            return json.loads(value)
+        if isinstance(value, str):
+            pairs = [item.strip() for item in value.split(",") if item.strip()]
+            parsed: dict[str, str] = {}
+            for pair in pairs:
+                name, sep, path = pair.partition("=")
+                if not sep:
+                    raise ValueError(f"data mount {pair!r} is not name=/host/directory")
+                parsed[name.strip()] = path.strip()
+            return parsed
+        return value
+
+    @field_validator("data_mounts", mode="after")
+    @classmethod
+    def _check_data_mounts(cls, value: dict[str, Path]) -> dict[str, Path]:
+        for name, path in value.items():
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", name):
+                raise ValueError(f"data mount name {name!r}: use 1-63 of a-z, 0-9, _ and -")
+            if not path.is_absolute():
+                raise ValueError(f"data mount {name!r}: {path} is not an absolute path")
+        return value
 
     @model_validator(mode="after")
     def _absolute_home(self) -> Settings:
