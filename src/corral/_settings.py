@@ -111,6 +111,12 @@ class Settings(BaseSettings):
             API caller names a data mount and never a host path. ``CORRAL_DATA_MOUNTS``.
         volume_max_bytes: the largest volume one ``Volume.create`` may ask for.
             ``CORRAL_VOLUME_MAX_BYTES``.
+        ports_url: the URL ``corral serve`` is reached at, for the URLs of exposed ports
+            (``<url>/ports/<sandbox>/<port>/``); ``corral serve`` sets it from its listener
+            unless given. ``CORRAL_PORTS_URL``.
+        ports_domain: a wildcard DNS domain pointing at ``corral serve``, for host URLs of
+            exposed ports (``<port>-<sandbox>.<domain>``, E2B's form); unset: path URLs only.
+            ``CORRAL_PORTS_DOMAIN``.
     """
 
     model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
@@ -155,6 +161,9 @@ class Settings(BaseSettings):
     # NoDecode: the env value is ours to parse (name=path pairs, or JSON) in the validator.
     data_mounts: Annotated[dict[str, Path], NoDecode] = Field(default_factory=dict)
     volume_max_bytes: int = Field(default=64 * 2**30, ge=2**20)
+    ports_url: str | None = Field(default=None, pattern=r"^https?://[^/?#\s]+/?$")
+    ports_domain: str | None = Field(
+        default=None, pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
 
     @field_validator("data_mounts", mode="before")
     @classmethod

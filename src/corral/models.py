@@ -23,6 +23,7 @@ __all__ = [
     "FileEntry",
     "Logs",
     "OutputMessage",
+    "PortInfo",
     "ProcessInfo",
     "ResourceTier",
     "Result",
@@ -170,6 +171,33 @@ class SandboxInfo(_Public):
         default=None, description="The exact build of its template it runs on: an image's "
                                   "manifest digest (sha256:...), or a Debian template build's "
                                   "spec hash; null for base.")
+    mounts: list[dict[str, Any]] = Field(
+        default_factory=list, description="Its volumes and data mounts: kind (volume or "
+                                          "data), source (volume id or data mount name), "
+                                          "target and read_only.")
+
+
+class PortInfo(_Public):
+    """An exposed port of a sandbox and how to reach it through ``corral serve``."""
+
+    sandbox_id: str
+    port: int
+    public: bool = Field(description="Reachable without credentials.")
+    url: str | None = Field(
+        default=None, description="Path URL (<service>/ports/<sandbox>/<port>/); null when "
+                                  "the service's URL is not known here.")
+    host_url: str | None = Field(
+        default=None, description="Host URL (<port>-<sandbox>.<domain>), when the service "
+                                  "has a ports domain.")
+    token: str | None = Field(
+        default=None, description="Send as X-Corral-Port-Token (or Authorization: Bearer); "
+                                  "revoked when the port is unexposed.")
+    signed_url: str | None = Field(
+        default=None, description="The URL with a signature: opened in a browser, it sets a "
+                                  "cookie for the port and redirects to the plain URL.")
+    signed_expires_at: float | None = Field(
+        default=None, description="When the signed URL stops working (the cookie it set "
+                                  "lasts as long as the exposure).")
 
 
 class SnapshotInfo(_Public):

@@ -4,7 +4,8 @@ layers, recovery, tenants) and keeps the public methods every surface calls, eac
 delegation. The services depend one way, in this order:
 
     validate, tenants, registry, locks, layers
-      <- sandboxes <- commands <- processes <- snapshots <- recovery;  files <- sandboxes
+      <- sandboxes <- commands <- processes <- snapshots <- recovery;  files, ports,
+      volumes <- sandboxes
 
 and nothing below holds the Manager. The one call that goes up is recovery before first use
 (sandboxes and commands are handed it as a plain ``ready`` callable), because recovery itself
@@ -30,6 +31,7 @@ from .files import AuditedFiles, Files
 from .interpreter import Interpreter
 from .layers import Layers
 from .locks import WorkspaceLocks
+from .ports import Ports
 from .processes import EmbeddedProcessAPI, ProcessTable
 from .records import SandboxRecord
 from .recovery import Recovery
@@ -85,6 +87,8 @@ class Manager:
                                  auditor=self.auditor)
         self.interpreter = Interpreter(sandboxes=self.sandboxes, processes=self.processes,
                                        auditor=self.auditor)
+        self.ports = Ports(settings=settings, store=self.store, sandboxes=self.sandboxes,
+                           auditor=self.auditor)
 
     # -- start-up and backends ------------------------------------------------------------------
 

@@ -36,6 +36,8 @@ class SandboxRecord:
     memory_image: str | None = None
     # The exact build it runs on: a Debian build's spec hash, or an image's manifest digest.
     template_version: str | None = None
+    # Volumes and data mounts: ``backends.Mount`` fields, as JSON objects.
+    mounts: list[dict[str, Any]] = field(default_factory=list)
 
     def public(self) -> SandboxInfo:
         return SandboxInfo(
@@ -43,4 +45,5 @@ class SandboxRecord:
             created_at=self.created_at, expires_at=self.expires_at, labels=self.labels,
             network=self.network, secrets=sorted(self.secrets),
             idle_timeout=self.idle_timeout, isolation=self.isolation, layer=self.layer,
-            memory_image=self.memory_image, template_version=self.template_version)
+            memory_image=self.memory_image, template_version=self.template_version,
+            mounts=self.mounts)

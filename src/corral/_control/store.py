@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import QuotaExceeded, UsageError
+from ..errors import QuotaExceeded, UsageError, VolumeInUse, VolumeNotFound
 from ..models import SnapshotInfo
 from .counters import CounterBuffer
 from .records import SandboxRecord
@@ -80,6 +80,28 @@ CREATE TABLE IF NOT EXISTS flags (
     name TEXT PRIMARY KEY,
     set_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ports (
+    sandbox_id TEXT NOT NULL,
+    port INTEGER NOT NULL,
+    public INTEGER NOT NULL DEFAULT 0,
+    nonce TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (sandbox_id, port)
+);
+CREATE TABLE IF NOT EXISTS volumes (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    UNIQUE (tenant, name)
+);
+CREATE TABLE IF NOT EXISTS volume_mounts (
+    volume_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    read_only INTEGER NOT NULL,
+    PRIMARY KEY (volume_id, sandbox_id)
+);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT NOT NULL,
     labels TEXT NOT NULL,
@@ -98,7 +120,7 @@ def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
         tenant=row["tenant"], idle_timeout=row["idle_timeout"],
         last_active=row["last_active"] or row["created_at"],
         isolation=row["isolation"], layer=row["layer"], memory_image=row["memory_image"],
-        template_version=row["template_version"],
+        template_version=row["template_version"], mounts=json.loads(row["mounts"]),
     )
 
 
@@ -139,6 +161,9 @@ class Store:
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN memory_image TEXT")
         if "template_version" not in columns:  # a store made before it was recorded
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN template_version TEXT")
+        if "mounts" not in columns:  # a store made before volumes and data mounts
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN mounts TEXT NOT NULL "
+                             "DEFAULT '[]'")
         if "memory_image" not in {r[1] for r in self._db.execute("PRAGMA table_info(snapshots)")}:
             # A store made before memory snapshots: every snapshot in it is a disk snapshot.
             self._db.execute("ALTER TABLE snapshots ADD COLUMN memory_image TEXT")
@@ -174,12 +199,17 @@ class Store:
         idle_timeout: float | None = None, isolation: str = "namespace",
         layer: str | None = None, memory_image: str | None = None,
         template_version: str | None = None,
+        mounts: Sequence[Mapping[str, Any]] = (),
     ) -> SandboxRecord:
         """Insert a sandbox in state ``creating``; its uid is what the tier's ``allocate_uid``
-        picks among the ones not recorded here, inside the insert's transaction.
+        picks among the ones not recorded here, inside the insert's transaction. Its volume
+        mounts (``mounts`` of kind ``volume``) are claimed in the same transaction: one
+        writer or any number of readers per volume, so two creates racing for a volume
+        cannot both win.
 
         Raises:
             QuotaExceeded: the tier has no uid left.
+            VolumeInUse: a volume is held by a writer, or by readers for a writer.
         """
         now = time.time()
         with self._tx() as db:
@@ -190,15 +220,20 @@ class Store:
                     raise QuotaExceeded(
                         f"tenant {tenant!r} already has {count} sandboxes, its limit; destroy "
                         "one or ask the operator for a higher limit")
+            for mount in mounts:
+                if mount["kind"] == "volume":
+                    self._claim_volume(db, mount["source"], sandbox_id,
+                                       read_only=bool(mount["read_only"]))
             uid = allocate_uid({r[0] for r in db.execute("SELECT uid FROM sandboxes")})
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
                 "expires_at, labels, network, secrets, tenant, idle_timeout, last_active, "
-                "isolation, layer, memory_image, template_version) "
-                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "isolation, layer, memory_image, template_version, mounts) "
+                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
                  json.dumps(network or {}), json.dumps(secrets or {}), tenant, idle_timeout,
-                 now, isolation, layer, memory_image, template_version),
+                 now, isolation, layer, memory_image, template_version,
+                 json.dumps([dict(m) for m in mounts])),
             )
         info = self.get(sandbox_id)
         assert info is not None
@@ -234,8 +269,109 @@ class Store:
                        (json.dumps(network), sandbox_id))
 
     def delete(self, sandbox_id: str) -> None:
+        """Forget the sandbox, its exposed ports and its hold on volumes, at once."""
         with self._tx() as db:
             db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+            db.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
+            db.execute("DELETE FROM volume_mounts WHERE sandbox_id = ?", (sandbox_id,))
+
+    # -- exposed ports ----------------------------------------------------------------------
+
+    def expose_port(self, sandbox_id: str, port: int, *, public: bool, nonce: str) -> None:
+        """Expose (or re-expose, changing ``public``) a port; ``nonce`` is only set the first
+        time, so tokens and links already handed out stay valid."""
+        with self._tx() as db:
+            db.execute("INSERT INTO ports (sandbox_id, port, public, nonce, created_at) "
+                       "VALUES (?, ?, ?, ?, ?) ON CONFLICT (sandbox_id, port) DO UPDATE SET "
+                       "public = excluded.public", (sandbox_id, port, int(public), nonce,
+                                                    time.time()))
+
+    def unexpose_port(self, sandbox_id: str, port: int) -> bool:
+        with self._tx() as db:
+            return db.execute("DELETE FROM ports WHERE sandbox_id = ? AND port = ?",
+                              (sandbox_id, port)).rowcount > 0
+
+    def port(self, sandbox_id: str, port: int) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM ports WHERE sandbox_id = ? AND port = ?",
+                                   (sandbox_id, port)).fetchone()
+        return dict(row) if row else None
+
+    def ports(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM ports WHERE sandbox_id = ? ORDER BY port",
+                                    (sandbox_id,)).fetchall()
+        return [dict(r) for r in rows]
+
+    # -- volumes ----------------------------------------------------------------------------
+
+    def add_volume(self, volume_id: str, *, name: str, tenant: str, size_bytes: int) -> None:
+        try:
+            with self._tx() as db:
+                db.execute("INSERT INTO volumes (id, name, tenant, size_bytes, created_at) "
+                           "VALUES (?, ?, ?, ?, ?)",
+                           (volume_id, name, tenant, size_bytes, time.time()))
+        except sqlite3.IntegrityError:
+            raise UsageError(f"a volume named {name!r} already exists; choose another name "
+                             f"or delete it with `corral volumes rm {name}`") from None
+
+    def volume(self, ref: str, *, tenant: str | None) -> dict[str, Any] | None:
+        """A volume by id or name (of ``tenant``; any tenant when None), with its holders."""
+        query = "SELECT * FROM volumes WHERE (id = ? OR name = ?)"
+        args: tuple[Any, ...] = (ref, ref)
+        if tenant is not None:
+            query += " AND tenant = ?"
+            args += (tenant,)
+        with self._lock:
+            row = self._db.execute(query + " ORDER BY id = ? DESC", (*args, ref)).fetchone()
+            if row is None:
+                return None
+            holders = self._holders(self._db, row["id"])
+        return {**dict(row), "mounted_by": holders}
+
+    def volumes(self, *, tenant: str | None) -> builtins.list[dict[str, Any]]:
+        query = "SELECT * FROM volumes"
+        args: tuple[Any, ...] = ()
+        if tenant is not None:
+            query, args = query + " WHERE tenant = ?", (tenant,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY created_at", args).fetchall()
+            return [{**dict(r), "mounted_by": self._holders(self._db, r["id"])} for r in rows]
+
+    def volume_ids(self) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT id FROM volumes")}
+
+    def delete_volume(self, volume_id: str) -> None:
+        """Forget a volume; refused while a sandbox mounts it (checked in the same
+        transaction, so a create cannot claim it in between)."""
+        with self._tx() as db:
+            holders = self._holders(db, volume_id)
+            if holders:
+                raise VolumeInUse(
+                    f"volume {volume_id} is mounted by sandbox {holders[0]['sandbox_id']}; "
+                    "destroy the sandboxes that mount it first")
+            db.execute("DELETE FROM volumes WHERE id = ?", (volume_id,))
+
+    @staticmethod
+    def _holders(db: sqlite3.Connection, volume_id: str) -> builtins.list[dict[str, Any]]:
+        return [{"sandbox_id": r[0], "read_only": bool(r[1])} for r in db.execute(
+            "SELECT sandbox_id, read_only FROM volume_mounts WHERE volume_id = ? "
+            "ORDER BY sandbox_id", (volume_id,))]
+
+    def _claim_volume(self, db: sqlite3.Connection, volume_id: str, sandbox_id: str, *,
+                      read_only: bool) -> None:
+        if db.execute("SELECT 1 FROM volumes WHERE id = ?", (volume_id,)).fetchone() is None:
+            raise VolumeNotFound(f"volume {volume_id} does not exist (deleted meanwhile?)")
+        for holder in self._holders(db, volume_id):
+            if not holder["read_only"] or not read_only:
+                how = "writes" if not holder["read_only"] else "reads"
+                raise VolumeInUse(
+                    f"volume {volume_id} is mounted by sandbox {holder['sandbox_id']}, which "
+                    f"{how} it: a volume has one writer or any number of readers; mount it "
+                    "read-only, or destroy that sandbox first")
+        db.execute("INSERT INTO volume_mounts (volume_id, sandbox_id, read_only) "
+                   "VALUES (?, ?, ?)", (volume_id, sandbox_id, int(read_only)))
 
     # -- workspace layers and snapshots -----------------------------------------------------
 

@@ -8,12 +8,11 @@ open sandbox B, and nothing per sandbox needs storing or cleaning up.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
-import os
-import secrets
 from pathlib import Path
+
+from .._core.secretfile import load_or_create_secret
 
 __all__ = ["SandboxTokens"]
 
@@ -22,7 +21,7 @@ _SECRET_FILE = "e2b-token.secret"
 
 class SandboxTokens:
     def __init__(self, home: Path) -> None:
-        self._secret = _load_or_create(home / _SECRET_FILE)
+        self._secret = load_or_create_secret(home / _SECRET_FILE)
 
     def envd(self, sandbox_id: str) -> str:
         return self._derive("envd", sandbox_id)
@@ -41,27 +40,3 @@ class SandboxTokens:
     def check_traffic(self, sandbox_id: str, presented: str | None) -> bool:
         return presented is not None and hmac.compare_digest(
             presented.encode(), self.traffic(sandbox_id).encode())
-
-
-def _load_or_create(path: Path) -> bytes:
-    with contextlib.suppress(FileNotFoundError):
-        secret = path.read_bytes()
-        if len(secret) == 32:
-            return secret
-        raise OSError(f"{path} is damaged (expected 32 bytes); remove it to issue new tokens")
-    # Written under a temporary name and linked into place, so two processes starting at once
-    # agree on one secret (the loser of the link reads the winner's).
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, secrets.token_bytes(32))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path.read_bytes()

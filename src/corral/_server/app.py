@@ -30,7 +30,8 @@ from ..errors import AuthError, CorralError, SandboxNotFound
 from .auth import Tenant, TenantDirectory
 from .bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
 from .guard import Authenticate, BodyLimit, HostGuard, OriginGuard, OwnerFirst, ServiceNames
-from .routes import audit, code, commands, files, processes, sandboxes, snapshots
+from .portproxy import PortProxy, PortRouting
+from .routes import audit, code, commands, files, ports, processes, sandboxes, snapshots
 from .schemas import _ERRORS
 
 # The body limits are part of the service's contract; importable from here, as before.
@@ -92,7 +93,8 @@ def _owner_check(manager: Manager) -> Any:
 
 
 def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
-               host_names: Sequence[str] = (), allow_keyless: bool = False) -> FastAPI:
+               host_names: Sequence[str] = (), allow_keyless: bool = False,
+               ports_domain: str | None = None) -> FastAPI:
     """The API for ``manager``. Auth is required unless listening on loopback with no keys
     (and none ever, unless ``allow_keyless``). It answers to ``host_names`` besides the listen
     address, ``localhost``, ``127.0.0.1`` and ``[::1]``. Raises ValueError for a malformed
@@ -113,6 +115,9 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
         manager, tenants, loopback=loopback, allow_keyless=allow_keyless))
     app.add_middleware(BodyLimit, limits=BODY_LIMITS)
     app.add_middleware(HostGuard, names=names)
+    # Outermost: an exposed port's requests are the sandbox's app's, not the service's.
+    app.add_middleware(PortRouting, proxy=PortProxy(
+        manager, tenants, domain=ports_domain or manager.ports.urls.domain), names=names)
 
     @app.exception_handler(CorralError)
     async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
@@ -147,7 +152,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
 
     # Included in this order, the order of the OpenAPI document's paths.
     for router in (sandboxes.router, snapshots.router, commands.router, processes.router,
-                   code.router, files.router, audit.router):
+                   code.router, files.router, ports.router, audit.router):
         app.include_router(router)
 
     @app.get("/healthz")

@@ -127,6 +127,16 @@ class Fork(_Strict):
         "only; 400 on another)."))
 
 
+class ExposePort(_Strict):
+    public: bool = Field(default=False, description=(
+        "Reachable by anyone who has the URL, without credentials."))
+    link_ttl: float | None = Field(default=None, gt=0, le=7 * 24 * 3600, description=(
+        "Seconds the signed link in the answer works (default an hour, at most a week)."))
+
+
+_NO_BODY_EXPOSE = ExposePort()
+
+
 class Restore(_Strict):
     snapshot: _SnapshotRef
 
