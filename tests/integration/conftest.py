@@ -4,13 +4,18 @@ tiers."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from corral._control.manager import Manager
 from corral._settings import Settings
 
+from ..browser import chromium_page
 from .servers import Server
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +71,11 @@ def isolation_all(request: pytest.FixtureRequest, gvisor_problems: list[str]) ->
         if problems:
             pytest.skip("the microVM tier cannot run on this host: " + "; ".join(problems))
     return str(request.param)
+
+
+@pytest.fixture
+def browser_page() -> Iterator[Page]:
+    """A page in a fresh headless Chromium that reaches loopback only (tests/browser.py);
+    skipped where Chromium or Playwright is missing, closed after the test."""
+    with chromium_page() as page:
+        yield page

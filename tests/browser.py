@@ -1,0 +1,124 @@
+"""A real headless browser for the tests: Debian's ``chromium`` driven by Playwright's sync API.
+
+Playwright's own browser builds are never downloaded: ``executable_path`` points it at the
+system's Chromium (``scripts/bootstrap --test`` installs the Debian package). The browser may
+reach loopback only: every other request is aborted by a route handler before Chromium sends
+anything, and host names other than ``localhost`` do not resolve, so a test can never send
+traffic off the machine. Where Chromium or Playwright is missing, the test is skipped and says
+which.
+
+    with chromium_page() as page:
+        page.goto(f"http://127.0.0.1:{port}/")
+        save_screenshot(page, "front-page")
+
+The ``browser_page`` fixture (tests/integration/conftest.py) is the same page for a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import pytest
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page, Route, WebSocketRoute
+
+__all__ = ["artefacts_dir", "chromium_page", "is_loopback_url", "save_screenshot"]
+
+# Bounds on every wait, so a wedged browser fails the test instead of hanging the run.
+LAUNCH_TIMEOUT_MS = 30_000
+ACTION_TIMEOUT_MS = 10_000
+
+CHROMIUM_ARGS = [
+    # Chromium's own sandbox cannot run as root (it refuses to start without this), and the
+    # tests run as root. The pages it loads are our own, served on loopback by the test itself.
+    "--no-sandbox",
+    # No proxy from the environment or the system settings: loopback pages are fetched directly.
+    "--no-proxy-server",
+    # Belt to the route handler's braces: nothing resolves but localhost and loopback literals
+    # (the rules apply to IP literals too), so not even a DNS query leaves the machine, the
+    # browser's own background requests included, which no page route sees.
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.*, EXCLUDE ::1",
+]
+
+
+def is_loopback_url(url: str) -> bool:
+    """Whether ``url`` names a host on this machine: localhost or a loopback address."""
+    host = urlsplit(url).hostname
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def artefacts_dir() -> Path:
+    """Where tests leave screenshots: ``$CORRAL_TEST_ARTEFACTS``, else tests/artefacts
+    (gitignored). Created on first use."""
+    env = os.environ.get("CORRAL_TEST_ARTEFACTS")
+    path = Path(env) if env else Path(__file__).resolve().parent / "artefacts"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_screenshot(page: Page, name: str, *, full_page: bool = True) -> Path:
+    """A PNG of ``page`` in the artefacts directory, named after ``name``; returns its path."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_.") or "screenshot"
+    path = artefacts_dir() / f"{safe}.png"
+    page.screenshot(path=str(path), full_page=full_page, timeout=ACTION_TIMEOUT_MS)
+    return path
+
+
+@contextlib.contextmanager
+def chromium_page(*, blocked: list[str] | None = None) -> Iterator[Page]:
+    """A fresh page in a headless Chromium that can reach loopback only. The browser is closed
+    however the block ends. ``blocked``, if given, collects the URLs the guard refused."""
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.skip("no chromium on PATH (Debian package chromium; scripts/bootstrap --test)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (the test extra; scripts/bootstrap --test)")
+
+    refused = blocked if blocked is not None else []
+
+    def refuse(route: Route) -> None:
+        refused.append(route.request.url)
+        route.abort("blockedbyclient")
+
+    def refuse_ws(ws: WebSocketRoute) -> None:
+        # Not connected to any server: the page sees its WebSocket closed, nothing is sent.
+        refused.append(ws.url)
+        ws.close(code=1008, reason="off-machine traffic is refused in tests")
+
+    def off_machine(url: str) -> bool:
+        return not is_loopback_url(url)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=executable, headless=True, chromium_sandbox=False,
+            args=CHROMIUM_ARGS, timeout=LAUNCH_TIMEOUT_MS,
+        )
+        try:
+            # Service workers would fetch around the context's routes: blocked.
+            context = browser.new_context(service_workers="block")
+            context.set_default_timeout(ACTION_TIMEOUT_MS)
+            context.set_default_navigation_timeout(ACTION_TIMEOUT_MS)
+            # Routes before the first page exists, so no request of any page escapes them.
+            context.route(off_machine, refuse)
+            context.route_web_socket(off_machine, refuse_ws)
+            yield context.new_page()
+        finally:
+            browser.close()
