@@ -27,6 +27,9 @@ from .errors import (
     OriginRefused,
     PathRefused,
     PolicyError,
+    PortClosed,
+    PortError,
+    PortNotExposed,
     QuotaExceeded,
     RequestRefused,
     SandboxBusy,
@@ -39,13 +42,16 @@ from .errors import (
     TooLarge,
     TransportError,
     UsageError,
+    VolumeError,
+    VolumeInUse,
+    VolumeNotFound,
 )
 
 if TYPE_CHECKING:
     from ._audit.events import AuditEvent
     from ._audit.log import AuditTrail
-    from ._sdk.async_sandbox import AsyncProcess, AsyncSandbox, aread_audit
-    from ._sdk.sandbox import Audit, Commands, Files, Network, Process, Sandbox, read_audit
+    from ._sdk.async_sandbox import AsyncProcess, AsyncSandbox, AsyncVolume, aread_audit
+    from ._sdk.sandbox import Audit, Commands, Files, Network, Process, Sandbox, Volume, read_audit
     from .backends import OutputCut
     from .models import (
         CodeContext,
@@ -55,11 +61,13 @@ if TYPE_CHECKING:
         FileEntry,
         Logs,
         OutputMessage,
+        PortInfo,
         ResourceTier,
         Result,
         SandboxInfo,
         SnapshotInfo,
         Usage,
+        VolumeInfo,
     )
 
 # The SDK is imported on first use, not with the package: `corral` is also the CLI's package,
@@ -68,13 +76,15 @@ if TYPE_CHECKING:
 _LAZY = {
     "AuditEvent": "._audit.events",
     "AuditTrail": "._audit.log",
-    **dict.fromkeys(("AsyncProcess", "AsyncSandbox", "aread_audit"), "._sdk.async_sandbox"),
-    **dict.fromkeys(("Audit", "Commands", "Files", "Network", "Process", "Sandbox",
+    **dict.fromkeys(("AsyncProcess", "AsyncSandbox", "AsyncVolume", "aread_audit"),
+                    "._sdk.async_sandbox"),
+    **dict.fromkeys(("Audit", "Commands", "Files", "Network", "Process", "Sandbox", "Volume",
                      "read_audit"), "._sdk.sandbox"),
     "OutputCut": ".backends",
     **dict.fromkeys(("CodeContext", "CommandResult", "Execution", "ExecutionError",
                      "FileEntry", "Logs", "OutputMessage", "ResourceTier", "Result",
-                     "SandboxInfo", "SnapshotInfo", "Usage"), ".models"),
+                     "PortInfo", "SandboxInfo", "SnapshotInfo", "Usage", "VolumeInfo"),
+                    ".models"),
 }
 
 
@@ -95,6 +105,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncProcess",
     "AsyncSandbox",
+    "AsyncVolume",
     "Audit",
     "AuthError",
     "AuditEvent",
@@ -125,6 +136,10 @@ __all__ = [
     "OutputMessage",
     "PathRefused",
     "PolicyError",
+    "PortClosed",
+    "PortError",
+    "PortInfo",
+    "PortNotExposed",
     "Process",
     "QuotaExceeded",
     "RequestRefused",
@@ -144,6 +159,11 @@ __all__ = [
     "TransportError",
     "Usage",
     "UsageError",
+    "Volume",
+    "VolumeError",
+    "VolumeInUse",
+    "VolumeInfo",
+    "VolumeNotFound",
     "__version__",
     "aread_audit",
     "read_audit",

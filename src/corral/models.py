@@ -30,6 +30,7 @@ __all__ = [
     "SandboxInfo",
     "SandboxState",
     "SnapshotInfo",
+    "VolumeInfo",
     "Usage",
 ]
 
@@ -198,6 +199,20 @@ class PortInfo(_Public):
     signed_expires_at: float | None = Field(
         default=None, description="When the signed URL stops working (the cookie it set "
                                   "lasts as long as the exposure).")
+
+
+class VolumeInfo(_Public):
+    """A persistent named volume: a filesystem of a fixed size that outlives sandboxes."""
+
+    id: str
+    name: str
+    size_bytes: int = Field(description="Its quota: past it, writes fail with ENOSPC.")
+    used_bytes: int | None = Field(default=None, description="Bytes in use.")
+    created_at: float
+    mounted_by: list[str] = Field(default_factory=list,
+                                  description="The sandboxes that mount it now.")
+    writer: str | None = Field(default=None,
+                               description="The one sandbox mounting it read-write, if any.")
 
 
 class SnapshotInfo(_Public):

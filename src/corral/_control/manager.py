@@ -41,6 +41,7 @@ from .secrets import SecretStore
 from .snapshots import Snapshots
 from .store import Store
 from .tenants import Admission, Ceiling, CommandWindows, Tenant
+from .volumes import Volumes
 
 __all__ = ["Manager", "get_manager"]
 
@@ -89,6 +90,7 @@ class Manager:
                                        auditor=self.auditor)
         self.ports = Ports(settings=settings, store=self.store, sandboxes=self.sandboxes,
                            auditor=self.auditor)
+        self.volumes = Volumes(settings=settings, store=self.store, backends=self._registry)
 
     # -- start-up and backends ------------------------------------------------------------------
 
@@ -138,6 +140,7 @@ class Manager:
         isolation: str | None = None, snapshot: str | None = None,
         caller: Tenant | None = None, image: str | None = None,
         on_progress: Callable[[str], None] | None = None,
+        volumes: Mapping[str, Any] | None = None, data_mounts: Mapping[str, Any] | None = None,
     ) -> SandboxInfo:
         """Create a sandbox; from ``snapshot`` (id or name), its workspace starts as the
         snapshot's and its template defaults to the snapshot's.
@@ -146,12 +149,19 @@ class Manager:
         and its ceiling (over the server default) bounds template, isolation, tier, hosts,
         secrets and lifetime (``CeilingExceeded`` beyond it). ``tenant`` is the owner
         (default: the caller). ``image``: an image reference instead of a template, pulled
-        first unless it already was (``on_progress`` hears how that goes)."""
+        first unless it already was (``on_progress`` hears how that goes). ``volumes``: the
+        owner's volumes by name, each at a mount point (``{"data": "/mnt/data"}``, or
+        ``{"path": ..., "read_only": True}``); ``data_mounts``: the operator's data mounts by
+        name, read-only, the same way."""
+        owner = tenant or (caller.name if caller is not None else "local")
+        mounts = self.volumes.mounts(volumes, data_mounts, tenant=owner) if (
+            volumes or data_mounts) else []
+        self.volumes.check_free(mounts)
         return self.sandboxes.create(
             template=template, resources=resources, timeout=timeout, labels=labels,
             network=network, secrets=secrets, tenant=tenant, max_for_tenant=max_for_tenant,
             idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot,
-            caller=caller, image=image, on_progress=on_progress).public()
+            caller=caller, image=image, on_progress=on_progress, mounts=mounts).public()
 
     def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxInfo:
         """The sandbox; with ``tenant``, only if it belongs to that tenant (else not found)."""

@@ -21,7 +21,7 @@ from .._backends._linux.template import template_version
 from .._core.resources import get_tier
 from .._images.pull import pull_image
 from .._settings import Settings
-from ..backends import IsolationBackend, SandboxSpec
+from ..backends import IsolationBackend, Mount, SandboxSpec
 from ..errors import (
     QuotaExceeded,
     SandboxBusy,
@@ -92,7 +92,8 @@ class Sandboxes:
         return SandboxSpec(id=info.id, uid=info.uid, template=info.template,
                            tier=get_tier(info.resources),
                            layers=self._store.layer_chain(info.layer),
-                           memory_image=info.memory_image)
+                           memory_image=info.memory_image,
+                           mounts=tuple(Mount(**mount) for mount in info.mounts))
 
     def busy(self, info: SandboxRecord) -> bool:
         """True while any command runs in it (from any process); background processes are
@@ -110,11 +111,13 @@ class Sandboxes:
         origin: Mapping[str, Any] | None = None, memory_image: str | None = None,
         image: str | None = None,
         on_progress: Callable[[str], None] | None = None,
+        mounts: Sequence[Mapping[str, Any]] = (),
     ) -> SandboxRecord:
         """A running sandbox (see ``Manager.create``). A fork passes ``parent_layer``, the
         sealed workspace it starts from (and ``memory_image``, the memory it resumes, for a
         memory fork), and ``origin``, added to its ``sandbox.created`` event. ``image``: an
-        image reference, pulled first unless already (``corral._images``)."""
+        image reference, pulled first unless already (``corral._images``). ``mounts``: the
+        volumes and data mounts, as ``Volumes.mounts`` checked them."""
         tier = get_tier(resources)
         pulled = None
         if image is not None:
@@ -180,7 +183,7 @@ class Sandboxes:
             network=policy.to_json(), secrets=placeholders,
             tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
             isolation=isolation, layer=layer, memory_image=memory_image,
-            template_version=version,
+            template_version=version, mounts=mounts,
         )
         try:
             backend.create(self.spec(info))
@@ -195,7 +198,8 @@ class Sandboxes:
             "resources": resources, "uid": info.uid,
             "expires_at": info.expires_at, "labels": clean_labels, "limits": tier.to_dict(),
             "backend": backend.name, "isolation": isolation, "network": policy.to_json(),
-            "secrets": sorted(placeholders), "tenant": tenant, **(origin or {}),
+            "secrets": sorted(placeholders), "tenant": tenant,
+            **({"mounts": [dict(m) for m in mounts]} if mounts else {}), **(origin or {}),
         })
         self._auditor.count("corral_sandboxes_created")
         logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)

@@ -167,7 +167,9 @@ class Snapshots:
                 secrets=sorted(info.secrets), tenant=info.tenant,
                 max_for_tenant=max_for_tenant, idle_timeout=info.idle_timeout,
                 isolation=info.isolation, snapshot=None, caller=caller,
-                parent_layer=layer, origin=origin, memory_image=image)
+                parent_layer=layer, origin=origin, memory_image=image,
+                # A volume has one writer: children get the read-only mounts only.
+                mounts=[m for m in info.mounts if m["read_only"]])
 
         try:
             # The children start side by side, a few at a time: a microVM child's start is

@@ -17,7 +17,16 @@ import anyio.to_thread
 
 from .._audit.log import AuditTrail
 from ..backends import OutputCallback
-from ..models import CodeContext, CommandResult, Execution, FileEntry, SandboxInfo, SnapshotInfo
+from ..models import (
+    CodeContext,
+    CommandResult,
+    Execution,
+    FileEntry,
+    PortInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    VolumeInfo,
+)
 from ._embedded import EmbeddedTransport, embedded_target
 from ._wire import AsyncCodeCallback, AsyncOutputCallback, CodeItem, ProcessInfo, adeliver
 
@@ -102,6 +111,29 @@ class AsyncEmbeddedTransport:
 
     async def pause(self, sandbox_id: str) -> SandboxInfo:
         return await self._call(self.sync.pause, sandbox_id)
+
+    async def expose_port(self, sandbox_id: str, port: int, *, public: bool,
+                          link_ttl: float | None) -> PortInfo:
+        return await self._call(self.sync.expose_port, sandbox_id, port, public=public,
+                                link_ttl=link_ttl)
+
+    async def list_ports(self, sandbox_id: str) -> builtins.list[PortInfo]:
+        return await self._call(self.sync.list_ports, sandbox_id)
+
+    async def unexpose_port(self, sandbox_id: str, port: int) -> None:
+        await self._call(self.sync.unexpose_port, sandbox_id, port)
+
+    async def create_volume(self, name: str, size: int | str) -> VolumeInfo:
+        return await self._call(self.sync.create_volume, name, size)
+
+    async def get_volume(self, ref: str) -> VolumeInfo:
+        return await self._call(self.sync.get_volume, ref)
+
+    async def list_volumes(self) -> builtins.list[VolumeInfo]:
+        return await self._call(self.sync.list_volumes)
+
+    async def delete_volume(self, ref: str) -> None:
+        await self._call(self.sync.delete_volume, ref)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         return await self._call(self.sync.resume, sandbox_id)

@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from .._audit.log import AuditTrail
 from .._settings import Settings
 from ..backends import OutputCallback
-from ..models import CodeContext, CommandResult, Execution, FileEntry, SandboxInfo, SnapshotInfo
+from ..models import (
+    CodeContext,
+    CommandResult,
+    Execution,
+    FileEntry,
+    PortInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    VolumeInfo,
+)
 from ._wire import CodeItem, ProcessInfo, code_item, shaped
 
 if TYPE_CHECKING:
@@ -42,11 +51,14 @@ class EmbeddedTransport:
     def create(self, *, template: str | None, resources: str, timeout: float | None,
                labels: Mapping[str, str] | None, network: Any, secrets: Sequence[str] | None,
                idle_timeout: float | None, isolation: str | None,
-               snapshot: str | None, image: str | None = None) -> SandboxInfo:
+               snapshot: str | None, image: str | None = None,
+               volumes: Mapping[str, Any] | None = None,
+               data_mounts: Mapping[str, Any] | None = None) -> SandboxInfo:
         return self.manager.create(template=template, resources=resources, timeout=timeout,
                                    labels=labels, network=network, secrets=secrets,
                                    idle_timeout=idle_timeout, isolation=isolation,
-                                   snapshot=snapshot, caller=self.caller, image=image)
+                                   snapshot=snapshot, caller=self.caller, image=image,
+                                   volumes=volumes, data_mounts=data_mounts)
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         return self.manager.get(sandbox_id)
@@ -65,6 +77,33 @@ class EmbeddedTransport:
 
     def pause(self, sandbox_id: str) -> SandboxInfo:
         return self.manager.pause(sandbox_id)
+
+    # The operator's own process sees every tenant's; a caller only its own.
+    def _tenant(self) -> str | None:
+        return None if self.caller is None or self.caller.is_local else self.caller.name
+
+    def expose_port(self, sandbox_id: str, port: int, *, public: bool,
+                    link_ttl: float | None) -> PortInfo:
+        return self.manager.ports.expose(sandbox_id, port, public=public, link_ttl_s=link_ttl,
+                                         tenant=self._tenant())
+
+    def list_ports(self, sandbox_id: str) -> builtins.list[PortInfo]:
+        return self.manager.ports.list(sandbox_id, tenant=self._tenant())
+
+    def unexpose_port(self, sandbox_id: str, port: int) -> None:
+        self.manager.ports.unexpose(sandbox_id, port, tenant=self._tenant())
+
+    def create_volume(self, name: str, size: int | str) -> VolumeInfo:
+        return self.manager.volumes.create(name, size, tenant=self._tenant() or "local")
+
+    def get_volume(self, ref: str) -> VolumeInfo:
+        return self.manager.volumes.get(ref, tenant=self._tenant())
+
+    def list_volumes(self) -> builtins.list[VolumeInfo]:
+        return self.manager.volumes.list(tenant=self._tenant())
+
+    def delete_volume(self, ref: str) -> None:
+        self.manager.volumes.delete(ref, tenant=self._tenant())
 
     def resume(self, sandbox_id: str) -> SandboxInfo:
         return self.manager.resume(sandbox_id)

@@ -20,7 +20,14 @@ from .._audit.events import AuditEvent
 from .._audit.log import AuditTrail
 from .._workspace.files import to_relative
 from ..backends import OutputCallback, OutputCut
-from ..errors import CorralError, SnapshotNotFound, TransportError, UsageError, error_class
+from ..errors import (
+    CorralError,
+    SnapshotNotFound,
+    TransportError,
+    UsageError,
+    VolumeNotFound,
+    error_class,
+)
 from ..models import (
     CodeContext,
     CommandResult,
@@ -212,7 +219,8 @@ def create_body(*, template: str | None, resources: str, timeout: float | None,
                 labels: Mapping[str, str] | None, network: Any,
                 secrets: Sequence[str] | None, idle_timeout: float | None = None,
                 isolation: str | None = None, snapshot: str | None = None,
-                image: str | None = None) -> dict[str, Any]:
+                image: str | None = None, volumes: Mapping[str, Any] | None = None,
+                data_mounts: Mapping[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"resources": resources, "timeout": timeout,
                             "labels": dict(labels or {}), "network": network or "none",
                             "secrets": list(secrets or []), "idle_timeout": idle_timeout}
@@ -222,7 +230,30 @@ def create_body(*, template: str | None, resources: str, timeout: float | None,
                        ("snapshot", snapshot), ("image", image)):
         if value is not None:
             body[key] = value
+    if volumes:
+        body["volumes"] = dict(volumes)
+    if data_mounts:
+        body["data_mounts"] = dict(data_mounts)
     return body
+
+
+def port_number(port: object) -> int:
+    """A port as a URL segment: refused here as the control plane would, so a value that is
+    no number never names another route."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise UsageError(f"port must be a TCP port number (1-65535), not {port!r}")
+    return port
+
+
+def volume_path(ref: str) -> str:
+    """``/v1/volumes/{ref}``; a ref that cannot be one path segment is no volume's."""
+    from urllib.parse import quote
+
+    if not isinstance(ref, str) or not ref:
+        raise UsageError(f"a volume is named by its name or id, not {ref!r}")
+    if "/" in ref or ref in (".", ".."):
+        raise VolumeNotFound(f"no volume {ref!r}; `corral volumes ls` lists them")
+    return f"/v1/volumes/{quote(ref, safe='')}"
 
 
 def snapshot_path(ref: str) -> str:

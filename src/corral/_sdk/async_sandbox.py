@@ -7,11 +7,13 @@ from ._async.sandbox import (
     AsyncCommands,
     AsyncFiles,
     AsyncNetwork,
+    AsyncPorts,
     AsyncProcess,
     AsyncProcesses,
     AsyncSandbox,
     aread_audit,
 )
+from ._async.volume import AsyncVolume
 
-__all__ = ["AsyncAudit", "AsyncCommands", "AsyncFiles", "AsyncNetwork", "AsyncProcess",
-           "AsyncProcesses", "AsyncSandbox", "aread_audit"]
+__all__ = ["AsyncAudit", "AsyncCommands", "AsyncFiles", "AsyncNetwork", "AsyncPorts",
+           "AsyncProcess", "AsyncProcesses", "AsyncSandbox", "AsyncVolume", "aread_audit"]

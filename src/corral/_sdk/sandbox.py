@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from ._sync.sandbox import Audit, Commands, Files, Network, Process, Processes, Sandbox, read_audit
+from ._sync.sandbox import (
+    Audit,
+    Commands,
+    Files,
+    Network,
+    Ports,
+    Process,
+    Processes,
+    Sandbox,
+    read_audit,
+)
+from ._sync.volume import Volume
 
-__all__ = ["Audit", "Commands", "Files", "Network", "Process", "Processes", "Sandbox",
-           "read_audit"]
+__all__ = ["Audit", "Commands", "Files", "Network", "Ports", "Process", "Processes", "Sandbox",
+           "Volume", "read_audit"]

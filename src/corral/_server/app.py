@@ -31,7 +31,17 @@ from .auth import Tenant, TenantDirectory
 from .bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
 from .guard import Authenticate, BodyLimit, HostGuard, OriginGuard, OwnerFirst, ServiceNames
 from .portproxy import PortProxy, PortRouting
-from .routes import audit, code, commands, files, ports, processes, sandboxes, snapshots
+from .routes import (
+    audit,
+    code,
+    commands,
+    files,
+    ports,
+    processes,
+    sandboxes,
+    snapshots,
+    volumes,
+)
 from .schemas import _ERRORS
 
 # The body limits are part of the service's contract; importable from here, as before.
@@ -152,7 +162,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
 
     # Included in this order, the order of the OpenAPI document's paths.
     for router in (sandboxes.router, snapshots.router, commands.router, processes.router,
-                   code.router, files.router, ports.router, audit.router):
+                   code.router, files.router, ports.router, volumes.router, audit.router):
         app.include_router(router)
 
     @app.get("/healthz")

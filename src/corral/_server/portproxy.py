@@ -413,7 +413,8 @@ class _WebSocketRelay:
                 f"ws://{host}{target.path.decode('latin-1')}", sock=sock,
                 additional_headers=extra,
                 subprotocols=[Subprotocol(p) for p in subprotocols] or None,
-                origin=None if origin is None else Origin(origin), compression=None, max_size=_WS_MAX_MESSAGE, open_timeout=10,
+                origin=None if origin is None else Origin(origin), compression=None,
+                max_size=_WS_MAX_MESSAGE, open_timeout=10,
                 ping_interval=None, user_agent_header=_header(scope, b"user-agent"))
         except InvalidStatus as exc:
             self.status = exc.response.status_code

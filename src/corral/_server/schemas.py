@@ -89,6 +89,16 @@ class NetworkBody(_Strict):
                     "(--require-hashes).")
 
 
+class VolumeMount(_Strict):
+    path: str = Field(max_length=512)
+    read_only: bool = False
+
+
+class CreateVolume(_Strict):
+    name: str = Field(min_length=1, max_length=63)
+    size: int | str = Field(default="1G", description="Bytes, or 512M, 10G, 1GiB.")
+
+
 class CreateSandbox(_Strict):
     template: Template | None = Field(
         default=None, description="Root filesystem: base, or the snapshot's when starting "
@@ -110,6 +120,13 @@ class CreateSandbox(_Strict):
         description="An image reference instead of a template ([host/]path[:tag][@sha256:...])"
                     ", from a registry the operator allows; pulled first unless it already "
                     "was.")
+    volumes: dict[str, str | VolumeMount] = Field(
+        default_factory=dict, max_length=16,
+        description="Your volumes by name, each at a mount point under /mnt/ or /workspace/ "
+                    "(a path, or {path, read_only}); one writer or many readers per volume.")
+    data_mounts: dict[str, str] = Field(
+        default_factory=dict, max_length=16,
+        description="The operator's data mounts by name, each at a mount point; read-only.")
 
 
 class TakeSnapshot(_Strict):

@@ -16,7 +16,16 @@ import httpx
 
 from ..._audit.log import AuditTrail
 from ...errors import FileNotFound, TransportError
-from ...models import CodeContext, CommandResult, Execution, FileEntry, SandboxInfo, SnapshotInfo
+from ...models import (
+    CodeContext,
+    CommandResult,
+    Execution,
+    FileEntry,
+    PortInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    VolumeInfo,
+)
 from .. import _wire
 from .._io import Pool, ahttp_pool, aread_chunk, arelease
 from .._wire import AsyncCodeCallback, AsyncOutputCallback, ProcessInfo, adeliver
@@ -85,11 +94,13 @@ class AsyncHTTPTransport:
                      labels: Mapping[str, str] | None, network: Any,
                      secrets: Sequence[str] | None, idle_timeout: float | None,
                      isolation: str | None, snapshot: str | None,
-                     image: str | None = None) -> SandboxInfo:
+                     image: str | None = None, volumes: Mapping[str, Any] | None = None,
+                     data_mounts: Mapping[str, Any] | None = None) -> SandboxInfo:
         body = _wire.create_body(template=template, resources=resources, timeout=timeout,
                                  labels=labels, network=network, secrets=secrets,
                                  idle_timeout=idle_timeout, isolation=isolation,
-                                 snapshot=snapshot, image=image)
+                                 snapshot=snapshot, image=image, volumes=volumes,
+                                 data_mounts=data_mounts)
         return _wire.sandbox_info(await self._json("POST", "/v1/sandboxes", json=body))
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -111,6 +122,34 @@ class AsyncHTTPTransport:
 
     async def pause(self, sandbox_id: str) -> SandboxInfo:
         return _wire.sandbox_info(await self._json("POST", f"{_sandbox(sandbox_id)}/pause"))
+
+    async def expose_port(self, sandbox_id: str, port: int, *, public: bool,
+                          link_ttl: float | None) -> PortInfo:
+        body: dict[str, Any] = {"public": public}
+        if link_ttl is not None:
+            body["link_ttl"] = link_ttl
+        return PortInfo.model_validate(await self._json(
+            "POST", f"{_sandbox(sandbox_id)}/ports/{_wire.port_number(port)}", json=body))
+
+    async def list_ports(self, sandbox_id: str) -> builtins.list[PortInfo]:
+        return [PortInfo.model_validate(d)
+                for d in await self._json("GET", f"{_sandbox(sandbox_id)}/ports")]
+
+    async def unexpose_port(self, sandbox_id: str, port: int) -> None:
+        await self.request("DELETE", f"{_sandbox(sandbox_id)}/ports/{_wire.port_number(port)}")
+
+    async def create_volume(self, name: str, size: int | str) -> VolumeInfo:
+        return VolumeInfo.model_validate(await self._json(
+            "POST", "/v1/volumes", json={"name": name, "size": size}))
+
+    async def get_volume(self, ref: str) -> VolumeInfo:
+        return VolumeInfo.model_validate(await self._json("GET", _wire.volume_path(ref)))
+
+    async def list_volumes(self) -> builtins.list[VolumeInfo]:
+        return [VolumeInfo.model_validate(d) for d in await self._json("GET", "/v1/volumes")]
+
+    async def delete_volume(self, ref: str) -> None:
+        await self.request("DELETE", _wire.volume_path(ref))
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         return _wire.sandbox_info(await self._json("POST", f"{_sandbox(sandbox_id)}/resume"))

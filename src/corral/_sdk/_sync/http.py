@@ -18,7 +18,16 @@ import httpx
 
 from ..._audit.log import AuditTrail
 from ...errors import FileNotFound, TransportError
-from ...models import CodeContext, CommandResult, Execution, FileEntry, SandboxInfo, SnapshotInfo
+from ...models import (
+    CodeContext,
+    CommandResult,
+    Execution,
+    FileEntry,
+    PortInfo,
+    SandboxInfo,
+    SnapshotInfo,
+    VolumeInfo,
+)
 from .. import _wire
 from .._io import Pool, http_pool, read_chunk, release
 from .._wire import CodeCallback, OutputCallback, ProcessInfo, deliver
@@ -87,11 +96,13 @@ class HTTPTransport:
                      labels: Mapping[str, str] | None, network: Any,
                      secrets: Sequence[str] | None, idle_timeout: float | None,
                      isolation: str | None, snapshot: str | None,
-                     image: str | None = None) -> SandboxInfo:
+                     image: str | None = None, volumes: Mapping[str, Any] | None = None,
+                     data_mounts: Mapping[str, Any] | None = None) -> SandboxInfo:
         body = _wire.create_body(template=template, resources=resources, timeout=timeout,
                                  labels=labels, network=network, secrets=secrets,
                                  idle_timeout=idle_timeout, isolation=isolation,
-                                 snapshot=snapshot, image=image)
+                                 snapshot=snapshot, image=image, volumes=volumes,
+                                 data_mounts=data_mounts)
         return _wire.sandbox_info(self._json("POST", "/v1/sandboxes", json=body))
 
     def get(self, sandbox_id: str) -> SandboxInfo:
@@ -113,6 +124,34 @@ class HTTPTransport:
 
     def pause(self, sandbox_id: str) -> SandboxInfo:
         return _wire.sandbox_info(self._json("POST", f"{_sandbox(sandbox_id)}/pause"))
+
+    def expose_port(self, sandbox_id: str, port: int, *, public: bool,
+                          link_ttl: float | None) -> PortInfo:
+        body: dict[str, Any] = {"public": public}
+        if link_ttl is not None:
+            body["link_ttl"] = link_ttl
+        return PortInfo.model_validate(self._json(
+            "POST", f"{_sandbox(sandbox_id)}/ports/{_wire.port_number(port)}", json=body))
+
+    def list_ports(self, sandbox_id: str) -> builtins.list[PortInfo]:
+        return [PortInfo.model_validate(d)
+                for d in self._json("GET", f"{_sandbox(sandbox_id)}/ports")]
+
+    def unexpose_port(self, sandbox_id: str, port: int) -> None:
+        self.request("DELETE", f"{_sandbox(sandbox_id)}/ports/{_wire.port_number(port)}")
+
+    def create_volume(self, name: str, size: int | str) -> VolumeInfo:
+        return VolumeInfo.model_validate(self._json(
+            "POST", "/v1/volumes", json={"name": name, "size": size}))
+
+    def get_volume(self, ref: str) -> VolumeInfo:
+        return VolumeInfo.model_validate(self._json("GET", _wire.volume_path(ref)))
+
+    def list_volumes(self) -> builtins.list[VolumeInfo]:
+        return [VolumeInfo.model_validate(d) for d in self._json("GET", "/v1/volumes")]
+
+    def delete_volume(self, ref: str) -> None:
+        self.request("DELETE", _wire.volume_path(ref))
 
     def resume(self, sandbox_id: str) -> SandboxInfo:
         return _wire.sandbox_info(self._json("POST", f"{_sandbox(sandbox_id)}/resume"))

@@ -41,6 +41,7 @@ from ...models import (
     CommandResult,
     Execution,
     FileEntry,
+    PortInfo,
     SandboxInfo,
     SnapshotInfo,
 )
@@ -50,8 +51,8 @@ from .._io import now, shielded, sleep
 from .._wire import OutputCallback, ProcessInfo, deliver
 from .transport import Transport
 
-__all__ = ["Audit", "Commands", "Files", "Network", "Process",
-           "Processes", "Sandbox", "read_audit"]
+__all__ = ["Audit", "Commands", "Files", "Network", "Ports",
+           "Process", "Processes", "Sandbox", "read_audit"]
 
 
 class Commands:
@@ -290,6 +291,44 @@ class Network:
         sb._info = sb._transport().set_network(sb._live_id(), "none")
 
 
+class Ports:
+    """The sandbox's ports as URLs served by ``corral serve``. Reached as ``sandbox.ports``."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def expose(self, port: int, *, public: bool = False,
+                     link_ttl: float | None = None) -> PortInfo:
+        """Serve ``port`` (a server in the sandbox on ``0.0.0.0`` or ``127.0.0.1``) through
+        the proxy, HTTP and WebSockets alike; idempotent (exposing again changes ``public``).
+
+        Args:
+            port: the TCP port inside the sandbox.
+            public: reachable by anyone with the URL; by default only with the port's
+                ``token`` (header ``X-Corral-Port-Token``), its owner's API key, or a browser
+                that opened ``signed_url``.
+            link_ttl: seconds the returned ``signed_url`` works (default an hour, at most a
+                week).
+
+        Returns:
+            The URLs (``url``, and ``host_url`` when the service has a ports domain; both
+            ``None`` embedded without ``CORRAL_PORTS_URL``), the token and a signed link.
+        """
+        sb = self._sandbox
+        return sb._transport().expose_port(sb._live_id(), port, public=public,
+                                                 link_ttl=link_ttl)
+
+    def list(self) -> builtins.list[PortInfo]:
+        """The exposed ports, each with a fresh signed link."""
+        sb = self._sandbox
+        return sb._transport().list_ports(sb._live_id())
+
+    def unexpose(self, port: int) -> None:
+        """Stop serving ``port``: its token and signed links stop working at once."""
+        sb = self._sandbox
+        sb._transport().unexpose_port(sb._live_id(), port)
+
+
 class Audit:
     """The sandbox's audit trail. Reached as ``sandbox.audit``; readable after ``kill()``."""
 
@@ -366,6 +405,7 @@ class Sandbox:
         self.audit = Audit(self)
         self.network = Network(self)
         self.processes = Processes(self)
+        self.ports = Ports(self)
 
     @classmethod
     def create(
@@ -381,6 +421,8 @@ class Sandbox:
         isolation: str | None = None,
         snapshot: str | SnapshotInfo | None = None,
         image: str | None = None,
+        volumes: Mapping[str, str | Mapping[str, Any]] | None = None,
+        data_mounts: Mapping[str, str] | None = None,
         home: str | Path | None = None,
         url: str | None = None,
         api_key: str | None = None,
@@ -412,6 +454,12 @@ class Sandbox:
                 from a registry the operator allows (``CORRAL_REGISTRIES``); embedded, also
                 ``oci:/path[:tag]`` or ``docker-archive:/path.tar``. Pulled first unless it
                 already was; its environment and working directory apply to commands.
+            volumes: your volumes (``Volume.create``) by name, each at a mount point
+                under ``/mnt/`` or ``/workspace/``: ``{"cache": "/mnt/cache"}``, or
+                ``{"cache": {"path": "/mnt/cache", "read_only": True}}``. A volume has one
+                writer or any number of readers (``VolumeInUse`` otherwise).
+            data_mounts: the operator's data mounts (``CORRAL_DATA_MOUNTS``) by name, each
+                at a mount point, read-only: ``{"refs": "/mnt/refs"}``.
             home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
             url: a Corral service to use (default ``CORRAL_URL``; embedded when unset).
             api_key: its API key (default ``CORRAL_API_KEY``).
@@ -430,7 +478,8 @@ class Sandbox:
                                        timeout=timeout, labels=labels, network=network,
                                        secrets=secrets, idle_timeout=idle_timeout,
                                        isolation=isolation,
-                                       snapshot=_wire.snapshot_ref(snapshot), image=image)
+                                       snapshot=_wire.snapshot_ref(snapshot), image=image,
+                                       volumes=volumes, data_mounts=data_mounts)
         except BaseException:
             if transport is None:  # one passed in stays its owner's to close
                 opened.close()

@@ -24,7 +24,10 @@ def create_sandbox(body: CreateSandbox, who: TenantDep, manager: ManagerDep) -> 
                           secrets=body.secrets, caller=who,
                           idle_timeout=body.idle_timeout,
                           isolation=body.isolation, snapshot=body.snapshot,
-                          image=body.image)
+                          image=body.image,
+                          volumes={name: where if isinstance(where, str) else where.model_dump()
+                                   for name, where in body.volumes.items()},
+                          data_mounts=body.data_mounts)
     return (info)
 
 
