@@ -41,6 +41,9 @@ EventType = Literal[
     "snapshot.created",
     "snapshot.restored",
     "snapshot.deleted",
+    "port.exposed",
+    "port.unexposed",
+    "port.connection",
     "audit.recovered",
 ]
 EVENT_TYPES: tuple[str, ...] = EventType.__args__  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .._backends._linux.template import require_template
 from .._control import validate
 from .._control.manager import Manager
+from .._control.ports import PortURLs
 from .._core.resources import get_tier
 from .._workspace.files import to_relative
 from ..errors import AuthError, CorralError, SandboxNotFound
@@ -126,8 +127,10 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     app.add_middleware(BodyLimit, limits=BODY_LIMITS)
     app.add_middleware(HostGuard, names=names)
     # Outermost: an exposed port's requests are the sandbox's app's, not the service's.
+    if ports_domain is not None:
+        manager.ports.configure(PortURLs(base=manager.ports.urls.base, domain=ports_domain))
     app.add_middleware(PortRouting, proxy=PortProxy(
-        manager, tenants, domain=ports_domain or manager.ports.urls.domain), names=names)
+        manager, tenants, domain=manager.ports.urls.domain), names=names)
 
     @app.exception_handler(CorralError)
     async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
