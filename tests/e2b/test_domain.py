@@ -53,7 +53,8 @@ def tls_served() -> Iterator[tuple[Served, Pki]]:
         yield served, pki
 
 
-def _run_domain(served: Served, pki: Pki, kind: str) -> tuple[ClientRun, ClientRun]:
+def _run_domain(served: Served, pki: Pki, kind: str, *extra: str
+                ) -> tuple[ClientRun, ClientRun]:
     """``domain.py create``, then the sandbox's names into the hosts file, then ``use``."""
     hosts = served.scratch / f"hosts-{kind}"  # a fresh file per client, removed with scratch
     hosts.write_text(f"127.0.0.1 localhost\n{served.host} api.{DOMAIN}\n")
@@ -64,15 +65,16 @@ def _run_domain(served: Served, pki: Pki, kind: str) -> tuple[ClientRun, ClientR
     created = run_client(served, kind, script, "create", wrap=wrap, env=env)
     sid = created.value("id")
     with hosts.open("a") as f:
-        f.write(f"{served.host} 49983-{sid}.{DOMAIN} 49999-{sid}.{DOMAIN}\n")
-    return created, run_client(served, kind, script, "use", sid, wrap=wrap, env=env)
+        f.write(f"{served.host} 49983-{sid}.{DOMAIN} 49999-{sid}.{DOMAIN} "
+                f"8000-{sid}.{DOMAIN}\n")
+    return created, run_client(served, kind, script, "use", sid, *extra, wrap=wrap, env=env)
 
 
 # v1 (e2b 1.11.1) knows only E2B_DOMAIN; bundled (2.20.3) and latest are given only it.
 @pytest.mark.parametrize("kind", ["v1", "bundled", "latest"])
 def test_domain_mode(tls_served: tuple[Served, Pki], kind: str) -> None:
     served, pki = tls_served
-    created, run = _run_domain(served, pki, kind)
+    created, run = _run_domain(served, pki, kind, *(() if kind == "v1" else ("ports",)))
     sid = created.value("id")
     assert sid.startswith("sbx-") and "_" not in sid
     run.value("connect")
@@ -81,6 +83,16 @@ def test_domain_mode(tls_served: tuple[Served, Pki], kind: str) -> None:
     assert run.value("write") == "/home/user/tls.txt"
     assert run.value("read") == "through the domain"
     assert sid in run.value("list")
+    if kind != "v1":
+        # get_host: an app's port in the sandbox, through the same proxy as Corral's own
+        # exposed ports, opened by E2B's traffic token; without it, Corral's own rules
+        # apply, and the port was never exposed with them (404).
+        port = run.value("port")
+        assert port["host"] == f"8000-{sid}.{DOMAIN}"
+        assert (port["status"], port["listing"], port["without_token"]) == (200, True, 404)
+        connections = events_of(served, sid, "port.connection")
+        assert any(e["data"]["who"] == "e2b" and e["data"]["status"] == 200
+                   for e in connections), connections
     # 1.11.1's instance kill() drops _cls_kill's answer (returns None); the trail shows it.
     assert run.value("kill") is (None if kind == "v1" else True)
     assert events_of(served, sid, "command.started")

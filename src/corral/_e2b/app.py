@@ -36,8 +36,10 @@ from starlette.routing import Route, Router
 from starlette.types import Message, Receive, Scope, Send
 
 from .._control.manager import Manager
+from .._control.ports import Who
 from .._control.tenants import Tenant, TenantDirectory, local_tenant
 from .._server.guard import BodyLimit, BodyLimits, ServiceNames
+from .._server.portproxy import PortProxy, Target
 from ..errors import AuthError, CorralError, SandboxNotFound
 from . import control, files, filesystem, jupyter, process, watch
 from .ids import from_e2b, to_e2b
@@ -155,6 +157,8 @@ class E2BApp:
         self.tenants = TenantDirectory(manager.store)
         self.tokens = SandboxTokens(manager.settings.home)
         self.e2b = E2BState(manager.settings.home / "e2b.db")
+        # Any other port of a sandbox (E2B's get_host) goes through Corral's port proxy.
+        self.ports = PortProxy(manager, self.tenants)
         self.state = State()
         self.state.manager = manager
         self.state.tokens = self.tokens
@@ -192,9 +196,10 @@ class E2BApp:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
-            # No E2B client opens a WebSocket here; close before accepting.
-            await send({"type": "websocket.close", "code": 1008})
             return
         scope["app"] = self
         started = False
@@ -218,6 +223,58 @@ class E2BApp:
             if not started:
                 await _refuse(scope, send, 500, "an internal error occurred; the server log "
                               "has details")
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Only an app's own port has WebSockets (envd and the interpreter have none): by
+        host name in domain mode, or by the E2b-Sandbox-* headers."""
+        sandbox: tuple[str, int] | None = None
+        host = (_header(scope, b"host") or "").lower()
+        match = (self._sandbox_host.fullmatch(host.rsplit(":", 1)[0])
+                 if self._sandbox_host else None)
+        if match is not None:
+            sandbox = (match.group(2), int(match.group(1)))
+        elif (header_id := _header(scope, b"e2b-sandbox-id")) is not None:
+            port = _header(scope, b"e2b-sandbox-port") or ""
+            if self.names.allows(host, _own_port(scope)) and port.isdigit():
+                sandbox = (header_id, int(port))
+        if sandbox is None or sandbox[1] in (ENVD_PORT, JUPYTER_PORT):
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        resolved = await run_in_threadpool(self._resolve, sandbox[0])
+        if resolved is None:
+            await send({"type": "websocket.close", "code": 1008,
+                        "reason": "The sandbox was not found"})
+            return
+        await self._serve_port(scope, receive, send, resolved[0], sandbox[0], sandbox[1])
+
+    async def _serve_port(self, scope: Scope, receive: Receive, send: Send, corral_id: str,
+                          e2b_id: str, port: int) -> None:
+        """A server the sandbox runs. E2B's traffic token (or the envd token) opens every
+        port of its own sandbox; without one, Corral's own rules for exposed ports apply
+        (public ports, port tokens, signed links): private unless its owner exposes it."""
+        raw: bytes = scope.get("raw_path") or scope["path"].encode()
+        query: bytes = scope.get("query_string", b"")
+        target = Target(corral_id, port, "", raw + (b"?" + query if query else b""))
+        if not (self.tokens.check_traffic(corral_id, _header(
+                scope, b"e2b-traffic-access-token")) or self.tokens.check_envd(
+                corral_id, _header(scope, b"x-access-token"))):
+            await self.ports(scope, receive, send, target)
+            return
+        try:
+            record = await run_in_threadpool(self.manager.sandboxes.get, corral_id)
+        except CorralError:
+            await _send_json(send, 502, _sandbox_gone(e2b_id[:64]))
+            return
+
+        def render(status: int, code: str, message: str) -> tuple[int, dict[str, Any]]:
+            if code == "port_closed":  # the SDKs raise SandboxUnreachable for this message
+                message = f"The sandbox is running but port is not open ({message})"
+            return status, {"sandboxId": e2b_id, "port": port, "code": status,
+                            "message": message}
+
+        await self.ports.serve(scope, receive, send, target, record, Who("e2b"),
+                               strip=(b"e2b-traffic-access-token", b"x-access-token"),
+                               render=render)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -343,10 +400,7 @@ class E2BApp:
             return
         corral_id, owner = resolved
         if port not in (ENVD_PORT, JUPYTER_PORT):
-            await _send_json(send, 502, {
-                "sandboxId": e2b_id, "port": port, "code": 502,
-                "message": f"The sandbox is running but port is not open: Corral serves only "
-                           f"envd ({ENVD_PORT}) and the code interpreter ({JUPYTER_PORT}) here"})
+            await self._serve_port(scope, receive, send, corral_id, e2b_id, port)
             return
         access = _header(scope, b"x-access-token")
         traffic = _header(scope, b"e2b-traffic-access-token")

@@ -24,7 +24,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 from typing import Any
@@ -42,10 +42,10 @@ from .._control.ports import Who
 from .._control.records import SandboxRecord
 from .._control.tenants import TenantDirectory
 from .._e2b.ids import from_e2b
-from ..errors import AuthError, CorralError, PortClosed, SandboxBusy, SandboxNotFound
+from ..errors import AuthError, CorralError, SandboxBusy, SandboxNotFound
 from .guard import ServiceNames
 
-__all__ = ["PortProxy", "PortRouting", "Target"]
+__all__ = ["PortProxy", "PortRouting", "Render", "Target"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,28 +119,36 @@ class PortProxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send,
                        target: Target) -> None:
-        websocket = scope["type"] == "websocket"
         checked = await run_in_threadpool(self._admit, scope, target)
         if isinstance(checked, _Refusal):
             await _refuse(scope, receive, send, checked)
             return
         record, who, strip_authorization = checked
-        if not websocket and (link := self._link(scope, target)) is not None:
+        if scope["type"] == "http" and (link := self._link(scope)) is not None:
             await self._redeem_link(scope, send, target, link)
             return
+        await self.serve(scope, receive, send, target, record, who,
+                         strip=(b"authorization",) if strip_authorization else ())
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send, target: Target,
+                    record: SandboxRecord, who: Who, *, strip: Sequence[bytes] = (),
+                    render: Render | None = None) -> None:
+        """Relay one admitted request or WebSocket to the sandbox's port and record it.
+        ``strip``: more request headers that are the caller's credentials for Corral (never
+        passed on); ``render``: another surface's shape for the refusals (E2B's)."""
         started = time.monotonic()
         try:
             sock = await run_in_threadpool(self._manager.ports.open, record, target.port)
         except SandboxBusy as exc:
-            await _refuse(scope, receive, send, _Refusal(503, "sandbox_paused", exc.message))
+            await _refuse(scope, receive, send, _Refusal(503, "sandbox_paused", exc.message),
+                          render)
             return
-        except PortClosed as exc:
-            await _refuse(scope, receive, send, _Refusal(502, exc.code, exc.message))
+        except CorralError as exc:  # PortClosed, or the tier's own
+            await _refuse(scope, receive, send, _Refusal(exc.status, exc.code, exc.message),
+                          render)
             return
-        except CorralError as exc:
-            await _refuse(scope, receive, send, _Refusal(exc.status, exc.code, exc.message))
-            return
-        headers = self._upstream_headers(scope, target, strip_authorization)
+        headers = self._upstream_headers(scope, target, strip)
+        websocket = scope["type"] == "websocket"
         relay = _WebSocketRelay(scope, receive, send) if websocket else _HttpRelay(
             scope, receive, send)
         try:
@@ -206,7 +214,7 @@ class PortProxy:
                         "private: send its token (X-Corral-Port-Token, or Authorization: "
                         "Bearer), the owner's API key, or open its signed link")
 
-    def _link(self, scope: Scope, target: Target) -> dict[str, str] | None:
+    def _link(self, scope: Scope) -> dict[str, str] | None:
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
         return query if "corral_sig" in query else None
 
@@ -231,7 +239,7 @@ class PortProxy:
         await send({"type": "http.response.body", "body": b""})
 
     def _upstream_headers(self, scope: Scope, target: Target,
-                          strip_authorization: bool) -> list[tuple[bytes, bytes]]:
+                          strip: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
         """The client's headers minus hop-by-hop ones and Corral's credentials, plus the
         ``X-Forwarded-*`` a framework needs to build its own links."""
         cookie_prefix = f"{_cookie_name(target)}=".encode()
@@ -239,7 +247,7 @@ class PortProxy:
         for key, value in scope.get("headers", ()):
             if key in _HOP or key in _OURS:
                 continue
-            if key == b"authorization" and strip_authorization:
+            if key in strip:
                 continue
             if key == b"cookie":
                 kept = [part for part in (p.strip() for p in value.split(b";"))
@@ -273,8 +281,23 @@ class _Refusal:
     message: str
 
 
-async def _refuse(scope: Scope, receive: Receive, send: Send, refusal: _Refusal) -> None:
+# Another surface's refusal: (status, code, message) to (status, JSON body).
+Render = Callable[[int, str, str], tuple[int, dict[str, Any]]]
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, refusal: _Refusal,
+                  render: Render | None = None) -> None:
     """A status page a person can read (HTML for a browser), or JSON for a program."""
+    if render is not None:
+        status, shaped = render(refusal.status, refusal.code, refusal.message)
+        refusal = _Refusal(status, refusal.code, json.dumps(shaped))
+        if scope["type"] == "http":
+            body = refusal.message.encode()
+            await send({"type": "http.response.start", "status": status, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
     if scope["type"] == "websocket":
         # Before accepting: an HTTP answer if the server can send one, else a policy close.
         if "websocket.http.response" in scope.get("extensions", {}):

@@ -32,5 +32,39 @@ step("exit3", lambda: sb.commands.run("exit 3"))
 step("write", lambda: sb.files.write("/home/user/tls.txt", "through the domain").path)
 step("read", lambda: sb.files.read("/home/user/tls.txt"))
 step("list", lambda: [s.sandbox_id for s in Sandbox.list().next_items()])
+
+
+def fetch_port() -> dict[str, object]:
+    """An app's own port through get_host: E2B's traffic token opens it, nothing else does."""
+    import ssl
+    import time
+    import urllib.error
+    import urllib.request
+
+    sb.commands.run("python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1",
+                    background=True)
+    token = getattr(sb, "traffic_access_token", None) or sb._envd_access_token
+    url = f"https://{sb.get_host(8000)}/"
+    context = ssl.create_default_context()  # trusts SSL_CERT_FILE, the test CA
+
+    def get(headers: dict[str, str]) -> tuple[int, str]:
+        request = urllib.request.Request(url, headers=headers)
+        try:
+            with urllib.request.urlopen(request, context=context, timeout=10) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    for _ in range(100):
+        status, body = get({"E2B-Traffic-Access-Token": token})
+        if status != 502:
+            break
+        time.sleep(0.1)
+    return {"host": sb.get_host(8000), "status": status, "listing": "Directory listing" in body,
+            "without_token": get({})[0]}
+
+
+if len(sys.argv) > 3 and sys.argv[3] == "ports":
+    step("port", fetch_port)
 step("kill", lambda: sb.kill())
 done()
