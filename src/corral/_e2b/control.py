@@ -47,7 +47,6 @@ DEFAULT_TIMEOUT_S = 300  # E2B's default when create omits it (SandboxBase.defau
 _MAX_PAGE = 100
 _UNSUPPORTED_CREATE = {
     "mcp": "MCP gateways inside sandboxes",
-    "volumeMounts": "volumes (planned: Corral issue 16)",
 }
 
 
@@ -185,7 +184,8 @@ def _detail(request: Request, info: SandboxInfo, extra: E2BSandbox | None) -> di
         "metadata": dict(info.labels),
         "allowInternetAccess": _internet(info),
         "lifecycle": {"onTimeout": "kill", "autoResume": False},
-        "volumeMounts": [],
+        "volumeMounts": [{"name": m["source"], "path": m["target"]} for m in info.mounts
+                         if m["kind"] == "volume"],
     }
 
 
@@ -240,6 +240,18 @@ def _network(request: Request, body: Mapping[str, Any], tenant: Tenant) -> dict[
     return {"allow": sorted(set(allow))} if allow else None
 
 
+def _volume_mounts(value: object) -> dict[str, str]:
+    """E2B's ``volumeMounts`` ``[{name, path}]``: Corral volumes of the caller's tenant by
+    name (made with ``corral volumes create`` or the SDK's ``Volume.create``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("name"), str)
+            and isinstance(m.get("path"), str) for m in value):
+        raise E2BHTTPError(400, "volumeMounts must be a list of {name, path}")
+    return {m["name"]: m["path"] for m in value}
+
+
 @_endpoint
 async def create_sandbox(request: Request) -> Response:
     body = await _json_body(request)
@@ -261,10 +273,12 @@ async def create_sandbox(request: Request) -> Response:
     validate.command(["true"], None, envs, None)  # the same rules as any command's env
     network = _network(request, body, tenant)
     asked_internet = body.get("allow_internet_access", body.get("allowInternetAccess"))
+    volumes = _volume_mounts(body.get("volumeMounts"))
 
     def create() -> SandboxInfo:
         info = manager.create(template=template, snapshot=snapshot, timeout=timeout,
-                              labels=metadata, network=network, caller=tenant)
+                              labels=metadata, network=network, caller=tenant,
+                              volumes=volumes or None)
         state: E2BState = request.app.state.e2b
         state.remember(E2BSandbox(
             id=info.id, template_id=body["templateID"], envs=dict(envs),
