@@ -31,7 +31,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _exit_code_for(exc: errors.CorralError) -> int:
-    if isinstance(exc, errors.SandboxNotFound | errors.FileNotFound | errors.SnapshotNotFound):
+    if isinstance(exc, errors.SandboxNotFound | errors.FileNotFound | errors.SnapshotNotFound
+                  | errors.VolumeNotFound | errors.PortNotExposed):
         return EXIT_NOT_FOUND
     if isinstance(exc, errors.BackendUnavailable):
         return EXIT_UNAVAILABLE
@@ -85,6 +86,18 @@ def home_of(ctx: click.Context) -> Path | None:
 
 def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=None, sort_keys=False))
+
+
+def size_text(n: int) -> str:
+    """Bytes for a person: ``512 B``, ``1.5 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
 
 
 def parse_pairs(pairs: Sequence[str], option: str = "--env") -> dict[str, str]:

@@ -26,6 +26,7 @@ from .common import (
     sdk,
 )
 from .snapshots import start_options
+from .volumes import mount_options
 
 if TYPE_CHECKING:
     from .._sdk.sandbox import Sandbox
@@ -172,13 +173,15 @@ def _network(allow: tuple[str, ...], deny: tuple[str, ...], presets: tuple[str, 
               help="Resource tier: small or large.")
 @network_options
 @start_options
+@mount_options
 @command_options
 @click.pass_context
 @handle_errors
 def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[str, ...],
         presets: tuple[str, ...], require_lock: bool, secret_names: tuple[str, ...],
         template: str | None, image: str | None, isolation: str | None,
-        snapshot_ref: str | None, timeout: float | None, env: tuple[str, ...],
+        snapshot_ref: str | None, volumes: dict[str, str | dict[str, Any]] | None,
+        data_mounts: dict[str, str] | None, timeout: float | None, env: tuple[str, ...],
         cwd: str | None, forward_stdin: bool, binary: bool, context: tuple[str, ...],
         as_json: bool, command: tuple[str, ...]) -> None:
     """Create a sandbox, run COMMAND in it, destroy it; exit with COMMAND's exit code.
@@ -195,13 +198,15 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
       corral run --stdin -- python3 - < script.py
       corral run --json -- ls -la      {exit_code, stdout, stderr, timed_out, usage, ...}
       corral run --image 127.0.0.1:5000/tools:1      the image's entrypoint and command
+      corral run --volume cache:/mnt/cache -- 'cp -r out /mnt/cache/'
     """
     cmd = _command_from(command) if command or image is None else None
     variables = parse_pairs(env)
     network = _network(allow, deny, presets, require_lock)
     with sdk().create(template, resources=resources, network=network,
                         secrets=list(secret_names), isolation=isolation,
-                        snapshot=snapshot_ref, image=image, home=home_of(ctx)) as sb:
+                        snapshot=snapshot_ref, image=image, volumes=volumes,
+                        data_mounts=data_mounts, home=home_of(ctx)) as sb:
         if cmd is None:
             cmd = _image_command(ctx, sb)
         _run_and_report(sb, cmd, timeout=timeout, env=variables, cwd=cwd,
@@ -217,6 +222,7 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
 @click.option("--label", "-l", "labels", multiple=True, metavar="KEY=VALUE", help="Add a label.")
 @network_options
 @start_options
+@mount_options
 @json_option
 @click.pass_context
 @handle_errors
@@ -224,21 +230,24 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
            allow: tuple[str, ...], deny: tuple[str, ...], presets: tuple[str, ...],
            require_lock: bool, secret_names: tuple[str, ...], template: str | None,
            image: str | None, isolation: str | None, snapshot_ref: str | None,
+           volumes: dict[str, str | dict[str, Any]] | None, data_mounts: dict[str, str] | None,
            as_json: bool) -> None:
     """Create a sandbox and print its id (--json: the sandbox, as `corral info --json`).
 
-    It lives until `corral rm ID` or its lifetime (--ttl) ends.
+    It lives until `corral rm ID` or its lifetime (--ttl) ends. Volumes it mounts
+    (--volume) outlive it; while it mounts one read-write, no other sandbox can mount it.
 
     \b
-    Example:
+    Examples:
       ID=$(corral create --template python --label task=42)
+      ID=$(corral create --volume cache:/mnt/cache --data refs:/mnt/refs)
     """
     label_map = parse_pairs(labels, "--label")
     sb = sdk().create(template, resources=resources, timeout=ttl, labels=label_map,
                         network=_network(allow, deny, presets, require_lock),
                         secrets=list(secret_names),
                         isolation=isolation, snapshot=snapshot_ref, image=image,
-                        home=home_of(ctx))
+                        volumes=volumes, data_mounts=data_mounts, home=home_of(ctx))
     if as_json:
         emit_json(_info_json(sb.get_info()))
     else:

@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from .._backends import BACKENDS
-from .common import F, connect, emit_json, handle_errors, home_of, json_option, sdk
+from .common import (
+    F,
+    connect,
+    emit_json,
+    handle_errors,
+    home_of,
+    json_option,
+    sdk,
+    size_text,
+)
 
 if TYPE_CHECKING:
     from ..models import SnapshotInfo
@@ -43,17 +52,6 @@ def start_options(fn: F) -> F:
 
 def _snapshot_json(snap: SnapshotInfo) -> dict[str, Any]:
     return snap.to_dict()
-
-
-def _size(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value, unit = n / 1024, "KiB"
-    for bigger in ("MiB", "GiB", "TiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{value:.1f} {unit}"
 
 
 @click.command()
@@ -163,7 +161,7 @@ def snapshots_ls(ctx: click.Context, as_json: bool) -> None:
     for column in ("ID", "NAME", "TEMPLATE", "FROM", "SIZE", "DEPTH", "MEMORY", "CREATED"):
         table.add_column(column)
     for s in snaps:
-        table.add_row(s.id, s.name or "-", s.template, s.sandbox, _size(s.size_bytes),
+        table.add_row(s.id, s.name or "-", s.template, s.sandbox, size_text(s.size_bytes),
                       str(s.depth), "yes" if s.memory else "no",
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(s.created_at)))
     Console().print(table)

@@ -93,6 +93,7 @@ class Ports:
         """Expose ``port`` of the sandbox through the proxy (idempotent; ``public`` may be
         changed by exposing again) and return its URLs and credentials."""
         number = _port(port)
+        _link_ttl(link_ttl_s)  # before anything changes: a refused call exposes nothing
         info = self._sandboxes.get(sandbox_id, tenant=tenant)
         self._store.expose_port(info.id, number, public=bool(public),
                                 nonce=secrets.token_hex(16))
@@ -119,10 +120,7 @@ class Ports:
         row = self._store.port(sandbox_id, port)
         if row is None:
             raise PortNotExposed(f"port {port} of sandbox {sandbox_id} is not exposed")
-        ttl = _LINK_TTL_S if link_ttl_s is None else float(link_ttl_s)
-        if not 0 < ttl <= _MAX_LINK_TTL_S:
-            raise UsageError(f"link_ttl must be between 1 second and {_MAX_LINK_TTL_S:.0f} "
-                             f"seconds (a week), not {ttl:g}")
+        ttl = _link_ttl(link_ttl_s)
         expires = int(time.time() + ttl)
         path_url = urls.path_url(sandbox_id, port)
         signed = None
@@ -202,6 +200,14 @@ class Ports:
     def _sign(self, exposure: dict[str, Any], expires: int) -> str:
         return self._mac("link", exposure["sandbox_id"], exposure["port"], exposure["nonce"],
                          expires)
+
+
+def _link_ttl(value: float | None) -> float:
+    ttl = _LINK_TTL_S if value is None else float(value)
+    if not 0 < ttl <= _MAX_LINK_TTL_S:
+        raise UsageError(f"link_ttl must be more than 0 and at most {_MAX_LINK_TTL_S:.0f} "
+                         f"seconds (a week), not {ttl:g}")
+    return ttl
 
 
 def _port(value: object) -> int:

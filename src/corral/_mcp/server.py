@@ -1,8 +1,9 @@
 """The MCP server behind ``corral mcp``: sandboxes as tools for any MCP client.
 
 Tools: ``create_sandbox``, ``run_command``, ``read_file``, ``write_file``, ``list_files``,
-``upload_tar``, ``download_tar``, ``snapshot``, ``fork``, ``restore``, ``destroy_sandbox``. Every
-tool but ``create_sandbox`` takes an optional ``sandbox_id``.
+``upload_tar``, ``download_tar``, ``snapshot``, ``fork``, ``restore``, ``destroy_sandbox``,
+``expose_port``, ``list_ports``, ``unexpose_port`` and ``list_volumes``. Every tool but
+``create_sandbox`` and ``list_volumes`` takes an optional ``sandbox_id``.
 
 The session sandbox
     A call without ``sandbox_id`` uses the *session sandbox*: created on the session's first such
@@ -28,9 +29,12 @@ The session sandbox
 The model is the caller
     Whatever a tool's arguments ask for, an injected model may have written, so the server
     applies a ceiling of its own, tighter than the operator's: by default no network, the
-    ``base`` template and no secrets (``CeilingExceeded`` beyond). The operator widens it when
-    starting the server (``corral mcp --allow-host pypi.org --template python``). A tool call
-    with an argument the tool does not take is refused, never ignored.
+    ``base`` template, no secrets and no volumes (``CeilingExceeded`` beyond). The operator
+    widens it when starting the server (``corral mcp --allow-host pypi.org --template python
+    --volume cache``). Volumes get a bound of their own because they outlive the session: one
+    the model may write is a way to leave something for whoever mounts it next, and their
+    names, unlike sandbox ids, are no secret. ``list_volumes`` shows only those the model may
+    mount. A tool call with an argument the tool does not take is refused, never ignored.
 
 Errors
     A Corral error becomes a tool error result (``isError``) whose text is ``code: message`` and
@@ -47,7 +51,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +71,7 @@ from .._sdk._async.http import AsyncHTTPTransport
 from .._sdk._async.sandbox import AsyncSandbox
 from .._sdk._async.transport import AsyncTransport
 from .._sdk._embedded import embedded_target
-from ..models import CommandResult, FileEntry, SnapshotInfo
+from ..models import CommandResult, FileEntry, PortInfo, SnapshotInfo, VolumeInfo
 
 __all__ = ["DEFAULT_CEILING", "OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "mcp_ceiling",
            "serve"]
@@ -101,6 +105,19 @@ class SessionRequired(errors.UsageError):
     code = "session_required"
 
 
+class VolumeMount(BaseModel):
+    """Where ``create_sandbox`` mounts one volume, when read-only or a mapping is wanted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    read_only: bool = False
+
+
+VolumeRequest = str | VolumeMount
+"""A mount point (read-write), or ``{"path": ..., "read_only": true}``."""
+
+
 def _cap(text: str, cap: int, dropped_before: int, what: str) -> tuple[str, int]:
     """``text`` cut to ``cap`` UTF-8 bytes plus a marker; and the bytes dropped in all."""
     data = text.encode()
@@ -123,6 +140,19 @@ def _entry(e: FileEntry) -> dict[str, Any]:
 def _snapshot(snap: SnapshotInfo) -> dict[str, Any]:
     return {"snapshot_id": snap.id, "name": snap.name, "template": snap.template,
             "size_bytes": snap.size_bytes, "depth": snap.depth, "memory": snap.memory}
+
+
+def _port(info: PortInfo) -> dict[str, Any]:
+    return {"sandbox_id": info.sandbox_id, "port": info.port, "public": info.public,
+            "url": info.url, "host_url": info.host_url, "token": info.token,
+            "token_header": "X-Corral-Port-Token", "signed_url": info.signed_url,
+            "signed_expires_at": info.signed_expires_at}
+
+
+def _volume(info: VolumeInfo) -> dict[str, Any]:
+    return {"name": info.name, "volume_id": info.id, "size_bytes": info.size_bytes,
+            "used_bytes": info.used_bytes, "mounted_by": info.mounted_by,
+            "writer": info.writer}
 
 
 def _ok(data: dict[str, Any]) -> CallToolResult:
@@ -148,10 +178,14 @@ class CorralMCP:
     """The server's state: which sandboxes belong to which MCP session."""
 
     def __init__(self, home: Path | None, transport: Transport,
-                 ceiling: Ceiling = DEFAULT_CEILING) -> None:
+                 ceiling: Ceiling = DEFAULT_CEILING,
+                 volumes: Mapping[str, bool] | None = None) -> None:
         self.home = home
         self.transport = transport
         self.ceiling = ceiling
+        # Volume name -> whether the model may only read it; none unless the operator names
+        # them (the control plane's ceiling has no volume bound, so this one is applied here).
+        self.volumes: dict[str, bool] = dict(volumes or {})
         # The operator's tenant, bounded by the MCP ceiling (the server default fills in the
         # fields it leaves open): the control plane enforces it like any tenant's.
         self.caller = local_tenant(ceiling)
@@ -325,23 +359,48 @@ class CorralMCP:
         except OSError as exc:
             return _error("os_error", f"{exc.strerror or exc}")
 
+    def _volume_mounts(self, volumes: Mapping[str, VolumeRequest]
+                       ) -> dict[str, str | dict[str, Any]]:
+        """``volumes`` as the SDK takes them, each one the operator let the model mount, the
+        way it let it (``CeilingExceeded`` otherwise)."""
+        mounts: dict[str, str | dict[str, Any]] = {}
+        for name, where in volumes.items():
+            read_only_only = self.volumes.get(name)
+            if read_only_only is None:
+                allowed = ", ".join(sorted(self.volumes)) or "none"
+                raise errors.CeilingExceeded(
+                    f"volume {name!r} is not one this MCP server may mount (allowed: "
+                    f"{allowed}; the operator allows more with corral mcp --volume NAME)")
+            if isinstance(where, VolumeMount):
+                path, read_only = where.path, where.read_only
+            else:
+                path, read_only = where, False
+            if read_only_only and not read_only:
+                raise errors.CeilingExceeded(
+                    f"volume {name!r} may only be mounted read-only here; pass "
+                    '{"path": ..., "read_only": true}')
+            mounts[name] = {"path": path, "read_only": True} if read_only else path
+        return mounts
+
     # --- tools ----------------------------------------------------------------------------
 
     async def create_sandbox(
         self, ctx: Context[Any, Any] | None, resources: str, timeout_s: float | None,
         allow: list[str], labels: dict[str, str], isolation: str | None = None,
         snapshot: str | None = None, template: str | None = None,
+        volumes: Mapping[str, VolumeRequest] | None = None,
     ) -> dict[str, Any]:
         network: dict[str, list[str]] | str = {"allow": list(allow)} if allow else "none"
+        mounts = self._volume_mounts(volumes or {})
         sb = await self._create(
             template=template, resources=resources, timeout=timeout_s, labels=labels,
-            network=network, isolation=isolation, snapshot=snapshot)
+            network=network, isolation=isolation, snapshot=snapshot, volumes=mounts or None)
         await self._check_open(sb)
         self._own(ctx, sandboxes=(sb.id,))
         info = await sb.get_info()
         return {"sandbox_id": sb.id, "template": info.template, "resources": info.resources,
                 "expires_at": info.expires_at, "network": info.network, "labels": info.labels,
-                "isolation": info.isolation}
+                "isolation": info.isolation, "mounts": info.mounts}
 
     async def run_command(
         self, ctx: Context[Any, Any] | None, command: str, sandbox_id: str | None,
@@ -475,6 +534,29 @@ class CorralMCP:
         await sb.restore(snapshot)
         return {"sandbox_id": sb.id, "snapshot": snapshot, "restored": True}
 
+    async def expose_port(self, ctx: Context[Any, Any] | None, port: int, public: bool,
+                          sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        return _port(await sb.ports.expose(port, public=public))
+
+    async def list_ports(self, ctx: Context[Any, Any] | None,
+                         sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        return {"sandbox_id": sb.id, "ports": [_port(p) for p in await sb.ports.list()]}
+
+    async def unexpose_port(self, ctx: Context[Any, Any] | None, port: int,
+                            sandbox_id: str | None) -> dict[str, Any]:
+        sb = await self.sandbox(ctx, sandbox_id)
+        await sb.ports.unexpose(port)
+        return {"sandbox_id": sb.id, "port": port, "unexposed": True}
+
+    async def list_volumes(self) -> dict[str, Any]:
+        if not self.volumes:  # nothing to show: no need to open the data directory for it
+            return {"volumes": []}
+        found = await (await self._transport()).list_volumes()
+        return {"volumes": [{**_volume(v), "writable": not self.volumes[v.name]}
+                            for v in found if v.name in self.volumes]}
+
     async def destroy_sandbox(self, ctx: Context[Any, Any] | None,
                               sandbox_id: str | None) -> dict[str, Any]:
         if sandbox_id is None:
@@ -493,7 +575,8 @@ _INSTRUCTIONS = """\
 Corral runs shell commands and file operations in isolated Linux sandboxes (no network unless \
 allowed, one writable directory /workspace, hard CPU/memory/time limits). Calls without \
 sandbox_id share one sandbox per MCP session, created on first use and destroyed when the \
-session ends. Output is capped at 64 KiB per stream; a non-zero exit code is a normal result."""
+session ends. Output is capped at 64 KiB per stream; a non-zero exit code is a normal result. \
+expose_port makes a server in a sandbox reachable by URL (with a token unless public)."""
 
 
 def _refuser(tool: str, taken: list[str]) -> Callable[[Any], Any]:
@@ -526,10 +609,13 @@ def _forbid_unknown_arguments(mcp: MCPServer[Any]) -> None:
 
 
 def build_server(home: Path | None, transport: Transport,
-                 ceiling: Ceiling = DEFAULT_CEILING) -> tuple[MCPServer[Any], CorralMCP]:
+                 ceiling: Ceiling = DEFAULT_CEILING,
+                 volumes: Mapping[str, bool] | None = None
+                 ) -> tuple[MCPServer[Any], CorralMCP]:
     """The MCP server with Corral's tools, and the state behind them; ``ceiling`` bounds
-    what the tools may ask for (default: ``DEFAULT_CEILING``)."""
-    state = CorralMCP(home, transport, ceiling)
+    what the tools may ask for (default: ``DEFAULT_CEILING``), ``volumes`` names the volumes
+    the model may mount (name -> read-only only; default none)."""
+    state = CorralMCP(home, transport, ceiling, volumes)
 
     @asynccontextmanager
     async def lifespan(_: MCPServer[Any]) -> AsyncIterator[None]:
@@ -548,7 +634,7 @@ def build_server(home: Path | None, transport: Transport,
         ctx: Context[Any, Any], resources: str = "small", timeout_s: float | None = None,
         allow: list[str] | None = None, labels: dict[str, str] | None = None,
         isolation: str | None = None, snapshot: str | None = None,
-        template: str | None = None,
+        template: str | None = None, volumes: dict[str, VolumeRequest] | None = None,
     ) -> CallToolResult:
         """Create a sandbox and return its sandbox_id (pass it to the other tools).
 
@@ -557,12 +643,16 @@ def build_server(home: Path | None, transport: Transport,
         seconds (default: the tier's). allow: hosts it may reach over HTTP(S) ("pypi.org",
         "*.github.com"); empty means no network. isolation: "namespace" (default) or "gvisor"
         (a user-space kernel in between, where the host supports it). snapshot: start from
-        this snapshot's files (its snapshot_id or name). Hosts and templates beyond what the
-        operator allowed are refused (ceiling_exceeded). It is destroyed with this MCP
-        session, or by destroy_sandbox."""
+        this snapshot's files (its snapshot_id or name). volumes: persistent volumes to mount,
+        by name (list_volumes shows those allowed), each at a path under /mnt/ or /workspace/:
+        {"cache": "/mnt/cache"}, or {"cache": {"path": "/mnt/cache", "read_only": true}}; a
+        volume has one writer or any number of readers (volume_in_use otherwise), and its
+        files outlive the sandbox. Hosts, templates and volumes beyond what the operator
+        allowed are refused (ceiling_exceeded). It is destroyed with this MCP session, or by
+        destroy_sandbox."""
         return await state.guarded(ctx, "", lambda: state.create_sandbox(
             ctx, resources, timeout_s, allow or [], labels or {}, isolation, snapshot,
-            template))
+            template, volumes))
 
     @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
     async def run_command(
@@ -675,6 +765,44 @@ def build_server(home: Path | None, transport: Transport,
         return await state.guarded(ctx, sandbox_id,
                                    lambda: state.destroy_sandbox(ctx, sandbox_id))
 
+    @mcp.tool(annotations=ToolAnnotations(idempotent_hint=True, open_world_hint=False))
+    async def expose_port(ctx: Context[Any, Any], port: int, public: bool = False,
+                          sandbox_id: str | None = None) -> CallToolResult:
+        """Make a server in the sandbox (default: this session's) reachable from outside it,
+        through the Corral service, HTTP and WebSockets alike; start the server first,
+        listening on 0.0.0.0 or 127.0.0.1.
+
+        Returns url (null when this server does not know the service's address), token and
+        signed_url. Private by default: a request needs the token in the X-Corral-Port-Token
+        header, or a browser opens signed_url once (it expires at signed_expires_at).
+        public: true lets anyone with the url in. Exposing again keeps the token."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.expose_port(ctx, port, public, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def list_ports(ctx: Context[Any, Any],
+                         sandbox_id: str | None = None) -> CallToolResult:
+        """The sandbox's exposed ports (default: this session's sandbox), each with its url,
+        token and a fresh signed_url."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.list_ports(ctx, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True,
+                                          open_world_hint=False))
+    async def unexpose_port(ctx: Context[Any, Any], port: int,
+                            sandbox_id: str | None = None) -> CallToolResult:
+        """Stop serving a port of the sandbox (default: this session's); its token and signed
+        links stop working at once."""
+        return await state.guarded(ctx, sandbox_id,
+                                   lambda: state.unexpose_port(ctx, port, sandbox_id))
+
+    @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def list_volumes(ctx: Context[Any, Any]) -> CallToolResult:
+        """The persistent volumes this server lets you mount (create_sandbox's volumes): name,
+        size_bytes, used_bytes, the sandboxes mounting each (mounted_by, and writer, the one
+        mounting it read-write) and writable (false: mount it read-only)."""
+        return await state.guarded(ctx, "", state.list_volumes)
+
     _forbid_unknown_arguments(mcp)
     return mcp, state
 
@@ -708,9 +836,10 @@ async def _serve_http(mcp: MCPServer[Any], host: str, port: int) -> None:
 
 
 def serve(home: Path | None, transport: Transport, host: str = "127.0.0.1",
-          port: int = 8765, ceiling: Ceiling = DEFAULT_CEILING) -> None:
+          port: int = 8765, ceiling: Ceiling = DEFAULT_CEILING,
+          volumes: Mapping[str, bool] | None = None) -> None:
     """Run the server until the client leaves (stdio) or a signal arrives."""
-    mcp, state = build_server(home, transport, ceiling)
+    mcp, state = build_server(home, transport, ceiling, volumes)
     if transport == "stdio":
         anyio.run(_serve_stdio, mcp, state)
         return
