@@ -32,6 +32,15 @@ Where this agent differs from (or adds to) the contract:
   error naming it. An unknown exec ``timeout`` of null means no time limit.
 * A command's cgroup is ``cmd/<id>``, or ``cmd/<id>.<n>`` when a group of that name is still
   alive (an orphan from before a restore).
+* Port connections, the tunnel's other direction: ``{"conn", "op": "tcp.connect", "port",
+  "timeout"}`` from the host (its ids are negative, the guest's own are positive, so the two
+  never meet) makes the agent connect to ``127.0.0.1:<port>`` in the guest and answer
+  ``{"conn", "opened": true}`` or ``{"conn", "closed": true, "error", "kind"}`` (kind
+  ``port_closed`` when nothing accepts in time, ``busy`` past ``MAX_PORT_CONNS``). From then on
+  ``data``/``eof``/``closed`` flow as on the egress tunnel, plus ``{"conn", "ack": n}`` each way
+  once n bytes reached the far socket: neither side has more than ``PORT_WINDOW`` bytes unacked
+  in flight, so a slow reader at either end slows the sender instead of filling a queue. Port
+  connections belong to no command; they end with the VM (or a ``resume``).
 
 The overrides ``CORRAL_AGENT_CHANNEL=fd:N``, ``CORRAL_AGENT_WORKSPACE``, ``CORRAL_AGENT_CGROUP``
 and ``CORRAL_AGENT_RUN`` exist for the host-side unit tests only (the guest's init starts the
@@ -81,6 +90,8 @@ BATCH_ENTRIES = 2000
 MAX_INFLIGHT = 64
 MAX_HANDLES = 64
 MAX_CONNS_PER_COMMAND = 64
+MAX_PORT_CONNS = 256
+PORT_WINDOW = 256 << 10
 STDIN_PENDING = 8 << 20
 WRITE_PENDING = 16 << 20
 CONN_PENDING = 4 << 20
@@ -833,13 +844,16 @@ class Command:
 class Conn:
     id: int
     sock: socket.socket
-    command: Command
+    command: Command | None  # None: a port connection the host opened (outlives commands)
     lane: Lane
     opened: threading.Event = field(default_factory=threading.Event)
     refused: bool = False
     guest_eof: bool = False
     host_eof: bool = False
     closed: bool = False
+    # Port connections: bytes sent to the host that it has not yet delivered to its client.
+    unacked: int = 0
+    acked: threading.Condition = field(default_factory=threading.Condition)
 
 
 class Agent:
@@ -918,6 +932,9 @@ class Agent:
             return
         if "conn" in message and "op" not in message:
             self.tunnel_from_host(message)
+            return
+        if "conn" in message and message.get("op") == "tcp.connect":
+            self.port_connect(message)
             return
         rid = message.get("id")
         op = message.get("op")
@@ -1366,7 +1383,15 @@ class Agent:
             self._conn_close(conn, notify=not conn.refused and not conn.closed,
                              error="the host did not open the tunnel")
             return
+        self._relay_to_host(conn)
+
+    def _relay_to_host(self, conn: Conn) -> None:
+        """What the guest end of an open connection sends, until its EOF (or an error)."""
         while True:
+            if conn.command is None:
+                with conn.acked:
+                    while conn.unacked >= PORT_WINDOW and not conn.closed:
+                        conn.acked.wait()
             try:
                 data = conn.sock.recv(CHUNK)
             except OSError as exc:
@@ -1380,16 +1405,23 @@ class Agent:
                 if conn.host_eof:
                     self._conn_close(conn, notify=True)
                 return
+            if conn.command is None:
+                with conn.acked:
+                    conn.unacked += len(data)
             self.channel.send({"conn": conn.id, "data": base64.b64encode(data).decode()})
 
-    def _conn_close(self, conn: Conn, *, notify: bool, error: str | None = None) -> None:
+    def _conn_close(self, conn: Conn, *, notify: bool, error: str | None = None,
+                    kind: str | None = None) -> None:
         with self.lock:
             if conn.closed:
                 return
             conn.closed = True
             self.conns.pop(conn.id, None)
-            conn.command.conns.discard(conn.id)
+            if conn.command is not None:
+                conn.command.conns.discard(conn.id)
         conn.opened.set()
+        with conn.acked:
+            conn.acked.notify_all()
         with contextlib.suppress(OSError):
             conn.sock.shutdown(socket.SHUT_RDWR)
         conn.sock.close()
@@ -1398,6 +1430,8 @@ class Agent:
             message: Message = {"conn": conn.id, "closed": True}
             if error:
                 message["error"] = error
+            if kind:
+                message["kind"] = kind
             self.channel.send(message)
 
     def _close_tunnel(self, command: Command) -> None:
@@ -1410,6 +1444,63 @@ class Agent:
         for conn in conns:
             self._conn_close(conn, notify=not command.detached, error="the command ended")
 
+    # -- port connections (the host's, to a server in the guest)
+
+    def port_connect(self, message: Message) -> None:
+        """Register the connection at once, so a ``closed`` the host sends while it is being
+        made finds it; connect on a thread of its own (a full backlog can take seconds)."""
+        cid, port, timeout = message.get("conn"), message.get("port"), message.get("timeout", 5)
+        if not isinstance(cid, int) or isinstance(cid, bool) or cid >= 0:
+            self.fail(None, "protocol", "tcp.connect: 'conn' must be a negative integer (the "
+                      "host's ids; the guest's own are positive)")
+            return
+        with self.lock:
+            taken = cid in self.conns
+            open_ports = sum(c.command is None for c in self.conns.values())
+        if taken:  # never a ``closed`` for it: the host would take it for the live one's
+            self.fail(None, "protocol", f"tcp.connect: conn {cid} is already open")
+            return
+
+        def refuse(kind: str, text: str) -> None:
+            self.channel.send({"conn": cid, "closed": True, "kind": kind, "error": text})
+
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            refuse("protocol", "tcp.connect: 'port' must be a TCP port")
+            return
+        if (not isinstance(timeout, int | float) or isinstance(timeout, bool)
+                or not 0 < timeout <= 300):
+            refuse("protocol", "tcp.connect: 'timeout' must be seconds in (0, 300]")
+            return
+        if open_ports >= MAX_PORT_CONNS:
+            refuse("busy", f"{MAX_PORT_CONNS} port connections are open, the most a microVM "
+                   "may have")
+            return
+        conn = Conn(cid, socket.socket(socket.AF_INET, socket.SOCK_STREAM), None,
+                    Lane(CONN_PENDING))
+        with self.lock:
+            self.conns[cid] = conn
+        threading.Thread(target=self._port_open, args=(conn, port, float(timeout)),
+                         daemon=True).start()
+
+    def _port_open(self, conn: Conn, port: int, timeout: float) -> None:
+        try:
+            conn.sock.settimeout(timeout)
+            conn.sock.connect(("127.0.0.1", port))
+            conn.sock.settimeout(None)
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            timed_out = isinstance(exc, TimeoutError)
+            closed = timed_out or exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET)
+            self._conn_close(conn, notify=True, kind="port_closed" if closed else "io",
+                             error="timed out" if timed_out else (exc.strerror or str(exc)))
+            return
+        with self.lock:
+            if conn.closed:  # the host gave up meanwhile
+                return
+            conn.opened.set()
+        self.channel.send({"conn": conn.id, "opened": True})
+        self._relay_to_host(conn)
+
     def tunnel_from_host(self, message: Message) -> None:
         cid = message.get("conn")
         with self.lock:
@@ -1421,6 +1512,11 @@ class Agent:
         elif message.get("closed") is True:
             conn.refused = not conn.opened.is_set()
             self._conn_close(conn, notify=False)
+        elif (isinstance(message.get("ack"), int) and not isinstance(message["ack"], bool)
+              and conn.command is None):
+            with conn.acked:
+                conn.unacked = max(0, conn.unacked - message["ack"])
+                conn.acked.notify_all()
         elif message.get("eof") is True:
             def half_close() -> None:
                 conn.host_eof = True
@@ -1444,6 +1540,9 @@ class Agent:
                     conn.sock.sendall(data)
                 except OSError as exc:
                     self._conn_close(conn, notify=True, error=exc.strerror)
+                    return
+                if conn.command is None:
+                    self.channel.send({"conn": conn.id, "ack": len(data)})
             if not conn.lane.submit(deliver, len(data)):
                 self._conn_close(conn, notify=True, error=f"the guest side is not reading "
                                  f"(over {CONN_PENDING} bytes pending)")

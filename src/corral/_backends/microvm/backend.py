@@ -18,6 +18,11 @@ leftovers. What is its own:
 * **Commands run in the guest** (``agent``): each in its own PID and mount namespace with a
   fresh ``/tmp``, in its own guest cgroup (pids, memory, usage, kill), as uid 1000, killed with
   its whole tree on return and on timeout.
+* **Ports are reached through the agent** (``open_port``): the guest has no network device, so
+  a port connection is a unix socket to the keeper, relayed to a TCP connection the agent makes
+  to ``127.0.0.1:<port>`` inside the guest. Nothing of it connects on the host.
+* **No volumes or data mounts yet**: the guest's devices are fixed by the warm snapshot it
+  restores from, so a spec with ``mounts`` is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -64,7 +70,7 @@ from .._linux.notfound import NOT_FOUND_EXIT_CODE
 from .._linux.process_io import OutputStream
 from .._linux.supervise import TIMEOUT_EXIT_CODE
 from ..execlimits import check_exec_size
-from .client import KeeperClient
+from .client import KeeperClient, open_port
 from .files import VmFiles
 from .keeper import CONFIG, ERROR, PIDFILE, SOCKET, KeeperConfig
 from .wire import b64, unb64
@@ -206,6 +212,7 @@ class MicrovmBackend(HostBackedBackend):
     # -- lifecycle --------------------------------------------------------------------------
 
     def create(self, spec: SandboxSpec) -> None:
+        _refuse_mounts(spec)
         self._ready()
         try:
             self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
@@ -327,6 +334,7 @@ class MicrovmBackend(HostBackedBackend):
     def _start_keeper(self, spec: SandboxSpec, *, memory_image: str | None = None) -> None:
         from . import disk, warm
 
+        _refuse_mounts(spec)
         self._ready()
         self._ensure_host_pieces(spec)
         run = self._run_path(spec.id)
@@ -529,6 +537,15 @@ class MicrovmBackend(HostBackedBackend):
         # The agent freezes every command group, not the VM: files stay reachable.
         self._client(spec).call("freeze", frozen=paused)
 
+    # -- ports ------------------------------------------------------------------------------
+
+    def open_port(self, spec: SandboxSpec, port: int, timeout_s: float) -> socket.socket:
+        """A unix socket to the VM's keeper, relayed to a TCP connection the guest agent made
+        to ``127.0.0.1:port`` in the guest. The host tiers' version would connect in the
+        sandbox's network namespace, where only QEMU runs: the guest's loopback is its own."""
+        self._client(spec)  # the VM runs (a stopped one starts, as for any other use)
+        return open_port(self._run_path(spec.id) / SOCKET, spec.id, port, timeout_s)
+
     # -- files and layers -------------------------------------------------------------------
 
     def files(self, spec: SandboxSpec) -> WorkspaceFS:
@@ -546,6 +563,7 @@ class MicrovmBackend(HostBackedBackend):
                           squashed=False)
 
     def reset_workspace(self, spec: SandboxSpec) -> None:
+        _refuse_mounts(spec)
         self._ready()
         self._stop_vm(spec)
         self._new_top(spec)
@@ -646,6 +664,15 @@ class MicrovmBackend(HostBackedBackend):
             self._clients.clear()
         for client in clients:
             client.close()
+
+
+def _refuse_mounts(spec: SandboxSpec) -> None:
+    if spec.mounts:
+        raise BackendUnavailable(
+            "volumes and data mounts are not available on the microvm tier yet: a microVM's "
+            "devices are fixed by the warm snapshot it restores from, so it cannot be given a "
+            "directory of the host; use the namespace or gvisor tier for a sandbox with "
+            "mounts")
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """A Corral process's connection to one microVM's keeper: requests and their answers, and the
-event stream of each running command, multiplexed over one unix socket.
+event stream of each running command, multiplexed over one unix socket. A port connection
+(``open_port``) is a unix socket of its own, a raw byte stream after its one answer line.
 
 One reader thread per connection routes every message by id. Events of a command go to a queue
 its ``exec`` caller drains in its own thread, so a slow consumer (a callback writing to a slow
@@ -23,12 +24,14 @@ from ...errors import (
     FileError,
     FileNotFound,
     PathRefused,
+    PortClosed,
     QuotaExceeded,
     SandboxBusy,
 )
-from .wire import ProtocolError, encode, read_lines
+from .keeper import PORT_GRACE_S
+from .wire import ProtocolError, encode, read_lines, read_one
 
-__all__ = ["AgentError", "KeeperClient", "raise_for"]
+__all__ = ["AgentError", "KeeperClient", "open_port", "raise_for"]
 
 # The longest any single request (not a command) may take before the VM counts as hung.
 REQUEST_TIMEOUT_S = 60.0
@@ -183,3 +186,46 @@ class KeeperClient:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+
+
+def open_port(path: Path, sandbox_id: str, port: int, timeout_s: float) -> socket.socket:
+    """A fresh connection to the keeper at ``path``, which becomes (after its answer line,
+    read to its newline and not a byte further) a byte stream to the connection the guest
+    agent made to ``127.0.0.1:port`` inside the guest. Blocking; the caller closes it."""
+    timeout = max(timeout_s, 0.01)  # (the keeper cuts a long one to what the agent allows)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # The keeper answers within timeout + its grace; past that it is hung.
+        sock.settimeout(timeout + PORT_GRACE_S + 5.0)
+        sock.connect(str(path))
+        sock.sendall(encode({"op": "port.connect", "port": port, "timeout": timeout}))
+        answer = read_one(sock, limit=64 << 10)
+        sock.settimeout(None)
+    except TimeoutError:
+        sock.close()
+        raise BackendError(f"the keeper of sandbox {sandbox_id}'s microVM did not answer a "
+                           f"port connection within {timeout + PORT_GRACE_S + 5.0:.0f} s (it "
+                           "may be hung)") from None
+    except (OSError, ProtocolError) as exc:
+        sock.close()
+        raise BackendError(f"the keeper of sandbox {sandbox_id}'s microVM went away (the VM "
+                           f"stopped): {exc}") from None
+    if answer is None:
+        sock.close()
+        raise BackendError(f"the keeper of sandbox {sandbox_id}'s microVM went away (the VM "
+                           "stopped)")
+    if "ok" in answer:
+        return sock
+    sock.close()
+    error = answer.get("error")
+    kind = str(error.get("kind", "io")) if isinstance(error, dict) else "io"
+    message = str(error.get("message", "")) if isinstance(error, dict) else str(error)
+    if kind == "port_closed":
+        raise PortClosed(f"nothing in sandbox {sandbox_id} accepts connections on port {port} "
+                         f"({message}); start a server listening on 0.0.0.0:{port} or "
+                         f"127.0.0.1:{port} there")
+    if kind == "busy":
+        raise QuotaExceeded(f"sandbox {sandbox_id} cannot open another connection to port "
+                            f"{port}: {message}; close some first")
+    raise BackendError(f"the microVM of sandbox {sandbox_id} could not open port {port}: "
+                       f"{message}")

@@ -11,7 +11,12 @@ the sandbox's cgroup (its own Python is not the sandbox's memory); QEMU runs con
 ``vm``: the sandbox's uid, bwrap, ``-sandbox on``, in the sandbox's cgroup before the guest runs
 an instruction, and it dies with the keeper. The keeper also terminates the egress tunnel: a
 ``tcp.open`` from the guest becomes a connection to ``127.0.0.1:<port>`` in the namespace, where
-only Corral's per-command gateway listeners are bound.
+only Corral's per-command gateway listeners are bound. Port connections go the other way: a
+client whose first line on a fresh connection is ``{"op": "port.connect", "port", "timeout"}``
+gets one answer line (``{"ok": true}`` or ``{"error": {"kind", "message"}}``) and from then on
+that connection is a raw byte stream to a connection the agent made to ``127.0.0.1:<port>`` in
+the guest (``tcp.connect``). For those the keeper connects nothing on the host: it only relays,
+with the agent's window each way, and ends them all when the VM stops.
 
 When a client goes away (its process died, even by SIGKILL), the keeper kills the commands it
 started: nothing outlives its caller. When QEMU dies or stops on an error, every pending request
@@ -30,6 +35,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -41,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .wire import ProtocolError, b64, encode, read_lines, unb64
+from .wire import ProtocolError, b64, encode, read_lines, read_one, unb64
 
 __all__ = ["KeeperConfig", "main"]
 
@@ -54,6 +60,17 @@ ERROR = "keeper.error"
 _CONNECT_TIMEOUT_S = 5.0
 _START_DEADLINE_S = 60.0
 _OP_DEADLINE_S = 300.0
+# The agent's PORT_WINDOW: what a port connection may have in flight unacked, each way. It
+# bounds the keeper's memory too (a slow client's connection holds at most this here).
+_PORT_WINDOW = 256 << 10
+# What a guest that ignores the window may queue here before its port connection is cut (a
+# guest that keeps it queues at most the window and one read past it).
+_PORT_QUEUE_MAX = 2 * _PORT_WINDOW
+# Past a port connection's own connect timeout, for an emulated, busy guest to answer.
+PORT_GRACE_S = 10.0
+_PORT_MAX_TIMEOUT_S = 300.0
+_PORT_CHUNK = 64 * 1024
+_PORT_KINDS = frozenset({"port_closed", "busy", "protocol", "io"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +133,25 @@ class _Client:
                 self.alive = False
 
 
+@dataclass(eq=False)
+class _Port:
+    """One port connection: a client's socket relayed to the guest connection ``id`` (< 0)."""
+
+    id: int
+    sock: socket.socket
+    answered: threading.Event = field(default_factory=threading.Event)
+    answer: dict[str, Any] = field(default_factory=dict)
+    relaying: bool = False
+    ended: bool = False
+    # What may still go to the guest before it acks more (its window).
+    credit: int = _PORT_WINDOW
+    credited: threading.Condition = field(default_factory=threading.Condition)
+    # What the guest sent, for the writer thread to hand the client in order: data, b"" for
+    # the guest's EOF, None for the end. The agent's reader thread never blocks on a client.
+    outbox: queue.SimpleQueue[bytes | None] = field(default_factory=queue.SimpleQueue)
+    queued: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Route:
     deliver: Callable[[dict[str, Any]], None]
@@ -136,6 +172,9 @@ class Keeper:
         self._routes: dict[int, _Route] = {}
         self._clients: set[_Client] = set()
         self._tunnels: dict[int, socket.socket] = {}
+        # Port connections' ids are negative: the guest's own connections count up from 1.
+        self._port_ids = itertools.count(-1, -1)
+        self._ports: dict[int, _Port] = {}
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
 
@@ -196,7 +235,10 @@ class Keeper:
 
     def _tunnel_from_guest(self, message: dict[str, Any]) -> None:
         conn = message.get("conn")
-        if not isinstance(conn, int):
+        if not isinstance(conn, int) or isinstance(conn, bool):
+            return
+        if conn < 0:
+            self._port_from_guest(conn, message)
             return
         if message.get("op") == "tcp.open":
             port = message.get("port")
@@ -254,6 +296,172 @@ class Keeper:
                 with contextlib.suppress(OSError):
                     self.to_agent({"conn": conn, "closed": True})
 
+    # -- port connections ---------------------------------------------------------------
+
+    def _serve_port(self, sock: socket.socket, request: dict[str, Any]) -> None:
+        """A client's connection that asked for a port: one answer line, then raw bytes both
+        ways until both ends are done (the client's socket is closed by the caller)."""
+        port, timeout = request.get("port"), request.get("timeout", _CONNECT_TIMEOUT_S)
+        problem = None
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            problem = "port.connect: 'port' must be a TCP port"
+        elif not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+            problem = "port.connect: 'timeout' must be a number of seconds > 0"
+        if problem is not None:
+            with contextlib.suppress(OSError):
+                sock.sendall(encode({"error": {"kind": "protocol", "message": problem}}))
+            return
+        timeout = min(float(timeout), _PORT_MAX_TIMEOUT_S)
+        with self._lock:
+            conn = _Port(next(self._port_ids), sock)
+            self._ports[conn.id] = conn
+        try:
+            self.to_agent({"conn": conn.id, "op": "tcp.connect", "port": port,
+                           "timeout": timeout})
+        except OSError:
+            self._end_port(conn, why="the microVM's agent channel closed")
+        if not conn.answered.wait(timeout + PORT_GRACE_S):
+            self._end_port(conn, tell_guest=True, kind="port_closed",
+                           why="the guest did not answer in time")
+        with self._lock:
+            answer = conn.answer
+            conn.relaying = "ok" in answer and not conn.ended
+        try:
+            sock.sendall(encode(answer))
+        except OSError:
+            self._end_port(conn, tell_guest=True)
+            return
+        if not conn.relaying:
+            return
+        writer = threading.Thread(target=self._port_writer, args=(conn,), daemon=True,
+                                  name=f"port{conn.id}")
+        writer.start()
+        self._port_reader(conn)
+        writer.join()
+
+    def _port_reader(self, conn: _Port) -> None:
+        """The client's bytes to the guest, never more than the guest's window ahead."""
+        while True:
+            with conn.credited:
+                while conn.credit <= 0 and not conn.ended:
+                    conn.credited.wait()
+                if conn.ended:
+                    return
+                size = min(_PORT_CHUNK, conn.credit)
+            try:
+                data = conn.sock.recv(size)
+            except OSError:
+                self._end_port(conn, tell_guest=True)
+                return
+            if conn.ended:
+                return
+            try:
+                if not data:
+                    self.to_agent({"conn": conn.id, "eof": True})
+                    return
+                with conn.credited:
+                    conn.credit -= len(data)
+                self.to_agent({"conn": conn.id, "data": b64(data)})
+            except OSError:
+                return  # the channel is gone: read_agent fails the keeper and ends this
+
+    def _port_writer(self, conn: _Port) -> None:
+        """The guest's bytes to the client, each chunk acked once the client's socket took it."""
+        while (item := conn.outbox.get()) is not None:
+            if not item:
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_WR)
+                continue
+            try:
+                conn.sock.sendall(item)
+            except OSError:
+                self._end_port(conn, tell_guest=True)
+                break
+            with self._lock:
+                conn.queued -= len(item)
+            try:
+                self.to_agent({"conn": conn.id, "ack": len(item)})
+            except OSError:
+                break
+        with contextlib.suppress(OSError):  # wakes the reader if it still waits on the client
+            conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def _port_from_guest(self, cid: int, message: dict[str, Any]) -> None:
+        if "op" in message:
+            return  # the guest opens only its own (positive) connections
+        with self._lock:
+            conn = self._ports.get(cid)
+        if conn is None:
+            if message.get("opened") is True:  # ended here meanwhile: not left open there
+                with contextlib.suppress(OSError):
+                    self.to_agent({"conn": cid, "closed": True})
+            return
+        with self._lock:
+            if not conn.answered.is_set() and not conn.ended:
+                if message.get("opened") is True:
+                    conn.answer = {"ok": True}
+                elif message.get("closed") is True:
+                    kind = message.get("kind")
+                    conn.answer = {"error": {
+                        "kind": kind if kind in _PORT_KINDS else "io",
+                        "message": str(message.get("error") or "the guest refused")[:500]}}
+                    conn.ended = True
+                    del self._ports[cid]
+                else:
+                    return
+                conn.answered.set()
+                return
+        ack = message.get("ack")
+        if "data" in message:
+            try:
+                data = unb64(message["data"])
+            except ProtocolError:
+                self._end_port(conn, tell_guest=True)
+                return
+            if not data:
+                return  # an empty chunk would read as the guest's EOF
+            with self._lock:
+                conn.queued += len(data)
+                over = conn.queued > _PORT_QUEUE_MAX
+            if over:
+                log.warning("the guest overran the window of port connection %d", cid)
+                self._end_port(conn, tell_guest=True)
+                return
+            conn.outbox.put(data)
+        elif isinstance(ack, int) and not isinstance(ack, bool) and ack > 0:
+            with conn.credited:
+                conn.credit = min(_PORT_WINDOW, conn.credit + ack)
+                conn.credited.notify_all()
+        elif message.get("eof") is True:
+            conn.outbox.put(b"")
+        elif message.get("closed") is True:
+            self._end_port(conn, flush=True)
+
+    def _end_port(self, conn: _Port, *, tell_guest: bool = False, flush: bool = False,
+                  kind: str = "io", why: str = "") -> None:
+        """End a port connection. ``flush``: the guest closed it, and what it sent before
+        reaches the client first; otherwise it is cut at once. Before the answer line went
+        out, the client gets ``why`` as the answer's error."""
+        with self._lock:
+            if conn.ended:
+                return
+            conn.ended = True
+            self._ports.pop(conn.id, None)
+            if not conn.answered.is_set():
+                conn.answer = {"error": {"kind": kind, "message": why or "the port "
+                                         "connection ended"}}
+                conn.answered.set()
+            relaying = conn.relaying
+        with conn.credited:
+            conn.credited.notify_all()
+        conn.outbox.put(None)
+        if relaying and not flush:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        if tell_guest:
+            with contextlib.suppress(OSError):
+                self.to_agent({"conn": conn.id, "closed": True})
+
     # -- clients ----------------------------------------------------------------------------
 
     def serve(self, listener: socket.socket) -> None:
@@ -271,10 +479,19 @@ class Keeper:
 
     def _serve_client(self, client: _Client) -> None:
         try:
-            for message in read_lines(client.sock):
-                self._from_client(client, message)
+            # Read apart from the rest: after a port.connect line come the port's raw bytes.
+            first = read_one(client.sock)
+            if first is not None and first.get("op") == "port.connect":
+                self._serve_port(client.sock, first)
+                return
+            if first is not None:
+                self._from_client(client, first)
+                for message in read_lines(client.sock):
+                    self._from_client(client, message)
         except ProtocolError as exc:
             client.send({"id": None, "error": {"kind": "protocol", "message": str(exc)}})
+        except OSError:
+            pass  # the client went away
         finally:
             self._drop_client(client)
 
@@ -384,6 +601,10 @@ class Keeper:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        with self._lock:
+            ports = list(self._ports.values())
+        for port in ports:  # and any asked for from now on finds the channel closed
+            self._end_port(port, why="the microVM stopped")
         with contextlib.suppress(Exception):
             self._vm.quit(time.monotonic() + 5)
         with contextlib.suppress(Exception):

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["MAX_LINE", "ProtocolError", "b64", "encode", "read_lines", "unb64"]
+__all__ = ["MAX_LINE", "ProtocolError", "b64", "encode", "read_lines", "read_one", "unb64"]
 
 MAX_LINE = 4 << 20
 _CHUNK = 256 * 1024
@@ -70,3 +70,34 @@ def read_lines(sock: socket.socket) -> Iterator[dict[str, Any]]:
             if not isinstance(message, dict):
                 raise ProtocolError(f"not a JSON object: {line[:120]!r}")
             yield message
+
+
+def read_one(sock: socket.socket, limit: int = MAX_LINE) -> dict[str, Any] | None:
+    """The first message ``sock`` sends, taking not one byte past its newline: what follows
+    may be the next reader's (a port connection's raw stream). None when it closes first;
+    ``OSError`` (a timeout among them) when reading fails."""
+    line = bytearray()
+    while True:
+        # Peek, then take only up to the newline; bytes before it are this line's either way.
+        peeked = sock.recv(_CHUNK, socket.MSG_PEEK)
+        if not peeked:
+            return None
+        end = peeked.find(b"\n")
+        want = len(peeked) if end < 0 else end + 1
+        while want:
+            taken = sock.recv(want)
+            if not taken:
+                return None
+            line += taken
+            want -= len(taken)
+        if len(line) > limit:
+            raise ProtocolError(f"a line longer than {limit} bytes")
+        if end >= 0:
+            break
+    try:
+        message = json.loads(line)
+    except ValueError:
+        raise ProtocolError(f"not JSON: {bytes(line[:120])!r}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"not a JSON object: {bytes(line[:120])!r}")
+    return message
