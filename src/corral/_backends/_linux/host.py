@@ -6,6 +6,10 @@ do not depend on how commands run, so the namespace and gVisor tiers share them:
 only touch them. A tier subclasses it and adds what is its own: host checks, starting commands,
 and (through the ``_limits``/``_destroy_extra``/``_sweep_extra`` hooks) its own leftovers.
 Both tiers lay pieces out under the same names, so either one's sweep recognises the other's.
+
+Volumes and data mounts (``SandboxSpec.mounts``, ``volumes``) are host pieces too: a sandbox's
+binds of them are made with its workspace and rebuilt with it; the tier only says where inside
+they go. Its volumes are stored here for every host tier of the data directory alike.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from .cgroups import CgroupDriver
 from .storage import WorkspaceStore
 from .template import BaseTemplate, load_template
 from .uids import lowest_free_uid
+from .volumes import BoundMount, VolumeKit
 
 __all__ = ["HostBackedBackend", "TierLauncher", "owner_alive", "proc_start_time"]
 
@@ -87,6 +92,7 @@ class HostBackedBackend:
         self._settings = settings
         self._instance = f"corral-{settings.instance}"
         self._store = WorkspaceStore(settings.home / "sandboxes")
+        self._volumes = VolumeKit(settings.home / "volumes", settings.data_mounts)
         self._templates_dir = settings.home / "templates"
         self._cgroups: CgroupDriver | None = None
         self._templates: dict[str, BaseTemplate] = {}
@@ -114,6 +120,11 @@ class HostBackedBackend:
     def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:
         """Remove the tier's own leftovers of sandboxes that are not live."""
         return []
+
+    def _volume_root_uid(self, spec: SandboxSpec) -> int:
+        """The host uid a volume's root-owned files are shown to the sandbox as, and its root
+        creates files as (root itself; gVisor's kernel creates them as the runtime uid)."""
+        return 0
 
     def _keep_group(self, sandbox_id: str, name: str) -> bool:
         """True for a child group of a live sandbox that is the tier's own and still in use
@@ -180,20 +191,32 @@ class HostBackedBackend:
     def _create_host_pieces(self, spec: SandboxSpec) -> None:
         self._ready()
         self._template(spec.template)
+        self._planned_mounts(spec)  # a refused target or name fails before anything is built
         try:
             self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
             self._ensured.add(spec.id)
             netns.create_netns(self._netns_path(spec.id))
-            self._store.create(spec)
+            self._ensure_mounts(spec, self._store.create(spec))
         except BaseException:
             with contextlib.suppress(BackendError, OSError):
                 self.destroy(spec)
             raise
 
     def _ensure_runtime(self, spec: SandboxSpec) -> Path:
-        """Rebuild what a reboot or crash removed (netns pin, cgroup, mount)."""
+        """Rebuild what a reboot or crash removed (netns pin, cgroup, mounts)."""
         self._ensure_netns_and_cgroup(spec)
-        return self._store.ensure_mounted(spec)
+        workspace = self._store.ensure_mounted(spec)
+        self._ensure_mounts(spec, workspace)
+        return workspace
+
+    def _ensure_mounts(self, spec: SandboxSpec, workspace: Path) -> list[BoundMount]:
+        """The sandbox's volumes and data mounts, mounted and bound for it."""
+        return self._volumes.ensure(spec, self._store.mounts_dir(spec.id), workspace,
+                                    root_uid=self._volume_root_uid(spec))
+
+    def _planned_mounts(self, spec: SandboxSpec) -> list[BoundMount]:
+        """``_ensure_mounts``'s list without touching a mount (after ``_ensure_runtime``)."""
+        return self._volumes.plan(spec, self._store.mounts_dir(spec.id))
 
     def _ensure_netns_and_cgroup(self, spec: SandboxSpec) -> None:
         """The pieces every tier's sandbox has on the host, rebuilt if a reboot or crash
@@ -278,6 +301,20 @@ class HostBackedBackend:
 
     def layer_ids(self) -> list[str]:
         return self._store.layer_ids()
+
+    # -- volumes (VolumeStorage) ---------------------------------------------------------------
+
+    def create_volume(self, volume_id: str, size_bytes: int) -> None:
+        self._volumes.create(volume_id, size_bytes)
+
+    def remove_volume(self, volume_id: str) -> None:
+        self._volumes.remove(volume_id)
+
+    def volume_usage(self, volume_id: str) -> int:
+        return self._volumes.usage(volume_id)
+
+    def volume_ids(self) -> list[str]:
+        return self._volumes.ids()
 
     # -- running commands ---------------------------------------------------------------------
 

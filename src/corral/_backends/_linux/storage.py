@@ -18,6 +18,7 @@ Host layout (``root`` is ``$CORRAL_HOME/sandboxes``, ``layers_root`` ``$CORRAL_H
     sandboxes/<id>/priv/disk          its mount: upper/ (the sandbox's changes) and work/
     sandboxes/<id>/priv/l<N>          idmapped binds of lower layers written by another uid
     sandboxes/<id>/workspace          the overlay: what the sandbox sees as /workspace
+    sandboxes/<id>/mounts/            its volumes and data mounts, bound for it (``volumes``)
     layers/<layer>/layer.img, owner   a sealed layer image and the uid that wrote it
     layers/<layer>/root               its read-only mount
 
@@ -27,10 +28,13 @@ Mounts survive the Corral process; after a reboot ``ensure_mounted`` rebuilds al
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
 import os
+import platform
+import re
 import shutil
 import subprocess
 import threading
@@ -58,7 +62,7 @@ _MOUNT_OPTIONS = "loop,nodev,nosuid,noatime"
 _MIN_FREE = 64 * 1024 * 1024
 
 
-def _run(argv: list[str], what: str) -> None:
+def run_tool(argv: list[str], what: str) -> None:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                               env=privileged_env(), stdin=subprocess.DEVNULL)
@@ -72,7 +76,26 @@ def _run(argv: list[str], what: str) -> None:
         raise BackendError(f"{what} failed: {proc.stderr.strip() or proc.stdout.strip()}")
 
 
-def _is_mount(point: Path) -> bool:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_SYS_STATX = 332 if platform.machine() == "x86_64" else 291
+_AT_SYMLINK_NOFOLLOW = 0x100
+_STATX_ATTR_MOUNT_ROOT = 0x2000
+_STATX_ATTRIBUTES_OFFSET, _STATX_ATTRIBUTES_MASK_OFFSET = 8, 56
+
+
+def is_mount(point: Path) -> bool:
+    """Whether ``point`` is the root of a mount (never following a symlink). By the kernel's
+    word (statx, Linux 5.8+), not by comparing devices with the parent: a bind of a directory
+    of the same filesystem (a data mount beside the data directory) has the parent's device."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.syscall(_SYS_STATX, -100, os.fsencode(point), _AT_SYMLINK_NOFOLLOW, 0, buf) == 0:
+        mask = int.from_bytes(buf.raw[_STATX_ATTRIBUTES_MASK_OFFSET:][:8], "little")
+        if mask & _STATX_ATTR_MOUNT_ROOT:
+            attributes = int.from_bytes(buf.raw[_STATX_ATTRIBUTES_OFFSET:][:8], "little")
+            return bool(attributes & _STATX_ATTR_MOUNT_ROOT)
+    elif ctypes.get_errno() != errno.ENOSYS:
+        return False
     try:
         return os.path.ismount(point)
     except OSError:
@@ -80,7 +103,7 @@ def _is_mount(point: Path) -> bool:
 
 
 def _umount(point: Path, *, lazy: bool = False) -> None:
-    if not _is_mount(point):
+    if not is_mount(point):
         return
     try:
         linux.umount(str(point), linux.MNT_DETACH if lazy else 0)
@@ -108,7 +131,7 @@ def _detach_unsynced(point: Path) -> None:
     mounted, so every later reader sees it; like any workspace write, it is durable once the
     writeback (bounded by the dirty data, seconds at most) is done.
     """
-    if not _is_mount(point):
+    if not is_mount(point):
         return
     try:
         linux.umount(str(point), _MNT_EXPIRE)
@@ -130,16 +153,47 @@ def _detach_unsynced(point: Path) -> None:
     helper = threading.Thread(target=detach, name="corral-overlay-detach", daemon=True)
     helper.start()
     deadline = time.monotonic() + 10.0
-    while _is_mount(point) and helper.is_alive() and time.monotonic() < deadline:
+    while is_mount(point) and helper.is_alive() and time.monotonic() < deadline:
         time.sleep(0.0002)
     if failed:
         raise BackendError(f"cannot unmount {point}: {failed[0]}") from failed[0]
-    if _is_mount(point):
+    if is_mount(point):
         raise BackendError(f"cannot unmount {point}: still mounted after 10 s")
 
 
+def mount_disk(image: Path, point: Path, *, read_only: bool, reuse: bool = False) -> None:
+    """Loop-mount the ext4 ``image`` on ``point`` (nodev, nosuid, noatime); ``reuse``: see
+    ``loop.mount_image`` (mount(8), the fallback, reuses a loop device of the image itself)."""
+    try:
+        loop.mount_image(str(image), str(point), read_only=read_only, reuse=reuse)
+    except OSError as exc:
+        logger.debug("in-process loop mount failed (%s); using mount(8)", exc)
+        run_tool(["mount", "-o", _MOUNT_OPTIONS + (",ro" if read_only else ""), str(image),
+                  str(point)], f"mounting {image}")
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash in paths as octal escapes.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts_under(path: Path) -> list[Path]:
+    """Every mount point at or below ``path`` in this mount namespace, deepest first (the
+    order they can be unmounted in); a point with mounts stacked on it is there once per
+    mount."""
+    # The kernel's paths are resolved: a data directory reached through a symlink must match.
+    prefix = os.path.realpath(path).rstrip("/") + "/"
+    found: list[Path] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = _unescape(line.split(" ", 5)[4])
+            if point == prefix[:-1] or point.startswith(prefix):
+                found.append(Path(point))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def flock(path: Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -207,33 +261,25 @@ class WorkspaceStore:
                 f"only {free // (1024 * 1024)} MiB free under {self.root}; free disk space "
                 "before creating more sandboxes")
         if not self._spares.claim(spec.tier.disk_bytes, image):
-            _format(image, spec.tier.disk_bytes)
+            format_image(image, spec.tier.disk_bytes)
         self._spares.refill(spec.tier.disk_bytes)
 
     def is_mounted(self, sandbox_id: str) -> bool:
-        return _is_mount(self.mount_point(sandbox_id))
+        return is_mount(self.mount_point(sandbox_id))
 
     def ensure_mounted(self, spec: SandboxSpec) -> Path:
         """The workspace's host path, mounting whatever a reboot or a seal left unmounted."""
         point = self.mount_point(spec.id)
-        if _is_mount(point):
+        if is_mount(point):
             return point
         if not self._image(spec.id).exists():
             raise BackendError(
                 f"the workspace image of sandbox {spec.id} is missing ({self._image(spec.id)}); "
                 f"remove the sandbox with `corral rm {spec.id}`")
-        with _flock(self.sandbox_dir(spec.id) / ".lock"):
-            if not _is_mount(point):
+        with flock(self.sandbox_dir(spec.id) / ".lock"):
+            if not is_mount(point):
                 self._mount(spec)
         return point
-
-    def _mount_disk(self, image: Path, point: Path, *, read_only: bool) -> None:
-        try:
-            loop.mount_image(str(image), str(point), read_only=read_only)
-        except OSError as exc:
-            logger.debug("in-process loop mount failed (%s); using mount(8)", exc)
-            _run(["mount", "-o", _MOUNT_OPTIONS + (",ro" if read_only else ""), str(image),
-                  str(point)], f"mounting {image}")
 
     def _ensure_layer(self, layer_id: str) -> tuple[Path, int]:
         """Mount layer ``layer_id`` read-only if needed; return its mount and writer's uid."""
@@ -245,17 +291,17 @@ class WorkspaceStore:
                 f"workspace layer {layer_id} is missing or damaged ({layer}); the sandboxes and "
                 "snapshots built on it cannot be mounted") from exc
         point = self._layer_mount(layer_id)
-        if not _is_mount(point):
-            with _flock(layer / ".lock"):
-                if not _is_mount(point):
-                    self._mount_disk(layer / "layer.img", point, read_only=True)
+        if not is_mount(point):
+            with flock(layer / ".lock"):
+                if not is_mount(point):
+                    mount_disk(layer / "layer.img", point, read_only=True)
         return point, owner
 
     def _mount(self, spec: SandboxSpec) -> None:
         disk = self._disk(spec.id)
         disk.mkdir(mode=0o700, exist_ok=True)
-        if not _is_mount(disk):
-            self._mount_disk(self._image(spec.id), disk, read_only=False)
+        if not is_mount(disk):
+            mount_disk(self._image(spec.id), disk, read_only=False)
         upper, work = disk / "upper", disk / "work"
         if not upper.exists():
             # The workspace root: only the sandbox's own uid may enter, so another sandbox's
@@ -272,7 +318,7 @@ class WorkspaceStore:
             if owner != spec.uid:
                 bound = self._priv(spec.id) / f"l{index}"
                 bound.mkdir(mode=0o700, exist_ok=True)
-                if not _is_mount(bound):
+                if not is_mount(bound):
                     try:
                         bind_idmapped(str(source), str(bound), on_disk=owner, shown_as=spec.uid)
                     except OSError as exc:
@@ -326,7 +372,7 @@ class WorkspaceStore:
         top. The caller makes sure nothing runs in the sandbox. O(1) in the workspace's size,
         except when the chain is at ``MAX_LAYERS``: then the whole workspace is copied into one
         squashed layer (O(size), once every ``MAX_LAYERS`` seals)."""
-        with _flock(self.sandbox_dir(spec.id) / ".lock"):
+        with flock(self.sandbox_dir(spec.id) / ".lock"):
             if not self.is_mounted(spec.id):
                 self._mount(spec)
             layer = self._layer_dir(layer_id)
@@ -381,7 +427,7 @@ class WorkspaceStore:
             moved = False
         os.rename(self._image(spec.id), layer / "layer.img")
         if not moved:
-            self._mount_disk(layer / "layer.img", point, read_only=True)
+            mount_disk(layer / "layer.img", point, read_only=True)
         return used
 
     def _unmount_all_but_disk(self, sandbox_id: str) -> None:
@@ -395,12 +441,12 @@ class WorkspaceStore:
     def _squash_into(self, spec: SandboxSpec, layer: Path) -> int:
         """Copy the workspace as the sandbox sees it (all layers merged) into a new layer."""
         image = layer / "layer.img"
-        _format(image, spec.tier.disk_bytes * (MAX_LAYERS + 1))  # sparse: room for every layer
+        format_image(image, spec.tier.disk_bytes * (MAX_LAYERS + 1))  # sparse: room for every layer
         point = layer / "root"
         point.mkdir(mode=0o755)
-        self._mount_disk(image, point, read_only=False)
+        mount_disk(image, point, read_only=False)
         try:
-            _run(["cp", "-a", "--reflink=never", "--",
+            run_tool(["cp", "-a", "--reflink=never", "--",
                   f"{self.mount_point(spec.id)}/.", str(point / "upper")],
                  "squashing the workspace layers")
             stat = os.statvfs(point)
@@ -414,7 +460,7 @@ class WorkspaceStore:
 
     def reset(self, spec: SandboxSpec) -> None:
         """Discard the writable layer and start a fresh one on ``spec.layers`` (restore)."""
-        with _flock(self.sandbox_dir(spec.id) / ".lock"):
+        with flock(self.sandbox_dir(spec.id) / ".lock"):
             # Lazy: the layer is being thrown away, so there is nothing to write back first.
             self._unmount_all(spec.id, lazy=True)
             self._image(spec.id).unlink(missing_ok=True)
@@ -438,10 +484,18 @@ class WorkspaceStore:
 
     # -- removal ----------------------------------------------------------------------------
 
+    def mounts_dir(self, sandbox_id: str) -> Path:
+        """Where the sandbox's volumes and data mounts are bound for it (``volumes``)."""
+        return self.root / sandbox_id / "mounts"
+
     def unmount(self, sandbox_id: str) -> None:
         # Lazy: the sandbox's processes are already dead; detaching can't fail on a stray
         # host shell sitting in the directory, and the loop device auto-clears.
         self._unmount_all(sandbox_id, lazy=True)
+        if self.mounts_dir(sandbox_id).is_dir():
+            # Binds only: a volume's own mount and data stay where they are.
+            for point in mounts_under(self.mounts_dir(sandbox_id)):
+                _umount(point, lazy=True)
 
     def remove(self, sandbox_id: str) -> None:
         """Unmount and delete everything of ``sandbox_id`` (not its layers). Idempotent."""
@@ -449,9 +503,15 @@ class WorkspaceStore:
         if not base.exists():
             return
         self.unmount(sandbox_id)
-        for point in (self.mount_point(sandbox_id), self._disk(sandbox_id)):
-            if _is_mount(point):
-                raise BackendError(f"{point} is still mounted; not deleting it")
+        if self.mounts_dir(sandbox_id).is_dir():
+            # Never delete through a mount: below a bind are a volume's files. (The whole
+            # mount table is read only here: a sandbox without mounts has no binds.)
+            still = mounts_under(base)
+        else:
+            still = [p for p in (self.mount_point(sandbox_id), self._disk(sandbox_id))
+                     if is_mount(p)]
+        if still:
+            raise BackendError(f"{still[0]} is still mounted; not deleting {base}")
         shutil.rmtree(base)
 
     def ids(self) -> list[str]:
@@ -461,12 +521,18 @@ class WorkspaceStore:
                       if p.is_dir() and not p.name.startswith("."))
 
 
-def _format(image: Path, size: int) -> None:
+def format_image(image: Path, size: int, *, journal: bool = False,
+                 root_owner: int | None = None) -> None:
+    """A new sparse ext4 image of ``size`` bytes at ``image`` (removed again on failure)."""
     with open(image, "xb") as f:
         f.truncate(size)
+    extended = "lazy_itable_init=1,nodiscard"
+    if root_owner is not None:
+        extended += f",root_owner={root_owner}:{root_owner}"
     try:
-        _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal",
-              "-E", "lazy_itable_init=1,nodiscard", str(image)], "formatting a workspace image")
+        run_tool(["mkfs.ext4", "-q", "-F", "-m", "0", "-O",
+                  "has_journal" if journal else "^has_journal", "-E", extended, str(image)],
+                 f"formatting {image.name}")
     except BaseException:
         image.unlink(missing_ok=True)
         raise
@@ -521,7 +587,7 @@ class _SparePool:
                     continue
                 tmp = self._dir / f"{size}.{os.getpid()}.{threading.get_ident()}.tmp"
                 tmp.unlink(missing_ok=True)
-                _format(tmp, size)
+                format_image(tmp, size)
                 if spare.exists():
                     tmp.unlink()
                 else:

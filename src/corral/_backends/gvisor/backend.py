@@ -174,7 +174,7 @@ class GvisorBackend(HostBackedBackend):
         # At most this many residents start ahead at once (``create``): one per core.
         self._prestarts = threading.Semaphore(max(1, os.cpu_count() or 1))
         # sandbox id -> its resident and the identity of the workspace mount it was given
-        self._residents: dict[str, tuple[OnDemand, tuple[int, int]]] = {}
+        self._residents: dict[str, tuple[OnDemand, tuple[int, ...]]] = {}
         self._oom_groups: set[str] = set()  # "sandbox/group" of residents the OOM killer hit
         self._resident_starts = 0
 
@@ -253,12 +253,27 @@ class GvisorBackend(HostBackedBackend):
             rootfs=rootfs, template=template, workspace=workspace,
             netns=self._netns_path(spec.id), uid=spec.uid, argv=request.argv, cwd=request.cwd,
             env=env, tmp_bytes=spec.tier.tmp_bytes, pids=spec.tier.pids,
-            terminal=request.pty is not None)
+            terminal=request.pty is not None, **self._bind_options(spec))
         return launcher.run(Launch(
             uid=spec.uid, netns_path=self._netns_path(spec.id), group=f"{spec.id}/{group_name}",
             container_id=container_id, bundle=self._bundles / container_id, config=config,
             request=request,
         ))
+
+    def _volume_root_uid(self, spec: SandboxSpec) -> int:
+        # gVisor's kernel makes each file as its host identity, the runtime uid, then gives it
+        # to its owner: that uid must be mapped for the create to be allowed at all.
+        return runtime_uid(spec.uid)
+
+    def _bind_options(self, spec: SandboxSpec) -> dict[str, Any]:
+        """``build_config``'s ``binds`` and ``mount_points`` for the sandbox's volumes and data
+        mounts (after ``_ensure_runtime`` has bound them)."""
+        planned = self._planned_mounts(spec)
+        if not planned:
+            return {}
+        return {"binds": [(str(m.source), m.target, m.read_only) for m in planned],
+                "mount_points": self._volumes.mount_points(
+                    planned, self._store.mounts_dir(spec.id))}
 
     # -- the resident sandbox (Settings.gvisor_resident) ----------------------------------------
 
@@ -281,9 +296,10 @@ class GvisorBackend(HostBackedBackend):
         A resident keeps the workspace mount it was started on; one started before the
         workspace was mounted anew (a snapshot sealed its layer, a restore reset it) would
         write into a sealed layer. Those close it first; the mount's identity catches any other
-        remount, and the holder is replaced."""
-        mounted = os.stat(workspace)
-        identity = (mounted.st_dev, mounted.st_ino)
+        remount (of the workspace or of a volume's bind), and the holder is replaced."""
+        mounted = [os.stat(workspace)] + [os.stat(m.source) for m in self._planned_mounts(spec)]
+        # A volume's bind made anew (its volume remounted) also makes the resident stale.
+        identity = tuple(n for st in mounted for n in (st.st_dev, st.st_ino))
         stale: OnDemand | None = None
         with self._lock:
             holder, given = self._residents.get(spec.id, (None, identity))
@@ -294,7 +310,7 @@ class GvisorBackend(HostBackedBackend):
                     rootfs=rootfs, template=template, workspace=workspace,
                     netns=self._netns_path(spec.id), uid=spec.uid, argv=["true"],
                     cwd="/workspace", env={}, tmp_bytes=spec.tier.tmp_bytes,
-                    pids=spec.tier.pids, terminal=False)
+                    pids=spec.tier.pids, terminal=False, **self._bind_options(spec))
                 python = template_python(template)
                 assert python is not None  # callers check _resident_fits first
                 holder = OnDemand(lambda: self._start_resident(spec, config, python),

@@ -3,7 +3,8 @@
 A command sees the namespace tier's layout: the template's system directories and curated
 ``/etc`` read-only, ``/workspace`` read-write, ``/tmp`` and ``/dev/shm`` as size-limited tmpfs, no
 ``/sys`` (an empty read-only tmpfs hides gVisor's synthetic one), ``/proc`` and ``/dev`` from
-gVisor's own kernel (nothing in them comes from the host).
+gVisor's own kernel (nothing in them comes from the host), and the sandbox's volumes and data
+mounts (``_linux.volumes``) where it asked for them.
 
 Identity. runsc starts its sandbox (the Sentry, gVisor's kernel) and its gofer as uid 0 of the
 container's user namespace, and a file that uid *n* creates inside ends up owned by *n*'s host
@@ -44,11 +45,12 @@ __all__ = ["RUNTIME_UID_OFFSET", "build_config", "ensure_rootfs", "runtime_uid",
 
 RUNTIME_UID_OFFSET = 1 << 31
 _MAX_UID = 2**32 - 2  # (uid_t)-1 means "no change" to the kernel
-_ROOTFS_VERSION = "6"
+_ROOTFS_VERSION = "7"
 # Mount points every skeleton has, besides the template's own directories (``.corral``: the
-# resident sandbox's launcher, see ``resident``; empty in a per-command sandbox).
+# resident sandbox's launcher, see ``resident``; empty in a per-command sandbox; ``mnt``: where
+# the mount points of a sandbox's volumes and data mounts are bound, see ``build_config``).
 _SKELETON_DIRS = ("etc", "proc", "dev", "sys", "tmp", "workspace", "home", "home/user",
-                  ".corral")
+                  ".corral", "mnt")
 # gVisor's /dev has these besides the usual null, zero, full, random, urandom, tty, ptmx and pts;
 # a command never needs them (mounting FUSE needs privileges it lacks), so an empty read-only
 # file is bound over each: less of gVisor's kernel within reach.
@@ -179,11 +181,17 @@ def build_config(
     tmp_bytes: int,
     pids: int,
     terminal: bool,
+    binds: Sequence[tuple[str, str, bool]] = (),
+    mount_points: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` for one command. Pure: no I/O.
 
     ``workspace`` and ``netns`` are None only for the host check's probe (no ``/workspace``; a
-    fresh network namespace of gVisor's own instead of the sandbox's).
+    fresh network namespace of gVisor's own instead of the sandbox's). ``binds`` are the
+    sandbox's volumes and data mounts as (host source, target, read-only), in mount order;
+    ``mount_points``, a read-only tree bound at ``/mnt`` that holds the mount points of those
+    under ``/mnt/`` (the root is read-only, and gVisor's file server needs a host directory
+    under every mount).
     """
     host_runtime = runtime_uid(uid)
     mounts: list[dict[str, Any]] = [
@@ -201,6 +209,16 @@ def build_config(
         mounts.append(_bind(workspace, "/workspace", writable=True))
         # E2B's home: the same workspace, where E2B's SDKs and templates expect the user's files.
         mounts.append(_bind(workspace, "/home/user", writable=True))
+    if mount_points is not None:
+        mounts.append(_bind(mount_points, "/mnt"))
+    # After the workspace, so a target under /workspace lands on it; a symlink inside a
+    # source resolves in gVisor's kernel, inside the sandbox's root.
+    for source, target, read_only in binds:
+        mounts.append(_bind(source, target, writable=not read_only))
+        if target.startswith("/workspace/"):
+            # /home/user is the same workspace: the mount shows there too.
+            mounts.append(_bind(source, "/home/user/" + target.removeprefix("/workspace/"),
+                                writable=not read_only))
     network: dict[str, str] = {"type": "network"}
     if netns is not None:
         network["path"] = str(netns)

@@ -56,11 +56,14 @@ class NamespaceBackend(HostBackedBackend):
         workspace = self._ensure_runtime(spec)
         template = (self._template(spec.template) if request.build_root is None
                     else build_root_template(Path(request.build_root)))
+        # An image build's step has a root of its own and never a volume.
+        mounts = () if request.build_root is not None else tuple(
+            (str(m.source), m.target, m.read_only) for m in self._planned_mounts(spec))
         return launcher.run(Launch(
             uid=spec.uid, netns_path=self._netns_path(spec.id),
             template=template, workspace=workspace,
             tmp_bytes=spec.tier.tmp_bytes, group=f"{spec.id}/{self._group_name(request)}",
-            request=request, env=self._command_env(spec, request),
+            request=request, env=self._command_env(spec, request), mounts=mounts,
         ))
 
 

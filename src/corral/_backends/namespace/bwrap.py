@@ -40,11 +40,13 @@ def build_options(
     env: Mapping[str, str],
     fds: BwrapFds,
     new_session: bool = True,
+    mounts: Sequence[tuple[str, str, bool]] = (),
 ) -> list[str]:
     """The options for ``--args``: everything but the command itself.
 
     The network namespace and host uid are set by the caller, not by bwrap. ``env`` is the
-    command's whole environment (the caller builds it from scratch).
+    command's whole environment (the caller builds it from scratch). ``mounts`` are the
+    sandbox's volumes and data mounts as (host source, target, read-only), in mount order.
     """
     args = [
         # Fresh user (needed unprivileged), PID, IPC, UTS and cgroup namespaces per command.
@@ -89,6 +91,16 @@ def build_options(
             # E2B's home: the same workspace, where E2B's SDKs and templates expect the files.
             "--bind", str(workspace), "/home/user",
         ]
+        # After the workspace, so a target under /workspace lands on it (its mount point was
+        # made there, or in the volume it is under, by ``_linux.volumes``); under /mnt bwrap
+        # makes it in its tmpfs root, read-only from --remount-ro / on. Each source is the
+        # sandbox's own bind; a symlink inside it resolves in the sandbox's root.
+        for source, target, read_only in mounts:
+            bind = "--ro-bind" if read_only else "--bind"
+            args += [bind, source, target]
+            if target.startswith("/workspace/"):
+                # /home/user is the same workspace: the mount shows there too.
+                args += [bind, source, "/home/user/" + target.removeprefix("/workspace/")]
     args += [
         "--remount-ro", "/",
         "--chdir", cwd,

@@ -101,6 +101,8 @@ class Launch:
     group: str
     request: ExecRequest
     env: Mapping[str, str]
+    # The sandbox's volumes and data mounts: (host source, target, read-only), in order.
+    mounts: tuple[tuple[str, str, bool], ...] = ()
 
 
 # Signals Python itself ignores and subprocess restores in the child anyway.
@@ -170,7 +172,7 @@ class CommandLauncher:
             template=launch.template, workspace=launch.workspace,
             tmp_bytes=launch.tmp_bytes, cwd=request.cwd, env=launch.env,
             fds=BwrapFds(info=info_w, block=block_r, seccomp=seccomp_fd),
-            new_session=request.pty is None,
+            new_session=request.pty is None, mounts=launch.mounts,
         )
         # A memfd rather than a pipe: the options (the environment included, up to a few
         # hundred KiB) are written whole before bwrap starts, with no reader to wait for.
