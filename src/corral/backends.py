@@ -22,7 +22,6 @@ Contract:
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -31,6 +30,7 @@ from .models import FileEntry, ResourceTier, Usage
 
 __all__ = [
     "BackendName",
+    "Connection",
     "DirWatch",
     "EgressEndpoint",
     "ExecOutcome",
@@ -213,6 +213,17 @@ class Listener(Protocol):
     def fileno(self) -> int: ...
 
     def getsockname(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class Connection(Protocol):
+    """A connected stream socket on the control plane's side (``socket.socket`` is one; a
+    tier may hand out a Unix socket that its own relay joins to the sandbox's TCP port)."""
+
+    def fileno(self) -> int: ...
+
+    def setblocking(self, flag: bool) -> None: ...
 
     def close(self) -> None: ...
 
@@ -430,7 +441,7 @@ class IsolationBackend(Protocol):
         """The sandbox's ``/workspace``, ready for file operations."""
         ...
 
-    def open_port(self, spec: SandboxSpec, port: int, timeout_s: float) -> socket.socket:
+    def open_port(self, spec: SandboxSpec, port: int, timeout_s: float) -> Connection:
         """A blocking stream socket connected to ``127.0.0.1:port`` as the sandbox sees it
         (its own loopback, never the host's), for the port proxy to relay; the caller owns and
         closes it. Raises ``PortClosed`` when nothing accepts there within ``timeout_s``."""

@@ -21,6 +21,9 @@ PUBLIC = [
     # issue 13: the code interpreter's results, contexts and errors
     "CodeContext", "Execution", "ExecutionError", "Logs", "OutputMessage", "Result",
     "ContextNotFound", "InterpreterUnavailable",
+    # issue 16: exposed ports and persistent volumes
+    "AsyncVolume", "Volume", "PortInfo", "VolumeInfo", "PortError", "PortNotExposed",
+    "PortClosed", "VolumeError", "VolumeNotFound", "VolumeInUse",
 ]
 
 
@@ -39,7 +42,8 @@ def test_every_error_derives_from_the_root_and_has_a_unique_code() -> None:
     for cls in classes:
         assert issubclass(cls, errors.CorralError)
         assert cls.__name__.endswith(("Error", "NotFound", "Expired", "Busy", "Refused",
-                                      "Exceeded", "Unavailable", "TooLarge", "InUse"))
+                                      "Exceeded", "Unavailable", "TooLarge", "InUse", "NotExposed",
+                                      "Closed"))
         assert 400 <= cls.status < 600
         assert errors.error_class(cls.code) is cls  # the remote SDK raises the same class
         codes.add(cls.code)

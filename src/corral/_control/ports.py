@@ -24,7 +24,7 @@ from .._audit.auditor import Auditor
 from .._core.secretfile import load_or_create_secret
 from .._e2b.ids import to_e2b
 from .._settings import Settings
-from ..errors import PortNotExposed, SandboxBusy, UsageError
+from ..errors import BackendError, PortNotExposed, SandboxBusy, UsageError
 from ..models import PortInfo
 from .records import SandboxRecord
 from .sandboxes import Sandboxes
@@ -167,6 +167,9 @@ class Ports:
             raise SandboxBusy(f"sandbox {record.id} is paused; resume it to reach port {port}")
         backend = self._sandboxes.backend(record)
         sock = backend.open_port(self._sandboxes.spec(record), port, _CONNECT_TIMEOUT_S)
+        if not isinstance(sock, socket.socket):  # the relay runs on asyncio's socket loop
+            sock.close()
+            raise BackendError(f"the {backend.name} tier gave no socket for port {port}")
         self._store.touch(record.id)  # a served port is activity (the idle timeout)
         return sock
 
