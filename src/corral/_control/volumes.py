@@ -159,27 +159,30 @@ class Volumes:
         ``{"path": ..., "read_only": bool}``) and ``data`` (data mount name → mount point),
         checked: the volumes are the tenant's, the data mounts the operator's, every mount
         point distinct and none inside another."""
-        mounts: builtins.list[dict[str, Any]] = []
-        for name, where in (volumes or {}).items():
-            path, read_only = _where(name, where)
-            row = self._row(name, tenant)
-            mounts.append({"kind": "volume", "source": row["id"], "target": path,
-                           "read_only": read_only})
-        for name, where in (data or {}).items():
-            path, read_only = _where(name, where, data=True)
-            if name not in self._settings.data_mounts:
-                approved = ", ".join(sorted(self._settings.data_mounts)) or "none"
-                raise PolicyError(f"{name!r} is not a data mount the operator approved "
-                                  f"(CORRAL_DATA_MOUNTS; approved: {approved}); data mounts "
-                                  "are named, never host paths")
-            mounts.append({"kind": "data", "source": name, "target": path, "read_only": True})
-        if len(mounts) > MAX_MOUNTS:
+        wanted = [("volume", name, *_where(name, where)) for name, where in
+                  (volumes or {}).items()]
+        wanted += [("data", name, *_where(name, where, data=True)) for name, where in
+                   (data or {}).items()]
+        if len(wanted) > MAX_MOUNTS:
             raise UsageError(f"at most {MAX_MOUNTS} volumes and data mounts per sandbox")
-        targets = sorted(m["target"] for m in mounts)
+        targets = sorted(target for _, _, target, _ in wanted)
         for first, second in zip(targets, targets[1:], strict=False):
             if second == first or second.startswith(first + "/"):
                 raise UsageError(f"mount points {first} and {second} overlap; give each "
                                  "volume or data mount a directory of its own")
+        mounts: builtins.list[dict[str, Any]] = []
+        for kind, name, target, read_only in wanted:
+            if kind == "volume":
+                source = self._row(name, tenant)["id"]
+            elif name in self._settings.data_mounts:
+                source = name
+            else:
+                approved = ", ".join(sorted(self._settings.data_mounts)) or "none"
+                raise PolicyError(f"{name!r} is not a data mount the operator approved "
+                                  f"(CORRAL_DATA_MOUNTS; approved: {approved}); data mounts "
+                                  "are named, never host paths")
+            mounts.append({"kind": kind, "source": source, "target": target,
+                           "read_only": read_only})
         # Parents before children: a later mount may sit under /workspace, never under another.
         return sorted(mounts, key=lambda m: m["target"].count("/"))
 
