@@ -65,11 +65,18 @@ def metrics(ctx: click.Context, as_json: bool) -> None:
               help="PEM certificate (chain) for api.DOMAIN and *.DOMAIN.")
 @click.option("--e2b-tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM private key of --e2b-tls-cert.")
+@click.option("--ports-url", default=None, metavar="URL",
+              help="The URL clients reach this service at, for the URLs of exposed ports "
+                   "(default: the one each request came in on; CORRAL_PORTS_URL).")
+@click.option("--ports-domain", default=None, metavar="DOMAIN",
+              help="A wildcard DNS domain pointing here: exposed ports are also served at "
+                   "<port>-<sandbox>.DOMAIN, E2B's form (CORRAL_PORTS_DOMAIN).")
 @click.pass_context
 @handle_errors
 def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
           allow_keyless: bool | None, e2b_port: int | None, e2b_domain: str | None,
-          e2b_tls_cert: str | None, e2b_tls_key: str | None) -> None:
+          e2b_tls_cert: str | None, e2b_tls_key: str | None, ports_url: str | None,
+          ports_domain: str | None) -> None:
     """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics), and with
     --e2b-port the E2B dialect beside it."""
     from .._control.manager import get_manager
@@ -77,6 +84,21 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
     from .._server.serve import serve as run_server
 
     settings: Settings = ctx.obj["settings"]
+    if ports_url is not None or ports_domain is not None:
+        from pydantic import ValidationError
+
+        from .._settings import Settings as Checked
+
+        # Validated as the settings are: a malformed URL or domain is refused here.
+        try:
+            settings = Checked.model_validate({
+                **settings.model_dump(), **({"ports_url": ports_url} if ports_url else {}),
+                **({"ports_domain": ports_domain} if ports_domain else {})})
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            raise click.BadParameter(
+                f"{problem['input']!r} is not a valid {problem['loc'][0]} (an http(s)://host"
+                "[:port] URL, or a DNS domain like ports.example.internal)") from None
     names = [*settings.server_host_names.split(","), *host_names]
     e2b = None
     if e2b_port is not None:
