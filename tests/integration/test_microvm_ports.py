@@ -293,3 +293,37 @@ def test_volumes_and_data_mounts_are_refused_before_anything_is_built(
     assert not (settings.home / "microvm" / "sandboxes" / sandbox_id).exists()
     assert not (settings.run_dir / f"corral-{settings.instance}-{sandbox_id}").exists()
     assert sandbox_id not in backend.cgroups.children("")  # type: ignore[attr-defined]
+
+
+def test_an_exposed_port_of_a_microvm_through_the_proxy(vm: Vm, manager: Manager) -> None:
+    """The same URL, token, page and WebSocket as on the host tiers (test_ports.py), through
+    ``corral serve``'s proxy and the keeper's relay."""
+    import httpx
+    from websockets.sync.client import connect as ws_connect
+
+    from .servers import Server
+    from .test_ports import APP
+
+    app_port = 8000
+    vm.sandbox.files.write("portapp.py", APP)
+    app = vm.sandbox.processes.start(["python3", "portapp.py", str(app_port)])
+    try:
+        with Server(manager) as server:
+            exposed = httpx.post(f"{server.url}/v1/sandboxes/{vm.sandbox.id}/ports/{app_port}")
+            assert exposed.status_code == 201, exposed.text
+            url, token = exposed.json()["url"], exposed.json()["token"]
+            auth = {"X-Corral-Port-Token": token}
+            deadline = time.monotonic() + 60
+            while (page := httpx.get(url, headers=auth, timeout=IO_TIMEOUT_S)).status_code == 502:
+                assert time.monotonic() < deadline, page.text
+                time.sleep(0.3)
+            assert page.status_code == 200 and b"hello from the sandbox" in page.content
+            assert httpx.get(url).status_code == 401
+            big = httpx.get(url + f"big?n={BIG}", headers=auth, timeout=IO_TIMEOUT_S)
+            assert len(big.content) == BIG
+            with ws_connect(url.replace("http://", "ws://") + "ws", additional_headers=auth,
+                            open_timeout=IO_TIMEOUT_S) as ws:
+                ws.send("from the host")
+                assert ws.recv(timeout=IO_TIMEOUT_S) == "echo: from the host"
+    finally:
+        app.kill()
