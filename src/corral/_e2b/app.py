@@ -158,7 +158,7 @@ class E2BApp:
         self.tokens = SandboxTokens(manager.settings.home)
         self.e2b = E2BState(manager.settings.home / "e2b.db")
         # Any other port of a sandbox (E2B's get_host) goes through Corral's port proxy.
-        self.ports = PortProxy(manager, self.tenants)
+        self.ports = PortProxy(manager, self.tenants, host_form=False)
         self.state = State()
         self.state.manager = manager
         self.state.tokens = self.tokens

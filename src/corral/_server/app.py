@@ -129,8 +129,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     # Outermost: an exposed port's requests are the sandbox's app's, not the service's.
     if ports_domain is not None:
         manager.ports.configure(PortURLs(base=manager.ports.urls.base, domain=ports_domain))
-    app.add_middleware(PortRouting, proxy=PortProxy(
-        manager, tenants, domain=manager.ports.urls.domain), names=names)
+    app.add_middleware(PortRouting, proxy=PortProxy(manager, tenants), names=names)
 
     @app.exception_handler(CorralError)
     async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
