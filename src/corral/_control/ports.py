@@ -38,6 +38,7 @@ _TOKEN_PREFIX = "cpt_"
 _LINK_TTL_S = 3600.0
 _MAX_LINK_TTL_S = 7 * 24 * 3600.0
 _CONNECT_TIMEOUT_S = 5.0
+_TOUCH_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class Ports:
         self._auditor = auditor
         self._secret = load_or_create_secret(settings.home / _SECRET_FILE)
         self.urls = PortURLs(base=settings.ports_url, domain=settings.ports_domain)
+        self._touched: dict[str, float] = {}
 
     def configure(self, urls: PortURLs) -> None:
         """Where the proxy answers (``corral serve`` sets it from its listener)."""
@@ -170,8 +172,19 @@ class Ports:
         if not isinstance(sock, socket.socket):  # the relay runs on asyncio's socket loop
             sock.close()
             raise BackendError(f"the {backend.name} tier gave no socket for port {port}")
-        self._store.touch(record.id)  # a served port is activity (the idle timeout)
+        self._touch(record.id)
         return sock
+
+    def _touch(self, sandbox_id: str) -> None:
+        """A served port is activity (the idle timeout), recorded at most once a second per
+        sandbox: a page's dozens of requests need not be dozens of store writes."""
+        now = time.monotonic()
+        if now - self._touched.get(sandbox_id, -_TOUCH_EVERY_S) < _TOUCH_EVERY_S:
+            return
+        if len(self._touched) > 4096:  # bounded: old entries only save a write
+            self._touched.clear()
+        self._touched[sandbox_id] = now
+        self._store.touch(sandbox_id)
 
     def record(self, sandbox_id: str, port: int, who: Who, *, kind: str, status: int,
                bytes_in: int, bytes_out: int, seconds: float, method: str = "",
