@@ -37,9 +37,7 @@ import os
 import platform
 import random
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,14 +47,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_sandbox import emit_report, log, machine_info, percentile, teardown  # noqa: E402
+from bench_service import Server, rss_bytes  # noqa: E402
 from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 
 from corral import Sandbox  # noqa: E402
@@ -83,20 +80,6 @@ LAUNCHER = (
     "sys.argv = ['portapp.py', sys.argv[1], '0.0.0.0']\n"
     "runpy.run_path('portapp.py', run_name='__main__')\n"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -140,56 +123,6 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[name] = "not installed"
     return out
-
-
-class Server:
-    """``.venv/bin/corral serve`` in a subprocess with its own home and uid range."""
-
-    def __init__(self, settings: Settings, log_path: Path) -> None:
-        self.settings = settings
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.argv = [str(ROOT / ".venv" / "bin" / "corral"), "serve", "--port", str(self.port)]
-
-    def start(self) -> None:
-        env = {**os.environ, "CORRAL_HOME": str(self.settings.home),
-               "CORRAL_UID_START": str(self.settings.uid_start),
-               "CORRAL_UID_COUNT": str(self.settings.uid_count)}
-        for name in ("CORRAL_URL", "CORRAL_API_KEY", "CORRAL_PORTS_URL", "CORRAL_PORTS_DOMAIN"):
-            env.pop(name, None)
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited {self.proc.returncode}: "
-                                   f"{self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not answer /healthz within 30 s")
-            time.sleep(0.1)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
 
 # -- the two ways in, and one client for both ---------------------------------------------------

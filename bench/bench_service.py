@@ -134,19 +134,19 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.argv = [sys.executable, "-m", "corral", "serve", "--host", "127.0.0.1",
+                     "--port", str(self.port)]
 
     def start(self) -> None:
         env = {**os.environ, "CORRAL_HOME": str(self.settings.home),
                "CORRAL_UID_START": str(self.settings.uid_start),
                "CORRAL_UID_COUNT": str(self.settings.uid_count),
                "PYTHONPATH": str(SRC)}
-        env.pop("CORRAL_URL", None)
-        env.pop("CORRAL_API_KEY", None)
+        for name in ("CORRAL_URL", "CORRAL_API_KEY", "CORRAL_PORTS_URL", "CORRAL_PORTS_DOMAIN"):
+            env.pop(name, None)
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "corral", "serve", "--host", "127.0.0.1",
-                 "--port", str(self.port)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
         while True:
             if self.proc.poll() is not None:
@@ -160,6 +160,11 @@ class Server:
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not answer /healthz within 30 s")
             time.sleep(0.1)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

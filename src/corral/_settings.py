@@ -111,6 +111,9 @@ class Settings(BaseSettings):
             API caller names a data mount and never a host path. ``CORRAL_DATA_MOUNTS``.
         volume_max_bytes: the largest volume one ``Volume.create`` may ask for.
             ``CORRAL_VOLUME_MAX_BYTES``.
+        volumes_per_tenant: how many volumes one tenant may have. ``CORRAL_VOLUMES_PER_TENANT``.
+        volume_bytes_per_tenant: the most all of one tenant's volumes may add up to (their
+            sizes: what they may grow to on the host's disk). ``CORRAL_VOLUME_BYTES_PER_TENANT``.
         ports_url: the URL ``corral serve`` is reached at, for the URLs of exposed ports
             (``<url>/ports/<sandbox>/<port>/``); ``corral serve`` sets it from its listener
             unless given. ``CORRAL_PORTS_URL``.
@@ -161,6 +164,8 @@ class Settings(BaseSettings):
     # NoDecode: the env value is ours to parse (name=path pairs, or JSON) in the validator.
     data_mounts: Annotated[dict[str, Path], NoDecode] = Field(default_factory=dict)
     volume_max_bytes: int = Field(default=64 * 2**30, ge=2**20)
+    volumes_per_tenant: int = Field(default=32, ge=0, le=100_000)
+    volume_bytes_per_tenant: int = Field(default=256 * 2**30, ge=0)
     ports_url: str | None = Field(default=None, pattern=r"^https?://[^/?#\s]+/?$")
     ports_domain: str | None = Field(
         default=None, pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")

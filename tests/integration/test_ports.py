@@ -22,10 +22,12 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 from corral._control.manager import Manager
+from corral._control.ports import MAX_PORTS
 from corral._control.tenants import Tenant, TenantDirectory
 from corral._e2b.ids import to_e2b
 from corral._server.app import create_app
 from corral._settings import Settings
+from corral.errors import QuotaExceeded
 from corral.models import PortInfo, SandboxInfo
 
 from ..browser import save_screenshot
@@ -286,6 +288,20 @@ def test_public_ports_unexposing_and_signed_links(service: Service) -> None:
                          ).status_code == 401
     finally:
         service.manager.destroy(info.id)
+
+
+def test_a_sandbox_exposes_a_bounded_number_of_ports(service: Service) -> None:
+    mgr = service.manager
+    info = mgr.create(caller=service.tenants["alpha"], timeout=120)
+    try:
+        for port in range(9000, 9000 + MAX_PORTS):
+            mgr.ports.expose(info.id, port)
+        mgr.ports.expose(info.id, 9000, public=True)  # exposing again is no new port
+        with pytest.raises(QuotaExceeded, match="unexpose one first"):
+            mgr.ports.expose(info.id, 9999)
+        assert len(mgr.ports.list(info.id)) == MAX_PORTS
+    finally:
+        mgr.destroy(info.id)
 
 
 # -- clear answers when there is nothing to reach ----------------------------------------------

@@ -20,6 +20,7 @@ import pytest
 
 from corral import (
     PolicyError,
+    QuotaExceeded,
     Sandbox,
     UsageError,
     Volume,
@@ -257,3 +258,24 @@ def test_a_service_killed_with_a_volume_mounted_loses_nothing(
             mgr.volumes.delete("durable")
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_tenant_s_volumes_are_counted_against_its_quota(
+        data_home: tuple[Settings, Path]) -> None:
+    base, _ = data_home
+    settings = base.model_copy(update={"volumes_per_tenant": 2,
+                                       "volume_bytes_per_tenant": 48 << 20})
+    with managed(settings) as mgr:
+        mgr.volumes.create("one", "16M", tenant="alpha")
+        with pytest.raises(QuotaExceeded, match="CORRAL_VOLUME_BYTES_PER_TENANT"):
+            mgr.volumes.create("too-big", "40M", tenant="alpha")
+        mgr.volumes.create("two", "16M", tenant="alpha")
+        with pytest.raises(QuotaExceeded, match="CORRAL_VOLUMES_PER_TENANT"):
+            mgr.volumes.create("three", "16M", tenant="alpha")
+        mgr.volumes.create("three", "16M", tenant="beta")  # another tenant's own count
+        assert {v.name for v in mgr.volumes.list(tenant="alpha")} == {"one", "two"}
+        mgr.volumes.delete("one", tenant="alpha")
+        mgr.volumes.create("three", "16M", tenant="alpha")  # room again
+        for tenant in ("alpha", "beta"):
+            for volume in mgr.volumes.list(tenant=tenant):
+                mgr.volumes.delete(volume.id, tenant=tenant)

@@ -39,6 +39,7 @@ _LINK_TTL_S = 3600.0
 _MAX_LINK_TTL_S = 7 * 24 * 3600.0
 _CONNECT_TIMEOUT_S = 5.0
 _TOUCH_EVERY_S = 1.0
+MAX_PORTS = 32  # per sandbox: each is a URL to keep track of, not a resource of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,7 @@ class Ports:
         _link_ttl(link_ttl_s)  # before anything changes: a refused call exposes nothing
         info = self._sandboxes.get(sandbox_id, tenant=tenant)
         self._store.expose_port(info.id, number, public=bool(public),
-                                nonce=secrets.token_hex(16))
+                                nonce=secrets.token_hex(16), max_ports=MAX_PORTS)
         self._auditor.event(info.id, "port.exposed", {"port": number, "public": bool(public)})
         return self._describe(info.id, number, link_ttl_s=link_ttl_s, urls=urls)
 

@@ -277,10 +277,17 @@ class Store:
 
     # -- exposed ports ----------------------------------------------------------------------
 
-    def expose_port(self, sandbox_id: str, port: int, *, public: bool, nonce: str) -> None:
+    def expose_port(self, sandbox_id: str, port: int, *, public: bool, nonce: str,
+                    max_ports: int | None = None) -> None:
         """Expose (or re-expose, changing ``public``) a port; ``nonce`` is only set the first
-        time, so tokens and links already handed out stay valid."""
+        time, so tokens and links already handed out stay valid. At most ``max_ports`` per
+        sandbox."""
         with self._tx() as db:
+            count = db.execute("SELECT COUNT(*) FROM ports WHERE sandbox_id = ? AND port != ?",
+                               (sandbox_id, port)).fetchone()[0]
+            if max_ports is not None and count >= max_ports:
+                raise QuotaExceeded(f"sandbox {sandbox_id} already exposes {count} ports, the "
+                                    "most a sandbox may; unexpose one first")
             db.execute("INSERT INTO ports (sandbox_id, port, public, nonce, created_at) "
                        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (sandbox_id, port) DO UPDATE SET "
                        "public = excluded.public", (sandbox_id, port, int(public), nonce,
@@ -305,9 +312,23 @@ class Store:
 
     # -- volumes ----------------------------------------------------------------------------
 
-    def add_volume(self, volume_id: str, *, name: str, tenant: str, size_bytes: int) -> None:
+    def add_volume(self, volume_id: str, *, name: str, tenant: str, size_bytes: int,
+                   max_count: int | None = None, max_bytes: int | None = None) -> None:
+        """Record a volume; with ``max_count``/``max_bytes``, only within the tenant's quota
+        (checked in the same transaction, so concurrent creates cannot pass it together)."""
         try:
             with self._tx() as db:
+                count, total = db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM "
+                                          "volumes WHERE tenant = ?", (tenant,)).fetchone()
+                if max_count is not None and count >= max_count:
+                    raise QuotaExceeded(
+                        f"tenant {tenant!r} already has {count} volumes, its limit "
+                        "(CORRAL_VOLUMES_PER_TENANT); delete one first")
+                if max_bytes is not None and total + size_bytes > max_bytes:
+                    raise QuotaExceeded(
+                        f"tenant {tenant!r}'s volumes would add up to {total + size_bytes} "
+                        f"bytes, over its {max_bytes} (CORRAL_VOLUME_BYTES_PER_TENANT); "
+                        "delete or shrink one first")
                 db.execute("INSERT INTO volumes (id, name, tenant, size_bytes, created_at) "
                            "VALUES (?, ?, ?, ?, ?)",
                            (volume_id, name, tenant, size_bytes, time.time()))

@@ -98,7 +98,11 @@ class Volumes:
                              f"{self._settings.volume_max_bytes // 2**20}M "
                              f"(CORRAL_VOLUME_MAX_BYTES), not {size_bytes} bytes")
         volume_id = new_id("vol")
-        self._store.add_volume(volume_id, name=name, tenant=tenant, size_bytes=size_bytes)
+        limits = {} if tenant == "local" else {  # the operator's own are not a tenant's
+            "max_count": self._settings.volumes_per_tenant,
+            "max_bytes": self._settings.volume_bytes_per_tenant}
+        self._store.add_volume(volume_id, name=name, tenant=tenant, size_bytes=size_bytes,
+                               **limits)
         try:
             self._storage().create_volume(volume_id, size_bytes)
         except BaseException:

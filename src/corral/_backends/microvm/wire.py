@@ -63,13 +63,17 @@ def read_lines(sock: socket.socket) -> Iterator[dict[str, Any]]:
             del buffer[:end + 1]
             if not line.strip():
                 continue
-            try:
-                message = json.loads(line)
-            except ValueError:
-                raise ProtocolError(f"not JSON: {line[:120]!r}") from None
-            if not isinstance(message, dict):
-                raise ProtocolError(f"not a JSON object: {line[:120]!r}")
-            yield message
+            yield _decode(line)
+
+
+def _decode(line: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(line)
+    except ValueError:
+        raise ProtocolError(f"not JSON: {line[:120]!r}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"not a JSON object: {line[:120]!r}")
+    return message
 
 
 def read_one(sock: socket.socket, limit: int = MAX_LINE) -> dict[str, Any] | None:
@@ -94,10 +98,4 @@ def read_one(sock: socket.socket, limit: int = MAX_LINE) -> dict[str, Any] | Non
             raise ProtocolError(f"a line longer than {limit} bytes")
         if end >= 0:
             break
-    try:
-        message = json.loads(line)
-    except ValueError:
-        raise ProtocolError(f"not JSON: {bytes(line[:120])!r}") from None
-    if not isinstance(message, dict):
-        raise ProtocolError(f"not a JSON object: {bytes(line[:120])!r}")
-    return message
+    return _decode(bytes(line))
