@@ -14,6 +14,7 @@ import json
 import socket
 import struct
 import sys
+import time
 
 PAGE = b"""<!doctype html><html lang=en><meta charset=utf-8><title>port app</title>
 <body><h1>hello from the sandbox</h1><p id=state>connecting</p><script>
@@ -24,6 +25,7 @@ ws.onmessage = (m) => { document.getElementById("state").textContent = m.data; }
 ws.onerror = () => { document.getElementById("state").textContent = "websocket error"; };
 </script></body></html>"""
 _GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+STREAMS = {"open": 0, "ended": 0}  # /stream answers being written, and ended by the client
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -99,6 +101,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
             except (ConnectionError, OSError):
                 pass
             self.close_connection = True
+        elif path == "/stream":  # server-sent events that never end, as a dev server's
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            STREAMS["open"] += 1
+            try:
+                for n in range(1200):  # a minute at most, whatever happens
+                    event = f"data: tick {n}\n\n".encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:
+                STREAMS["ended"] += 1
+            finally:
+                STREAMS["open"] -= 1
+            self.close_connection = True
+        elif path == "/streams":
+            self._reply(json.dumps(STREAMS).encode())
         elif path == "/headers":
             self._reply(json.dumps({"path": self.path, "headers": dict(self.headers)}).encode())
         elif path == "/big":

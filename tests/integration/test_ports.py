@@ -186,6 +186,24 @@ def test_a_large_download_streams_and_a_large_upload_arrives_whole(
                                  "bytes": len(body)}
 
 
+def test_an_endless_answer_stops_when_its_client_leaves(
+        running: tuple[SandboxInfo, PortInfo]) -> None:
+    _, port = running
+    assert port.url is not None and port.token is not None
+    auth = {"X-Corral-Port-Token": port.token}
+    with httpx.stream("GET", port.url + "stream", headers=auth, timeout=10) as answer:
+        assert answer.headers["content-type"] == "text/event-stream"
+        lines = answer.iter_lines()
+        assert next(lines) == "data: tick 0"  # streamed as written, not at the end
+    deadline = time.monotonic() + 10
+    while True:  # the proxy dropped its upstream connection: the app's write failed
+        streams = httpx.get(port.url + "streams", headers=auth).json()
+        if streams["open"] == 0 and streams["ended"] >= 1:
+            break
+        assert time.monotonic() < deadline, streams
+        time.sleep(0.1)
+
+
 def test_a_websocket_echoes_text_and_binary_both_ways(
         running: tuple[SandboxInfo, PortInfo]) -> None:
     _, port = running

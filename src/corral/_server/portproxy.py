@@ -395,8 +395,12 @@ class _HttpRelay:
         try:
             await loop.sock_sendall(sock, upstream.send(h11.Request(
                 method=scope["method"], target=target.path, headers=headers)))
-            pump = asyncio.create_task(self._pump_request(upstream, sock))
-            await self._relay_response(upstream, sock)
+            response = asyncio.create_task(self._relay_response(upstream, sock))
+            pump = asyncio.create_task(self._pump_request(upstream, sock, response))
+            await asyncio.wait({response})
+            if response.cancelled():
+                return  # the client went away: an endless answer (events, a log) ends here
+            response.result()
         except (h11.ProtocolError, ConnectionError, OSError) as exc:
             if self.status == 0:
                 self.status = 502
@@ -410,19 +414,25 @@ class _HttpRelay:
                 with contextlib.suppress(BaseException):
                     await pump
 
-    async def _pump_request(self, upstream: h11.Connection, sock: socket.socket) -> None:
+    async def _pump_request(self, upstream: h11.Connection, sock: socket.socket,
+                            response: asyncio.Task[None]) -> None:
+        """The request body up as it arrives; then, until the answer is done, the client's
+        disconnect, which stops the answer (the server drops what is sent to a client that
+        left, so without this an endless answer would be relayed for ever)."""
         loop = asyncio.get_running_loop()
+        sending = True
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
+                response.cancel()
                 return
             body = message.get("body", b"")
-            if body:
+            if body and sending:
                 self.bytes_in += len(body)
                 await loop.sock_sendall(sock, upstream.send(h11.Data(data=body)))
-            if not message.get("more_body", False):
+            if sending and not message.get("more_body", False):
                 await loop.sock_sendall(sock, upstream.send(h11.EndOfMessage()))
-                return
+                sending = False
 
     async def _relay_response(self, upstream: h11.Connection, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
