@@ -119,7 +119,7 @@ class Ports:
 
     def _describe(self, sandbox_id: str, port: int, *, link_ttl_s: float | None,
                   urls: PortURLs | None) -> PortInfo:
-        urls = self.urls if urls is None or urls.base is None and self.urls.base else urls
+        urls = urls or self.urls
         row = self._store.port(sandbox_id, port)
         if row is None:
             raise PortNotExposed(f"port {port} of sandbox {sandbox_id} is not exposed")

@@ -380,10 +380,14 @@ class Store:
             "SELECT sandbox_id, read_only FROM volume_mounts WHERE volume_id = ? "
             "ORDER BY sandbox_id", (volume_id,))]
 
-    def _claim_volume(self, db: sqlite3.Connection, volume_id: str, sandbox_id: str, *,
-                      read_only: bool) -> None:
-        if db.execute("SELECT 1 FROM volumes WHERE id = ?", (volume_id,)).fetchone() is None:
-            raise VolumeNotFound(f"volume {volume_id} does not exist (deleted meanwhile?)")
+    def check_volume_free(self, volume_id: str, *, read_only: bool) -> None:
+        """Raise ``VolumeInUse`` if a sandbox's hold on the volume would refuse this mount
+        now (``insert`` decides for good, in its transaction)."""
+        with self._lock:
+            self._refuse_conflict(self._db, volume_id, read_only=read_only)
+
+    def _refuse_conflict(self, db: sqlite3.Connection, volume_id: str, *,
+                         read_only: bool) -> None:
         for holder in self._holders(db, volume_id):
             if not holder["read_only"] or not read_only:
                 how = "writes" if not holder["read_only"] else "reads"
@@ -391,6 +395,12 @@ class Store:
                     f"volume {volume_id} is mounted by sandbox {holder['sandbox_id']}, which "
                     f"{how} it: a volume has one writer or any number of readers; mount it "
                     "read-only, or destroy that sandbox first")
+
+    def _claim_volume(self, db: sqlite3.Connection, volume_id: str, sandbox_id: str, *,
+                      read_only: bool) -> None:
+        if db.execute("SELECT 1 FROM volumes WHERE id = ?", (volume_id,)).fetchone() is None:
+            raise VolumeNotFound(f"volume {volume_id} does not exist (deleted meanwhile?)")
+        self._refuse_conflict(db, volume_id, read_only=read_only)
         db.execute("INSERT INTO volume_mounts (volume_id, sandbox_id, read_only) "
                    "VALUES (?, ?, ?)", (volume_id, sandbox_id, int(read_only)))
 

@@ -23,7 +23,6 @@ from ..errors import (
     BackendUnavailable,
     PolicyError,
     UsageError,
-    VolumeInUse,
     VolumeNotFound,
 )
 from ..models import VolumeInfo
@@ -193,13 +192,8 @@ class Volumes:
     def check_free(self, mounts: builtins.list[dict[str, Any]]) -> None:
         """Refuse early (before a template pull or a build) what the insert would refuse."""
         for mount in mounts:
-            if mount["kind"] != "volume":
-                continue
-            row = self._store.volume(mount["source"], tenant=None)
-            for holder in (row or {}).get("mounted_by", []):
-                if not holder["read_only"] or not mount["read_only"]:
-                    raise VolumeInUse(f"volume {mount['source']} is mounted by sandbox "
-                                      f"{holder['sandbox_id']}: one writer or many readers")
+            if mount["kind"] == "volume":
+                self._store.check_volume_free(mount["source"], read_only=mount["read_only"])
 
 
 def _where(name: str, where: object, *, data: bool = False) -> tuple[str, bool]:

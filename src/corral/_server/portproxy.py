@@ -83,6 +83,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def _query(scope: Scope) -> dict[str, str]:
+    return dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+
+
 def _cookie_name(target: Target) -> str:
     return f"corral_port_{target.sandbox_id}_{target.port}"
 
@@ -220,7 +224,7 @@ class PortProxy:
                             f"{record.id} is not exposed; its owner exposes it with "
                             f"`corral ports expose {record.id} {target.port}`")
         ports = self._manager.ports
-        query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+        query = _query(scope)
         if "corral_sig" in query:
             if ports.check_link(exposure, query.get("corral_expires"), query.get("corral_sig")):
                 return record, Who("link"), False
@@ -254,7 +258,7 @@ class PortProxy:
                         "Bearer), the owner's API key, or open its signed link")
 
     def _link(self, scope: Scope) -> dict[str, str] | None:
-        query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+        query = _query(scope)
         return query if "corral_sig" in query else None
 
     async def _redeem_link(self, scope: Scope, send: Send, target: Target,
