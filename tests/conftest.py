@@ -85,6 +85,8 @@ def managed(settings: Settings) -> Iterator[Manager]:
             mgr._destroy(info, reason="cleanup")
         for snap in mgr.list_snapshots():
             mgr.delete_snapshot(snap.id)
+        for volume in mgr.volumes.list():  # unmounts them too: a test's home is removed next
+            mgr.volumes.delete(volume.id)
         mgr.backend.sweep(set())
         mgr.backend.remove_instance()  # type: ignore[attr-defined]
         mgr.close()
