@@ -178,12 +178,16 @@ class LongLived:
         self.exec_seccomp = (probe.stdout or probe.stderr).strip()
         self.resident: Resident | None = None
         t2 = time.perf_counter()
-        self.resident = Resident(
-            bare.runsc, bare.work / f"bench.{os.getpid()}.resident",
-            f"bench.{os.getpid()}.resident", bare.config, ensure_launcher(bare.work),
-            lambda argv: spawner.run(bare.netns, lambda: subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"})))
+        try:
+            self.resident = Resident(
+                bare.runsc, bare.work / f"bench.{os.getpid()}.resident",
+                f"bench.{os.getpid()}.resident", bare.config, ensure_launcher(bare.work),
+                lambda argv: spawner.run(bare.netns, lambda: subprocess.Popen(
+                    argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"})))
+        except BaseException:
+            self.close()  # the long-lived sandbox above is running: never leave it
+            raise
         self.resident_start_s = time.perf_counter() - t2
         probe_result = self.resident.run(["python3", "-c", SECCOMP_PROBE],
                                          env={"PATH": "/usr/bin:/bin"})

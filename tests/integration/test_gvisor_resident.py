@@ -147,6 +147,36 @@ def test_each_command_has_its_own_tmp_and_pid_namespace(
     assert (workspace / "out").read_text() == "hi\n"
 
 
+def test_the_command_cannot_reach_into_its_namespace_init(
+        resident: tuple[Resident, Path, int]) -> None:
+    # init is the command's uid and filtered like it, made before the command (run.c): it
+    # must still be out of the command's reach: not traceable, its memory and its status pipe
+    # not to be opened (non-dumpable). gVisor lets the same uid signal it; a command that
+    # SIGKILLs its init ends its own tree only, reported as killed, and the next command runs.
+    sandbox, _, _ = resident
+    probe = textwrap.dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print("ptrace", libc.ptrace(16, 1, 0, 0) == -1 and ctypes.get_errno())
+        for path in ("/proc/1/mem", "/proc/1/fd/3"):
+            try:
+                os.close(os.open(path, os.O_RDWR))
+                print(path, "opened")
+            except OSError as exc:
+                print(path, exc.errno)
+    """)
+    result = sandbox.run(["python3", "-c", probe], env=_ENV, timeout=60)
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    found = dict(line.split(" ", 1) for line in result.stdout.decode().splitlines())
+    assert int(found["ptrace"]) == errno.EPERM, found
+    assert int(found["/proc/1/mem"]) == errno.EACCES, found
+    assert int(found["/proc/1/fd/3"]) == errno.EACCES, found
+    suicide = sandbox.run(["sh", "-c", "sleep 30 & kill -KILL 1; sleep 30"], env=_ENV,
+                          timeout=20)
+    assert suicide.exit_code == 137 and not suicide.timed_out, suicide
+    assert sandbox.run(["sh", "-c", "echo fine"], env=_ENV).stdout == b"fine\n"
+
+
 def test_exit_codes_and_streams(resident: tuple[Resident, Path, int]) -> None:
     sandbox, _, _ = resident
     result = sandbox.run(["sh", "-c", "echo out; echo err >&2; exit 3"], env=_ENV)
@@ -280,3 +310,26 @@ def test_a_crashed_owner_leaves_no_resident_behind(
         assert sb.commands.run("echo works").stdout == "works\n"
     finally:
         sb.kill()
+
+
+def test_a_resident_is_pinned_to_its_tiers_cpus(home: str, gvisor_problems: list[str]) -> None:
+    """Settings.gvisor_pin_cpus (on by default): once up, every thread of a small sandbox's
+    resident (runsc, gofer, Sentry, the stubs that run its code) runs on one host CPU; a new
+    process started inside later (a new address space, a new stub) inherits it."""
+    if gvisor_problems:
+        pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(gvisor_problems))
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a host with one CPU: nothing to choose")
+    from corral import Sandbox
+
+    from .hostprocs import host_uid
+
+    with Sandbox.create(isolation="gvisor", home=home) as sb:  # "small": one CPU
+        assert sb.commands.run("true").exit_code == 0
+        assert sb.commands.run("sh -c 'sleep 0.2 & wait'").exit_code == 0
+        masks = set()
+        for pid, _ in host_procs_of_uid(runtime_uid(host_uid(sb.id))):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    masks.add(frozenset(os.sched_getaffinity(int(tid))))
+        assert len(masks) == 1 and len(next(iter(masks))) == 1, masks

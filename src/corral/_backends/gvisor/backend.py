@@ -50,13 +50,16 @@ What differs from a gVisor sandbox per command, each said where it shows:
 * one resident per Corral process: two processes using one sandbox run two (each in its own
   group, under the same sandbox limits).
 
-Measured 2026-12-01, same run (``bench/bench_gvisor.py --runs 30``, p50, load 1.8-3.0 from
-other suites): ``runsc do true`` 207 ms, a gVisor sandbox per command 236 ms, a namespace-tier
-command 22.0 ms, ``runsc exec --user=1000:1000 true`` into a long-lived sandbox 31.6 ms, the
-resident mechanism alone 21.5 ms, and **a Corral gVisor command on the resident path 31.8 ms:
-1.45x the namespace tier's** (target 1.5x; the issue's other target: at most 50 ms per
-command). Starting a resident takes 0.4-0.9 s (``runsc run`` plus Python's start inside), once
-per busy period.
+Measured 2026-12-02, same run (``bench/bench_gvisor.py --runs 30``, p50, idle 2-core VM):
+``runsc do true`` 141 ms, a gVisor sandbox per command 172 ms, a namespace-tier command
+15.6 ms, and **a Corral gVisor command on the resident path 18.0 ms: 1.16x the namespace
+tier's** (1.32x in a second run; target 1.5x, and at most 50 ms). Two changes made it so
+(31.8-34 ms before): the resident is pinned to its tier's CPUs once up
+(``Settings.gvisor_pin_cpus``, ``_linux.cpus``: gVisor's thread hand-offs across CPUs cost
+more than the whole command on a VM), and the launcher's init takes the command's identity and
+filter ahead, with the launcher gone before the command runs (``run.c``). Back to back, with
+no pause for the next launcher's set-up, a command takes ~60 ms. Starting a resident takes
+0.35-0.9 s (``runsc run`` plus Python's start inside), once per busy period.
 
 **A gVisor sandbox per command** (PTY commands; every command with ``gvisor_resident`` off):
 
@@ -110,6 +113,7 @@ from ...backends import (
 from ...errors import BackendError, BackendUnavailable, CommandError, ConfigError
 from ...models import ResourceTier, Usage
 from .._linux.cgroups import detect_cgroups
+from .._linux.cpus import CpuPlacer, pin_tasks
 from .._linux.host import HostBackedBackend
 from .._linux.notfound import exec_failure
 from .._linux.process_io import OutputStream
@@ -177,6 +181,8 @@ class GvisorBackend(HostBackedBackend):
         self._residents: dict[str, tuple[OnDemand, tuple[int, ...]]] = {}
         self._oom_groups: set[str] = set()  # "sandbox/group" of residents the OOM killer hit
         self._resident_starts = 0
+        # Residents are pinned to ceil(tier cpus) CPUs once up (see _linux.cpus for why).
+        self._cpus = CpuPlacer() if settings.gvisor_pin_cpus else None
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -329,11 +335,12 @@ class GvisorBackend(HostBackedBackend):
                               stream_past_limit=request.stream_past_limit)
         started = time.monotonic()
         try:
-            # gVisor counts a task against RLIMIT_NPROC under the uid it was created with; the
-            # command is created as root and becomes 1000 after, so it is not in the count.
+            # RLIMIT_NPROC counts every task of uid 1000 in this gVisor kernel: the commands'
+            # trees, their inits and the launcher set up ahead, as the namespace tier's pids
+            # count bwrap's own.
             result = holder.run(
                 list(request.argv), env=env, cwd=request.cwd, tmp_bytes=spec.tier.tmp_bytes,
-                nproc=max(1, spec.tier.pids - 1), timeout=request.timeout_s,
+                nproc=max(1, spec.tier.pids), timeout=request.timeout_s,
                 key=request.command_id, stdin=request.stdin,
                 on_start=request.on_start if request.interactive else None,
                 on_output=lambda name, data: (stdout if name == "stdout" else stderr).feed(data))
@@ -395,6 +402,7 @@ class GvisorBackend(HostBackedBackend):
         fifo = self._bundles / f"{container_id}.release"
 
         releases: list[int] = []
+        placed: list[frozenset[int] | None] = []
 
         def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
             os.mkfifo(fifo, 0o600)
@@ -420,11 +428,22 @@ class GvisorBackend(HostBackedBackend):
             reap_orphans(runtime_uid(spec.uid))
             with contextlib.suppress(BackendError, OSError):
                 self.cgroups.remove(group)
+            if self._cpus is not None:
+                for cpus in placed:
+                    self._cpus.release(cpus)
+                placed.clear()
 
         try:
-            return Resident(launcher.runsc, bundle, container_id, config,
-                            ensure_launcher(self._dir), spawn, on_close=closed, group=group,
-                            python=python)
+            resident = Resident(launcher.runsc, bundle, container_id, config,
+                                ensure_launcher(self._dir), spawn, on_close=closed,
+                                group=group, python=python)
+            if self._cpus is not None:
+                # Once up, not before: see _linux.cpus (the Sentry sizes GOMAXPROCS at start).
+                cpus = self._cpus.place(spec.tier.cpus)
+                placed.append(cpus)
+                if cpus is not None:
+                    pin_tasks(self.cgroups.procs_files(group)[0], cpus)
+            return resident
         except BaseException:
             closed()
             raise

@@ -18,7 +18,9 @@ it is stdlib only and imports nothing of Corral's. It speaks JSON lines on its s
 The helper only multiplexes; each command's shape comes from the static launcher ``run.c``
 (bound at ``/.corral``), started with ``posix_spawn``; after each command the helper sets up
 the next one's launcher ahead (``Launchers``: namespaces, mounts and init made while nothing
-runs), so a command waits only for its request, a vfork and its exec.
+runs, init already the command's uid with its filter), so a command waits only for its
+request, a vfork and its exec; the launcher itself exits once it has made init (init is the
+helper's child), so no exit of its lies between the command's end and the answer.
 
 Why the helper is root inside, with
 KILL, SETGID, SETUID, SETPCAP and SYS_ADMIN in gVisor's kernel only (the Sentry is the
@@ -83,6 +85,15 @@ def spawn_launcher(tail: list[str], env: dict[str, str], pooled: bool) -> Launch
     return launch
 
 
+def reap(launcher: int, init: int | None) -> None:
+    """Reap a command's launcher (gone since it made init) and its init, whose reaping is the
+    proof that the command's whole PID namespace is dead."""
+    for pid in (launcher, init):
+        if pid is not None:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
 def encode_request(req: dict[str, Any]) -> bytes:
     """The pooled launcher's request (see run.c): cwd, argc, argv, envc, env; NUL-separated."""
     argv = [os.fsencode(a) for a in req["argv"]]
@@ -124,14 +135,22 @@ class Launchers:
 
     @staticmethod
     def discard(launch: Launch) -> None:
-        """A launcher no command will use: EOF on its request ends it (init exits: nothing
-        ran), then it is reaped."""
-        for name in ("request", "stdin", "out", "err", "status"):
-            if name in launch:
-                with contextlib.suppress(OSError):
-                    os.close(launch[name])
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(launch["pid"], 0)
+        """A launcher no command will use: EOF on its request ends its init (nothing ran);
+        init (our child: run.c's CLONE_PARENT) is named on the status pipe, and both are
+        reaped."""
+        with contextlib.suppress(OSError):
+            os.close(launch.pop("request"))
+        status = b""
+        with contextlib.suppress(OSError):
+            while chunk := os.read(launch["status"], 4096):
+                status += chunk
+        for name in ("stdin", "out", "err", "status"):
+            with contextlib.suppress(OSError):
+                os.close(launch[name])
+        cmd: dict[str, Any] = {"exit": None}
+        for line in status.split(b"\n"):
+            parse_status(line, cmd)
+        reap(launch["pid"], cmd.get("init"))
 
     def close(self) -> None:
         for launch in self.pool.values():
@@ -264,10 +283,14 @@ def main() -> None:
                     if cmd["in_waiting"]:
                         sel.unregister(cmd["in_fd"])
                     os.close(cmd["in_fd"])
-                os.waitpid(cmd["pid"], 0)
+                reap(cmd["pid"], cmd.get("init"))
+                # No report from an init that was up: it was SIGKILLed (by us, or by the
+                # command itself: it is the command's uid, and gVisor does not shield a
+                # namespace's init from signals from inside), and the tree died with it.
                 result = cmd["exit"] or (
                     {"code": 137, "cpu_s": 0.0, "peak_rss_bytes": 0, "killed": True}
-                    if cmd.get("killed") else {"error": "the command's namespace died"})
+                    if cmd.get("killed") or cmd.get("init")
+                    else {"error": "the command's namespace died"})
                 if "error" in result:
                     write({"id": cid, "error": result})
                 else:

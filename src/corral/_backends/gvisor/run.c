@@ -10,11 +10,13 @@
  * Started by the helper with posix_spawn (vfork: no copy of the helper's address space; a
  * Python fork costs 20-45 ms in gVisor's systrap, this whole launcher ~30 ms). It unshares a
  * mount and a PID namespace, mounts a fresh size-limited /tmp and /dev/shm, and forks the
- * namespace's init, which mounts /proc, vforks the command and reaps until it exits; init's
- * exit makes gVisor's kernel kill whatever is left in the namespace, so the command's tree is
- * gone when the helper hears the status. The command: 1000:1000, no capabilities (bounding set
- * emptied, every set dropped by setresuid away from 0), no_new_privs, RLIMIT_NPROC/CORE, its
- * cwd, then the namespace tier's seccomp filter as the very last step before execve.
+ * namespace's init as the helper's child and exits. init mounts /proc and becomes what the
+ * command will be: 1000:1000, no capabilities (bounding set emptied, every set dropped by
+ * setresuid away from 0), non-dumpable, RLIMIT_NPROC/CORE, no_new_privs and the namespace
+ * tier's seccomp filter; then (pooled: once the request comes) it vforks the command, which
+ * only takes its cwd and execs, and reaps until the command exits. init's exit makes gVisor's
+ * kernel kill whatever is left in the namespace, so the command's tree is gone when the helper
+ * has reaped init.
  *
  * Status lines on fd 3: "init PID" (the helper kills it to kill the command), then one of
  * "exit CODE CPU_US MAXRSS_KB", "error ERRNO WHAT" (set-up failed: nothing ran) or "exec ERRNO
@@ -34,6 +36,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <grp.h>
@@ -137,11 +140,30 @@ int main(int argc, char **argv) {
     if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, options)) fail("mount /tmp");
     if (mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, options)) fail("mount /dev/shm");
 
-    pid_t init = fork();
-    if (init < 0) fail("fork");
+    /* init is made the helper's child (CLONE_PARENT), not ours: we exit at once and the
+     * helper reaps init itself, so no exit of ours lies between the command's end and its
+     * answer. Like fork(): a raw clone without a new stack continues on a copy of ours. */
+    pid_t init = (pid_t)syscall(SYS_clone, CLONE_PARENT | SIGCHLD, 0, NULL, NULL, 0);
+    if (init < 0) fail("clone init");
     if (init == 0) {
         if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
             fail("mount /proc");
+        /* init becomes what the command will be before the command exists (pooled: while
+         * nothing runs), so a command pays for none of it: a new process is all that is left.
+         * It stays non-dumpable, so the command (the same uid) can neither trace nor read it;
+         * from inside its namespace no signal without a handler reaches it. */
+        for (int cap = 0; cap <= 63; cap++)
+            if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) && errno != EINVAL) fail("capbset");
+        gid_t none[1];
+        if (setgroups(0, none)) fail("setgroups");
+        if (setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)) fail("setresgid");
+        if (setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)) fail("setresuid");
+        if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) fail("dumpable");
+        struct rlimit procs = {nproc, nproc}, core = {0, 0};
+        if (nproc && setrlimit(RLIMIT_NPROC, &procs)) fail("rlimit nproc");
+        if (setrlimit(RLIMIT_CORE, &core)) fail("rlimit core");
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("no_new_privs");
+        if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) fail("seccomp");
         /* Pooled: everything above was done ahead of time; the command comes now. */
         if (pooled && read_request(&cwd, &command, &env)) fail("request");
         pid_t child = vfork();
@@ -149,20 +171,9 @@ int main(int argc, char **argv) {
         if (child == 0) {
             /* Only async-signal-safe calls here (vfork shares init's memory until execve). */
             setsid();
-            for (int cap = 0; cap <= 63; cap++)
-                if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) && errno != EINVAL) fail("capbset");
-            gid_t none[1];
-            if (setgroups(0, none)) fail("setgroups");
-            if (setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)) fail("setresgid");
-            if (setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)) fail("setresuid");
-            struct rlimit procs = {nproc, nproc}, core = {0, 0};
-            if (nproc && setrlimit(RLIMIT_NPROC, &procs)) fail("rlimit nproc");
-            if (setrlimit(RLIMIT_CORE, &core)) fail("rlimit core");
             if (chdir(cwd)) fail("chdir");
-            if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("no_new_privs");
             /* Closed by a successful execve only: a failed one is reported on it. */
             if (fcntl(STATUS_FD, F_SETFD, FD_CLOEXEC)) fail("cloexec");
-            if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) fail("seccomp");
             execvpe(command[0], command, env);
             dprintf(STATUS_FD, "exec %d %s\n", errno, command[0]);
             _exit(errno == ENOENT ? 127 : 126);
@@ -184,12 +195,6 @@ int main(int argc, char **argv) {
         dprintf(STATUS_FD, "exit %d %lld %ld\n", code, cpu_us, maxrss);
         _exit(0); /* and the kernel kills what is left in the namespace */
     }
-    close(0);
-    close(1);
-    close(2);
-    if (pooled) close(REQUEST_FD);
     dprintf(STATUS_FD, "init %d\n", (int)init);
-    int status;
-    while (waitpid(init, &status, 0) < 0 && errno == EINTR) {}
     return 0;
 }
