@@ -12,6 +12,7 @@ The tree::
     ├── SandboxError
     │   ├── SandboxNotFound
     │   ├── SandboxExpired     its TTL has passed; it has been destroyed
+    │   ├── SandboxLost        the cluster node it lived on is gone (``corral serve --cluster``)
     │   └── SandboxBusy        being created or destroyed by someone else
     ├── SnapshotError
     │   ├── SnapshotNotFound
@@ -73,6 +74,7 @@ __all__ = [
     "SandboxBusy",
     "SandboxError",
     "SandboxExpired",
+    "SandboxLost",
     "SandboxNotFound",
     "SnapshotError",
     "SnapshotInUse",
@@ -121,6 +123,14 @@ class SandboxNotFound(SandboxError):
 class SandboxExpired(SandboxNotFound):
     code = "sandbox_expired"
     status = 404
+
+
+class SandboxLost(SandboxError):
+    """The cluster node the sandbox lived on died: its processes and workspace are gone; its
+    audit trail up to the last event shipped stays readable."""
+
+    code = "sandbox_lost"
+    status = 410
 
 
 class SandboxBusy(SandboxError):

@@ -43,7 +43,7 @@ def test_every_error_derives_from_the_root_and_has_a_unique_code() -> None:
         assert issubclass(cls, errors.CorralError)
         assert cls.__name__.endswith(("Error", "NotFound", "Expired", "Busy", "Refused",
                                       "Exceeded", "Unavailable", "TooLarge", "InUse", "NotExposed",
-                                      "Closed"))
+                                      "Closed", "Lost"))
         assert 400 <= cls.status < 600
         assert errors.error_class(cls.code) is cls  # the remote SDK raises the same class
         codes.add(cls.code)

@@ -1,0 +1,289 @@
+"""The cluster gateway: places each new sandbox on a Corral node and routes its calls there.
+
+Built so far (issue 17, first part): nodes found from Ray's membership (every alive node that
+offers the ``corral`` resource gets a Corral node agent, a detached named actor pinned to it);
+placement by free slots (the node's ``corral`` resource is its slot count) with tenants spread
+(fewest of the caller's sandboxes first, then fewest in all); sandbox → node kept in Ray's GCS
+key-value store (not in a detached actor: it outlives any gateway and any one actor, several
+gateways share it, and with GCS fault tolerance it survives a head restart); commands, files,
+get, list and destroy routed; a dead node's sandboxes reported ``lost`` (``SandboxLost``) on
+every call instead of a hang, and forgotten by the node if it comes back.
+
+Not yet: the HTTP/MCP/E2B surfaces over the gateway (``corral serve --cluster``), streaming
+and PTY routing, cross-node fork through the object store, audit shipping, quotas at the
+gateway. See the issue's closing note.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._settings import Settings
+from ..errors import (
+    BackendUnavailable,
+    QuotaExceeded,
+    SandboxLost,
+    SandboxNotFound,
+)
+from ..models import CommandResult, SandboxInfo
+from .auth import require_token_auth
+from .node import NodeAgent, node_settings
+
+__all__ = ["Cluster", "NodeView"]
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "corral"
+RESOURCE = "corral"
+_SANDBOX_KEY = "sandbox/"
+_NODE_INDEX_KEY = "node-index/"
+_MAX_NODES = 1024
+# Threads per node agent: its commands run side by side (Ray's default actor is one thread).
+_AGENT_CONCURRENCY = 256
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """An alive Ray node that offers Corral slots."""
+
+    node_id: str
+    address: str
+    slots: int
+
+
+class Cluster:
+    """A connection to a Ray cluster of Corral nodes, as a gateway uses it. Thread-safe."""
+
+    def __init__(self, address: str, settings: Settings | None = None) -> None:
+        require_token_auth("the gateway")
+        try:
+            import ray
+        except ImportError:  # pragma: no cover - ray is in the lock
+            raise BackendUnavailable("the cluster needs Ray: pip install 'corral[cluster]'") \
+                from None
+        self._ray = ray
+        self._settings = settings or Settings()
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                     log_to_driver=False, configure_logging=False)
+        from ray.experimental import internal_kv
+
+        self._kv = internal_kv
+        self._lock = threading.Lock()
+        self._agents: dict[str, Any] = {}
+
+    # -- membership and node agents ---------------------------------------------------------
+
+    def nodes(self) -> builtins.list[NodeView]:
+        """The alive nodes that offer the ``corral`` resource."""
+        return [NodeView(node["NodeID"], node.get("NodeManagerAddress", ""),
+                         int(node["Resources"][RESOURCE]))
+                for node in self._ray.nodes()  # type: ignore[no-untyped-call]
+                if node.get("Alive") and node.get("Resources", {}).get(RESOURCE, 0) >= 1]
+
+    def _alive(self) -> set[str]:
+        return {node.node_id for node in self.nodes()}
+
+    def _node_index(self, node_id: str) -> int:
+        """A small number per node, the same for every gateway: the first free slot claimed
+        in the key-value store (put without overwrite is atomic in the GCS)."""
+        key = (_NODE_INDEX_KEY + node_id).encode()
+        known = self._kv._internal_kv_get(key, namespace=NAMESPACE)
+        if known is not None:
+            return int(known)
+        for index in range(_MAX_NODES):
+            claimed = self._kv._internal_kv_put(f"{_NODE_INDEX_KEY}#{index}".encode(),
+                                                node_id.encode(), overwrite=False,
+                                                namespace=NAMESPACE)
+            if not claimed:  # False: the key was new, the slot is ours
+                self._kv._internal_kv_put(key, str(index).encode(), namespace=NAMESPACE)
+                return index
+        raise QuotaExceeded(f"the cluster has more than {_MAX_NODES} Corral nodes")
+
+    def agent(self, node_id: str) -> Any:
+        """The node's agent (a detached named actor pinned to it), started on first use."""
+        with self._lock:
+            handle = self._agents.get(node_id)
+        if handle is not None:
+            return handle
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        overrides = node_settings(self._settings, self._node_index(node_id), node_id)
+        remote = self._ray.remote(NodeAgent)
+        handle = remote.options(
+            name=f"corral-node-{node_id}", namespace=NAMESPACE, get_if_exists=True,
+            lifetime="detached", num_cpus=0, max_concurrency=_AGENT_CONCURRENCY,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(overrides, node_id)
+        with self._lock:
+            self._agents[node_id] = handle
+        return handle
+
+    # -- the sandbox map ----------------------------------------------------------------------
+
+    def _record(self, sandbox_id: str) -> dict[str, Any]:
+        raw = self._kv._internal_kv_get((_SANDBOX_KEY + sandbox_id).encode(),
+                                        namespace=NAMESPACE)
+        if raw is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
+        record: dict[str, Any] = json.loads(raw)
+        return record
+
+    def _put(self, sandbox_id: str, record: dict[str, Any]) -> None:
+        self._kv._internal_kv_put((_SANDBOX_KEY + sandbox_id).encode(),
+                                  json.dumps(record).encode(), namespace=NAMESPACE)
+
+    def _records(self) -> dict[str, dict[str, Any]]:
+        keys = self._kv._internal_kv_list(_SANDBOX_KEY.encode(), namespace=NAMESPACE)
+        found = {}
+        for key in keys:
+            raw = self._kv._internal_kv_get(key, namespace=NAMESPACE)
+            if raw is not None:
+                found[key.decode()[len(_SANDBOX_KEY):]] = json.loads(raw)
+        return found
+
+    def _route(self, sandbox_id: str, tenant: str | None) -> Any:
+        """The agent of the sandbox's node; SandboxLost when that node is gone."""
+        record = self._record(sandbox_id)
+        if tenant is not None and record.get("tenant") != tenant:
+            raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
+        if record.get("state") == "lost" or record["node"] not in self._alive():
+            self._lose(sandbox_id, record)
+            raise SandboxLost(
+                f"sandbox {sandbox_id} was on cluster node {record['node'][:12]}, which is "
+                "gone: its processes and workspace went with it. Create a new sandbox (from a "
+                "snapshot, if you kept one)")
+        return self.agent(record["node"])
+
+    def _lose(self, sandbox_id: str, record: dict[str, Any]) -> None:
+        if record.get("state") != "lost":
+            self._put(sandbox_id, {**record, "state": "lost"})
+            log.warning("sandbox %s is lost with node %s", sandbox_id, record["node"][:12])
+
+    def _call(self, sandbox_id: str, ref: Any) -> Any:
+        """Wait for a call to a node; a node that dies under it makes the sandbox lost."""
+        try:
+            return self._ray.get(ref)
+        except self._ray.exceptions.RayTaskError as exc:
+            cause = exc.as_instanceof_cause()  # type: ignore[no-untyped-call]
+            raise (cause.cause if hasattr(cause, "cause") and isinstance(
+                cause.cause, Exception) else cause) from None
+        except (self._ray.exceptions.RayActorError, self._ray.exceptions.ActorDiedError):
+            record = self._record(sandbox_id)
+            self._lose(sandbox_id, record)
+            raise SandboxLost(f"sandbox {sandbox_id}'s cluster node died during the call")\
+                from None
+
+    def reconcile(self) -> builtins.list[str]:
+        """Mark the sandboxes of dead nodes lost; tell nodes that are back to drop what the
+        cluster declared lost while they were away. Returns the ids newly marked lost."""
+        alive = self._alive()
+        newly = []
+        lost_by_node: dict[str, builtins.list[str]] = {}
+        for sandbox_id, record in self._records().items():
+            if record["node"] not in alive:
+                if record.get("state") != "lost":
+                    self._lose(sandbox_id, record)
+                    newly.append(sandbox_id)
+            elif record.get("state") == "lost":
+                lost_by_node.setdefault(record["node"], []).append(sandbox_id)
+        for node_id, ids in lost_by_node.items():
+            self._ray.get(self.agent(node_id).forget.remote(ids))
+        return newly
+
+    # -- placement and the sandbox calls ------------------------------------------------------
+
+    def place(self, tenant: str | None) -> str:
+        """The node for a new sandbox: one with a free slot, fewest of this tenant's sandboxes
+        first (spread), then fewest in all."""
+        nodes = self.nodes()
+        if not nodes:
+            raise BackendUnavailable("no cluster node offers the 'corral' resource: start one "
+                                     "with `ray start ... --resources='{\"corral\": N}'`")
+        per_node: dict[str, int] = {}
+        per_tenant: dict[str, int] = {}
+        for record in self._records().values():
+            if record.get("state") == "lost":
+                continue
+            per_node[record["node"]] = per_node.get(record["node"], 0) + 1
+            if record.get("tenant") == tenant:
+                per_tenant[record["node"]] = per_tenant.get(record["node"], 0) + 1
+        free = [n for n in nodes if per_node.get(n.node_id, 0) < n.slots]
+        if not free:
+            raise QuotaExceeded(f"every cluster node is full ({sum(n.slots for n in nodes)} "
+                                "slots in all): destroy sandboxes or add nodes")
+        return min(free, key=lambda n: (per_tenant.get(n.node_id, 0),
+                                        per_node.get(n.node_id, 0), n.node_id)).node_id
+
+    def create(self, *, tenant: str | None = None, **kwargs: Any) -> SandboxInfo:
+        """Create a sandbox on the node ``place`` picks (the node's control plane checks the
+        request exactly as on one host)."""
+        node_id = self.place(tenant)
+        agent = self.agent(node_id)
+        info: SandboxInfo = self._ray.get(agent.create.remote({**kwargs, "tenant": tenant}))
+        self._put(info.id, {"node": node_id, "tenant": tenant, "state": "live"})
+        return info
+
+    def node_of(self, sandbox_id: str) -> str:
+        return str(self._record(sandbox_id)["node"])
+
+    def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxInfo:
+        agent = self._route(sandbox_id, tenant)
+        info: SandboxInfo = self._call(sandbox_id, agent.get.remote(sandbox_id, tenant))
+        return info
+
+    def list(self, *, tenant: str | None = None) -> builtins.list[SandboxInfo]:
+        """Every live sandbox of the alive nodes (a dead node's are lost, not listed)."""
+        infos: builtins.list[SandboxInfo] = []
+        for node in self.nodes():
+            infos.extend(self._ray.get(self.agent(node.node_id).list.remote(tenant)))
+        return infos
+
+    def run(self, sandbox_id: str, cmd: str | Sequence[str], *, tenant: str | None = None,
+            **kwargs: Any) -> CommandResult:
+        agent = self._route(sandbox_id, tenant)
+        result: CommandResult = self._call(
+            sandbox_id, agent.run.remote(sandbox_id, cmd, tenant, kwargs))
+        return result
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, *,
+                   tenant: str | None = None) -> None:
+        agent = self._route(sandbox_id, tenant)
+        self._call(sandbox_id, agent.write_file.remote(sandbox_id, tenant, path, data))
+
+    def read_file(self, sandbox_id: str, path: str, *, tenant: str | None = None) -> bytes:
+        agent = self._route(sandbox_id, tenant)
+        data: bytes = self._call(sandbox_id, agent.read_file.remote(sandbox_id, tenant, path))
+        return data
+
+    def destroy(self, sandbox_id: str, *, tenant: str | None = None) -> None:
+        try:
+            agent = self._route(sandbox_id, tenant)
+        except SandboxLost:
+            self._forget(sandbox_id)  # nothing is left of it to destroy
+            return
+        self._call(sandbox_id, agent.destroy.remote(sandbox_id, tenant))
+        self._forget(sandbox_id)
+
+    def _forget(self, sandbox_id: str) -> None:
+        self._kv._internal_kv_del((_SANDBOX_KEY + sandbox_id).encode(), namespace=NAMESPACE)
+
+    def close_nodes(self) -> None:
+        """Destroy every sandbox of every alive node and stop the node agents (tests, and an
+        operator taking the cluster down)."""
+        for node in self.nodes():
+            agent = self.agent(node.node_id)
+            try:
+                self._ray.get(agent.close.remote())
+            finally:
+                self._ray.kill(agent)
+        for sandbox_id in self._records():
+            self._forget(sandbox_id)
+        with self._lock:
+            self._agents.clear()

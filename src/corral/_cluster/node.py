@@ -1,0 +1,109 @@
+"""The Corral node: one per Ray node that offers the ``corral`` resource, a Ray actor pinned to
+that node, running the control plane embedded with its own data directory, uid range and
+instance (so two nodes on one host, as in the tests, never share a uid, cgroup or netns name).
+
+It is the same ``Manager`` every other surface uses: tenancy, ceilings, quotas, limits and the
+audit trail are enforced here, below the gateway, exactly as on a single host. Plain Python
+here; ``gateway`` wraps it with ``ray.remote`` (threaded: commands of many sandboxes run at
+once), so this module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .._control.manager import Manager, get_manager
+from .._settings import Settings
+from ..errors import SandboxNotFound
+from ..models import CommandResult, SandboxInfo
+from .auth import require_token_auth
+
+__all__ = ["NodeAgent", "node_settings"]
+
+
+def node_settings(base: Settings, index: int, node_id: str) -> dict[str, Any]:
+    """What makes node ``index`` distinct from the others on a shared host: its home under the
+    gateway's, and the ``index``-th uid range of the gateway's size. (On separate machines
+    any would do; distinct ones cost nothing.)"""
+    return {
+        "home": str(Path(base.home) / "nodes" / node_id[:16]),
+        "uid_start": base.uid_start + index * base.uid_count,
+        "uid_count": base.uid_count,
+    }
+
+
+class NodeAgent:
+    """The control plane of one node, called by gateways through Ray."""
+
+    def __init__(self, overrides: dict[str, Any], node_id: str) -> None:
+        require_token_auth(f"the Corral node on Ray node {node_id[:12]}")
+        self._node_id = node_id
+        home = Path(overrides["home"])
+        home.mkdir(parents=True, exist_ok=True, mode=0o711)
+        for parent in home.parents:  # sandbox uids walk to their workspaces
+            if parent == Path("/"):
+                break
+            parent.chmod(parent.stat().st_mode | 0o011)
+        self._settings = Settings(**overrides)
+        self._manager: Manager = get_manager(self._settings)
+        self._manager.recover()
+
+    def describe(self) -> dict[str, Any]:
+        """Who this node is and what it holds (the gateway's placement reads it)."""
+        return {"node_id": self._node_id, "home": str(self._settings.home),
+                "uid_start": self._settings.uid_start, "uid_count": self._settings.uid_count,
+                "sandboxes": len(self._manager.list())}
+
+    def create(self, kwargs: dict[str, Any]) -> SandboxInfo:
+        return self._manager.create(**kwargs)
+
+    def get(self, sandbox_id: str, tenant: str | None) -> SandboxInfo:
+        return self._manager.get(sandbox_id, tenant=tenant)
+
+    def list(self, tenant: str | None) -> builtins.list[SandboxInfo]:
+        return self._manager.list(tenant=tenant)
+
+    def run(self, sandbox_id: str, cmd: str | Sequence[str], tenant: str | None,
+            kwargs: dict[str, Any]) -> CommandResult:
+        self._manager.get(sandbox_id, tenant=tenant)  # another tenant's: not found
+        return self._manager.run(sandbox_id, cmd, **kwargs)
+
+    def write_file(self, sandbox_id: str, tenant: str | None, path: str, data: bytes) -> None:
+        self._manager.get(sandbox_id, tenant=tenant)
+        self._manager.files(sandbox_id).write(path, data)
+
+    def read_file(self, sandbox_id: str, tenant: str | None, path: str) -> bytes:
+        self._manager.get(sandbox_id, tenant=tenant)
+        return bytes(self._manager.files(sandbox_id).read(path))
+
+    def destroy(self, sandbox_id: str, tenant: str | None) -> None:
+        self._manager.get(sandbox_id, tenant=tenant)
+        self._manager.destroy(sandbox_id)
+
+    def forget(self, sandbox_ids: builtins.list[str]) -> builtins.list[str]:
+        """Destroy what the cluster has declared lost (this node was gone, and is back)."""
+        gone = []
+        for sandbox_id in sandbox_ids:
+            try:
+                self._manager.destroy(sandbox_id)
+            except SandboxNotFound:
+                continue
+            gone.append(sandbox_id)
+        return gone
+
+    def close(self) -> None:
+        """Take the node down: destroy its sandboxes, sweep its host pieces, remove its
+        instance's cgroup roots, close its control plane."""
+        for info in self._manager.list():
+            try:
+                self._manager.destroy(info.id)
+            except SandboxNotFound:
+                pass
+        self._manager.backend.sweep(set())
+        remove_instance = getattr(self._manager.backend, "remove_instance", None)
+        if remove_instance is not None:
+            remove_instance()
+        self._manager.close()

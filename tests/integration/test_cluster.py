@@ -1,0 +1,201 @@
+"""Corral over a real Ray cluster (issue 17, first part): two Ray nodes on loopback in this
+process's machine (``ray.cluster_utils.Cluster``: a real GCS and two real raylets), token
+authentication on, a Corral node agent per node, the gateway placing and routing.
+
+Bounded: every command has a timeout, the cluster is loopback-only
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps Ray from advertising the host's other address),
+and teardown destroys every node's sandboxes (the dead node's through its own data directory's
+recovery) and checks no raylet is left.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral._cluster.auth import require_token_auth
+from corral._cluster.gateway import Cluster
+from corral._cluster.node import NodeAgent, node_settings
+from corral._settings import Settings
+from corral.errors import ConfigError, SandboxLost, SandboxNotFound
+
+from ..conftest import managed
+
+pytestmark = pytest.mark.needs_root
+
+SLOTS = 12
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[tuple[Any, Any]]:
+    saved = {k: os.environ.get(k) for k in (
+        "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR")}
+    temp = tempfile.mkdtemp(prefix="corral-ray-")
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": temp})
+    from ray.cluster_utils import Cluster as RayCluster
+
+    cluster = RayCluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"corral": SLOTS}, "include_dashboard": False,
+        "node_ip_address": "127.0.0.1"})
+    worker = cluster.add_node(num_cpus=1, resources={"corral": SLOTS},
+                              node_ip_address="127.0.0.1")
+    try:
+        yield cluster, worker
+    finally:
+        import ray
+
+        ray.shutdown()
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(temp, ignore_errors=True)
+        left = subprocess.run(["pgrep", "-f", temp], capture_output=True, text=True)
+        assert left.stdout == "", f"Ray processes left: {left.stdout}"
+
+
+@pytest.fixture(scope="module")
+def gateway(ray_cluster: tuple[Any, Any]) -> Iterator[Cluster]:
+    cluster, _ = ray_cluster
+    home = Path(tempfile.mkdtemp(prefix="corral-cluster-"))
+    home.chmod(0o711)
+    base = Settings(home=home, uid_start=2_080_000_000 + secrets.randbelow(500) * 10_000,
+                    uid_count=1000)
+    gw = Cluster(cluster.address, base)
+    indices = {}
+    try:
+        yield gw
+    finally:
+        for node_id in list(gw._agents):
+            indices[node_id] = gw._node_index(node_id)
+        gw.close_nodes()
+        # A node that died in a test left its sandboxes' host pieces: its own data
+        # directory's recovery removes them, as a node coming back would.
+        for node_id, index in indices.items():
+            overrides = node_settings(base, index, node_id)
+            if Path(overrides["home"]).exists():
+                with managed(Settings(**overrides)) as manager:
+                    manager.recover()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_sandboxes_spread_over_the_nodes_and_calls_reach_their_node(gateway: Cluster) -> None:
+    nodes = {node.node_id for node in gateway.nodes()}
+    assert len(nodes) == 2
+    made = [gateway.create(tenant=("team-a" if i % 2 else "team-b")) for i in range(20)]
+    try:
+        placed = {info.id: gateway.node_of(info.id) for info in made}
+        per_node = {node: sum(1 for n in placed.values() if n == node) for node in nodes}
+        assert sorted(per_node.values()) == [10, 10], per_node
+        for tenant in ("team-a", "team-b"):  # each tenant spread too
+            mine = [placed[i.id] for i in made if gateway._record(i.id)["tenant"] == tenant]
+            assert sorted(mine.count(n) for n in nodes) == [5, 5]
+        for node in nodes:  # a node's agent holds exactly the sandboxes placed on it
+            held = {info.id for info in gateway._ray.get(gateway.agent(node).list.remote(None))}
+            assert held == {sid for sid, n in placed.items() if n == node}
+        for info in made[:4]:
+            tenant = gateway._record(info.id)["tenant"]
+            gateway.write_file(info.id, "/workspace/in.txt", info.id.encode(), tenant=tenant)
+            result = gateway.run(info.id, "cat in.txt; echo; whoami", tenant=tenant, timeout=30)
+            assert result.exit_code == 0 and result.stdout.split()[0] == info.id, result
+            assert gateway.read_file(info.id, "/workspace/in.txt", tenant=tenant) == \
+                info.id.encode()
+        # Another tenant's sandbox is not found, as on one host.
+        owner = gateway._record(made[0].id)["tenant"]
+        with pytest.raises(SandboxNotFound):
+            gateway.run(made[0].id, "true", tenant="team-a" if owner == "team-b" else "team-b")
+        assert {info.id for info in gateway.list()} >= set(placed)
+    finally:
+        for info in made:
+            gateway.destroy(info.id)
+    assert not gateway._records()
+
+
+def test_a_sandbox_cannot_reach_the_ray_ports(gateway: Cluster,
+                                              ray_cluster: tuple[Any, Any]) -> None:
+    cluster, _ = ray_cluster
+    host, port = cluster.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5):
+        pass  # the GCS listens on the host's loopback
+    info = gateway.create(tenant="team-a")
+    try:
+        probe = ("import socket,sys\n"
+                 f"s=socket.socket(); s.settimeout(3)\n"
+                 f"try: s.connect(('127.0.0.1', {port})); print('connected')\n"
+                 "except OSError as e: print('refused', e.errno)\n")
+        result = gateway.run(info.id, ["python3", "-c", probe], tenant="team-a", timeout=30)
+        assert result.stdout.startswith("refused"), result
+    finally:
+        gateway.destroy(info.id, tenant="team-a")
+
+
+def test_a_dead_node_makes_its_sandboxes_lost_and_the_rest_keeps_working(
+        gateway: Cluster, ray_cluster: tuple[Any, Any]) -> None:
+    cluster, worker = ray_cluster
+    made = [gateway.create(tenant="team-c") for _ in range(4)]
+    on_worker = [i.id for i in made if gateway.node_of(i.id) == worker.node_id]
+    on_head = [i.id for i in made if gateway.node_of(i.id) != worker.node_id]
+    assert on_worker and on_head
+    outcome: dict[str, BaseException | object] = {}
+
+    def long_command() -> None:
+        try:
+            outcome["result"] = gateway.run(on_worker[0], "sleep 50", tenant="team-c",
+                                            timeout=55)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=long_command)
+    runner.start()
+    time.sleep(2)  # the command is in flight on the worker node
+    started = time.monotonic()
+    cluster.remove_node(worker)  # its raylet, and the node agent with it, die
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the in-flight command hung after its node died"
+    assert isinstance(outcome.get("error"), SandboxLost), outcome
+    assert time.monotonic() - started < 60
+    for sandbox_id in on_worker:  # every call now says lost, at once
+        for name, call in (("run", lambda sid: gateway.run(sid, "true", tenant="team-c")),
+                           ("get", lambda sid: gateway.get(sid, tenant="team-c"))):
+            before = time.monotonic()
+            with pytest.raises(SandboxLost, match="gone|died"):
+                call(sandbox_id)
+            assert time.monotonic() - before < 10, name
+    gateway.reconcile()
+    assert all(gateway._record(s)["state"] == "lost" for s in on_worker)
+    for sandbox_id in on_head:  # the surviving node and the gateway keep working
+        assert gateway.run(sandbox_id, "echo alive", tenant="team-c").stdout == "alive\n"
+    new = gateway.create(tenant="team-c")  # placed on the surviving node only
+    assert gateway.node_of(new.id) != worker.node_id
+    for sandbox_id in [*on_worker, *on_head, new.id]:
+        gateway.destroy(sandbox_id, tenant="team-c")  # a lost one is only forgotten
+
+
+def test_ray_without_token_auth_is_refused() -> None:
+    with pytest.raises(ConfigError, match="token authentication"):
+        require_token_auth("the gateway", {"RAY_AUTH_MODE": "disabled"})
+    with pytest.raises(ConfigError, match="RAY_AUTH_MODE=token"):
+        require_token_auth("the gateway", {})
+    require_token_auth("the gateway", {"RAY_AUTH_MODE": "token"})
+    # A node whose raylet runs without it refuses before it serves anything.
+    saved = os.environ.pop("RAY_AUTH_MODE", None)
+    try:
+        with pytest.raises(ConfigError, match="Corral node"):
+            NodeAgent({"home": "/nonexistent"}, "0" * 56)
+    finally:
+        if saved is not None:
+            os.environ["RAY_AUTH_MODE"] = saved
