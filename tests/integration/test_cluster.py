@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from corral._cluster.auth import require_token_auth
-from corral._cluster.gateway import Cluster
+from corral._cluster.gateway import IDENTITY_LABEL, Cluster
 from corral._cluster.node import NodeAgent, node_settings
 from corral._settings import Settings
 from corral.errors import ConfigError, SandboxLost, SandboxNotFound
@@ -35,6 +35,22 @@ from ..conftest import managed
 pytestmark = pytest.mark.needs_root
 
 SLOTS = 12
+
+
+def add_worker(cluster: Any) -> Any:
+    """The second node, always under the Corral name "w1" (a restart is the same node)."""
+    return cluster.add_node(num_cpus=1, resources={"corral": SLOTS},
+                            node_ip_address="127.0.0.1", labels={IDENTITY_LABEL: "w1"})
+
+
+def host_pieces(sandbox_id: str) -> list[str]:
+    """What of a sandbox is on the host: mounts, cgroups, network namespace pins, processes
+    in its cgroups."""
+    found = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+             if sandbox_id in line]
+    found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/*/{sandbox_id}")]
+    found += [str(p) for p in Path("/run").glob(f"**/*{sandbox_id}*")]
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +64,8 @@ def ray_cluster() -> Iterator[tuple[Any, Any]]:
 
     cluster = RayCluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"corral": SLOTS}, "include_dashboard": False,
-        "node_ip_address": "127.0.0.1"})
-    worker = cluster.add_node(num_cpus=1, resources={"corral": SLOTS},
-                              node_ip_address="127.0.0.1")
+        "node_ip_address": "127.0.0.1", "labels": {IDENTITY_LABEL: "head"}})
+    worker = add_worker(cluster)
     try:
         yield cluster, worker
     finally:
@@ -76,17 +91,15 @@ def gateway(ray_cluster: tuple[Any, Any]) -> Iterator[Cluster]:
     base = Settings(home=home, uid_start=2_080_000_000 + secrets.randbelow(500) * 10_000,
                     uid_count=1000)
     gw = Cluster(cluster.address, base)
-    indices = {}
     try:
         yield gw
     finally:
-        for node_id in list(gw._agents):
-            indices[node_id] = gw._node_index(node_id)
+        indices = {name: gw._node_index(name) for name in ("head", "w1")}
         gw.close_nodes()
-        # A node that died in a test left its sandboxes' host pieces: its own data
-        # directory's recovery removes them, as a node coming back would.
-        for node_id, index in indices.items():
-            overrides = node_settings(base, index, node_id)
+        # A node that died in a test and did not come back left its sandboxes' host pieces:
+        # its own data directory's recovery removes them, as a node coming back would.
+        for name, index in indices.items():
+            overrides = node_settings(base, index, name)
             if Path(overrides["home"]).exists():
                 with managed(Settings(**overrides)) as manager:
                     manager.recover()
@@ -181,6 +194,18 @@ def test_a_dead_node_makes_its_sandboxes_lost_and_the_rest_keeps_working(
         assert gateway.run(sandbox_id, "echo alive", tenant="team-c").stdout == "alive\n"
     new = gateway.create(tenant="team-c")  # placed on the surviving node only
     assert gateway.node_of(new.id) != worker.node_id
+    assert all(host_pieces(s) for s in on_worker)  # the dead node's leftovers, for now
+    # The node comes back (a new raylet, the same Corral node): it cleans what its previous
+    # run left, and destroys the sandboxes the cluster declared lost; they stay lost.
+    restarted = add_worker(cluster)
+    cluster.wait_for_nodes()
+    assert restarted.node_id in {n.node_id for n in gateway.nodes()}
+    gateway.reconcile()
+    assert all(host_pieces(s) == [] for s in on_worker), [host_pieces(s) for s in on_worker]
+    held = gateway._ray.get(gateway.agent(restarted.node_id).list.remote(None))
+    assert not {info.id for info in held} & set(on_worker)
+    with pytest.raises(SandboxLost):
+        gateway.run(on_worker[0], "true", tenant="team-c")
     for sandbox_id in [*on_worker, *on_head, new.id]:
         gateway.destroy(sandbox_id, tenant="team-c")  # a lost one is only forgotten
 

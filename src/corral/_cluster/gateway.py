@@ -35,7 +35,7 @@ from ..models import CommandResult, SandboxInfo
 from .auth import require_token_auth
 from .node import NodeAgent, node_settings
 
-__all__ = ["Cluster", "NodeView"]
+__all__ = ["IDENTITY_LABEL", "Cluster", "NodeView"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ _MAX_NODES = 1024
 _AGENT_CONCURRENCY = 256
 
 
+#: The Ray node label that names a Corral node across restarts (``ray start --labels``): a
+#: node started again under the same name gets the same data directory and uid range back, so
+#: it finds and cleans what its previous run left. Without it the Ray node id names it.
+IDENTITY_LABEL = "corral-node"
+
+
 @dataclass(frozen=True, slots=True)
 class NodeView:
     """An alive Ray node that offers Corral slots."""
@@ -55,6 +61,8 @@ class NodeView:
     node_id: str
     address: str
     slots: int
+    #: the Corral node's name: its ``corral-node`` label, else its Ray node id
+    identity: str
 
 
 class Cluster:
@@ -83,23 +91,31 @@ class Cluster:
     def nodes(self) -> builtins.list[NodeView]:
         """The alive nodes that offer the ``corral`` resource."""
         return [NodeView(node["NodeID"], node.get("NodeManagerAddress", ""),
-                         int(node["Resources"][RESOURCE]))
+                         int(node["Resources"][RESOURCE]),
+                         _identity(node.get("Labels") or {}, node["NodeID"]))
                 for node in self._ray.nodes()  # type: ignore[no-untyped-call]
                 if node.get("Alive") and node.get("Resources", {}).get(RESOURCE, 0) >= 1]
 
     def _alive(self) -> set[str]:
         return {node.node_id for node in self.nodes()}
 
-    def _node_index(self, node_id: str) -> int:
-        """A small number per node, the same for every gateway: the first free slot claimed
-        in the key-value store (put without overwrite is atomic in the GCS)."""
-        key = (_NODE_INDEX_KEY + node_id).encode()
+    def _identity_of(self, node_id: str) -> str:
+        for node in self.nodes():
+            if node.node_id == node_id:
+                return node.identity
+        return node_id
+
+    def _node_index(self, identity: str) -> int:
+        """A small number per Corral node, the same for every gateway and across the node's
+        restarts: the first free slot claimed in the key-value store (put without overwrite
+        is atomic in the GCS)."""
+        key = (_NODE_INDEX_KEY + identity).encode()
         known = self._kv._internal_kv_get(key, namespace=NAMESPACE)
         if known is not None:
             return int(known)
         for index in range(_MAX_NODES):
             claimed = self._kv._internal_kv_put(f"{_NODE_INDEX_KEY}#{index}".encode(),
-                                                node_id.encode(), overwrite=False,
+                                                identity.encode(), overwrite=False,
                                                 namespace=NAMESPACE)
             if not claimed:  # False: the key was new, the slot is ours
                 self._kv._internal_kv_put(key, str(index).encode(), namespace=NAMESPACE)
@@ -114,7 +130,8 @@ class Cluster:
             return handle
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        overrides = node_settings(self._settings, self._node_index(node_id), node_id)
+        identity = self._identity_of(node_id)
+        overrides = node_settings(self._settings, self._node_index(identity), identity)
         remote = self._ray.remote(NodeAgent)
         handle = remote.options(
             name=f"corral-node-{node_id}", namespace=NAMESPACE, get_if_exists=True,
@@ -181,20 +198,25 @@ class Cluster:
                 from None
 
     def reconcile(self) -> builtins.list[str]:
-        """Mark the sandboxes of dead nodes lost; tell nodes that are back to drop what the
-        cluster declared lost while they were away. Returns the ids newly marked lost."""
-        alive = self._alive()
+        """Mark the sandboxes of dead nodes lost; have a node that is back (the same Corral
+        node name under a new Ray node) destroy what was declared lost while it was away.
+        Returns the ids newly marked lost."""
+        nodes = self.nodes()
+        alive = {node.node_id for node in nodes}
+        back = {node.identity: node.node_id for node in nodes}
         newly = []
-        lost_by_node: dict[str, builtins.list[str]] = {}
+        forget: dict[str, builtins.list[str]] = {}
         for sandbox_id, record in self._records().items():
-            if record["node"] not in alive:
-                if record.get("state") != "lost":
-                    self._lose(sandbox_id, record)
-                    newly.append(sandbox_id)
-            elif record.get("state") == "lost":
-                lost_by_node.setdefault(record["node"], []).append(sandbox_id)
-        for node_id, ids in lost_by_node.items():
+            if record["node"] not in alive and record.get("state") != "lost":
+                self._lose(sandbox_id, record)
+                newly.append(sandbox_id)
+            if record["node"] not in alive and not record.get("forgotten") and \
+                    record.get("identity") in back:
+                forget.setdefault(back[record["identity"]], []).append(sandbox_id)
+        for node_id, ids in forget.items():
             self._ray.get(self.agent(node_id).forget.remote(ids))
+            for sandbox_id in ids:  # still lost to callers; nothing of it is left anywhere
+                self._put(sandbox_id, {**self._record(sandbox_id), "forgotten": True})
         return newly
 
     # -- placement and the sandbox calls ------------------------------------------------------
@@ -227,7 +249,8 @@ class Cluster:
         node_id = self.place(tenant)
         agent = self.agent(node_id)
         info: SandboxInfo = self._ray.get(agent.create.remote({**kwargs, "tenant": tenant}))
-        self._put(info.id, {"node": node_id, "tenant": tenant, "state": "live"})
+        self._put(info.id, {"node": node_id, "identity": self._identity_of(node_id),
+                            "tenant": tenant, "state": "live"})
         return info
 
     def node_of(self, sandbox_id: str) -> str:
@@ -287,3 +310,12 @@ class Cluster:
             self._forget(sandbox_id)
         with self._lock:
             self._agents.clear()
+
+
+def _identity(labels: dict[str, str], node_id: str) -> str:
+    """A node's Corral name: its label if it is a plain name, else its Ray node id."""
+    name = labels.get(IDENTITY_LABEL, "")
+    if name and len(name) <= 63 and all(c.isalnum() or c in "._-" for c in name) \
+            and name[0].isalnum():
+        return name
+    return node_id

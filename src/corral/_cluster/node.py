@@ -24,12 +24,13 @@ from .auth import require_token_auth
 __all__ = ["NodeAgent", "node_settings"]
 
 
-def node_settings(base: Settings, index: int, node_id: str) -> dict[str, Any]:
+def node_settings(base: Settings, index: int, identity: str) -> dict[str, Any]:
     """What makes node ``index`` distinct from the others on a shared host: its home under the
-    gateway's, and the ``index``-th uid range of the gateway's size. (On separate machines
-    any would do; distinct ones cost nothing.)"""
+    gateway's (named after the node's identity, so a node started again finds its own), and
+    the ``index``-th uid range of the gateway's size. (On separate machines any would do;
+    distinct ones cost nothing.)"""
     return {
-        "home": str(Path(base.home) / "nodes" / node_id[:16]),
+        "home": str(Path(base.home) / "nodes" / identity[:63]),
         "uid_start": base.uid_start + index * base.uid_count,
         "uid_count": base.uid_count,
     }
