@@ -56,23 +56,28 @@ class Snapshots:
             network=policy_from(network_spec(info.network)), secrets=sorted(info.secrets))
 
     @contextlib.contextmanager
-    def _quiet(self, info: SandboxRecord, doing: str) -> Iterator[None]:
-        """Hold the workspace exclusively, with nothing running in it (else SandboxBusy)."""
+    def _quiet(self, info: SandboxRecord, doing: str) -> Iterator[SandboxRecord]:
+        """Hold the workspace exclusively, with nothing running in it (else SandboxBusy);
+        yields the sandbox's record as it is now, under the lock. Not ``info``: a snapshot or
+        fork that held the lock before us has sealed a layer since ``info`` was read, and
+        sealing by a stale layer stack would drop that layer (the workspace lost its files
+        to two forks at once from two threads)."""
         with self._locks.hold(info.id, exclusive=True):
-            if is_running(self._sandboxes, self._processes, info):
+            fresh = self._sandboxes.get(info.id)
+            if is_running(self._sandboxes, self._processes, fresh):
                 raise SandboxBusy(
                     f"sandbox {info.id} has running commands or background processes; wait "
                     f"for them (or kill them) before {doing}")
-            yield
+            yield fresh
 
     def _seal(self, info: SandboxRecord) -> str:
         """Seal the sandbox's writable layer into a new read-only layer; return its id."""
         if info.state == "paused":
             raise SandboxBusy(f"sandbox {info.id} is paused; resume() it first")
         backend = self._sandboxes.backend(info)
-        with self._quiet(info, "taking a snapshot"):
+        with self._quiet(info, "taking a snapshot") as fresh:
             layer = new_id("lyr")
-            result = backend.seal_workspace(self._sandboxes.spec(info), layer)
+            result = backend.seal_workspace(self._sandboxes.spec(fresh), layer)
             parent = result.layers[1] if len(result.layers) > 1 else None
             self._store.add_layer(layer, parent=parent, bytes_used=result.bytes_used)
             self._store.set_layer(info.id, layer)
@@ -90,6 +95,7 @@ class Snapshots:
                               "snapshot (its memory is saved running)")
         backend = capable(self._sandboxes.backend(info), "snapshot(memory=True)")
         with self._locks.sealing(info.id):
+            info = self._sandboxes.get(info.id)  # as it is now: see _quiet
             layer, image = new_id("lyr"), new_id("mem")
             self._store.add_memory_image(image, layer=layer, isolation=info.isolation,
                                          resources=info.resources, template=info.template)
@@ -217,8 +223,8 @@ class Snapshots:
                                        "take the snapshot again")
             check_resumable(recorded, snapshot=snapshot, template=info.template,
                             resources=info.resources, isolation=info.isolation)
-        with self._quiet(info, "restoring"):
-            info = dataclasses.replace(info, layer=layer, memory_image=image)
+        with self._quiet(info, "restoring") as fresh:
+            info = dataclasses.replace(fresh, layer=layer, memory_image=image)
             backend.reset_workspace(self._sandboxes.spec(info))
             self._store.set_layer(info.id, layer, memory_image=image)
         self._layers.collect()
