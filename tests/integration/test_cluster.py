@@ -138,6 +138,35 @@ def test_sandboxes_spread_over_the_nodes_and_calls_reach_their_node(gateway: Clu
     assert not gateway._records()
 
 
+TREE_HASH = ("cd /workspace && find . -type f -print0 | sort -z | xargs -0 sha256sum | "
+             "sha256sum && find . | sort | sha256sum")
+
+
+def test_a_fork_lands_on_both_nodes_with_the_same_tree(gateway: Cluster) -> None:
+    source = gateway.create(tenant="team-f")
+    children: list[Any] = []
+    try:
+        made = gateway.run(source.id, "mkdir -p d/e && head -c 3000000 /dev/urandom > d/big "
+                           "&& echo hi > d/e/small && ln -s d/e/small link && chmod 750 d/e",
+                           tenant="team-f", timeout=30)
+        assert made.exit_code == 0, made
+        want = gateway.run(source.id, TREE_HASH, tenant="team-f", timeout=30).stdout
+        children = gateway.fork(source.id, 4, tenant="team-f")
+        nodes = {gateway.node_of(child.id) for child in children}
+        assert len(nodes) == 2, "the children did not spread over both nodes"
+        assert gateway.node_of(source.id) in nodes  # native forks beside the copies
+        for child in children:
+            got = gateway.run(child.id, TREE_HASH, tenant="team-f", timeout=30)
+            assert got.stdout == want, (gateway.node_of(child.id), got)
+        # The children are independent of their source and of each other.
+        gateway.run(children[0].id, "echo changed > d/e/small", tenant="team-f")
+        assert gateway.run(children[1].id, "cat d/e/small", tenant="team-f").stdout == "hi\n"
+        assert gateway.run(source.id, "cat d/e/small", tenant="team-f").stdout == "hi\n"
+    finally:
+        for info in [*children, source]:
+            gateway.destroy(info.id, tenant="team-f")
+
+
 def test_a_sandbox_cannot_reach_the_ray_ports(gateway: Cluster,
                                               ray_cluster: tuple[Any, Any]) -> None:
     cluster, _ = ray_cluster

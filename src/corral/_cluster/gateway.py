@@ -7,11 +7,12 @@ placement by free slots (the node's ``corral`` resource is its slot count) with 
 key-value store (not in a detached actor: it outlives any gateway and any one actor, several
 gateways share it, and with GCS fault tolerance it survives a head restart); commands, files,
 get, list and destroy routed; a dead node's sandboxes reported ``lost`` (``SandboxLost``) on
-every call instead of a hang, and forgotten by the node if it comes back.
+every call instead of a hang, and destroyed by the node if it comes back under its name;
+``fork`` across nodes, the workspace moving node to node through Ray's object store once per
+node.
 
 Not yet: the HTTP/MCP/E2B surfaces over the gateway (``corral serve --cluster``), streaming
-and PTY routing, cross-node fork through the object store, audit shipping, quotas at the
-gateway. See the issue's closing note.
+and PTY routing, audit shipping, quotas at the gateway. See ``docs/cluster.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..errors import (
     QuotaExceeded,
     SandboxLost,
     SandboxNotFound,
+    UsageError,
 )
 from ..models import CommandResult, SandboxInfo
 from .auth import require_token_auth
@@ -221,9 +223,10 @@ class Cluster:
 
     # -- placement and the sandbox calls ------------------------------------------------------
 
-    def place(self, tenant: str | None) -> str:
+    def place(self, tenant: str | None, pending: dict[str, int] | None = None) -> str:
         """The node for a new sandbox: one with a free slot, fewest of this tenant's sandboxes
-        first (spread), then fewest in all."""
+        first (spread), then fewest in all. ``pending``: sandboxes of this tenant already
+        placed on a node but not recorded yet (a fork's other children)."""
         nodes = self.nodes()
         if not nodes:
             raise BackendUnavailable("no cluster node offers the 'corral' resource: start one "
@@ -236,6 +239,9 @@ class Cluster:
             per_node[record["node"]] = per_node.get(record["node"], 0) + 1
             if record.get("tenant") == tenant:
                 per_tenant[record["node"]] = per_tenant.get(record["node"], 0) + 1
+        for node_id, extra in (pending or {}).items():
+            per_node[node_id] = per_node.get(node_id, 0) + extra
+            per_tenant[node_id] = per_tenant.get(node_id, 0) + extra
         free = [n for n in nodes if per_node.get(n.node_id, 0) < n.slots]
         if not free:
             raise QuotaExceeded(f"every cluster node is full ({sum(n.slots for n in nodes)} "
@@ -252,6 +258,47 @@ class Cluster:
         self._put(info.id, {"node": node_id, "identity": self._identity_of(node_id),
                             "tenant": tenant, "state": "live"})
         return info
+
+    def fork(self, sandbox_id: str, count: int = 1, *,
+             tenant: str | None = None) -> builtins.list[SandboxInfo]:
+        """``count`` children of a sandbox, placed like new sandboxes (so they may land on
+        other nodes). On the sandbox's own node they are native forks; for the others the
+        workspace is exported once and moves node to node through Ray's object store, once
+        per node, where the first child is made from it and the rest fork from that one.
+        Carried across nodes: template, tier, isolation and labels; network policy and
+        secrets are not yet (the children get the defaults: no network, no secrets)."""
+        if count < 1:
+            raise UsageError(f"fork needs a count of at least 1, not {count}")
+        source = self._route(sandbox_id, tenant)
+        home = self.node_of(sandbox_id)
+        per_node: dict[str, int] = {}
+        for _ in range(count):
+            target = self.place(tenant, per_node)
+            per_node[target] = per_node.get(target, 0) + 1
+        children: builtins.list[SandboxInfo] = []
+
+        def record(node_id: str, made: builtins.list[SandboxInfo]) -> None:
+            for child in made:
+                self._put(child.id, {"node": node_id, "identity": self._identity_of(node_id),
+                                     "tenant": tenant, "state": "live"})
+            children.extend(made)
+
+        if per_node.get(home):
+            # First and alone: a fork seals the workspace, and the export below forks too.
+            record(home, self._call(sandbox_id, source.fork.remote(
+                sandbox_id, per_node[home], tenant)))
+        others = {n: c for n, c in per_node.items() if n != home}
+        if others:
+            info: SandboxInfo = self._call(sandbox_id, source.get.remote(sandbox_id, tenant))
+            kwargs = {"template": info.template, "resources": info.resources,
+                      "labels": dict(info.labels), "isolation": info.isolation,
+                      "tenant": tenant}
+            workspace = source.export_fork.remote(sandbox_id, tenant)  # a reference only
+            imports = [(node_id, self.agent(node_id).import_fork.remote(workspace, kwargs, n))
+                       for node_id, n in others.items()]
+            for node_id, ref in imports:
+                record(node_id, self._call(sandbox_id, ref))
+        return children
 
     def node_of(self, sandbox_id: str) -> str:
         return str(self._record(sandbox_id)["node"])

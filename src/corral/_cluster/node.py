@@ -11,6 +11,7 @@ once), so this module does not import Ray.
 from __future__ import annotations
 
 import builtins
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,36 @@ class NodeAgent:
     def destroy(self, sandbox_id: str, tenant: str | None) -> None:
         self._manager.get(sandbox_id, tenant=tenant)
         self._manager.destroy(sandbox_id)
+
+    def fork(self, sandbox_id: str, count: int, tenant: str | None) -> builtins.list[SandboxInfo]:
+        """``count`` children here, the native way (O(1): shared read-only layers)."""
+        return self._manager.fork(sandbox_id, count, tenant=tenant)
+
+    def export_fork(self, sandbox_id: str, tenant: str | None) -> bytes:
+        """The workspace as a fork would see it, as a tar, for children on other nodes: a
+        native child made (refused while the sandbox is busy, as a fork is), read, dropped.
+        The gateway hands the result to the other nodes as an object reference, so Ray moves
+        it from this node's object store to each of them once, never through the gateway."""
+        child = self._manager.fork(sandbox_id, 1, tenant=tenant)[0]
+        try:
+            return b"".join(self._manager.download(child.id, "/workspace"))
+        finally:
+            self._manager.destroy(child.id)
+
+    def import_fork(self, workspace: bytes, kwargs: dict[str, Any],
+                    count: int) -> builtins.list[SandboxInfo]:
+        """``count`` children of a sandbox of another node: the first made and given the
+        workspace (``export_fork``'s tar), the rest native forks of it (the tar arrives and is
+        written once per node)."""
+        first = self._manager.create(**kwargs)
+        try:
+            self._manager.upload(first.id, "/workspace", io.BytesIO(workspace))
+            rest = self._manager.fork(first.id, count - 1, tenant=kwargs.get("tenant")) \
+                if count > 1 else []
+        except BaseException:
+            self._manager.destroy(first.id)
+            raise
+        return [self._manager.get(first.id), *rest]
 
     def forget(self, sandbox_ids: builtins.list[str]) -> builtins.list[str]:
         """Destroy what the cluster has declared lost (this node was gone, and is back)."""
