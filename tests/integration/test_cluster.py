@@ -219,6 +219,18 @@ def test_a_dead_node_makes_its_sandboxes_lost_and_the_rest_keeps_working(
             assert time.monotonic() - before < 10, name
     gateway.reconcile()
     assert all(gateway._record(s)["state"] == "lost" for s in on_worker)
+    # The lost sandbox's trail reads back from the gateway's copy, up to the command that was
+    # in flight: shipped as written, in order, no line twice.
+    trail = gateway.audit(on_worker[0], tenant="team-c")
+    types = [event.type for event in trail.events]
+    assert types[0] == "sandbox.created" and "command.started" in types, types
+    started = [e for e in trail.events if e.type == "command.started"][-1]
+    assert "sleep 50" in str(started.data), started
+    assert "command.finished" not in types[types.index("command.started"):], types
+    assert [e.seq for e in trail.events] == list(range(1, len(trail.events) + 1))
+    assert not trail.torn_tail and trail.skipped == 0
+    with pytest.raises(SandboxNotFound):
+        gateway.audit(on_worker[0], tenant="team-a")
     for sandbox_id in on_head:  # the surviving node and the gateway keep working
         assert gateway.run(sandbox_id, "echo alive", tenant="team-c").stdout == "alive\n"
     new = gateway.create(tenant="team-c")  # placed on the surviving node only

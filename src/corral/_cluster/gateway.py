@@ -6,13 +6,15 @@ placement by free slots (the node's ``corral`` resource is its slot count) with 
 (fewest of the caller's sandboxes first, then fewest in all); sandbox → node kept in Ray's GCS
 key-value store (not in a detached actor: it outlives any gateway and any one actor, several
 gateways share it, and with GCS fault tolerance it survives a head restart); commands, files,
-get, list and destroy routed; a dead node's sandboxes reported ``lost`` (``SandboxLost``) on
-every call instead of a hang, and destroyed by the node if it comes back under its name;
+get, list and destroy routed; every node's audit lines shipped as they are written to a sink
+beside the gateway (``audit``), so a lost sandbox's trail still reads back; a dead node's
+sandboxes reported ``lost`` (``SandboxLost``) on every call instead of a hang, and destroyed
+by the node if it comes back under its name;
 ``fork`` across nodes, the workspace moving node to node through Ray's object store once per
 node.
 
 Not yet: the HTTP/MCP/E2B surfaces over the gateway (``corral serve --cluster``), streaming
-and PTY routing, audit shipping, quotas at the gateway. See ``docs/cluster.md``.
+and PTY routing, quotas at the gateway. See ``docs/cluster.md``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._audit.log import AuditTrail
 from .._settings import Settings
 from ..errors import (
     BackendUnavailable,
@@ -34,6 +37,7 @@ from ..errors import (
     UsageError,
 )
 from ..models import CommandResult, SandboxInfo
+from .audit import AuditSink
 from .auth import require_token_auth
 from .node import NodeAgent, node_settings
 
@@ -87,6 +91,15 @@ class Cluster:
         self._kv = internal_kv
         self._lock = threading.Lock()
         self._agents: dict[str, Any] = {}
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # The audit copy lives beside the first gateway (its node, its data directory).
+        self._sink: Any = ray.remote(AuditSink).options(
+            name="corral-audit-sink", namespace=NAMESPACE, get_if_exists=True,
+            lifetime="detached", num_cpus=0, max_concurrency=64,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(str(self._settings.home / "cluster-audit"))
 
     # -- membership and node agents ---------------------------------------------------------
 
@@ -139,7 +152,7 @@ class Cluster:
             name=f"corral-node-{node_id}", namespace=NAMESPACE, get_if_exists=True,
             lifetime="detached", num_cpus=0, max_concurrency=_AGENT_CONCURRENCY,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(overrides, node_id)
+        ).remote(overrides, node_id, self._sink)
         with self._lock:
             self._agents[node_id] = handle
         return handle
@@ -299,6 +312,15 @@ class Cluster:
             for node_id, ref in imports:
                 record(node_id, self._call(sandbox_id, ref))
         return children
+
+    def audit(self, sandbox_id: str, *, tenant: str | None = None) -> AuditTrail:
+        """The sandbox's audit trail as shipped from its node: everything committed there up
+        to the last shipment (every 0.1 s), readable whether the node is alive or lost."""
+        record = self._record(sandbox_id)
+        if tenant is not None and record.get("tenant") != tenant:
+            raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
+        trail: AuditTrail = self._ray.get(self._sink.trail.remote(sandbox_id))
+        return trail
 
     def node_of(self, sandbox_id: str) -> str:
         return str(self._record(sandbox_id)["node"])

@@ -1,11 +1,12 @@
 """The Corral node: one per Ray node that offers the ``corral`` resource, a Ray actor pinned to
 that node, running the control plane embedded with its own data directory, uid range and
-instance (so two nodes on one host, as in the tests, never share a uid, cgroup or netns name).
+instance (so two nodes on one host, as in the tests, never share a uid, cgroup or netns name),
+and shipping its audit lines to the gateway's sink as they are written (``audit``).
 
 It is the same ``Manager`` every other surface uses: tenancy, ceilings, quotas, limits and the
 audit trail are enforced here, below the gateway, exactly as on a single host. Plain Python
 here; ``gateway`` wraps it with ``ray.remote`` (threaded: commands of many sandboxes run at
-once), so this module does not import Ray.
+once); Ray is imported only to reach the audit sink.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .._control.manager import Manager, get_manager
 from .._settings import Settings
 from ..errors import SandboxNotFound
 from ..models import CommandResult, SandboxInfo
+from .audit import Shipper
 from .auth import require_token_auth
 
 __all__ = ["NodeAgent", "node_settings"]
@@ -40,7 +42,7 @@ def node_settings(base: Settings, index: int, identity: str) -> dict[str, Any]:
 class NodeAgent:
     """The control plane of one node, called by gateways through Ray."""
 
-    def __init__(self, overrides: dict[str, Any], node_id: str) -> None:
+    def __init__(self, overrides: dict[str, Any], node_id: str, sink: Any = None) -> None:
         require_token_auth(f"the Corral node on Ray node {node_id[:12]}")
         self._node_id = node_id
         home = Path(overrides["home"])
@@ -52,6 +54,14 @@ class NodeAgent:
         self._settings = Settings(**overrides)
         self._manager: Manager = get_manager(self._settings)
         self._manager.recover()
+        self._shipper: Shipper | None = None
+        if sink is not None:  # a Ray actor handle (``audit.AuditSink``)
+            import ray
+
+            self._shipper = Shipper(
+                self._manager.auditor.directory,
+                send=lambda sid, offset, data: ray.get(sink.append.remote(sid, offset, data)),
+                resume=lambda sid: ray.get(sink.size.remote(sid)))
 
     def describe(self) -> dict[str, Any]:
         """Who this node is and what it holds (the gateway's placement reads it)."""
@@ -134,6 +144,8 @@ class NodeAgent:
                 self._manager.destroy(info.id)
             except SandboxNotFound:
                 pass
+        if self._shipper is not None:
+            self._shipper.close()  # the last events, the destroys' too, go out first
         self._manager.backend.sweep(set())
         remove_instance = getattr(self._manager.backend, "remove_instance", None)
         if remove_instance is not None:
