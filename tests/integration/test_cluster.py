@@ -28,7 +28,7 @@ from corral._cluster.auth import require_token_auth
 from corral._cluster.gateway import IDENTITY_LABEL, Cluster
 from corral._cluster.node import NodeAgent, node_settings
 from corral._settings import Settings
-from corral.errors import ConfigError, SandboxLost, SandboxNotFound
+from corral.errors import ConfigError, QuotaExceeded, SandboxLost, SandboxNotFound
 
 from ..conftest import managed
 
@@ -233,8 +233,13 @@ def test_a_dead_node_makes_its_sandboxes_lost_and_the_rest_keeps_working(
         gateway.audit(on_worker[0], tenant="team-a")
     for sandbox_id in on_head:  # the surviving node and the gateway keep working
         assert gateway.run(sandbox_id, "echo alive", tenant="team-c").stdout == "alive\n"
-    new = gateway.create(tenant="team-c")  # placed on the surviving node only
-    assert gateway.node_of(new.id) != worker.node_id
+    # The lost sandboxes no longer count against the tenant's cluster-wide quota.
+    assert sum(1 for r in gateway._records().values()
+               if r["tenant"] == "team-c" and r["state"] != "lost") == len(on_head)
+    new = gateway.create(tenant="team-c", max_for_tenant=len(on_head) + 1)
+    assert gateway.node_of(new.id) != worker.node_id  # placed on the surviving node only
+    with pytest.raises(QuotaExceeded, match="team-c"):
+        gateway.create(tenant="team-c", max_for_tenant=len(on_head) + 1)
     assert all(host_pieces(s) for s in on_worker)  # the dead node's leftovers, for now
     # The node comes back (a new raylet, the same Corral node): it cleans what its previous
     # run left, and destroys the sandboxes the cluster declared lost; they stay lost.

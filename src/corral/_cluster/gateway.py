@@ -262,9 +262,26 @@ class Cluster:
         return min(free, key=lambda n: (per_tenant.get(n.node_id, 0),
                                         per_node.get(n.node_id, 0), n.node_id)).node_id
 
-    def create(self, *, tenant: str | None = None, **kwargs: Any) -> SandboxInfo:
-        """Create a sandbox on the node ``place`` picks (the node's control plane checks the
-        request exactly as on one host)."""
+    def _check_quota(self, tenant: str | None, max_for_tenant: int | None, adding: int) -> None:
+        """The tenant's sandboxes across the cluster (lost ones released), checked here; each
+        node checks its own share again."""
+        if max_for_tenant is None:
+            return
+        live = sum(1 for r in self._records().values()
+                   if r.get("tenant") == tenant and r.get("state") != "lost")
+        if live + adding > max_for_tenant:
+            raise QuotaExceeded(
+                f"tenant {tenant or 'local'} has {live} sandboxes in the cluster and may have "
+                f"{max_for_tenant}: destroy some first")
+
+    def create(self, *, tenant: str | None = None, max_for_tenant: int | None = None,
+               **kwargs: Any) -> SandboxInfo:
+        """Create a sandbox on the node ``place`` picks, within the tenant's cluster-wide
+        ``max_for_tenant`` (the node's control plane checks the request again, exactly as on
+        one host)."""
+        self._check_quota(tenant, max_for_tenant, 1)
+        if max_for_tenant is not None:
+            kwargs["max_for_tenant"] = max_for_tenant
         node_id = self.place(tenant)
         agent = self.agent(node_id)
         info: SandboxInfo = self._ray.get(agent.create.remote({**kwargs, "tenant": tenant}))
@@ -272,8 +289,8 @@ class Cluster:
                             "tenant": tenant, "state": "live"})
         return info
 
-    def fork(self, sandbox_id: str, count: int = 1, *,
-             tenant: str | None = None) -> builtins.list[SandboxInfo]:
+    def fork(self, sandbox_id: str, count: int = 1, *, tenant: str | None = None,
+             max_for_tenant: int | None = None) -> builtins.list[SandboxInfo]:
         """``count`` children of a sandbox, placed like new sandboxes (so they may land on
         other nodes). On the sandbox's own node they are native forks; for the others the
         workspace is exported once and moves node to node through Ray's object store, once
@@ -282,6 +299,7 @@ class Cluster:
         secrets are not yet (the children get the defaults: no network, no secrets)."""
         if count < 1:
             raise UsageError(f"fork needs a count of at least 1, not {count}")
+        self._check_quota(tenant, max_for_tenant, count)
         source = self._route(sandbox_id, tenant)
         home = self.node_of(sandbox_id)
         per_node: dict[str, int] = {}
