@@ -23,6 +23,7 @@ import builtins
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ _NODE_INDEX_KEY = "node-index/"
 _MAX_NODES = 1024
 # Threads per node agent: its commands run side by side (Ray's default actor is one thread).
 _AGENT_CONCURRENCY = 256
+_MEMBERSHIP_TTL_S = 0.5
 
 
 #: The Ray node label that names a Corral node across restarts (``ray start --labels``): a
@@ -91,6 +93,9 @@ class Cluster:
         self._kv = internal_kv
         self._lock = threading.Lock()
         self._agents: dict[str, Any] = {}
+        self._alive_cache: tuple[float, set[str]] | None = None
+        # sandbox -> node: never changes once written (a lost state is re-read, see _route)
+        self._placed: dict[str, str] = {}
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # The audit copy lives beside the first gateway (its node, its data directory).
@@ -112,7 +117,18 @@ class Cluster:
                 if node.get("Alive") and node.get("Resources", {}).get(RESOURCE, 0) >= 1]
 
     def _alive(self) -> set[str]:
-        return {node.node_id for node in self.nodes()}
+        """The alive nodes' ids, asked of the GCS at most every ``_MEMBERSHIP_TTL_S`` on the
+        call path (a call to a node that died meanwhile fails as the actor dies, and says
+        lost then)."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._alive_cache
+        if cached is not None and now - cached[0] < _MEMBERSHIP_TTL_S:
+            return cached[1]
+        alive = {node.node_id for node in self.nodes()}
+        with self._lock:
+            self._alive_cache = (now, alive)
+        return alive
 
     def _identity_of(self, node_id: str) -> str:
         for node in self.nodes():
@@ -181,7 +197,13 @@ class Cluster:
         return found
 
     def _route(self, sandbox_id: str, tenant: str | None) -> Any:
-        """The agent of the sandbox's node; SandboxLost when that node is gone."""
+        """The agent of the sandbox's node; SandboxLost when that node is gone. A sandbox
+        this gateway placed or saw alive is routed from memory (its node never changes); the
+        store is asked only otherwise, and when its node is not alive."""
+        with self._lock:
+            known = self._placed.get(f"{tenant}\0{sandbox_id}")
+        if known is not None and known in self._alive():
+            return self.agent(known)
         record = self._record(sandbox_id)
         if tenant is not None and record.get("tenant") != tenant:
             raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
@@ -191,6 +213,8 @@ class Cluster:
                 f"sandbox {sandbox_id} was on cluster node {record['node'][:12]}, which is "
                 "gone: its processes and workspace went with it. Create a new sandbox (from a "
                 "snapshot, if you kept one)")
+        with self._lock:
+            self._placed[f"{tenant}\0{sandbox_id}"] = record["node"]
         return self.agent(record["node"])
 
     def _lose(self, sandbox_id: str, record: dict[str, Any]) -> None:
@@ -382,6 +406,9 @@ class Cluster:
         self._forget(sandbox_id)
 
     def _forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            for key in [k for k in self._placed if k.endswith("\0" + sandbox_id)]:
+                del self._placed[key]
         self._kv._internal_kv_del((_SANDBOX_KEY + sandbox_id).encode(), namespace=NAMESPACE)
 
     def close_nodes(self) -> None:
