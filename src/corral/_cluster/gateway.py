@@ -94,6 +94,7 @@ class Cluster:
         self._lock = threading.Lock()
         self._agents: dict[str, Any] = {}
         self._alive_cache: tuple[float, set[str]] | None = None
+        self._identities: dict[str, str] = {}  # Ray node id -> Corral node name
         # sandbox -> node: never changes once written (a lost state is re-read, see _route)
         self._placed: dict[str, str] = {}
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -110,11 +111,14 @@ class Cluster:
 
     def nodes(self) -> builtins.list[NodeView]:
         """The alive nodes that offer the ``corral`` resource."""
-        return [NodeView(node["NodeID"], node.get("NodeManagerAddress", ""),
-                         int(node["Resources"][RESOURCE]),
-                         _identity(node.get("Labels") or {}, node["NodeID"]))
-                for node in self._ray.nodes()  # type: ignore[no-untyped-call]
-                if node.get("Alive") and node.get("Resources", {}).get(RESOURCE, 0) >= 1]
+        views = [NodeView(node["NodeID"], node.get("NodeManagerAddress", ""),
+                          int(node["Resources"][RESOURCE]),
+                          _identity(node.get("Labels") or {}, node["NodeID"]))
+                 for node in self._ray.nodes()  # type: ignore[no-untyped-call]
+                 if node.get("Alive") and node.get("Resources", {}).get(RESOURCE, 0) >= 1]
+        with self._lock:  # a Ray node's identity never changes: remembered for _identity_of
+            self._identities.update((view.node_id, view.identity) for view in views)
+        return views
 
     def _alive(self) -> set[str]:
         """The alive nodes' ids, asked of the GCS at most every ``_MEMBERSHIP_TTL_S`` on the
@@ -131,10 +135,13 @@ class Cluster:
         return alive
 
     def _identity_of(self, node_id: str) -> str:
-        for node in self.nodes():
-            if node.node_id == node_id:
-                return node.identity
-        return node_id
+        with self._lock:
+            known = self._identities.get(node_id)
+        if known is None:
+            self.nodes()
+            with self._lock:
+                known = self._identities.get(node_id, node_id)
+        return known
 
     def _node_index(self, identity: str) -> int:
         """A small number per Corral node, the same for every gateway and across the node's
@@ -216,6 +223,13 @@ class Cluster:
         with self._lock:
             self._placed[f"{tenant}\0{sandbox_id}"] = record["node"]
         return self.agent(record["node"])
+
+    def _placed_on(self, sandbox_id: str, node_id: str, tenant: str | None) -> None:
+        """Record a new sandbox's node, in the store and in this gateway's routing memory."""
+        self._put(sandbox_id, {"node": node_id, "identity": self._identity_of(node_id),
+                               "tenant": tenant, "state": "live"})
+        with self._lock:
+            self._placed[f"{tenant}\0{sandbox_id}"] = node_id
 
     def _lose(self, sandbox_id: str, record: dict[str, Any]) -> None:
         if record.get("state") != "lost":
@@ -309,8 +323,7 @@ class Cluster:
         node_id = self.place(tenant)
         agent = self.agent(node_id)
         info: SandboxInfo = self._ray.get(agent.create.remote({**kwargs, "tenant": tenant}))
-        self._put(info.id, {"node": node_id, "identity": self._identity_of(node_id),
-                            "tenant": tenant, "state": "live"})
+        self._placed_on(info.id, node_id, tenant)
         return info
 
     def fork(self, sandbox_id: str, count: int = 1, *, tenant: str | None = None,
@@ -334,8 +347,7 @@ class Cluster:
 
         def record(node_id: str, made: builtins.list[SandboxInfo]) -> None:
             for child in made:
-                self._put(child.id, {"node": node_id, "identity": self._identity_of(node_id),
-                                     "tenant": tenant, "state": "live"})
+                self._placed_on(child.id, node_id, tenant)
             children.extend(made)
 
         if per_node.get(home):
