@@ -12,6 +12,9 @@ machine, ``ray.cluster_utils``) and measures:
   embedded in this process on the node's own data directory. The difference is what the
   cluster path adds (issue 17's target: +3 ms p50 at most, there against `corral serve` on one
   node, which is slower than embedded, so this comparison is the stricter one);
+* ``served_command`` vs ``single_serve_command``: the same, over HTTP with the SDK, through
+  ``corral serve --cluster`` (gateway process → node's service → control plane) and through
+  ``corral serve`` on one node (its own data directory), interleaved: the issue's comparison;
 * ``create_throughput``: 16 creates + first command through the gateway, 8 at a time, with the
   worker node's slots at 0 (one node) and then with both nodes (target: 1.7× with 2). Both
   nodes share this machine's 2 cores, so this is a lower bound of what two machines give;
@@ -28,11 +31,16 @@ import concurrent.futures
 import os
 import secrets
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,6 +59,69 @@ def timed(fn: Any) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _serve(args: list[str], settings: Settings, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "CORRAL_HOME": str(settings.home),
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    process = subprocess.Popen([sys.executable, "-m", "corral", "serve", "--port", str(port),
+                                *args], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"corral serve {' '.join(args)} did not start")
+        time.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def served_against_single(address: str, base: Settings, runs: int
+                          ) -> tuple[list[float], list[float]]:
+    """``true`` over HTTP through ``corral serve --cluster`` and ``corral serve``,
+    interleaved, the order alternating."""
+    from corral import Sandbox
+
+    single_home = Path(tempfile.mkdtemp(prefix="corral-bench-single-"))
+    single_home.chmod(0o711)
+    single = Settings(home=single_home, uid_start=base.uid_start + 100 * base.uid_count,
+                      uid_count=base.uid_count)
+    ports = (_free_port(), _free_port())
+    processes = [_serve(["--cluster", address], base, ports[0]),
+                 _serve([], single, ports[1])]
+    boxes: list[Any] = []
+    try:
+        boxes = [Sandbox.create(url=f"http://127.0.0.1:{port}") for port in ports]
+        for _ in range(5):
+            for box in boxes:
+                box.commands.run(["true"])
+        served, one = [], []
+        for i in range(runs):
+            order = [(0, served), (1, one)]
+            for index, out in (order if i % 2 else order[::-1]):
+                out.append(timed(lambda b=boxes[index]: b.commands.run(["true"])))
+        return served, one
+    finally:
+        for box in boxes:
+            box.kill()
+        for process in processes:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=20)
+        manager = get_manager(single)  # the serve process's instance: swept, removed
+        manager.backend.sweep(set())
+        manager.backend.remove_instance()  # type: ignore[attr-defined]
+        manager.close()
+        shutil.rmtree(single_home, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         added = report["gateway_command"]["p50_ms"] - report["embedded_command"]["p50_ms"]
         report["gateway_adds_p50_ms"] = round(added, 3)
         log(f"command: gateway adds {added:.2f} ms p50")
+
+        # -- per command over HTTP: corral serve --cluster vs corral serve ---------------
+        served_ms, single_ms = served_against_single(cluster.address, base, args.runs)
+        report["served_command"] = summarize(served_ms)
+        report["single_serve_command"] = summarize(single_ms)
+        served_added = report["served_command"]["p50_ms"] - \
+            report["single_serve_command"]["p50_ms"]
+        report["served_adds_p50_ms"] = round(served_added, 3)
+        log(f"command over HTTP: corral serve --cluster adds {served_added:.2f} ms p50")
 
         # -- create throughput, one node then two ---------------------------------------
         def burst(label: str, tenant: str) -> float:
@@ -161,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"fork x16 of 100 MB: {fork_s:.2f} s, spread {spread}")
         report["targets"] = {
             "gateway_adds_at_most_3ms": added <= 3.0,
+            "served_gateway_adds_at_most_3ms": served_added <= 3.0,
             "two_nodes_create_at_least_1.7x": two_nodes / one_node >= 1.7,
             "fork16_at_most_2s": fork_s <= 2.0}
     finally:

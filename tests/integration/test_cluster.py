@@ -11,11 +11,7 @@ recovery) and checks no raylet is left.
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,22 +21,26 @@ from typing import Any
 import pytest
 
 from corral._cluster.auth import require_token_auth
-from corral._cluster.gateway import IDENTITY_LABEL, Cluster
-from corral._cluster.node import NodeAgent, node_settings
-from corral._settings import Settings
+from corral._cluster.gateway import Cluster
+from corral._cluster.node import NodeAgent
 from corral.errors import ConfigError, QuotaExceeded, SandboxLost, SandboxNotFound
 
-from ..conftest import managed
+from .raycluster import add_worker, embedded_gateway
+from .raycluster import ray_cluster as start_ray_cluster
 
 pytestmark = pytest.mark.needs_root
 
-SLOTS = 12
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[tuple[Any, Any]]:
+    with start_ray_cluster() as pair:
+        yield pair
 
 
-def add_worker(cluster: Any) -> Any:
-    """The second node, always under the Corral name "w1" (a restart is the same node)."""
-    return cluster.add_node(num_cpus=1, resources={"corral": SLOTS},
-                            node_ip_address="127.0.0.1", labels={IDENTITY_LABEL: "w1"})
+@pytest.fixture(scope="module")
+def gateway(ray_cluster: tuple[Any, Any]) -> Iterator[Cluster]:
+    with embedded_gateway(ray_cluster[0]) as gw:
+        yield gw
 
 
 def host_pieces(sandbox_id: str) -> list[str]:
@@ -51,59 +51,6 @@ def host_pieces(sandbox_id: str) -> list[str]:
     found += [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/*/{sandbox_id}")]
     found += [str(p) for p in Path("/run").glob(f"**/*{sandbox_id}*")]
     return found
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[tuple[Any, Any]]:
-    saved = {k: os.environ.get(k) for k in (
-        "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR")}
-    temp = tempfile.mkdtemp(prefix="corral-ray-")
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": temp})
-    from ray.cluster_utils import Cluster as RayCluster
-
-    cluster = RayCluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"corral": SLOTS}, "include_dashboard": False,
-        "node_ip_address": "127.0.0.1", "labels": {IDENTITY_LABEL: "head"}})
-    worker = add_worker(cluster)
-    try:
-        yield cluster, worker
-    finally:
-        import ray
-
-        ray.shutdown()
-        cluster.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        shutil.rmtree(temp, ignore_errors=True)
-        left = subprocess.run(["pgrep", "-f", temp], capture_output=True, text=True)
-        assert left.stdout == "", f"Ray processes left: {left.stdout}"
-
-
-@pytest.fixture(scope="module")
-def gateway(ray_cluster: tuple[Any, Any]) -> Iterator[Cluster]:
-    cluster, _ = ray_cluster
-    home = Path(tempfile.mkdtemp(prefix="corral-cluster-"))
-    home.chmod(0o711)
-    base = Settings(home=home, uid_start=2_080_000_000 + secrets.randbelow(500) * 10_000,
-                    uid_count=1000)
-    gw = Cluster(cluster.address, base)
-    try:
-        yield gw
-    finally:
-        indices = {name: gw._node_index(name) for name in ("head", "w1")}
-        gw.close_nodes()
-        # A node that died in a test and did not come back left its sandboxes' host pieces:
-        # its own data directory's recovery removes them, as a node coming back would.
-        for name, index in indices.items():
-            overrides = node_settings(base, index, name)
-            if Path(overrides["home"]).exists():
-                with managed(Settings(**overrides)) as manager:
-                    manager.recover()
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_sandboxes_spread_over_the_nodes_and_calls_reach_their_node(gateway: Cluster) -> None:

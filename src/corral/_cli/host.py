@@ -71,19 +71,37 @@ def metrics(ctx: click.Context, as_json: bool) -> None:
 @click.option("--ports-domain", default=None, metavar="DOMAIN",
               help="A wildcard DNS domain pointing here: exposed ports are also served at "
                    "<port>-<sandbox>.DOMAIN, E2B's form (CORRAL_PORTS_DOMAIN).")
+@click.option("--cluster", "cluster", default=None, metavar="ADDRESS",
+              help="Serve a Ray cluster of Corral nodes (HEAD:6379) instead of this host: "
+                   "each sandbox is placed on a node and its calls relayed there. Needs Ray "
+                   "token authentication (RAY_AUTH_MODE=token); see docs/cluster.md.")
 @click.pass_context
 @handle_errors
 def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
           allow_keyless: bool | None, e2b_port: int | None, e2b_domain: str | None,
           e2b_tls_cert: str | None, e2b_tls_key: str | None, ports_url: str | None,
-          ports_domain: str | None) -> None:
+          ports_domain: str | None, cluster: str | None) -> None:
     """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics), and with
-    --e2b-port the E2B dialect beside it."""
+    --e2b-port the E2B dialect beside it; with --cluster, over a Ray cluster."""
     from .._control.manager import get_manager
     from .._server.serve import E2BListener
     from .._server.serve import serve as run_server
 
     settings: Settings = ctx.obj["settings"]
+    if cluster is not None:
+        from ..errors import UsageError
+
+        if e2b_port is not None or ports_url is not None or ports_domain is not None:
+            raise UsageError("--cluster serves Corral's own API (exposed ports in the path "
+                             "form /ports/SANDBOX/PORT/); --e2b-port, --ports-url and "
+                             "--ports-domain are not available with it yet")
+        from .._cluster.serve import serve_cluster
+
+        serve_cluster(cluster, settings, host=host, port=port,
+                      host_names=[*settings.server_host_names.split(","), *host_names],
+                      allow_keyless=settings.server_allow_keyless if allow_keyless is None
+                      else allow_keyless)
+        return
     if ports_url is not None or ports_domain is not None:
         from pydantic import ValidationError
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._audit.log import AuditTrail
+from .._control.egress import network_spec
+from .._control.tenants import Tenant
 from .._settings import Settings
 from ..errors import (
     BackendUnavailable,
@@ -41,6 +43,7 @@ from ..models import CommandResult, SandboxInfo
 from .audit import AuditSink
 from .auth import require_token_auth
 from .node import NodeAgent, node_settings
+from .peer import new_secret
 
 __all__ = ["IDENTITY_LABEL", "Cluster", "NodeView"]
 
@@ -54,6 +57,8 @@ _MAX_NODES = 1024
 # Threads per node agent: its commands run side by side (Ray's default actor is one thread).
 _AGENT_CONCURRENCY = 256
 _MEMBERSHIP_TTL_S = 0.5
+# How old a sandbox, or its record, must be before reconcile judges the map against a node.
+_SETTLE_S = 30.0
 
 
 #: The Ray node label that names a Corral node across restarts (``ray start --labels``): a
@@ -97,6 +102,8 @@ class Cluster:
         self._identities: dict[str, str] = {}  # Ray node id -> Corral node name
         # sandbox -> node: never changes once written (a lost state is re-read, see _route)
         self._placed: dict[str, str] = {}
+        self._service_urls: dict[str, dict[str, str]] = {}
+        self._secret = self.peer_secret()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # The audit copy lives beside the first gateway (its node, its data directory).
@@ -204,13 +211,18 @@ class Cluster:
         return found
 
     def _route(self, sandbox_id: str, tenant: str | None) -> Any:
-        """The agent of the sandbox's node; SandboxLost when that node is gone. A sandbox
-        this gateway placed or saw alive is routed from memory (its node never changes); the
-        store is asked only otherwise, and when its node is not alive."""
+        """The agent of the sandbox's node (``node_for``)."""
+        return self.agent(self.node_for(sandbox_id, tenant))
+
+    def node_for(self, sandbox_id: str, tenant: str | None) -> str:
+        """The sandbox's node; SandboxNotFound when it is not the tenant's (``None``: any
+        tenant), SandboxLost when its node is gone. A sandbox this gateway placed or saw
+        alive is routed from memory (its node never changes); the store is asked only
+        otherwise, and when its node is not alive."""
         with self._lock:
             known = self._placed.get(f"{tenant}\0{sandbox_id}")
         if known is not None and known in self._alive():
-            return self.agent(known)
+            return known
         record = self._record(sandbox_id)
         if tenant is not None and record.get("tenant") != tenant:
             raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
@@ -222,12 +234,53 @@ class Cluster:
                 "snapshot, if you kept one)")
         with self._lock:
             self._placed[f"{tenant}\0{sandbox_id}"] = record["node"]
-        return self.agent(record["node"])
+        return str(record["node"])
+
+    def after_break(self, sandbox_id: str) -> SandboxLost | None:
+        """A connection to the sandbox's node broke: SandboxLost (and the sandbox marked
+        lost) if the node's agent is dead or its node left the cluster, else None (the node
+        lives: the break was the connection's)."""
+        try:
+            record = self._record(sandbox_id)
+        except SandboxNotFound:
+            return None
+        agent = self.agent(record["node"])
+        try:
+            self._ray.get(agent.describe.remote(), timeout=10)
+            return None
+        except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+            pass
+        self._lose(sandbox_id, record)
+        with self._lock:
+            self._alive_cache = None
+        return SandboxLost(f"sandbox {sandbox_id}'s cluster node died during the call: its "
+                           "processes and workspace went with it. Create a new sandbox (from "
+                           "a snapshot, if you kept one)")
+
+    def peer_secret(self) -> bytes:
+        """The cluster's secret for signing callers to nodes (``peer``): made by the first
+        gateway, read by the others (put without overwrite is atomic in the GCS)."""
+        key = b"peer-secret"
+        self._kv._internal_kv_put(key, new_secret(), overwrite=False, namespace=NAMESPACE)
+        secret: bytes = self._kv._internal_kv_get(key, namespace=NAMESPACE)
+        return secret
+
+    def services(self, node_id: str) -> dict[str, str]:
+        """The node's service URLs (``NodeAgent.serve``), started on first use."""
+        with self._lock:
+            known = self._service_urls.get(node_id)
+        if known is not None:
+            return known
+        urls: dict[str, str] = self._ray.get(self.agent(node_id).serve.remote(
+            self._secret), timeout=60)
+        with self._lock:
+            self._service_urls[node_id] = urls
+        return urls
 
     def _placed_on(self, sandbox_id: str, node_id: str, tenant: str | None) -> None:
         """Record a new sandbox's node, in the store and in this gateway's routing memory."""
         self._put(sandbox_id, {"node": node_id, "identity": self._identity_of(node_id),
-                               "tenant": tenant, "state": "live"})
+                               "tenant": tenant, "state": "live", "at": time.time()})
         with self._lock:
             self._placed[f"{tenant}\0{sandbox_id}"] = node_id
 
@@ -270,7 +323,30 @@ class Cluster:
             self._ray.get(self.agent(node_id).forget.remote(ids))
             for sandbox_id in ids:  # still lost to callers; nothing of it is left anywhere
                 self._put(sandbox_id, {**self._record(sandbox_id), "forgotten": True})
+        self._tidy(nodes, self._records())
         return newly
+
+    def _tidy(self, nodes: builtins.list[NodeView], records: dict[str, dict[str, Any]]) -> None:
+        """Make the map agree with what the alive nodes hold, for sandboxes older than
+        ``_SETTLE_S`` (younger ones may be between a node's answer and their record): record
+        what a node holds that the map lacks (a gateway that died between a node's create
+        and its own record: a gateway crash loses nothing), and forget what a node no longer
+        holds (it expired there). Only agents this gateway already reaches are asked."""
+        now = time.time()
+        with self._lock:
+            started = [n for n in nodes if n.node_id in self._agents]
+        for node in started:
+            held = {sandbox_id: (tenant, created) for sandbox_id, tenant, created in
+                    self._ray.get(self.agent(node.node_id).holdings.remote())}
+            for sandbox_id, (tenant, created) in held.items():
+                if sandbox_id not in records and now - created > _SETTLE_S:
+                    log.warning("adopting sandbox %s of node %s, which no gateway recorded",
+                                sandbox_id, node.node_id[:12])
+                    self._placed_on(sandbox_id, node.node_id, tenant)
+            for sandbox_id, record in records.items():
+                if record["node"] == node.node_id and sandbox_id not in held and \
+                        now - record.get("at", 0) > _SETTLE_S:
+                    self._forget(sandbox_id)
 
     # -- placement and the sandbox calls ------------------------------------------------------
 
@@ -327,21 +403,24 @@ class Cluster:
         return info
 
     def fork(self, sandbox_id: str, count: int = 1, *, tenant: str | None = None,
-             max_for_tenant: int | None = None) -> builtins.list[SandboxInfo]:
+             max_for_tenant: int | None = None, caller: Tenant | None = None,
+             memory: bool = False) -> builtins.list[SandboxInfo]:
         """``count`` children of a sandbox, placed like new sandboxes (so they may land on
-        other nodes). On the sandbox's own node they are native forks; for the others the
-        workspace is exported once and moves node to node through Ray's object store, once
-        per node, where the first child is made from it and the rest fork from that one.
-        Carried across nodes: template, tier, isolation and labels; network policy and
-        secrets are not yet (the children get the defaults: no network, no secrets)."""
+        other nodes), each within ``caller``'s ceiling. On the sandbox's own node they are
+        native forks; for the others the workspace is exported once and moves node to node
+        through Ray's object store, once per node, where the first child is made from it and
+        the rest fork from that one, with the source's template, tier, isolation, labels,
+        network policy and idle timeout. A memory fork, or one of a sandbox holding secrets
+        (a node's secret store is its own), stays on the sandbox's node."""
         if count < 1:
             raise UsageError(f"fork needs a count of at least 1, not {count}")
         self._check_quota(tenant, max_for_tenant, count)
         source = self._route(sandbox_id, tenant)
         home = self.node_of(sandbox_id)
+        info: SandboxInfo = self._call(sandbox_id, source.get.remote(sandbox_id, tenant))
         per_node: dict[str, int] = {}
         for _ in range(count):
-            target = self.place(tenant, per_node)
+            target = home if (memory or info.secrets) else self.place(tenant, per_node)
             per_node[target] = per_node.get(target, 0) + 1
         children: builtins.list[SandboxInfo] = []
 
@@ -353,13 +432,13 @@ class Cluster:
         if per_node.get(home):
             # First and alone: a fork seals the workspace, and the export below forks too.
             record(home, self._call(sandbox_id, source.fork.remote(
-                sandbox_id, per_node[home], tenant)))
+                sandbox_id, per_node[home], tenant, caller, memory)))
         others = {n: c for n, c in per_node.items() if n != home}
         if others:
-            info: SandboxInfo = self._call(sandbox_id, source.get.remote(sandbox_id, tenant))
             kwargs = {"template": info.template, "resources": info.resources,
                       "labels": dict(info.labels), "isolation": info.isolation,
-                      "tenant": tenant}
+                      "network": network_spec(info.network), "idle_timeout": info.idle_timeout,
+                      "tenant": tenant, "caller": caller}
             workspace = source.export_fork.remote(sandbox_id, tenant)  # a reference only
             imports = [(node_id, self.agent(node_id).import_fork.remote(workspace, kwargs, n))
                        for node_id, n in others.items()]

@@ -7,22 +7,33 @@ It is the same ``Manager`` every other surface uses: tenancy, ceilings, quotas, 
 audit trail are enforced here, below the gateway, exactly as on a single host. Plain Python
 here; ``gateway`` wraps it with ``ray.remote`` (threaded: commands of many sandboxes run at
 once); Ray is imported only to reach the audit sink.
+
+``serve`` starts the node's own service: Corral's HTTP API and the E2B dialect over this
+node's control plane, on the node's cluster address, for gateways only (every call carries
+a caller token a gateway signed, ``peer``). ``corral serve --cluster`` relays each client
+request there unchanged, so streaming output, PTY WebSockets, background processes, exposed
+ports and E2B's envd reach the sandbox the way they do on one host.
 """
 
 from __future__ import annotations
 
 import builtins
 import io
+import socket
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .._control.manager import Manager, get_manager
+from .._control.tenants import Tenant
 from .._settings import Settings
 from ..errors import SandboxNotFound
 from ..models import CommandResult, SandboxInfo
 from .audit import Shipper
 from .auth import require_token_auth
+from .peer import PeerTenants
 
 __all__ = ["NodeAgent", "node_settings"]
 
@@ -55,6 +66,8 @@ class NodeAgent:
         self._manager: Manager = get_manager(self._settings)
         self._manager.recover()
         self._shipper: Shipper | None = None
+        self._services: _Services | None = None
+        self._serve_lock = threading.Lock()
         if sink is not None:  # a Ray actor handle (``audit.AuditSink``)
             import ray
 
@@ -69,11 +82,29 @@ class NodeAgent:
                 "uid_start": self._settings.uid_start, "uid_count": self._settings.uid_count,
                 "sandboxes": len(self._manager.list())}
 
+    def serve(self, secret: bytes, host: str | None = None) -> dict[str, str]:
+        """Start the node's services (once; idempotent) for gateways holding ``secret``, on
+        ``host`` (default: this Ray node's address). Returns their base URLs."""
+        with self._serve_lock:
+            if self._services is None:
+                if host is None:
+                    import ray
+
+                    host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+                self._services = _Services(self._manager, PeerTenants(self._manager.store,
+                                                                      secret), host)
+            return self._services.urls
+
     def create(self, kwargs: dict[str, Any]) -> SandboxInfo:
         return self._manager.create(**kwargs)
 
     def get(self, sandbox_id: str, tenant: str | None) -> SandboxInfo:
         return self._manager.get(sandbox_id, tenant=tenant)
+
+    def holdings(self) -> builtins.list[tuple[str, str, float]]:
+        """Every live sandbox here: id, tenant, when it was made."""
+        return [(record.id, record.tenant, record.created_at)
+                for record in self._manager.sandboxes.list()]
 
     def list(self, tenant: str | None) -> builtins.list[SandboxInfo]:
         return self._manager.list(tenant=tenant)
@@ -95,9 +126,12 @@ class NodeAgent:
         self._manager.get(sandbox_id, tenant=tenant)
         self._manager.destroy(sandbox_id)
 
-    def fork(self, sandbox_id: str, count: int, tenant: str | None) -> builtins.list[SandboxInfo]:
-        """``count`` children here, the native way (O(1): shared read-only layers)."""
-        return self._manager.fork(sandbox_id, count, tenant=tenant)
+    def fork(self, sandbox_id: str, count: int, tenant: str | None,
+             caller: Tenant | None = None, memory: bool = False) -> builtins.list[SandboxInfo]:
+        """``count`` children here, the native way (O(1): shared read-only layers), within
+        ``caller``'s ceiling."""
+        return self._manager.fork(sandbox_id, count, tenant=tenant, caller=caller,
+                                  memory=memory)
 
     def export_fork(self, sandbox_id: str, tenant: str | None) -> bytes:
         """The workspace as a fork would see it, as a tar, for children on other nodes: a
@@ -118,8 +152,8 @@ class NodeAgent:
         first = self._manager.create(**kwargs)
         try:
             self._manager.upload(first.id, "/workspace", io.BytesIO(workspace))
-            rest = self._manager.fork(first.id, count - 1, tenant=kwargs.get("tenant")) \
-                if count > 1 else []
+            rest = self._manager.fork(first.id, count - 1, tenant=kwargs.get("tenant"),
+                                      caller=kwargs.get("caller")) if count > 1 else []
         except BaseException:
             self._manager.destroy(first.id)
             raise
@@ -144,6 +178,8 @@ class NodeAgent:
                 self._manager.destroy(info.id)
             except SandboxNotFound:
                 pass
+        if self._services is not None:
+            self._services.close()
         if self._shipper is not None:
             self._shipper.close()  # the last events, the destroys' too, go out first
         self._manager.backend.sweep(set())
@@ -151,3 +187,47 @@ class NodeAgent:
         if remove_instance is not None:
             remove_instance()
         self._manager.close()
+
+
+class _Services:
+    """The node's HTTP API and E2B listener, each uvicorn on a thread of its own with a port
+    the kernel picked, and the reaper that destroys what expires (as ``corral serve`` runs)."""
+
+    def __init__(self, manager: Manager, tenants: PeerTenants, host: str) -> None:
+        import uvicorn
+
+        from .._control.recovery import Reaper
+        from .._e2b.app import E2BConfig, create_e2b_app
+        from .._server.app import create_app
+
+        apps: dict[str, Any] = {"http": create_app(manager, listen_host=host, tenants=tenants),
+                "e2b": create_e2b_app(manager, E2BConfig(listen_host=host), tenants=tenants)}
+        self.urls: dict[str, str] = {}
+        self._servers: list[tuple[Any, threading.Thread]] = []
+        for name, app in apps.items():
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                   lifespan="off", timeout_keep_alive=30))
+            thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                                      name=f"corral-node-{name}", daemon=True)
+            thread.start()
+            self._servers.append((server, thread))
+            shown = f"[{host}]" if ":" in host else host
+            self.urls[name] = f"http://{shown}:{port}"
+        deadline = time.monotonic() + 10
+        while not all(server.started for server, _ in self._servers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the node's service did not start within 10 s")
+            time.sleep(0.01)
+        self._reaper = Reaper(manager.recover)
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._reaper.stop()
+        for server, _ in self._servers:
+            server.should_exit = True
+        for _, thread in self._servers:
+            thread.join(timeout=10)

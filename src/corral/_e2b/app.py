@@ -151,10 +151,13 @@ async def _health(request: Request) -> Response:
 class E2BApp:
     """The ASGI app; ``state`` is what handlers reach as ``request.app.state``."""
 
-    def __init__(self, manager: Manager, config: E2BConfig) -> None:
+    def __init__(self, manager: Manager, config: E2BConfig,
+                 tenants: TenantDirectory | None = None) -> None:
+        """``tenants``: who callers are, instead of the keys in ``manager``'s store (a cluster
+        node's: the gateways' signed callers)."""
         self.config = config
         self.names = ServiceNames.of(config.listen_host, config.host_names)
-        self.tenants = TenantDirectory(manager.store)
+        self.tenants = tenants or TenantDirectory(manager.store)
         self.tokens = SandboxTokens(manager.settings.home)
         self.e2b = E2BState(manager.settings.home / "e2b.db")
         # Any other port of a sandbox (E2B's get_host) goes through Corral's port proxy.
@@ -427,5 +430,6 @@ def _own_port(scope: Scope) -> int | None:
     return int(server[1]) if server and server[1] is not None else None
 
 
-def create_e2b_app(manager: Manager, config: E2BConfig | None = None) -> E2BApp:
-    return E2BApp(manager, config or E2BConfig())
+def create_e2b_app(manager: Manager, config: E2BConfig | None = None, *,
+                   tenants: TenantDirectory | None = None) -> E2BApp:
+    return E2BApp(manager, config or E2BConfig(), tenants)

@@ -25,12 +25,21 @@ from .._backends._linux.template import require_template
 from .._control import validate
 from .._control.manager import Manager
 from .._control.ports import PortURLs
+from .._control.store import Store
 from .._core.resources import get_tier
 from .._workspace.files import to_relative
 from ..errors import AuthError, CorralError, SandboxNotFound
 from .auth import Tenant, TenantDirectory
 from .bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
-from .guard import Authenticate, BodyLimit, HostGuard, OriginGuard, OwnerFirst, ServiceNames
+from .guard import (
+    AnyName,
+    Authenticate,
+    BodyLimit,
+    HostGuard,
+    OriginGuard,
+    OwnerFirst,
+    ServiceNames,
+)
 from .portproxy import PortProxy, PortRouting
 from .routes import (
     audit,
@@ -52,25 +61,24 @@ __all__ = ["BODY_LIMITS", "MAX_COMMAND_BODY", "MAX_FILE_BODY", "MAX_JSON_BODY", 
 logger = logging.getLogger(__name__)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
 
 
-def _is_protected(path: str) -> bool:
+def is_protected(path: str) -> bool:
     # Everything but the health check and the API's own description needs a key.
     return path.startswith("/v1/") or path == "/metrics"
 
 
-def _authenticator(manager: Manager, tenants: TenantDirectory, *, loopback: bool,
+def key_authenticator(store: Store, tenants: TenantDirectory, *, loopback: bool,
                    allow_keyless: bool) -> Any:
     """Auth is required beyond loopback, and on loopback as soon as any key exists, or ever
     existed (unless ``allow_keyless``): revoking the last key must not silently reopen it."""
 
     def check(header: str | None) -> Tenant:
-        store = manager.store
         required = not loopback or store.live_key_count() > 0
         if not required and not allow_keyless and store.keys_have_existed():
             if not header:
@@ -105,15 +113,19 @@ def _owner_check(manager: Manager) -> Any:
 
 def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
                host_names: Sequence[str] = (), allow_keyless: bool = False,
-               ports_domain: str | None = None) -> FastAPI:
+               ports_domain: str | None = None,
+               tenants: TenantDirectory | None = None) -> FastAPI:
     """The API for ``manager``. Auth is required unless listening on loopback with no keys
     (and none ever, unless ``allow_keyless``). It answers to ``host_names`` besides the listen
     address, ``localhost``, ``127.0.0.1`` and ``[::1]``. Raises ValueError for a malformed
-    name."""
-    tenants = TenantDirectory(manager.store)
+    name. ``tenants``: who callers are, instead of the keys in ``manager``'s store (a cluster
+    node's: the gateways' signed callers); with it, every call needs one, and any Host is
+    answered (``AnyName``: the gateway judged it)."""
+    own_keys = tenants is None
+    tenants = tenants or TenantDirectory(manager.store)
     rules = _field_rules(manager)
-    loopback = _is_loopback(listen_host)
-    names = ServiceNames.of(listen_host, host_names)
+    loopback = is_loopback(listen_host) and own_keys
+    names = ServiceNames.of(listen_host, host_names) if own_keys else AnyName()
     app = FastAPI(title="Corral", version="0.1.0", responses=_ERRORS,
                   description="Sandboxes for AI agents: commands, files, network policy, audit.")
     app.state.manager = manager
@@ -122,8 +134,8 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     # add_middleware wraps: the last added runs first (Host, body, key, Origin, owner).
     app.add_middleware(OwnerFirst, check=_owner_check(manager))
     app.add_middleware(OriginGuard, names=names)
-    app.add_middleware(Authenticate, protected=_is_protected, authenticate=_authenticator(
-        manager, tenants, loopback=loopback, allow_keyless=allow_keyless))
+    app.add_middleware(Authenticate, protected=is_protected, authenticate=key_authenticator(
+        manager.store, tenants, loopback=loopback, allow_keyless=allow_keyless))
     app.add_middleware(BodyLimit, limits=BODY_LIMITS)
     app.add_middleware(HostGuard, names=names)
     # Outermost: an exposed port's requests are the sandbox's app's, not the service's.

@@ -121,6 +121,18 @@ class ServiceNames:
         return ", ".join(self.names)
 
 
+class AnyName(ServiceNames):
+    """Every name: for a cluster node's service, which only gateways reach (each call carries
+    a caller token a gateway signed) and whose gateway judged the Host already; the node sees
+    the client's Host, so the URLs it builds (exposed ports') are the gateway's."""
+
+    def __init__(self) -> None:
+        super().__init__(("*",), ())
+
+    def allows(self, authority: str, own_port: int | None) -> bool:
+        return _split_authority(authority) is not None
+
+
 def _own_port(scope: Scope) -> int | None:
     server = scope.get("server")
     return int(server[1]) if server and server[1] is not None else None

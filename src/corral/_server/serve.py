@@ -13,7 +13,7 @@ import uvicorn
 from .._control.manager import Manager
 from .._control.recovery import Reaper
 from ..errors import ConfigError
-from .app import _is_loopback, create_app
+from .app import create_app, is_loopback
 
 __all__ = ["E2BListener", "Reaper", "serve"]
 
@@ -71,7 +71,7 @@ def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] =
           allow_keyless: bool = False, e2b: E2BListener | None = None) -> None:
     """Serve until interrupted. Raises ConfigError when exposure would be unauthenticated or a
     host name is malformed."""
-    if not _is_loopback(host) and manager.store.live_key_count() == 0:
+    if not is_loopback(host) and manager.store.live_key_count() == 0:
         raise ConfigError(
             f"refusing to listen on {host} without API keys: anyone who can reach it could run "
             "code. Create a tenant and a key first (`corral tenants add NAME`, "

@@ -1,0 +1,79 @@
+"""Running the cluster gateway: uvicorn over ``service``'s app, and the reconciler that keeps
+the sandbox map true (lost nodes, nodes back, sandboxes no gateway recorded or that expired)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import uvicorn
+
+from .._control.store import Store
+from .._server.app import is_loopback
+from .._settings import Settings
+from ..errors import ConfigError
+
+__all__ = ["serve_cluster"]
+
+log = logging.getLogger(__name__)
+
+_RECONCILE_S = 2.0
+
+
+class _Reconciler:
+    def __init__(self, reconcile: object, interval_s: float = _RECONCILE_S) -> None:
+        self._reconcile = reconcile
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="corral-reconcile", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                lost = self._reconcile()  # type: ignore[operator]
+                if lost:
+                    log.warning("sandboxes lost with their node: %s", ", ".join(lost))
+            except Exception:  # keep going: one bad pass must not stop the next
+                log.exception("cluster reconcile pass failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
+                  host_names: Sequence[str] = (), allow_keyless: bool = False) -> None:
+    """Serve the HTTP API over the Ray cluster at ``address`` until interrupted. Keys are this
+    data directory's (``corral keys create``). Raises ConfigError where ``corral serve``
+    would (no keys beyond loopback, a malformed host name) and without Ray token auth."""
+    from .gateway import Cluster
+    from .service import create_cluster_app
+
+    settings.home.mkdir(parents=True, exist_ok=True, mode=0o711)
+    store = Store(settings.home / "corral.db")
+    if not is_loopback(host) and store.live_key_count() == 0:
+        raise ConfigError(
+            f"refusing to listen on {host} without API keys: anyone who can reach it could run "
+            "code on the cluster. Create a tenant and a key first (`corral tenants add NAME`, "
+            "`corral keys create NAME`), or listen on 127.0.0.1")
+    cluster = Cluster(address, settings)
+    try:
+        app = create_cluster_app(cluster, store, listen_host=host, host_names=host_names,
+                                 allow_keyless=allow_keyless)
+    except ValueError as exc:
+        raise ConfigError(f"--host-name: {exc}") from exc
+    nodes = cluster.nodes()
+    log.warning("gateway for %d Corral node(s) at %s, on http://%s:%d", len(nodes), address,
+                host, port)
+    reconciler = _Reconciler(cluster.reconcile)
+    reconciler.start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False,
+                    lifespan="on")
+    finally:
+        reconciler.stop()
+        store.close()

@@ -1,0 +1,478 @@
+"""``corral serve --cluster``: Corral's HTTP API over a Ray cluster of Corral nodes.
+
+The gateway authenticates the caller with its own keys (this data directory's tenants), then
+relays each request, unchanged but for its credentials, to the node that holds the sandbox:
+the node's own service (``NodeAgent.serve``) runs the same app as ``corral serve`` over that
+node's control plane, and it is told who calls by a caller token the gateway signs
+(``peer``). Streaming command output, files and tar streams, PTY WebSockets, background
+processes and exposed ports therefore behave exactly as on one host, and the tenancy,
+ceilings, quotas and audit that hold there hold here, enforced on the node again.
+
+The gateway itself decides only what spans nodes: where a new sandbox goes (``Cluster.place``;
+a snapshot's or volume's own node when the request names one), the tenant's sandbox quota
+across the cluster, forks whose children land on other nodes (``Cluster.fork``), the lists
+(asked of every node), a lost sandbox's answers (410 ``sandbox_lost``, at once; its audit trail
+from the gateway's shipped copy), and the sandbox → node map, kept in Ray's GCS so another
+gateway, or this one restarted, routes the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import socket
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .._control import validate
+from .._control.store import Store
+from .._control.tenants import Tenant, TenantDirectory
+from .._server.app import is_loopback, is_protected, key_authenticator
+from .._server.bodies import BODY_LIMITS
+from .._server.guard import (
+    Authenticate,
+    BodyLimit,
+    HostGuard,
+    OriginGuard,
+    ServiceNames,
+    scope_tenant,
+)
+from .._server.relay import HOP_HEADERS, HttpRelay, Refusal, WebSocketRelay
+from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound, UsageError
+from .gateway import Cluster
+from .peer import sign_caller
+
+__all__ = ["create_cluster_app"]
+
+log = logging.getLogger(__name__)
+
+_SANDBOX = re.compile(r"/v1/sandboxes/(sbx_[a-z0-9]{1,50})(/.*)?")
+_PORT = re.compile(r"/ports/(sbx_[a-z0-9]{1,50})/\d{1,5}(/.*)?")
+_BY_REF = re.compile(r"/v1/(snapshots|volumes)/([^/]{1,200})")
+# Request headers the gateway never passes on: the caller's credentials are replaced by a
+# signed caller token; Origin was judged here (the node would judge it against its names).
+_NOT_PASSED = HOP_HEADERS | {b"host", b"authorization", b"origin"}
+_NODE_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+
+class _Error(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+async def _send_json(send: Send, status: int, body: Any,
+                     headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+        *headers]})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Error(400, "invalid_request", "the client went away mid-request")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes) -> Receive:
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()  # the client's disconnect is not known here
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+class _Gateway:
+    """The gateway's own routing, inside the same guards as ``corral serve``'s."""
+
+    def __init__(self, cluster: Cluster, tenants: TenantDirectory) -> None:
+        self._cluster = cluster
+        self._tenants = tenants
+        self._secret = cluster.peer_secret()
+        self._client: httpx.AsyncClient | None = None
+
+    # -- the pieces ---------------------------------------------------------------------------
+
+    def _token(self, tenant: Tenant) -> bytes:
+        return f"Bearer {sign_caller(tenant, self._secret)}".encode()
+
+    def _headers(self, scope: Scope, caller: Tenant | None) -> list[tuple[bytes, bytes]]:
+        # The client's Host, already judged here: the node builds its URLs (an exposed
+        # port's) from it, so they name the gateway.
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k not in _NOT_PASSED or
+                   k == b"host"]
+        if caller is not None:
+            headers.append((b"authorization", self._token(caller)))
+        return headers
+
+    async def _url(self, node_id: str) -> str:
+        return (await run_in_threadpool(self._cluster.services, node_id))["http"]
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=_NODE_TIMEOUT)
+        return self._client
+
+    async def _ask(self, node_id: str, method: str, path: str, caller: Tenant, *,
+                   query: bytes = b"", body: bytes | None = None) -> httpx.Response:
+        """One whole request to a node (what the gateway reads itself)."""
+        url = await self._url(node_id)
+        headers = {"authorization": self._token(caller).decode()}
+        if body is not None:
+            headers["content-type"] = "application/json"
+        target = f"{url}{path}" + (f"?{query.decode('latin-1')}" if query else "")
+        try:
+            return await self._http().request(method, target, content=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise _Error(502, "node_unreachable", f"cluster node {node_id[:12]} did not "
+                         f"answer ({exc.__class__.__name__}); try again") from None
+
+    async def _alive_nodes(self) -> list[str]:
+        return [n.node_id for n in await run_in_threadpool(self._cluster.nodes)]
+
+    async def _fan_out(self, method: str, path: str, caller: Tenant,
+                       query: bytes = b"") -> list[httpx.Response]:
+        nodes = await self._alive_nodes()
+        return list(await asyncio.gather(*(self._ask(n, method, path, caller, query=query)
+                                           for n in nodes)))
+
+    async def _holder(self, kind: str, ref: str, caller: Tenant) -> str | None:
+        """The node that holds a snapshot or volume of the caller's, if any does."""
+        nodes = await self._alive_nodes()
+        answers = await asyncio.gather(*(self._ask(n, "GET", f"/v1/{kind}/{ref}", caller)
+                                         for n in nodes))
+        for node_id, answer in zip(nodes, answers, strict=True):
+            if answer.status_code == 200:
+                return node_id
+        return None
+
+    async def _send_answer(self, send: Send, answer: httpx.Response) -> None:
+        headers = [(k.encode(), v.encode()) for k, v in answer.headers.items()
+                   if k.lower() in ("content-type", "x-corral-torn-tail")]
+        body = answer.content
+        await send({"type": "http.response.start", "status": answer.status_code,
+                    "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    # -- ASGI ---------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] not in ("http", "websocket"):
+            return
+        try:
+            await self._dispatch(scope, receive, send)
+        except (CorralError, _Error) as exc:
+            status = exc.status
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008,
+                            "reason": exc.message[:120]})
+                return
+            await _send_json(send, status, {"error": exc.code, "message": exc.message})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._client is not None:
+                    await self._client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope.get("method", "GET")
+        if path == "/healthz":
+            nodes = await self._alive_nodes()
+            await _send_json(send, 200, {"status": "ok", "nodes": len(nodes)})
+            return
+        port = _PORT.fullmatch(path)
+        if port is not None:
+            await self._relay_port(scope, receive, send, port.group(1))
+            return
+        if not is_protected(path):
+            raise _Error(404, "not_found", "Not Found")
+        caller = scope_tenant(scope)
+        if path == "/v1/sandboxes":
+            if method == "POST":
+                await self._create(scope, receive, send, caller)
+            elif method == "GET":
+                await self._list(send, "/v1/sandboxes", caller, scope.get("query_string", b""))
+            else:
+                raise _Error(405, "method_not_allowed", "Method Not Allowed")
+            return
+        found = _SANDBOX.fullmatch(path)
+        if found is not None:
+            sandbox_id, rest = found.group(1), found.group(2) or ""
+            if rest == "/fork" and method == "POST":
+                await self._fork(receive, send, sandbox_id, caller)
+            else:
+                await self._relay_sandbox(scope, receive, send, sandbox_id, rest, caller)
+            return
+        if path in ("/v1/snapshots", "/v1/volumes") and method == "GET":
+            await self._list(send, path, caller, scope.get("query_string", b""))
+            return
+        if path == "/v1/volumes" and method == "POST":
+            await self._create_volume(receive, send, caller)
+            return
+        by_ref = _BY_REF.fullmatch(path)
+        if by_ref is not None and method in ("GET", "DELETE"):
+            answers = await self._fan_out(method, path, caller)
+            hit = [a for a in answers if a.status_code != 404]
+            await self._send_answer(send, (hit or answers)[0] if answers else _no_node())
+            return
+        if path == "/metrics":
+            await self._metrics(send, caller)
+            return
+        raise _Error(404, "not_found", "Not Found")
+
+    # -- what spans nodes ---------------------------------------------------------------------
+
+    def _tenant_name(self, caller: Tenant) -> str | None:
+        return None if caller.is_local else caller.name
+
+    async def _create(self, scope: Scope, receive: Receive, send: Send,
+                      caller: Tenant) -> None:
+        body = await _read_body(receive)
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            request = None
+        owner = caller.name
+        node_id = None
+        if isinstance(request, dict):
+            snapshot = request.get("snapshot")
+            volumes = request.get("volumes")
+            if isinstance(snapshot, str) and validate_ref(snapshot):
+                node_id = await self._holder("snapshots", snapshot, caller)
+            elif isinstance(volumes, dict) and volumes:
+                first = next(iter(volumes))
+                if isinstance(first, str) and validate_ref(first):
+                    node_id = await self._holder("volumes", first, caller)
+        limit = None if caller.is_local else caller.max_sandboxes
+        await run_in_threadpool(self._cluster._check_quota, owner, limit, 1)
+        if node_id is None:
+            node_id = await run_in_threadpool(self._cluster.place, owner)
+        answer = await self._ask(node_id, "POST", "/v1/sandboxes", caller, body=body)
+        if answer.status_code == 201:
+            made = answer.json()["id"]
+            await run_in_threadpool(self._cluster._placed_on, made, node_id, owner)
+        await self._send_answer(send, answer)
+
+    async def _create_volume(self, receive: Receive, send: Send, caller: Tenant) -> None:
+        body = await _read_body(receive)
+        node_id = await run_in_threadpool(self._cluster.place, caller.name)
+        await self._send_answer(send, await self._ask(node_id, "POST", "/v1/volumes", caller,
+                                                      body=body))
+
+    async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
+        answers = await self._fan_out("GET", path, caller, query)
+        items: list[Any] = []
+        for answer in answers:
+            if answer.status_code != 200:
+                await self._send_answer(send, answer)
+                return
+            items.extend(answer.json())
+        items.sort(key=lambda item: (item.get("created_at", 0), item.get("id", "")))
+        await _send_json(send, 200, items)
+
+    async def _fork(self, receive: Receive, send: Send, sandbox_id: str,
+                    caller: Tenant) -> None:
+        body = await _read_body(receive)
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            raise _Error(400, "invalid_request", "the fork request is not JSON") from None
+        if not isinstance(request, dict) or set(request) - {"count", "memory"}:
+            raise _Error(422, "invalid_request", "a fork takes {\"count\": N, \"memory\": "
+                         "false}")
+        count = validate.fork_count(request.get("count", 1))
+        memory = request.get("memory", False)
+        if not isinstance(memory, bool):
+            raise UsageError("memory must be true or false")
+        owner = self._tenant_name(caller)
+        limit = None if caller.is_local else caller.max_sandboxes
+        children = await run_in_threadpool(
+            lambda: self._cluster.fork(sandbox_id, count, tenant=owner, max_for_tenant=limit,
+                                       caller=caller, memory=memory))
+        await _send_json(send, 201, [child.model_dump(mode="json") for child in children])
+
+    async def _metrics(self, send: Send, caller: Tenant) -> None:
+        """Every node's counters, each line labelled with its node."""
+        nodes = await self._alive_nodes()
+        answers = await asyncio.gather(*(self._ask(n, "GET", "/metrics", caller)
+                                         for n in nodes))
+        lines: list[str] = []
+        seen: set[str] = set()
+        for node_id, answer in zip(nodes, answers, strict=True):
+            if answer.status_code != 200:
+                await self._send_answer(send, answer)
+                return
+            lines.extend(_labelled(answer.text, node_id, seen))
+        data = ("\n".join(lines) + "\n").encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+            (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    # -- relaying -----------------------------------------------------------------------------
+
+    async def _relay_sandbox(self, scope: Scope, receive: Receive, send: Send,
+                             sandbox_id: str, rest: str, caller: Tenant) -> None:
+        owner = self._tenant_name(caller)
+        try:
+            node_id = await run_in_threadpool(self._cluster.node_for, sandbox_id, owner)
+        except SandboxLost:
+            if rest == "/audit" and scope["type"] == "http":
+                await self._lost_audit(send, sandbox_id, owner)
+                return
+            if rest == "" and scope.get("method") == "DELETE":
+                await run_in_threadpool(self._cluster.destroy, sandbox_id, tenant=owner)
+                await send({"type": "http.response.start", "status": 204, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            raise
+        status = await self._relay(scope, receive, send, node_id, sandbox_id, caller)
+        if rest == "" and scope.get("method") == "DELETE" and status == 204:
+            await run_in_threadpool(self._cluster._forget, sandbox_id)
+
+    async def _relay_port(self, scope: Scope, receive: Receive, send: Send,
+                          sandbox_id: str) -> None:
+        """An exposed port's request: the node's port proxy judges who may pass (a port
+        token, a signed link, public, or the owner's key, which becomes a caller token)."""
+        caller = None
+        header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        if header is not None:
+            with contextlib.suppress(AuthError):
+                caller = await run_in_threadpool(self._tenants.authenticate,
+                                                 header.decode("latin-1"), auth_required=True)
+        try:
+            node_id = await run_in_threadpool(self._cluster.node_for, sandbox_id, None)
+        except SandboxNotFound:
+            raise _Error(404, "sandbox_not_found", f"sandbox {sandbox_id} does not exist, or "
+                         "its port is not exposed") from None
+        await self._relay(scope, receive, send, node_id, sandbox_id, caller)
+
+    async def _relay(self, scope: Scope, receive: Receive, send: Send, node_id: str,
+                     sandbox_id: str, caller: Tenant | None) -> int:
+        url = urlsplit(await self._url(node_id))
+        headers = self._headers(scope, caller)
+        relayed = {**scope, "headers": headers}
+
+        async def broken(exc: BaseException) -> Refusal:
+            lost = await run_in_threadpool(self._cluster.after_break, sandbox_id)
+            if lost is not None:
+                return Refusal(lost.status, lost.code, lost.message)
+            return Refusal(502, "node_unreachable", f"the connection to cluster node "
+                           f"{node_id[:12]} broke ({exc.__class__.__name__}); try again")
+
+        websocket = scope["type"] == "websocket"
+        relay: HttpRelay | WebSocketRelay = WebSocketRelay(
+            relayed, receive, send, broken=broken) if websocket else HttpRelay(
+            relayed, receive, send, broken=broken)
+        path = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"")
+        target = path + (b"?" + query if query else b"")
+        try:
+            sock = await _connect(url.hostname or "127.0.0.1", url.port or 80)
+        except OSError as exc:
+            refusal = await broken(exc)
+            raise _Error(refusal.status, refusal.code, refusal.message) from None
+        try:
+            if isinstance(relay, WebSocketRelay):
+                await relay.run(sock, target, headers)
+            else:
+                await relay.run(sock, target, headers)
+        finally:
+            sock.close()
+        return relay.status
+
+    async def _lost_audit(self, send: Send, sandbox_id: str, owner: str | None) -> None:
+        trail = await run_in_threadpool(lambda: self._cluster.audit(sandbox_id, tenant=owner))
+        body = "".join(event.model_dump_json() + "\n" for event in trail.events).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/x-ndjson"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-corral-torn-tail", str(trail.torn_tail).lower().encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def validate_ref(ref: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", ref))
+
+
+def _no_node() -> httpx.Response:
+    return httpx.Response(503, json={"error": "backend_unavailable",
+                                     "message": "no cluster node is alive"})
+
+
+def _labelled(text: str, node_id: str, seen: set[str]) -> list[str]:
+    """Prometheus text with ``node="..."`` on every sample; HELP and TYPE once."""
+    out = []
+    label = f'node="{node_id[:12]}"'
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("#"):
+            if line not in seen:
+                seen.add(line)
+                out.append(line)
+            continue
+        name, sep, rest = line.partition("{")
+        if sep:
+            out.append(f"{name}{{{label},{rest}")
+        else:
+            metric, _, value = line.partition(" ")
+            out.append(f"{metric}{{{label}}} {value}")
+    return out
+
+
+async def _connect(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (host, port)), 10)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def create_cluster_app(cluster: Cluster, store: Store, *, listen_host: str = "127.0.0.1",
+                       host_names: Sequence[str] = (), allow_keyless: bool = False) -> ASGIApp:
+    """The gateway's app: ``corral serve``'s guards (Host, body limits, key, Origin) around
+    the cluster routing. Keys are those of ``store`` (the gateway's data directory)."""
+    tenants = TenantDirectory(store)
+    names = ServiceNames.of(listen_host, host_names)
+    app: ASGIApp = _Gateway(cluster, tenants)
+    app = OriginGuard(app, names=names)
+    app = Authenticate(app, protected=is_protected, authenticate=key_authenticator(
+        store, tenants, loopback=is_loopback(listen_host), allow_keyless=allow_keyless))
+    app = BodyLimit(app, limits=BODY_LIMITS)
+    return HostGuard(app, names=names)
+

@@ -1,0 +1,244 @@
+"""``corral serve --cluster`` over a real two-node Ray cluster on loopback (``raycluster``):
+the same HTTP API, placed and relayed to the sandbox's node, with the gateway's own keys.
+
+The conformance suite (``tests/conformance``) runs every behavioural SDK case through such a
+gateway too; this module shows what is the cluster's own: placement per tenant, quotas across
+nodes, the PTY WebSocket and an exposed port relayed, the nodes' services closed to anyone
+but a gateway and to sandboxes, a gateway crash and a second gateway, and a node dying under
+a streaming command.
+
+Bounded: every command has a timeout, every server is on loopback, and teardown destroys
+every node's sandboxes and checks no Ray process is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from corral import QuotaExceeded, Sandbox, SandboxNotFound
+from corral._cluster.gateway import Cluster
+from corral._control.store import Store
+from corral._control.tenants import Ceiling, TenantDirectory
+from corral.errors import AuthError, CeilingExceeded, SandboxLost
+
+from .raycluster import ServedGateway, ray_cluster, served_gateway
+
+pytestmark = pytest.mark.needs_root
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Any, Any]]:
+    with ray_cluster() as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def served(cluster: tuple[Any, Any]) -> Iterator[tuple[ServedGateway, Cluster, dict[str, str]]]:
+    """The gateway, the same gateway embedded here, and a key per tenant."""
+    with served_gateway(cluster[0]) as (gateway, embedded):
+        store = Store(gateway.base.home / "corral.db")
+        directory = TenantDirectory(store)
+        directory.add_tenant("alpha", max_sandboxes=30, tiers=["small"])
+        directory.add_tenant("beta", max_sandboxes=30, tiers=["small"])
+        directory.add_tenant("tight", max_sandboxes=3, tiers=["small"])
+        directory.add_tenant("narrow", max_sandboxes=5, tiers=["small"],
+                             ceiling=Ceiling.build(isolation=["namespace"]))
+        keys = {name: directory.create_key(name)[1]
+                for name in ("alpha", "beta", "tight", "narrow")}
+        store.close()
+        yield gateway, embedded, keys
+
+
+def sdk(served: tuple[ServedGateway, Cluster, dict[str, str]], tenant: str) -> dict[str, str]:
+    return {"url": served[0].url, "api_key": served[2][tenant]}
+
+
+def test_sandboxes_spread_per_tenant_and_each_call_reaches_its_node(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    _, embedded, _ = served
+    made = [Sandbox.create(**sdk(served, "alpha" if i % 2 else "beta")) for i in range(20)]
+    try:
+        placed = {sb.id: embedded.node_of(sb.id) for sb in made}
+        nodes = {node.node_id for node in embedded.nodes()}
+        assert sorted(list(placed.values()).count(n) for n in nodes) == [10, 10]
+        for tenant in ("alpha", "beta"):
+            mine = [placed[sb.id] for sb in made if embedded._record(sb.id)["tenant"] == tenant]
+            assert sorted(mine.count(n) for n in nodes) == [5, 5]
+        for node in nodes:  # a node holds exactly what the gateway placed there
+            held = {i.id for i in embedded._ray.get(embedded.agent(node).list.remote(None))}
+            assert held == {sid for sid, n in placed.items() if n == node}
+        for sb in made[:6]:
+            sb.files.write("me", sb.id)
+            assert sb.commands.run("cat me", timeout=30).stdout == sb.id
+        # A tenant sees only its own, through the gateway as on one host.
+        alpha = {i.id for i in Sandbox.list(**sdk(served, "alpha"))}
+        assert alpha == {sb.id for sb in made if embedded._record(sb.id)["tenant"] == "alpha"}
+        beta_one = next(sb for sb in made if sb.id not in alpha)
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect(beta_one.id, **sdk(served, "alpha"))
+    finally:
+        for sb in made:
+            sb.kill()
+    assert not any(r.get("state") == "live" for r in embedded._records().values())
+
+
+def test_quota_across_the_cluster_and_the_ceiling_on_the_node(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    _, embedded, _ = served
+    made = [Sandbox.create(**sdk(served, "tight")) for _ in range(3)]
+    try:
+        # Spread over both nodes, neither holds 3: only the gateway's count refuses the 4th.
+        assert len({embedded.node_of(sb.id) for sb in made}) == 2
+        with pytest.raises(QuotaExceeded, match="tight"):
+            Sandbox.create(**sdk(served, "tight"))
+        with pytest.raises(QuotaExceeded):
+            made[0].fork()
+    finally:
+        for sb in made:
+            sb.kill()
+    # The tenant's ceiling travels in the signed caller and the node applies it.
+    with pytest.raises(CeilingExceeded, match="isolation"):
+        Sandbox.create(isolation="gvisor", **sdk(served, "narrow"))
+
+
+def test_a_terminal_and_an_exposed_port_through_the_gateway(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    gateway, _, keys = served
+    sb = Sandbox.create(**sdk(served, "alpha"))
+    try:
+        async def terminal() -> str:
+            url = gateway.url.replace("http", "ws") + f"/v1/sandboxes/{sb.id}/pty?rows=24&cols=80"
+            screen = ""
+            async with websockets.connect(url, additional_headers={
+                    "Authorization": f"Bearer {keys['alpha']}"}) as ws:
+                async def until(marker: str) -> None:
+                    nonlocal screen
+                    async with asyncio.timeout(60):
+                        while marker not in screen:
+                            frame = await ws.recv()
+                            screen += frame.decode() if isinstance(frame, bytes) else frame
+
+                await until("$ ")
+                await ws.send(json.dumps({"type": "input", "data": "echo typed-$((6*7))\n"}))
+                await until("typed-42")
+            return screen
+
+        assert "typed-42" in asyncio.run(terminal())
+        sb.processes.start("python3 -m http.server 8000 --bind 127.0.0.1")
+        port = sb.ports.expose(8000)
+        assert port.url is not None and port.url.startswith(gateway.url), port.url
+        deadline = time.monotonic() + 30
+        while True:
+            answer = httpx.get(port.url, headers={"X-Corral-Port-Token": port.token or ""})
+            if answer.status_code == 200:
+                break
+            assert answer.status_code == 502 and time.monotonic() < deadline, answer.text
+            time.sleep(0.2)
+        assert "Directory listing" in answer.text
+        assert httpx.get(port.url).status_code == 401  # no token: refused, by the node
+    finally:
+        sb.kill()
+
+
+def test_the_nodes_services_serve_gateways_only_and_sandboxes_cannot_reach_them(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    _, embedded, keys = served
+    sb = Sandbox.create(**sdk(served, "alpha"))
+    try:
+        url = embedded.services(embedded.node_of(sb.id))["http"]
+        # A tenant's own key, a forged caller token, none: all refused by the node itself.
+        for header in (f"Bearer {keys['alpha']}", "Bearer cp1.eyJuYW1lIjoiYWxwaGEifQ.00",
+                       None):
+            answer = httpx.get(f"{url}/v1/sandboxes", headers={"Authorization": header}
+                               if header else {})
+            assert answer.status_code == 401, (header, answer.text)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        probe = ("import socket\n"
+                 "s=socket.socket(); s.settimeout(3)\n"
+                 f"try: s.connect(({host!r}, {port})); print('connected')\n"
+                 "except OSError as e: print('refused', e.errno)\n")
+        result = sb.commands.run(["python3", "-c", probe], timeout=30)
+        assert result.stdout.startswith("refused"), result
+    finally:
+        sb.kill()
+    with pytest.raises(AuthError):
+        Sandbox.list(url=served[0].url, api_key="ck_" + "0" * 8 + "_" + "0" * 32)
+
+
+def test_a_gateway_crash_loses_nothing_and_two_gateways_serve_at_once(
+        served: tuple[ServedGateway, Cluster, dict[str, str]],
+        cluster: tuple[Any, Any]) -> None:
+    gateway, _, keys = served
+    sb = Sandbox.create(**sdk(served, "beta"))
+    sb.files.write("kept", "still here")
+    second = ServedGateway(cluster[0], gateway.base).start()
+    try:
+        other = Sandbox.connect(sb.id, url=second.url, api_key=keys["beta"])
+        assert other.commands.run("cat kept", timeout=30).stdout == "still here"
+        gateway.kill()  # SIGKILL: nothing of the map was only in its memory
+        assert other.commands.run("cat kept", timeout=30).stdout == "still here"
+        gateway.start()  # the same data directory: the same keys
+        again = Sandbox.connect(sb.id, **sdk(served, "beta"))
+        assert again.files.read("kept") == "still here"
+    finally:
+        second.stop()
+        sb.kill()
+
+
+def test_a_node_dying_under_a_streaming_command(
+        served: tuple[ServedGateway, Cluster, dict[str, str]],
+        cluster: tuple[Any, Any]) -> None:
+    """Last in the module: the worker node goes away for good."""
+    ray, worker = cluster
+    _, embedded, _ = served
+    made = [Sandbox.create(**sdk(served, "beta")) for _ in range(4)]
+    on_worker = [sb for sb in made if embedded.node_of(sb.id) == worker.node_id]
+    on_head = [sb for sb in made if embedded.node_of(sb.id) != worker.node_id]
+    assert on_worker and on_head
+    seen: list[str] = []
+    outcome: dict[str, Any] = {}
+
+    def long_command() -> None:
+        try:
+            outcome["result"] = on_worker[0].commands.run(
+                "echo started; sleep 50", timeout=55, on_stdout=seen.append)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=long_command)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while "started\n" not in "".join(seen):
+        assert time.monotonic() < deadline, outcome
+        time.sleep(0.05)
+    time.sleep(1)  # the node ships its audit lines every 0.1 s
+    started = time.monotonic()
+    ray.remove_node(worker)
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the streaming command hung after its node died"
+    assert isinstance(outcome.get("error"), SandboxLost), outcome
+    assert time.monotonic() - started < 60
+    for sb in on_worker:  # every call now answers 410 sandbox_lost, at once
+        before = time.monotonic()
+        with pytest.raises(SandboxLost):
+            sb.commands.run("true")
+        assert time.monotonic() - before < 10
+    # Its audit trail reads back through the gateway, up to the command in flight.
+    events = on_worker[0].audit.events()
+    types = [e.type for e in events]
+    assert types[0] == "sandbox.created" and types[-1] in ("command.started", "command.output")
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    for sb in on_head:  # the other node and the gateway keep working
+        assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
+    for sb in made:
+        sb.kill()  # a lost one is forgotten
+    assert not embedded._records()
