@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             one_node = burst("one node", "burst-1")
         finally:
             gateway.nodes = original  # type: ignore[method-assign]
+            gateway._alive_cache = None  # the one-node view must not outlive the patch
         two_nodes = burst("two nodes", "burst-2")
         report["create_throughput_per_s"] = {"one_node": round(one_node, 2),
                                              "two_nodes": round(two_nodes, 2),

@@ -33,6 +33,9 @@ from .servers import free_port
 
 SLOTS = 12
 _ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR")
+# One per test process: Ray reads the token once per process, so every cluster a session
+# starts (one per module) must share it.
+_TOKEN = secrets.token_hex(32)
 
 
 def add_worker(cluster: Any) -> Any:
@@ -46,7 +49,7 @@ def ray_cluster() -> Iterator[tuple[Any, Any]]:
     """(the Ray cluster, its worker node); this process is not connected to it yet."""
     saved = {k: os.environ.get(k) for k in _ENV}
     temp = tempfile.mkdtemp(prefix="corral-ray-")
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": _TOKEN,
                        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": temp})
     from ray.cluster_utils import Cluster as RayCluster
 
@@ -98,11 +101,14 @@ def embedded_gateway(cluster: Any, base: Settings | None = None) -> Iterator[Clu
 
 
 class ServedGateway:
-    """``corral serve --cluster`` in a process of its own, on loopback."""
+    """``corral serve --cluster`` in a process of its own, on loopback, with the E2B
+    dialect beside it."""
 
     def __init__(self, cluster: Any, base: Settings) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.e2b_port = free_port()
+        self.e2b_url = f"http://127.0.0.1:{self.e2b_port}"
         self.base = base
         self._cluster = cluster
         self._process: subprocess.Popen[bytes] | None = None
@@ -115,8 +121,8 @@ class ServedGateway:
         with self.log.open("ab") as out:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "corral", "serve", "--cluster", self._cluster.address,
-                 "--port", str(self.port)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                 "--port", str(self.port), "--e2b-port", str(self.e2b_port)], env=env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
             assert self._process.poll() is None, self.log.read_text()[-3000:]

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,6 +35,8 @@ from corral.errors import AuthError, CeilingExceeded, SandboxLost
 from .raycluster import ServedGateway, ray_cluster, served_gateway
 
 pytestmark = pytest.mark.needs_root
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +58,7 @@ def served(cluster: tuple[Any, Any]) -> Iterator[tuple[ServedGateway, Cluster, d
                              ceiling=Ceiling.build(isolation=["namespace"]))
         keys = {name: directory.create_key(name)[1]
                 for name in ("alpha", "beta", "tight", "narrow")}
+        keys["alpha-e2b"] = directory.create_key("alpha", e2b=True)[1]
         store.close()
         yield gateway, embedded, keys
 
@@ -147,6 +152,33 @@ def test_a_terminal_and_an_exposed_port_through_the_gateway(
         assert httpx.get(port.url).status_code == 401  # no token: refused, by the node
     finally:
         sb.kill()
+
+
+def test_the_official_e2b_sdk_through_the_gateway(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    gateway, embedded, keys = served
+    python = ROOT / ".venv-e2b" / "latest" / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"{python} missing: run scripts/e2b-sdks (scripts/bootstrap --test does)")
+    scratch = gateway.base.home / "e2b-scratch"
+    scratch.mkdir(exist_ok=True)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "LANG": "C.UTF-8",
+           "E2B_API_KEY": keys["alpha-e2b"], "E2B_CONNECTION_RETRIES": "0",
+           "E2B_API_URL": gateway.e2b_url, "E2B_SANDBOX_URL": gateway.e2b_url,
+           "E2B_DOMAIN": "corral.invalid"}
+    done = subprocess.run([str(python), str(ROOT / "tests/e2b/clients/py/cluster.py")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    steps = {line["step"]: line for line in map(json.loads, done.stdout.splitlines())
+             if "step" in line}
+    failed = {name: step for name, step in steps.items() if "error" in step}
+    assert not failed and done.returncode == 0, (failed, done.stderr[-3000:])
+    assert steps["run"]["value"] == {"stdout": "one\n42\n", "exit_code": 0}
+    assert steps["seen"]["value"] == "one\n42\n"
+    assert steps["read"]["value"] == steps["cat"]["value"] == "through the cluster"
+    assert steps["listed"]["value"] is True and steps["connect"]["value"] == "again\n"
+    sandbox_id = steps["id"]["value"].replace("-", "_", 1)
+    with pytest.raises(SandboxNotFound):  # killed through E2B: gone from the map too
+        embedded._record(sandbox_id)
 
 
 def test_the_nodes_services_serve_gateways_only_and_sandboxes_cannot_reach_them(

@@ -214,6 +214,21 @@ class Cluster:
         """The agent of the sandbox's node (``node_for``)."""
         return self.agent(self.node_for(sandbox_id, tenant))
 
+    def cached_node(self, sandbox_id: str, tenant: str | None) -> str | None:
+        """``node_for`` from memory alone, without any I/O (the event loop's fast path), or
+        None when it would have to ask the GCS."""
+        now = time.monotonic()
+        with self._lock:
+            known = self._placed.get(f"{tenant}\0{sandbox_id}")
+            cached = self._alive_cache
+        if known is None or cached is None or now - cached[0] >= _MEMBERSHIP_TTL_S:
+            return None
+        return known if known in cached[1] else None
+
+    def cached_services(self, node_id: str) -> dict[str, str] | None:
+        with self._lock:
+            return self._service_urls.get(node_id)
+
     def node_for(self, sandbox_id: str, tenant: str | None) -> str:
         """The sandbox's node; SandboxNotFound when it is not the tenant's (``None``: any
         tenant), SandboxLost when its node is gone. A sandbox this gateway placed or saw
@@ -226,6 +241,9 @@ class Cluster:
         record = self._record(sandbox_id)
         if tenant is not None and record.get("tenant") != tenant:
             raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
+        if record.get("state") != "lost" and record["node"] not in self._alive():
+            with self._lock:  # a node missing from a cached view: asked again, not assumed
+                self._alive_cache = None
         if record.get("state") == "lost" or record["node"] not in self._alive():
             self._lose(sandbox_id, record)
             raise SandboxLost(

@@ -3,9 +3,10 @@ the sandbox map true (lost nodes, nodes back, sandboxes no gateway recorded or t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
 
@@ -22,7 +23,8 @@ _RECONCILE_S = 2.0
 
 
 class _Reconciler:
-    def __init__(self, reconcile: object, interval_s: float = _RECONCILE_S) -> None:
+    def __init__(self, reconcile: Callable[[], list[str]],
+                 interval_s: float = _RECONCILE_S) -> None:
         self._reconcile = reconcile
         self._interval = interval_s
         self._stop = threading.Event()
@@ -34,7 +36,7 @@ class _Reconciler:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                lost = self._reconcile()  # type: ignore[operator]
+                lost = self._reconcile()
                 if lost:
                     log.warning("sandboxes lost with their node: %s", ", ".join(lost))
             except Exception:  # keep going: one bad pass must not stop the next
@@ -46,7 +48,8 @@ class _Reconciler:
 
 
 def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
-                  host_names: Sequence[str] = (), allow_keyless: bool = False) -> None:
+                  host_names: Sequence[str] = (), allow_keyless: bool = False,
+                  e2b_port: int | None = None) -> None:
     """Serve the HTTP API over the Ray cluster at ``address`` until interrupted. Keys are this
     data directory's (``corral keys create``). Raises ConfigError where ``corral serve``
     would (no keys beyond loopback, a malformed host name) and without Ray token auth."""
@@ -72,8 +75,19 @@ def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
     reconciler = _Reconciler(cluster.reconcile)
     reconciler.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False,
-                    lifespan="on")
+        native = uvicorn.Config(app, host=host, port=port, log_level="info",
+                                access_log=False, lifespan="on")
+        if e2b_port is None:
+            uvicorn.Server(native).run()
+        else:
+            from .._server.serve import _serve_both, _Sibling
+            from .e2b import create_cluster_e2b_app
+
+            e2b = uvicorn.Config(create_cluster_e2b_app(cluster, store, listen_host=host,
+                                                        host_names=list(host_names)),
+                                 host=host, port=e2b_port, log_level="info",
+                                 access_log=False, lifespan="on")
+            asyncio.run(_serve_both(uvicorn.Server(native), _Sibling(e2b)))
     finally:
         reconciler.stop()
         store.close()

@@ -61,6 +61,8 @@ _BY_REF = re.compile(r"/v1/(snapshots|volumes)/([^/]{1,200})")
 # signed caller token; Origin was judged here (the node would judge it against its names).
 _NOT_PASSED = HOP_HEADERS | {b"host", b"authorization", b"origin"}
 _NODE_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+# What of a node's whole answer the gateway passes on (it sets the length itself).
+_ANSWER_HEADERS = frozenset({"content-type", "x-corral-torn-tail", "link", "x-total-count"})
 
 
 class _Error(Exception):
@@ -89,19 +91,6 @@ async def _read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
-def _replay(body: bytes) -> Receive:
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            await asyncio.Event().wait()  # the client's disconnect is not known here
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return receive
-
-
 class _Gateway:
     """The gateway's own routing, inside the same guards as ``corral serve``'s."""
 
@@ -116,17 +105,37 @@ class _Gateway:
     def _token(self, tenant: Tenant) -> bytes:
         return f"Bearer {sign_caller(tenant, self._secret)}".encode()
 
-    def _headers(self, scope: Scope, caller: Tenant | None) -> list[tuple[bytes, bytes]]:
+    def _credential(self, tenant: Tenant, service: str) -> tuple[bytes, bytes]:
+        """The header that names the caller to the node's ``service``: Corral's API takes
+        it as a bearer token, E2B's control plane as its API key."""
+        if service == "e2b":
+            return b"x-api-key", sign_caller(tenant, self._secret).encode()
+        return b"authorization", self._token(tenant)
+
+    def _headers(self, scope: Scope, caller: Tenant | None,
+                 service: str = "http") -> list[tuple[bytes, bytes]]:
         # The client's Host, already judged here: the node builds its URLs (an exposed
         # port's) from it, so they name the gateway.
-        headers = [(k, v) for k, v in scope.get("headers", ()) if k not in _NOT_PASSED or
+        dropped = _NOT_PASSED | ({b"x-api-key"} if service == "e2b" else set())
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k not in dropped or
                    k == b"host"]
         if caller is not None:
-            headers.append((b"authorization", self._token(caller)))
+            headers.append(self._credential(caller, service))
         return headers
 
-    async def _url(self, node_id: str) -> str:
-        return (await run_in_threadpool(self._cluster.services, node_id))["http"]
+    async def _url(self, node_id: str, service: str = "http") -> str:
+        known = self._cluster.cached_services(node_id)
+        if known is None:
+            known = await run_in_threadpool(self._cluster.services, node_id)
+        return known[service]
+
+    async def _node_for(self, sandbox_id: str, owner: str | None) -> str:
+        # From memory on the event loop when it can be (a thread hop costs more than the
+        # lookup); the GCS only for a sandbox not seen yet, or a stale membership view.
+        known = self._cluster.cached_node(sandbox_id, owner)
+        if known is not None:
+            return known
+        return await run_in_threadpool(self._cluster.node_for, sandbox_id, owner)
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -134,10 +143,12 @@ class _Gateway:
         return self._client
 
     async def _ask(self, node_id: str, method: str, path: str, caller: Tenant, *,
-                   query: bytes = b"", body: bytes | None = None) -> httpx.Response:
+                   query: bytes = b"", body: bytes | None = None,
+                   service: str = "http") -> httpx.Response:
         """One whole request to a node (what the gateway reads itself)."""
-        url = await self._url(node_id)
-        headers = {"authorization": self._token(caller).decode()}
+        url = await self._url(node_id, service)
+        name, value = self._credential(caller, service)
+        headers = {name.decode(): value.decode()}
         if body is not None:
             headers["content-type"] = "application/json"
         target = f"{url}{path}" + (f"?{query.decode('latin-1')}" if query else "")
@@ -150,11 +161,11 @@ class _Gateway:
     async def _alive_nodes(self) -> list[str]:
         return [n.node_id for n in await run_in_threadpool(self._cluster.nodes)]
 
-    async def _fan_out(self, method: str, path: str, caller: Tenant,
-                       query: bytes = b"") -> list[httpx.Response]:
+    async def _fan_out(self, method: str, path: str, caller: Tenant, query: bytes = b"",
+                       service: str = "http") -> list[httpx.Response]:
         nodes = await self._alive_nodes()
-        return list(await asyncio.gather(*(self._ask(n, method, path, caller, query=query)
-                                           for n in nodes)))
+        return list(await asyncio.gather(*(self._ask(n, method, path, caller, query=query,
+                                                     service=service) for n in nodes)))
 
     async def _holder(self, kind: str, ref: str, caller: Tenant) -> str | None:
         """The node that holds a snapshot or volume of the caller's, if any does."""
@@ -168,7 +179,7 @@ class _Gateway:
 
     async def _send_answer(self, send: Send, answer: httpx.Response) -> None:
         headers = [(k.encode(), v.encode()) for k, v in answer.headers.items()
-                   if k.lower() in ("content-type", "x-corral-torn-tail")]
+                   if k.lower() in _ANSWER_HEADERS]
         body = answer.content
         await send({"type": "http.response.start", "status": answer.status_code,
                     "headers": [*headers, (b"content-length", str(len(body)).encode())]})
@@ -344,7 +355,7 @@ class _Gateway:
                              sandbox_id: str, rest: str, caller: Tenant) -> None:
         owner = self._tenant_name(caller)
         try:
-            node_id = await run_in_threadpool(self._cluster.node_for, sandbox_id, owner)
+            node_id = await self._node_for(sandbox_id, owner)
         except SandboxLost:
             if rest == "/audit" and scope["type"] == "http":
                 await self._lost_audit(send, sandbox_id, owner)
@@ -377,9 +388,11 @@ class _Gateway:
         await self._relay(scope, receive, send, node_id, sandbox_id, caller)
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send, node_id: str,
-                     sandbox_id: str, caller: Tenant | None) -> int:
-        url = urlsplit(await self._url(node_id))
-        headers = self._headers(scope, caller)
+                     sandbox_id: str, caller: Tenant | None, service: str = "http") -> int:
+        url = urlsplit(await self._url(node_id, service))
+        headers = self._headers(scope, caller, service)
+        # The WebSocket relay writes the handshake from the scope's headers (so the client's
+        # Origin and key stay here); the HTTP relay reads only the client's framing from it.
         relayed = {**scope, "headers": headers}
 
         async def broken(exc: BaseException) -> Refusal:
@@ -392,7 +405,7 @@ class _Gateway:
         websocket = scope["type"] == "websocket"
         relay: HttpRelay | WebSocketRelay = WebSocketRelay(
             relayed, receive, send, broken=broken) if websocket else HttpRelay(
-            relayed, receive, send, broken=broken)
+            scope, receive, send, broken=broken)
         path = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string", b"")
         target = path + (b"?" + query if query else b"")

@@ -38,7 +38,7 @@ from starlette.types import Message, Receive, Scope, Send
 from .._control.manager import Manager
 from .._control.ports import Who
 from .._control.tenants import Tenant, TenantDirectory, local_tenant
-from .._server.guard import BodyLimit, BodyLimits, ServiceNames
+from .._server.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
 from .._server.portproxy import PortProxy, Target
 from ..errors import AuthError, CorralError, SandboxNotFound
 from . import control, files, filesystem, jupyter, process, watch
@@ -156,7 +156,9 @@ class E2BApp:
         """``tenants``: who callers are, instead of the keys in ``manager``'s store (a cluster
         node's: the gateways' signed callers)."""
         self.config = config
-        self.names = ServiceNames.of(config.listen_host, config.host_names)
+        # A cluster node's (``tenants`` given) answers any Host: its gateway judged it.
+        self.names = ServiceNames.of(config.listen_host, config.host_names) if tenants is \
+            None else AnyName()
         self.tenants = tenants or TenantDirectory(manager.store)
         self.tokens = SandboxTokens(manager.settings.home)
         self.e2b = E2BState(manager.settings.home / "e2b.db")

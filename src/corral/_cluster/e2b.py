@@ -1,0 +1,166 @@
+"""The E2B dialect through the cluster gateway (``corral serve --cluster --e2b-port``).
+
+Each node runs the E2B app over its own control plane (``NodeAgent.serve``); this app only
+decides what the node cannot: which node a request is for. A sandbox's envd and code
+interpreter calls name their sandbox in the ``E2b-Sandbox-Id`` header (URL mode, E2B SDKs
+≥ 2.7) and go, access token and all, to that sandbox's node, which checks the token it issued.
+Control-plane calls are authenticated here with the caller's E2B key, which becomes a caller
+token the node verifies (``peer``): creates are placed (a snapshot template on its own node),
+lists are asked of every node, and a sandbox's own calls go to its node. Refusals are
+E2B-shaped (``{"code", "message"}``), as the node's own are.
+
+Not through a gateway: domain mode (``<port>-<id>.<domain>``), and the calls that name no
+sandbox (signed ``/files`` URLs in URL mode, an access token alone): they are refused with
+a message that says why, since only a scan of every node could place them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .._control.store import Store
+from .._control.tenants import Tenant, TenantDirectory
+from .._e2b.ids import from_e2b
+from .._server.guard import HostGuard, ServiceNames
+from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound
+from .gateway import Cluster
+from .service import _Error, _Gateway, _read_body, _send_json
+
+__all__ = ["create_cluster_e2b_app"]
+
+# The paths of a sandbox's envd and code interpreter (the E2B app's own list).
+_SANDBOX_PATH = re.compile(r"/health|/files|/execute|/contexts(/.*)?|"
+                           r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
+_BY_ID = re.compile(r"(?:/v2)?/sandboxes/([A-Za-z0-9_-]{1,80})(/[a-z]+)?")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+class _E2BGateway:
+    def __init__(self, core: _Gateway, tenants: TenantDirectory) -> None:
+        self._core = core
+        self._cluster: Cluster = core._cluster
+        self._tenants = tenants
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._core._lifespan(receive, send)
+            return
+        if scope["type"] not in ("http", "websocket"):
+            return
+        try:
+            await self._dispatch(scope, receive, send)
+        except (CorralError, _Error) as exc:
+            await _send_json(send, exc.status, {"code": exc.status, "message": exc.message})
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        named = _header(scope, b"e2b-sandbox-id")
+        if _SANDBOX_PATH.fullmatch(path):
+            if named is None:
+                raise _Error(400, "invalid_request", "through a Corral cluster gateway, name "
+                             "the sandbox with the E2b-Sandbox-Id header (E2B SDKs >= 2.7 do, "
+                             "with E2B_SANDBOX_URL set); signed URLs and domain mode are not "
+                             "served here")
+            await self._to_sandbox(scope, receive, send, named, None)
+            return
+        try:
+            caller = await run_in_threadpool(self._tenants.authenticate_key,
+                                             _header(scope, b"x-api-key"))
+        except AuthError as exc:
+            raise _Error(401, exc.code, exc.message) from None
+        method = scope.get("method", "GET")
+        if path in ("/sandboxes", "/v2/sandboxes") and method == "POST":
+            await self._create(scope, receive, send, caller)
+        elif path in ("/sandboxes", "/v2/sandboxes", "/snapshots") and method == "GET":
+            await self._list(send, path, caller, scope.get("query_string", b""))
+        elif (found := _BY_ID.fullmatch(path)) is not None:
+            await self._to_sandbox(scope, receive, send, found.group(1), caller)
+        elif path.startswith("/templates/") and method == "DELETE":
+            answers = await self._core._fan_out("DELETE", path, caller, service="e2b")
+            hit = [a for a in answers if a.status_code != 404]
+            await self._core._send_answer(send, (hit or answers)[0])
+        else:  # the rest is the same on every node (health, what is not offered)
+            alive = await self._core._alive_nodes()
+            if not alive:
+                raise _Error(503, "backend_unavailable", "no cluster node is alive")
+            node_id = alive[0]
+            await self._core._relay(scope, receive, send, node_id, "", caller, "e2b")
+
+    async def _to_sandbox(self, scope: Scope, receive: Receive, send: Send, e2b_id: str,
+                          caller: Tenant | None) -> None:
+        sandbox_id = from_e2b(e2b_id)
+        owner = None if caller is None or caller.is_local else caller.name
+        try:
+            if sandbox_id is None:
+                raise SandboxNotFound(e2b_id)
+            node_id = await self._core._node_for(sandbox_id, owner)
+        except SandboxNotFound:
+            # E2B's own answer for a sandbox it does not know (E2B-COMPAT §7.5).
+            await _send_json(send, 404 if caller is not None else 502, {
+                "sandboxId": e2b_id[:64], "message": "The sandbox was not found",
+                "code": 404 if caller is not None else 502})
+            return
+        except SandboxLost as exc:
+            await _send_json(send, 410, {"code": 410, "message": exc.message})
+            return
+        status = await self._core._relay(scope, receive, send, node_id, sandbox_id, caller,
+                                         "e2b")
+        if caller is not None and scope.get("method") == "DELETE" and \
+                scope["path"].count("/") == 2 and status == 204:
+            await run_in_threadpool(self._cluster._forget, sandbox_id)
+
+    async def _create(self, scope: Scope, receive: Receive, send: Send,
+                      caller: Tenant) -> None:
+        body = await _read_body(receive)
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            request = None
+        node_id = None
+        template = request.get("templateID") if isinstance(request, dict) else None
+        snapshot = from_e2b(template) if isinstance(template, str) else None
+        if snapshot is not None and snapshot.startswith("snap_"):
+            node_id = await self._core._holder("snapshots", snapshot, caller)
+        limit = None if caller.is_local else caller.max_sandboxes
+        await run_in_threadpool(self._cluster._check_quota, caller.name, limit, 1)
+        if node_id is None:
+            node_id = await run_in_threadpool(self._cluster.place, caller.name)
+        answer = await self._core._ask(node_id, "POST", scope["path"], caller, body=body,
+                                       service="e2b")
+        made: Any = answer.json() if answer.status_code in (200, 201) else None
+        sandbox_id = from_e2b(made.get("sandboxID", "")) if isinstance(made, dict) else None
+        if sandbox_id is not None:
+            await run_in_threadpool(self._cluster._placed_on, sandbox_id, node_id, caller.name)
+        await self._core._send_answer(send, answer)
+
+    async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
+        """Every node's answer in one list. Paging is per node, so the gateway asks each for
+        everything and passes no next token on."""
+        answers = await self._core._fan_out("GET", path, caller, query, service="e2b")
+        items: list[Any] = []
+        for answer in answers:
+            if answer.status_code != 200:
+                await self._core._send_answer(send, answer)
+                return
+            items.extend(answer.json())
+        await _send_json(send, 200, items)
+
+
+def create_cluster_e2b_app(cluster: Cluster, store: Store, *, listen_host: str = "127.0.0.1",
+                           host_names: tuple[str, ...] | list[str] = ()) -> ASGIApp:
+    """The gateway's E2B listener: Host checked, then routed as above."""
+    tenants = TenantDirectory(store)
+    names = ServiceNames.of(listen_host, host_names)
+    return HostGuard(_E2BGateway(_Gateway(cluster, tenants), tenants), names=names)
+

@@ -1,0 +1,28 @@
+"""Through a Corral cluster gateway (``corral serve --cluster --e2b-port``), the official
+Python SDK (URL mode): create, commands with live output, a background command killed,
+files both ways, list, connect, kill.
+
+Usage: python cluster.py
+"""
+
+from __future__ import annotations
+
+from _steps import done, step
+from e2b import Sandbox
+
+sb = step("create", lambda: Sandbox.create(timeout=180))
+step("id", lambda: sb.sandbox_id)
+seen: list[str] = []
+step("run", lambda: (lambda r: {"stdout": r.stdout, "exit_code": r.exit_code})(
+    sb.commands.run("echo one; echo $((6*7))", on_stdout=seen.append)))
+step("seen", lambda: "".join(seen))
+step("write", lambda: sb.files.write("/home/user/c.txt", "through the cluster").path)
+step("read", lambda: sb.files.read("/home/user/c.txt"))
+step("cat", lambda: sb.commands.run("cat /home/user/c.txt").stdout)
+handle = step("background", lambda: sb.commands.run("sleep 60", background=True))
+step("kill_background", lambda: sb.commands.kill(handle.pid))
+step("listed", lambda: sb.sandbox_id in {
+    s.sandbox_id for s in Sandbox.list().next_items()})
+step("connect", lambda: Sandbox.connect(sb.sandbox_id).commands.run("echo again").stdout)
+step("kill", lambda: sb.kill())
+done()
