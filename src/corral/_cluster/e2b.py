@@ -26,10 +26,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._control.store import Store
 from .._control.tenants import Tenant, TenantDirectory
 from .._e2b.ids import from_e2b
+from .._server.deps import scope as scope_of
 from .._server.guard import HostGuard, ServiceNames
+from .._server.relay import send_json
 from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound
 from .gateway import Cluster
-from .service import _Error, _Gateway, _read_body, _send_json
+from .service import _Error, _Gateway, _read_body
 
 __all__ = ["create_cluster_e2b_app"]
 
@@ -61,7 +63,7 @@ class _E2BGateway:
         try:
             await self._dispatch(scope, receive, send)
         except (CorralError, _Error) as exc:
-            await _send_json(send, exc.status, {"code": exc.status, "message": exc.message})
+            await send_json(send, exc.status, {"code": exc.status, "message": exc.message})
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -100,19 +102,19 @@ class _E2BGateway:
     async def _to_sandbox(self, scope: Scope, receive: Receive, send: Send, e2b_id: str,
                           caller: Tenant | None) -> None:
         sandbox_id = from_e2b(e2b_id)
-        owner = None if caller is None or caller.is_local else caller.name
+        owner = None if caller is None else scope_of(caller)
         try:
             if sandbox_id is None:
                 raise SandboxNotFound(e2b_id)
             node_id = await self._core._node_for(sandbox_id, owner)
         except SandboxNotFound:
             # E2B's own answer for a sandbox it does not know (E2B-COMPAT §7.5).
-            await _send_json(send, 404 if caller is not None else 502, {
+            await send_json(send, 404 if caller is not None else 502, {
                 "sandboxId": e2b_id[:64], "message": "The sandbox was not found",
                 "code": 404 if caller is not None else 502})
             return
         except SandboxLost as exc:
-            await _send_json(send, 410, {"code": 410, "message": exc.message})
+            await send_json(send, 410, {"code": 410, "message": exc.message})
             return
         status = await self._core._relay(scope, receive, send, node_id, sandbox_id, caller,
                                          "e2b")
@@ -132,17 +134,9 @@ class _E2BGateway:
         snapshot = from_e2b(template) if isinstance(template, str) else None
         if snapshot is not None and snapshot.startswith("snap_"):
             node_id = await self._core._holder("snapshots", snapshot, caller)
-        limit = None if caller.is_local else caller.max_sandboxes
-        await run_in_threadpool(self._cluster._check_quota, caller.name, limit, 1)
-        if node_id is None:
-            node_id = await run_in_threadpool(self._cluster.place, caller.name)
-        answer = await self._core._ask(node_id, "POST", scope["path"], caller, body=body,
-                                       service="e2b")
-        made: Any = answer.json() if answer.status_code in (200, 201) else None
-        sandbox_id = from_e2b(made.get("sandboxID", "")) if isinstance(made, dict) else None
-        if sandbox_id is not None:
-            await run_in_threadpool(self._cluster._placed_on, sandbox_id, node_id, caller.name)
-        await self._core._send_answer(send, answer)
+        await self._core._send_answer(send, await self._core.create_on(
+            node_id, caller, scope["path"], body, service="e2b",
+            made_id=lambda made: from_e2b(str(made.get("sandboxID", "")))))
 
     async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
         """Every node's answer in one list. Paging is per node, so the gateway asks each for
@@ -154,7 +148,7 @@ class _E2BGateway:
                 await self._core._send_answer(send, answer)
                 return
             items.extend(answer.json())
-        await _send_json(send, 200, items)
+        await send_json(send, 200, items)
 
 
 def create_cluster_e2b_app(cluster: Cluster, store: Store, *, listen_host: str = "127.0.0.1",

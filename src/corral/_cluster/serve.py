@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import uvicorn
 
+from .._control.recovery import Reaper
 from .._control.store import Store
 from .._server.app import is_loopback
 from .._settings import Settings
@@ -20,31 +20,6 @@ __all__ = ["serve_cluster"]
 log = logging.getLogger(__name__)
 
 _RECONCILE_S = 2.0
-
-
-class _Reconciler:
-    def __init__(self, reconcile: Callable[[], list[str]],
-                 interval_s: float = _RECONCILE_S) -> None:
-        self._reconcile = reconcile
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="corral-reconcile", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                lost = self._reconcile()
-                if lost:
-                    log.warning("sandboxes lost with their node: %s", ", ".join(lost))
-            except Exception:  # keep going: one bad pass must not stop the next
-                log.exception("cluster reconcile pass failed")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
@@ -72,7 +47,8 @@ def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
     nodes = cluster.nodes()
     log.warning("gateway for %d Corral node(s) at %s, on http://%s:%d", len(nodes), address,
                 host, port)
-    reconciler = _Reconciler(cluster.reconcile)
+    # The reaper's loop: a pass every 2 s on a thread of its own, a bad pass logged, not fatal.
+    reconciler = Reaper(cluster.reconcile, interval_s=_RECONCILE_S)
     reconciler.start()
     try:
         native = uvicorn.Config(app, host=host, port=port, log_level="info",

@@ -24,7 +24,7 @@ import json
 import logging
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,6 +37,7 @@ from .._control.store import Store
 from .._control.tenants import Tenant, TenantDirectory
 from .._server.app import is_loopback, is_protected, key_authenticator
 from .._server.bodies import BODY_LIMITS
+from .._server.deps import scope as scope_of
 from .._server.guard import (
     Authenticate,
     BodyLimit,
@@ -45,7 +46,7 @@ from .._server.guard import (
     ServiceNames,
     scope_tenant,
 )
-from .._server.relay import HOP_HEADERS, HttpRelay, Refusal, WebSocketRelay
+from .._server.relay import HOP_HEADERS, HttpRelay, Refusal, WebSocketRelay, send_json
 from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound, UsageError
 from .gateway import Cluster
 from .peer import sign_caller
@@ -69,15 +70,6 @@ class _Error(Exception):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
-
-
-async def _send_json(send: Send, status: int, body: Any,
-                     headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-        *headers]})
-    await send({"type": "http.response.body", "body": data})
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -201,7 +193,7 @@ class _Gateway:
                 await send({"type": "websocket.close", "code": 1008,
                             "reason": exc.message[:120]})
                 return
-            await _send_json(send, status, {"error": exc.code, "message": exc.message})
+            await send_json(send, status, {"error": exc.code, "message": exc.message})
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -218,7 +210,7 @@ class _Gateway:
         path, method = scope["path"], scope.get("method", "GET")
         if path == "/healthz":
             nodes = await self._alive_nodes()
-            await _send_json(send, 200, {"status": "ok", "nodes": len(nodes)})
+            await send_json(send, 200, {"status": "ok", "nodes": len(nodes)})
             return
         port = _PORT.fullmatch(path)
         if port is not None:
@@ -262,9 +254,6 @@ class _Gateway:
 
     # -- what spans nodes ---------------------------------------------------------------------
 
-    def _tenant_name(self, caller: Tenant) -> str | None:
-        return None if caller.is_local else caller.name
-
     async def _create(self, scope: Scope, receive: Receive, send: Send,
                       caller: Tenant) -> None:
         body = await _read_body(receive)
@@ -272,7 +261,6 @@ class _Gateway:
             request = json.loads(body or b"{}")
         except ValueError:
             request = None
-        owner = caller.name
         node_id = None
         if isinstance(request, dict):
             snapshot = request.get("snapshot")
@@ -283,15 +271,24 @@ class _Gateway:
                 first = next(iter(volumes))
                 if isinstance(first, str) and validate_ref(first):
                     node_id = await self._holder("volumes", first, caller)
-        limit = None if caller.is_local else caller.max_sandboxes
-        await run_in_threadpool(self._cluster._check_quota, owner, limit, 1)
+        await self._send_answer(send, await self.create_on(
+            node_id, caller, "/v1/sandboxes", body, made_id=lambda made: made.get("id")))
+
+    async def create_on(self, node_id: str | None, caller: Tenant, path: str, body: bytes,
+                        *, made_id: Callable[[dict[str, Any]], str | None],
+                        service: str = "http") -> httpx.Response:
+        """A create, for either dialect: the caller's quota counted across the cluster, the
+        request sent to ``node_id`` (a snapshot's or volume's holder) or where ``place``
+        says, and the new sandbox (``made_id`` reads it from the answer) recorded there."""
+        await run_in_threadpool(self._cluster._check_quota, caller.name, _limit(caller), 1)
         if node_id is None:
-            node_id = await run_in_threadpool(self._cluster.place, owner)
-        answer = await self._ask(node_id, "POST", "/v1/sandboxes", caller, body=body)
-        if answer.status_code == 201:
-            made = answer.json()["id"]
-            await run_in_threadpool(self._cluster._placed_on, made, node_id, owner)
-        await self._send_answer(send, answer)
+            node_id = await run_in_threadpool(self._cluster.place, caller.name)
+        answer = await self._ask(node_id, "POST", path, caller, body=body, service=service)
+        made: Any = answer.json() if answer.status_code in (200, 201) else None
+        sandbox_id = made_id(made) if isinstance(made, dict) else None
+        if sandbox_id:
+            await run_in_threadpool(self._cluster._placed_on, sandbox_id, node_id, caller.name)
+        return answer
 
     async def _create_volume(self, receive: Receive, send: Send, caller: Tenant) -> None:
         body = await _read_body(receive)
@@ -308,7 +305,7 @@ class _Gateway:
                 return
             items.extend(answer.json())
         items.sort(key=lambda item: (item.get("created_at", 0), item.get("id", "")))
-        await _send_json(send, 200, items)
+        await send_json(send, 200, items)
 
     async def _fork(self, receive: Receive, send: Send, sandbox_id: str,
                     caller: Tenant) -> None:
@@ -324,12 +321,12 @@ class _Gateway:
         memory = request.get("memory", False)
         if not isinstance(memory, bool):
             raise UsageError("memory must be true or false")
-        owner = self._tenant_name(caller)
-        limit = None if caller.is_local else caller.max_sandboxes
+        owner = scope_of(caller)
+        limit = _limit(caller)
         children = await run_in_threadpool(
             lambda: self._cluster.fork(sandbox_id, count, tenant=owner, max_for_tenant=limit,
                                        caller=caller, memory=memory))
-        await _send_json(send, 201, [child.model_dump(mode="json") for child in children])
+        await send_json(send, 201, [child.model_dump(mode="json") for child in children])
 
     async def _metrics(self, send: Send, caller: Tenant) -> None:
         """Every node's counters, each line labelled with its node."""
@@ -353,7 +350,7 @@ class _Gateway:
 
     async def _relay_sandbox(self, scope: Scope, receive: Receive, send: Send,
                              sandbox_id: str, rest: str, caller: Tenant) -> None:
-        owner = self._tenant_name(caller)
+        owner = scope_of(caller)
         try:
             node_id = await self._node_for(sandbox_id, owner)
         except SandboxLost:
@@ -431,6 +428,11 @@ class _Gateway:
             (b"content-length", str(len(body)).encode()),
             (b"x-corral-torn-tail", str(trail.torn_tail).lower().encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _limit(caller: Tenant) -> int | None:
+    """The caller's sandbox quota; none for the local operator."""
+    return None if caller.is_local else caller.max_sandboxes
 
 
 def validate_ref(ref: str) -> bool:

@@ -40,6 +40,7 @@ from .._control.ports import Who
 from .._control.tenants import Tenant, TenantDirectory, local_tenant
 from .._server.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
 from .._server.portproxy import PortProxy, Target
+from .._server.relay import send_json as _send_json
 from ..errors import AuthError, CorralError, SandboxNotFound
 from . import control, files, filesystem, jupyter, process, watch
 from .ids import from_e2b, to_e2b
@@ -108,15 +109,6 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return str(value.decode("latin-1"))
     return None
-
-
-async def _send_json(send: Send, status: int, body: Any,
-                     headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-        *headers]})
-    await send({"type": "http.response.body", "body": data})
 
 
 def e2b_error(status: int, message: str) -> dict[str, Any]:
