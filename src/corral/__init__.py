@@ -35,6 +35,7 @@ from .errors import (
     SandboxBusy,
     SandboxError,
     SandboxExpired,
+    SandboxLost,
     SandboxNotFound,
     SnapshotError,
     SnapshotInUse,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from ._audit.events import AuditEvent
     from ._audit.log import AuditTrail
     from ._sdk.async_sandbox import AsyncProcess, AsyncSandbox, AsyncVolume, aread_audit
+    from ._sdk.fanout import AsyncFanOut, FanOut, Rollout
     from ._sdk.sandbox import Audit, Commands, Files, Network, Process, Sandbox, Volume, read_audit
     from .backends import OutputCut
     from .models import (
@@ -80,6 +82,7 @@ _LAZY = {
                     "._sdk.async_sandbox"),
     **dict.fromkeys(("Audit", "Commands", "Files", "Network", "Process", "Sandbox", "Volume",
                      "read_audit"), "._sdk.sandbox"),
+    **dict.fromkeys(("AsyncFanOut", "FanOut", "Rollout"), "._sdk.fanout"),
     "OutputCut": ".backends",
     **dict.fromkeys(("CodeContext", "CommandResult", "Execution", "ExecutionError",
                      "FileEntry", "Logs", "OutputMessage", "ResourceTier", "Result",
@@ -103,6 +106,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncFanOut",
     "AsyncProcess",
     "AsyncSandbox",
     "AsyncVolume",
@@ -123,6 +127,7 @@ __all__ = [
     "CorralError",
     "Execution",
     "ExecutionError",
+    "FanOut",
     "FileEntry",
     "FileError",
     "FileNotFound",
@@ -145,11 +150,13 @@ __all__ = [
     "RequestRefused",
     "ResourceTier",
     "Result",
+    "Rollout",
     "Sandbox",
     "SandboxBusy",
     "SandboxError",
     "SandboxExpired",
     "SandboxInfo",
+    "SandboxLost",
     "SandboxNotFound",
     "SnapshotError",
     "SnapshotInUse",

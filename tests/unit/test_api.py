@@ -24,6 +24,8 @@ PUBLIC = [
     # issue 16: exposed ports and persistent volumes
     "AsyncVolume", "Volume", "PortInfo", "VolumeInfo", "PortError", "PortNotExposed",
     "PortClosed", "VolumeError", "VolumeNotFound", "VolumeInUse",
+    # issue 17: fan-out over a cluster (or one host), and a sandbox lost with its node
+    "AsyncFanOut", "FanOut", "Rollout", "SandboxLost",
 ]
 
 

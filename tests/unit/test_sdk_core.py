@@ -198,3 +198,14 @@ def test_the_embedded_sync_sdk_loads_no_client_or_async_stack() -> None:
          "print(sorted({m.split('.')[0] for m in sys.modules} & {'httpx', 'anyio'}))"],
         capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"count": 0}, "count"), ({"concurrency": 0}, "concurrency"),
+    ({"quota_wait": -1}, "quota_wait"), ({"create": {"snapshot": "x"}}, "unknown create"),
+])
+def test_a_fan_out_refuses_bad_arguments_before_anything_starts(kwargs: dict[str, object],
+                                                          message: str) -> None:
+    args: dict[str, object] = {"snapshot": "s", "count": 2, "command": "true", **kwargs}
+    with pytest.raises(UsageError, match=message):
+        corral.FanOut(**args)  # type: ignore[arg-type]
