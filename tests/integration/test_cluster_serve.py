@@ -15,18 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import websockets
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
 
-from corral import QuotaExceeded, Sandbox, SandboxNotFound
+from corral import FanOut, QuotaExceeded, Sandbox, SandboxNotFound, SnapshotInUse
 from corral._cluster.gateway import Cluster
 from corral._control.store import Store
 from corral._control.tenants import Ceiling, TenantDirectory
@@ -224,6 +230,123 @@ def test_a_gateway_crash_loses_nothing_and_two_gateways_serve_at_once(
     finally:
         second.stop()
         sb.kill()
+
+
+TREE_HASH = ("cd /workspace && find . -type f -print0 | sort -z | xargs -0 sha256sum | "
+             "sha256sum && find . | sort | sha256sum")
+
+
+def test_sandboxes_from_a_snapshot_on_every_node_its_layers_copied_once(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    _, embedded, _ = served
+    alpha = sdk(served, "alpha")
+    source = Sandbox.create(**alpha)
+    made: list[Sandbox] = []
+    try:
+        source.commands.run("mkdir -p d/e && head -c 3000000 /dev/urandom > d/big && echo hi "
+                            "> d/e/small && ln -s d/e/small link && chmod 750 d/e", timeout=30)
+        want = source.commands.run(TREE_HASH, timeout=30).stdout
+        snap = source.snapshot("seed-everywhere")
+        home = embedded.node_of(source.id)
+        (other,) = {n.node_id for n in embedded.nodes()} - {home}
+        made = [Sandbox.create(snapshot="seed-everywhere", **alpha) for _ in range(6)]
+        placed = [embedded.node_of(sb.id) for sb in made]
+        # Its own node first (the layers are there), then spread, the layers copied over.
+        assert placed[0] == home and other in placed, placed
+        for sb in made:
+            assert sb.commands.run(TREE_HASH, timeout=30).stdout == want, embedded.node_of(
+                sb.id)
+        copies = embedded._ray.get(embedded.agent(other).snapshot_copies.remote())
+        assert list(copies) == [snap.id]  # one copy on the other node, for every create
+        assert embedded._copies(snap.id) == {other: copies[snap.id]}
+        # The caller sees the snapshot it took, not the node's copy of it.
+        listed = [s.id for s in Sandbox.list_snapshots(**alpha)]
+        assert snap.id in listed and copies[snap.id] not in listed
+        # Sandboxes live on the copy: deleting the snapshot is refused and loses nothing.
+        with pytest.raises(SnapshotInUse):
+            Sandbox.delete_snapshot("seed-everywhere", **alpha)
+        assert Sandbox.get_snapshot("seed-everywhere", **alpha).id == snap.id
+    finally:
+        for sb in [*made, source]:
+            sb.kill()
+    Sandbox.delete_snapshot("seed-everywhere", **alpha)
+    assert embedded._ray.get(embedded.agent(other).snapshot_copies.remote()) == {}
+    assert embedded._copies(snap.id) == {}
+
+
+def test_a_fan_out_over_the_cluster_within_the_tenants_quota(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    _, embedded, _ = served
+    tight = sdk(served, "tight")  # at most 3 sandboxes in the whole cluster
+    with Sandbox.create(**tight) as source:
+        source.files.write("task.txt", "solve me")
+        snap = source.snapshot()
+    nodes: set[str] = set()
+
+    def command(index: int) -> str:  # long enough for three to run at once
+        return f"cat task.txt; echo ' {index}'; sleep 1"
+
+    try:
+        with FanOut(snap.id, 8, command, concurrency=5, timeout=30, quota_wait=120,
+                    **tight) as rollouts:
+            seen = []
+            for rollout in rollouts:
+                seen.append(rollout)
+        assert sorted(r.index for r in seen) == list(range(8))
+        for rollout in seen:  # refused creates waited for a slot instead of failing
+            assert rollout.ok, rollout
+            assert rollout.result is not None
+            assert rollout.result.stdout == f"solve me {rollout.index}\n"
+        nodes = {n.node_id for n in embedded.nodes()}
+        # Three at once: two beside the layers, then the third on the other node.
+        assert len(embedded._copies(snap.id)) == 1
+    finally:
+        Sandbox.delete_snapshot(snap, **tight)
+    assert not [r for r in embedded._records().values() if r.get("tenant") == "tight"]
+    assert len(nodes) == 2
+
+
+def test_mcp_through_the_gateway(served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    gateway, embedded, keys = served
+    env = {**os.environ, "CORRAL_URL": gateway.url, "CORRAL_API_KEY": keys["alpha"]}
+    params = StdioServerParameters(command=sys.executable, args=["-m", "corral", "mcp"],
+                                   env=env)
+
+    async def main() -> str:
+        with tempfile.TemporaryFile("w+") as errlog, anyio.fail_after(120):
+            async with stdio_client(params, errlog=errlog) as (read, write), \
+                    ClientSession(read, write) as session:
+                await session.initialize()
+                made = await _tool(session, "create_sandbox")
+                sandbox_id = str(made["sandbox_id"])
+                assert embedded._record(sandbox_id)["tenant"] == "alpha"
+                await _tool(session, "write_file", path="via-mcp.txt", content="relayed",
+                            sandbox_id=sandbox_id)
+                ran = await _tool(session, "run_command", sandbox_id=sandbox_id,
+                                  command="cat via-mcp.txt; echo; hostname")
+                assert ran["stdout"].startswith("relayed\n"), ran
+                forked = await _tool(session, "fork", count=2, sandbox_id=sandbox_id)
+                for child in forked["forks"]:
+                    read_back = await _tool(session, "read_file", path="via-mcp.txt",
+                                            sandbox_id=child)
+                    assert read_back["content"] == "relayed"
+                return sandbox_id
+
+    sandbox_id = anyio.run(main)
+    # The MCP session ended: its sandboxes went, through the gateway, and from the map.
+    deadline = time.monotonic() + 30
+    while any(r.get("tenant") == "alpha" for r in embedded._records().values()):
+        assert time.monotonic() < deadline, embedded._records()
+        time.sleep(0.2)
+    with pytest.raises(SandboxNotFound):
+        embedded._record(sandbox_id)
+
+
+async def _tool(session: ClientSession, tool: str, **args: Any) -> dict[str, Any]:
+    result = await session.call_tool(tool, args)
+    assert not result.is_error, result.content
+    assert result.structured_content is not None, result
+    return dict(result.structured_content)
 
 
 def test_a_node_dying_under_a_streaming_command(

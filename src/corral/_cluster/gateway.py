@@ -24,7 +24,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,16 @@ NAMESPACE = "corral"
 RESOURCE = "corral"
 _SANDBOX_KEY = "sandbox/"
 _NODE_INDEX_KEY = "node-index/"
+# snapshot-copy/<snapshot id>/<node id> -> the id of that node's copy (``copies``)
+_COPY_KEY = "snapshot-copy/"
+# Placement counts a node without a snapshot's layers as holding this many more of the
+# tenant's sandboxes: creates from one snapshot stay where its layers are until the load is
+# this uneven, then the layers are copied over (once per node) and creates spread.
+_COPY_WEIGHT = 2
+# claim/<random> -> {"tenant", "node", "count", "at"}: places held for sandboxes being made,
+# counted by every gateway's quota and placement until the sandboxes are recorded.
+_CLAIM_KEY = "claim/"
+_CLAIM_TTL_S = 600.0  # older: a crashed gateway's, no longer counted
 _MAX_NODES = 1024
 # Threads per node agent: its commands run side by side (Ray's default actor is one thread).
 _AGENT_CONCURRENCY = 256
@@ -76,6 +86,26 @@ class NodeView:
     slots: int
     #: the Corral node's name: its ``corral-node`` label, else its Ray node id
     identity: str
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotSource:
+    """Where a snapshot was taken."""
+
+    node_id: str
+    snapshot_id: str
+    memory: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """New sandboxes admitted (``Cluster.admit``): their node and the claim holding their
+    places until they are recorded."""
+
+    node_id: str  # "" when admitted for the quota only
+    claim: str
+    #: the snapshot to start from, as that node names it (its own copy, if it is another's)
+    snapshot: str | None
 
 
 class Cluster:
@@ -103,6 +133,8 @@ class Cluster:
         # sandbox -> node: never changes once written (a lost state is re-read, see _route)
         self._placed: dict[str, str] = {}
         self._service_urls: dict[str, dict[str, str]] = {}
+        self._copying: dict[tuple[str, str], threading.Lock] = {}
+        self._admitting = threading.Lock()
         self._secret = self.peer_secret()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -307,14 +339,20 @@ class Cluster:
             self._put(sandbox_id, {**record, "state": "lost"})
             log.warning("sandbox %s is lost with node %s", sandbox_id, record["node"][:12])
 
-    def _call(self, sandbox_id: str, ref: Any) -> Any:
-        """Wait for a call to a node; a node that dies under it makes the sandbox lost."""
+    def _call_node(self, ref: Any) -> Any:
+        """Wait for a call to a node that is about no sandbox; its own errors raised as
+        themselves."""
         try:
             return self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause()  # type: ignore[no-untyped-call]
             raise (cause.cause if hasattr(cause, "cause") and isinstance(
                 cause.cause, Exception) else cause) from None
+
+    def _call(self, sandbox_id: str, ref: Any) -> Any:
+        """Wait for a call to a node; a node that dies under it makes the sandbox lost."""
+        try:
+            return self._call_node(ref)
         except (self._ray.exceptions.RayActorError, self._ray.exceptions.ActorDiedError):
             record = self._record(sandbox_id)
             self._lose(sandbox_id, record)
@@ -368,22 +406,48 @@ class Cluster:
 
     # -- placement and the sandbox calls ------------------------------------------------------
 
-    def place(self, tenant: str | None, pending: dict[str, int] | None = None) -> str:
+    def _counts(self, tenant: str | None) -> tuple[dict[str, int], dict[str, int], int]:
+        """Live sandboxes per node, the tenant's per node, and the tenant's in all (lost ones
+        released), with the places claimed for sandboxes being made (a claim without a node
+        counts for the quota only)."""
+        per_node: dict[str, int] = {}
+        per_tenant: dict[str, int] = {}
+        total = 0
+        held = [(r["node"], r.get("tenant"), 1) for r in self._records().values()
+                if r.get("state") != "lost"]
+        held += [(c.get("node"), c.get("tenant"), int(c.get("count", 1)))
+                 for c in self._claims().values()]
+        for node_id, owner, count in held:
+            if node_id is not None:
+                per_node[node_id] = per_node.get(node_id, 0) + count
+            if owner == tenant:
+                total += count
+                if node_id is not None:
+                    per_tenant[node_id] = per_tenant.get(node_id, 0) + count
+        return per_node, per_tenant, total
+
+    def _claims(self) -> dict[str, dict[str, Any]]:
+        now = time.time()
+        found = {}
+        for key in self._kv._internal_kv_list(_CLAIM_KEY.encode(), namespace=NAMESPACE):
+            raw = self._kv._internal_kv_get(key, namespace=NAMESPACE)
+            if raw is not None:
+                claim = json.loads(raw)
+                if now - float(claim.get("at", 0)) < _CLAIM_TTL_S:
+                    found[key.decode()] = claim
+        return found
+
+    def place(self, tenant: str | None, pending: dict[str, int] | None = None,
+              holding: Collection[str] = ()) -> str:
         """The node for a new sandbox: one with a free slot, fewest of this tenant's sandboxes
         first (spread), then fewest in all. ``pending``: sandboxes of this tenant already
-        placed on a node but not recorded yet (a fork's other children)."""
+        placed on a node but not recorded yet (a fork's other children). ``holding``: the
+        nodes that hold the layers it starts from, preferred by ``_COPY_WEIGHT``."""
         nodes = self.nodes()
         if not nodes:
             raise BackendUnavailable("no cluster node offers the 'corral' resource: start one "
                                      "with `ray start ... --resources='{\"corral\": N}'`")
-        per_node: dict[str, int] = {}
-        per_tenant: dict[str, int] = {}
-        for record in self._records().values():
-            if record.get("state") == "lost":
-                continue
-            per_node[record["node"]] = per_node.get(record["node"], 0) + 1
-            if record.get("tenant") == tenant:
-                per_tenant[record["node"]] = per_tenant.get(record["node"], 0) + 1
+        per_node, per_tenant, _ = self._counts(tenant)
         for node_id, extra in (pending or {}).items():
             per_node[node_id] = per_node.get(node_id, 0) + extra
             per_tenant[node_id] = per_tenant.get(node_id, 0) + extra
@@ -391,33 +455,155 @@ class Cluster:
         if not free:
             raise QuotaExceeded(f"every cluster node is full ({sum(n.slots for n in nodes)} "
                                 "slots in all): destroy sandboxes or add nodes")
-        return min(free, key=lambda n: (per_tenant.get(n.node_id, 0),
-                                        per_node.get(n.node_id, 0), n.node_id)).node_id
+
+        def cost(node: NodeView) -> tuple[int, int, str]:
+            copying = _COPY_WEIGHT if holding and node.node_id not in holding else 0
+            return (per_tenant.get(node.node_id, 0) + copying, per_node.get(node.node_id, 0),
+                    node.node_id)
+
+        return min(free, key=cost).node_id
+
+    # -- snapshots across nodes ---------------------------------------------------------------
+
+    def snapshot_source(self, ref: str, tenant: str | None) -> SnapshotSource | None:
+        """Where the snapshot ``ref`` (id or name, the tenant's) was taken: its node, its id,
+        whether it holds memory. None when no alive node has it."""
+        nodes = self.nodes()
+        asked = [(n.node_id, self.agent(n.node_id).find_snapshot.remote(ref, tenant))
+                 for n in nodes]
+        for node_id, ref_found in asked:
+            try:
+                found = self._ray.get(ref_found, timeout=60)
+            except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+                continue  # a node dying meanwhile: its snapshots are gone with it
+            if found is not None:
+                return SnapshotSource(node_id, str(found["id"]), bool(found["memory"]))
+        return None
+
+    def _copies(self, origin: str) -> dict[str, str]:
+        """node → that node's copy of snapshot ``origin``, as recorded."""
+        prefix = f"{_COPY_KEY}{origin}/"
+        found = {}
+        for key in self._kv._internal_kv_list(prefix.encode(), namespace=NAMESPACE):
+            local = self._kv._internal_kv_get(key, namespace=NAMESPACE)
+            if local is not None:
+                found[key.decode()[len(prefix):]] = local.decode()
+        return found
+
+    def copy_ids(self) -> set[str]:
+        """Every node's copies of other nodes' snapshots (lists show the originals only)."""
+        ids = set()
+        for key in self._kv._internal_kv_list(_COPY_KEY.encode(), namespace=NAMESPACE):
+            local = self._kv._internal_kv_get(key, namespace=NAMESPACE)
+            if local is not None:
+                ids.add(local.decode())
+        return ids
+
+    def snapshot_on(self, node_id: str, home: str, origin: str) -> str:
+        """The id on ``node_id`` of ``home``'s snapshot ``origin``: itself at home, else that
+        node's copy, made first if it has none (the workspace moves through Ray's object store
+        from ``home`` to ``node_id``, never through this gateway)."""
+        if node_id == home:
+            return origin
+        agent = self.agent(node_id)
+        local: str | None = self._ray.get(agent.snapshot_copy.remote(origin), timeout=60)
+        if local is None:
+            with self._lock:
+                making = self._copying.setdefault((node_id, origin), threading.Lock())
+            with making:  # one export per node, however many creates of it wait here
+                local = self._ray.get(agent.snapshot_copy.remote(origin), timeout=60)
+                if local is None:
+                    exported = self.agent(home).export_snapshot.remote(origin, None)
+                    local = self._ray.get(agent.copy_snapshot.remote(exported))
+        self._kv._internal_kv_put(f"{_COPY_KEY}{origin}/{node_id}".encode(), local.encode(),
+                                  namespace=NAMESPACE)
+        assert local is not None
+        return local
+
+    def drop_copies(self, origin: str) -> None:
+        """Delete every node's copy of snapshot ``origin`` (before the snapshot itself goes);
+        ``SnapshotInUse`` from a node where a sandbox is built on its copy (and what was not
+        dropped yet stays)."""
+        alive = self._alive()
+        for node_id in self._copies(origin):
+            if node_id in alive:
+                self._call_node(self.agent(node_id).drop_snapshot_copy.remote(origin))
+            self._kv._internal_kv_del(f"{_COPY_KEY}{origin}/{node_id}".encode(),
+                                      namespace=NAMESPACE)
 
     def _check_quota(self, tenant: str | None, max_for_tenant: int | None, adding: int) -> None:
-        """The tenant's sandboxes across the cluster (lost ones released), checked here; each
-        node checks its own share again."""
+        """The tenant's sandboxes across the cluster, those being made included, checked
+        here; each node checks its own share again."""
         if max_for_tenant is None:
             return
-        live = sum(1 for r in self._records().values()
-                   if r.get("tenant") == tenant and r.get("state") != "lost")
+        live = self._counts(tenant)[2]
         if live + adding > max_for_tenant:
             raise QuotaExceeded(
                 f"tenant {tenant or 'local'} has {live} sandboxes in the cluster and may have "
                 f"{max_for_tenant}: destroy some first")
+
+    def admit(self, tenant: str | None, max_for_tenant: int | None, *, count: int = 1,
+              node_id: str | None = None, snapshot: str | None = None,
+              any_tenants: bool = False, place: bool = True) -> Admission:
+        """Admit ``count`` new sandboxes of ``tenant``: its quota across the cluster checked,
+        a node chosen (``node_id`` if decided already; none with ``place=False``), and the
+        places claimed, so that creates at once, through this gateway or another, never
+        pass the quota together. From ``snapshot`` (one of ``scope``'s, default the
+        tenant's), the nodes holding its layers are preferred and it is copied to the node
+        chosen if it is not there. ``release`` the claim once the sandboxes are recorded (or
+        were not made)."""
+        holding: set[str] = set()
+        source = None
+        if snapshot is not None:
+            source = self.snapshot_source(snapshot, None if any_tenants else tenant)
+        if source is not None and source.memory:  # its memory image cannot travel
+            if node_id is not None and node_id != source.node_id:
+                raise UsageError(f"snapshot {snapshot} holds memory, which stays on its own "
+                                 "cluster node, and the volume is on another: start the "
+                                 "sandbox without one of them")
+            node_id = source.node_id
+        elif source is not None:
+            holding = {source.node_id, *self._copies(source.snapshot_id)}
+        with self._admitting:
+            self._check_quota(tenant, max_for_tenant, count)
+            if node_id is None and place:
+                node_id = self.place(tenant, holding=holding)
+            claim = f"{_CLAIM_KEY}{new_secret().hex()[:24]}"
+            self._kv._internal_kv_put(claim.encode(), json.dumps(
+                {"tenant": tenant, "node": node_id, "count": count, "at": time.time()}
+            ).encode(), namespace=NAMESPACE)
+        try:
+            # Another gateway's claim made meanwhile is counted now: if both passed the
+            # check above, both see the other here (at worst both refuse).
+            self._check_quota(tenant, max_for_tenant, 0)
+            local = None
+            if source is not None and node_id is not None:
+                local = self.snapshot_on(node_id, source.node_id, source.snapshot_id)
+        except BaseException:
+            self.release(claim)
+            raise
+        return Admission(node_id or "", claim, local)
+
+    def release(self, claim: str) -> None:
+        self._kv._internal_kv_del(claim.encode(), namespace=NAMESPACE)
 
     def create(self, *, tenant: str | None = None, max_for_tenant: int | None = None,
                **kwargs: Any) -> SandboxInfo:
         """Create a sandbox on the node ``place`` picks, within the tenant's cluster-wide
         ``max_for_tenant`` (the node's control plane checks the request again, exactly as on
         one host)."""
-        self._check_quota(tenant, max_for_tenant, 1)
-        if max_for_tenant is not None:
-            kwargs["max_for_tenant"] = max_for_tenant
-        node_id = self.place(tenant)
-        agent = self.agent(node_id)
-        info: SandboxInfo = self._ray.get(agent.create.remote({**kwargs, "tenant": tenant}))
-        self._placed_on(info.id, node_id, tenant)
+        admitted = self.admit(tenant, max_for_tenant, snapshot=kwargs.get("snapshot"))
+        try:
+            if max_for_tenant is not None:
+                kwargs["max_for_tenant"] = max_for_tenant
+            if admitted.snapshot is not None:
+                kwargs["snapshot"] = admitted.snapshot
+            agent = self.agent(admitted.node_id)
+            info: SandboxInfo = self._call_node(agent.create.remote(
+                {**kwargs, "tenant": tenant}))
+            self._placed_on(info.id, admitted.node_id, tenant)
+        finally:
+            self.release(admitted.claim)
         return info
 
     def fork(self, sandbox_id: str, count: int = 1, *, tenant: str | None = None,
@@ -432,7 +618,14 @@ class Cluster:
         (a node's secret store is its own), stays on the sandbox's node."""
         if count < 1:
             raise UsageError(f"fork needs a count of at least 1, not {count}")
-        self._check_quota(tenant, max_for_tenant, count)
+        admitted = self.admit(tenant, max_for_tenant, count=count, place=False)
+        try:
+            return self._fork(sandbox_id, count, tenant, caller, memory)
+        finally:
+            self.release(admitted.claim)
+
+    def _fork(self, sandbox_id: str, count: int, tenant: str | None, caller: Tenant | None,
+              memory: bool) -> builtins.list[SandboxInfo]:
         source = self._route(sandbox_id, tenant)
         home = self.node_of(sandbox_id)
         info: SandboxInfo = self._call(sandbox_id, source.get.remote(sandbox_id, tenant))

@@ -29,10 +29,11 @@ from typing import Any
 from .._control.manager import Manager, get_manager
 from .._control.tenants import Tenant
 from .._settings import Settings
-from ..errors import SandboxNotFound
+from ..errors import SandboxNotFound, SnapshotNotFound
 from ..models import CommandResult, SandboxInfo
 from .audit import Shipper
 from .auth import require_token_auth
+from .copies import Exported, SnapshotCopies, export_snapshot
 from .peer import PeerTenants
 
 __all__ = ["NodeAgent", "node_settings"]
@@ -65,6 +66,7 @@ class NodeAgent:
         self._settings = Settings(**overrides)
         self._manager: Manager = get_manager(self._settings)
         self._manager.recover()
+        self._copies = SnapshotCopies(self._manager, home)
         self._shipper: Shipper | None = None
         self._services: _Services | None = None
         self._serve_lock = threading.Lock()
@@ -158,6 +160,33 @@ class NodeAgent:
             self._manager.destroy(first.id)
             raise
         return [self._manager.get(first.id), *rest]
+
+    def find_snapshot(self, ref: str, tenant: str | None) -> dict[str, Any] | None:
+        """The snapshot ``ref`` if it was taken here: its id and whether it holds memory."""
+        try:
+            snap = self._manager.get_snapshot(ref, tenant=tenant)
+        except SnapshotNotFound:
+            return None
+        return {"id": snap.id, "memory": snap.memory}
+
+    def export_snapshot(self, snapshot_id: str, tenant: str | None) -> Exported:
+        """The snapshot's workspace for a copy on another node (``copies``). The gateway hands
+        the result on as an object reference: Ray moves it node to node."""
+        return export_snapshot(self._manager, snapshot_id, tenant)
+
+    def snapshot_copy(self, origin: str) -> str | None:
+        """This node's copy of another node's snapshot ``origin``, if it has one."""
+        return self._copies.find(origin)
+
+    def copy_snapshot(self, exported: Exported) -> str:
+        """A copy here of another node's snapshot (made once; later calls find it)."""
+        return self._copies.make(exported)
+
+    def drop_snapshot_copy(self, origin: str) -> bool:
+        return self._copies.drop(origin)
+
+    def snapshot_copies(self) -> dict[str, str]:
+        return self._copies.all()
 
     def forget(self, sandbox_ids: builtins.list[str]) -> builtins.list[str]:
         """Destroy what the cluster has declared lost (this node was gone, and is back)."""

@@ -243,6 +243,8 @@ class _Gateway:
             return
         by_ref = _BY_REF.fullmatch(path)
         if by_ref is not None and method in ("GET", "DELETE"):
+            if by_ref.group(1) == "snapshots" and method == "DELETE":
+                await run_in_threadpool(self._drop_copies, by_ref.group(2), scope_of(caller))
             answers = await self._fan_out(method, path, caller)
             hit = [a for a in answers if a.status_code != 404]
             await self._send_answer(send, (hit or answers)[0] if answers else _no_node())
@@ -262,32 +264,42 @@ class _Gateway:
         except ValueError:
             request = None
         node_id = None
+        snapshot = None
         if isinstance(request, dict):
-            snapshot = request.get("snapshot")
             volumes = request.get("volumes")
-            if isinstance(snapshot, str) and validate_ref(snapshot):
-                node_id = await self._holder("snapshots", snapshot, caller)
-            elif isinstance(volumes, dict) and volumes:
+            if isinstance(request.get("snapshot"), str) and validate_ref(request["snapshot"]):
+                snapshot = request["snapshot"]
+            if isinstance(volumes, dict) and volumes:
                 first = next(iter(volumes))
                 if isinstance(first, str) and validate_ref(first):
                     node_id = await self._holder("volumes", first, caller)
         await self._send_answer(send, await self.create_on(
-            node_id, caller, "/v1/sandboxes", body, made_id=lambda made: made.get("id")))
+            node_id, caller, "/v1/sandboxes", body, made_id=lambda made: made.get("id"),
+            snapshot=snapshot))
 
     async def create_on(self, node_id: str | None, caller: Tenant, path: str, body: bytes,
                         *, made_id: Callable[[dict[str, Any]], str | None],
-                        service: str = "http") -> httpx.Response:
+                        service: str = "http", snapshot: str | None = None) -> httpx.Response:
         """A create, for either dialect: the caller's quota counted across the cluster, the
-        request sent to ``node_id`` (a snapshot's or volume's holder) or where ``place``
-        says, and the new sandbox (``made_id`` reads it from the answer) recorded there."""
-        await run_in_threadpool(self._cluster._check_quota, caller.name, _limit(caller), 1)
-        if node_id is None:
-            node_id = await run_in_threadpool(self._cluster.place, caller.name)
-        answer = await self._ask(node_id, "POST", path, caller, body=body, service=service)
-        made: Any = answer.json() if answer.status_code in (200, 201) else None
-        sandbox_id = made_id(made) if isinstance(made, dict) else None
-        if sandbox_id:
-            await run_in_threadpool(self._cluster._placed_on, sandbox_id, node_id, caller.name)
+        request sent to ``node_id`` (a volume's holder) or where ``place`` says (for one
+        from ``snapshot``, with the nodes holding its layers preferred), the snapshot copied
+        to that node first if it is not there yet, and the new sandbox (``made_id`` reads it
+        from the answer) recorded there."""
+        admitted = await run_in_threadpool(lambda: self._cluster.admit(
+            caller.name, _limit(caller), node_id=node_id, snapshot=snapshot,
+            any_tenants=scope_of(caller) is None))
+        try:
+            if admitted.snapshot is not None and admitted.snapshot != snapshot:
+                body = json.dumps({**json.loads(body), "snapshot": admitted.snapshot}).encode()
+            answer = await self._ask(admitted.node_id, "POST", path, caller, body=body,
+                                     service=service)
+            made: Any = answer.json() if answer.status_code in (200, 201) else None
+            sandbox_id = made_id(made) if isinstance(made, dict) else None
+            if sandbox_id:
+                await run_in_threadpool(self._cluster._placed_on, sandbox_id,
+                                        admitted.node_id, caller.name)
+        finally:
+            await run_in_threadpool(self._cluster.release, admitted.claim)
         return answer
 
     async def _create_volume(self, receive: Receive, send: Send, caller: Tenant) -> None:
@@ -296,14 +308,25 @@ class _Gateway:
         await self._send_answer(send, await self._ask(node_id, "POST", "/v1/volumes", caller,
                                                       body=body))
 
+    def _drop_copies(self, ref: str, owner: str | None) -> None:
+        """Before a snapshot goes: its copies on other nodes (``copies``)."""
+        if not validate_ref(ref):
+            return  # the node answers for a ref that cannot be
+        source = self._cluster.snapshot_source(ref, owner)
+        if source is not None:
+            self._cluster.drop_copies(source.snapshot_id)
+
     async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
         answers = await self._fan_out("GET", path, caller, query)
+        # Nodes' copies of other nodes' snapshots are theirs: the caller sees the originals.
+        hidden = await run_in_threadpool(self._cluster.copy_ids) \
+            if path == "/v1/snapshots" else set()
         items: list[Any] = []
         for answer in answers:
             if answer.status_code != 200:
                 await self._send_answer(send, answer)
                 return
-            items.extend(answer.json())
+            items.extend(item for item in answer.json() if item.get("id") not in hidden)
         items.sort(key=lambda item: (item.get("created_at", 0), item.get("id", "")))
         await send_json(send, 200, items)
 

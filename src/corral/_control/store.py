@@ -548,6 +548,12 @@ class Store:
                                    (snapshot_id,)).fetchone()
         return row[0] if row else None
 
+    def snapshot_tenant(self, snapshot_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT tenant FROM snapshots WHERE id = ?",
+                                   (snapshot_id,)).fetchone()
+        return row[0] if row else None
+
     def snapshot_layer(self, snapshot_id: str) -> str | None:
         with self._lock:
             row = self._db.execute("SELECT layer FROM snapshots WHERE id = ?",
