@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         made.append(info.id)
         node = gateway.node_of(info.id)
         identity = gateway._identity_of(node)
-        embedded = get_manager(Settings(**node_settings(base, gateway._node_index(identity),
+        embedded = get_manager(Settings(**node_settings(base, gateway.state.node_index(identity),
                                                         identity)))
         for _ in range(5):
             gateway.run(info.id, ["true"], tenant="bench")

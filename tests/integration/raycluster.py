@@ -90,7 +90,7 @@ def embedded_gateway(cluster: Any, base: Settings | None = None) -> Iterator[Clu
     try:
         yield gw
     finally:
-        indices = {name: gw._node_index(name) for name in ("head", "w1")}
+        indices = {name: gw.state.node_index(name) for name in ("head", "w1")}
         gw.close_nodes()
         for name, index in indices.items():
             overrides = node_settings(base, index, name)

@@ -62,27 +62,27 @@ def test_sandboxes_spread_over_the_nodes_and_calls_reach_their_node(gateway: Clu
         per_node = {node: sum(1 for n in placed.values() if n == node) for node in nodes}
         assert sorted(per_node.values()) == [10, 10], per_node
         for tenant in ("team-a", "team-b"):  # each tenant spread too
-            mine = [placed[i.id] for i in made if gateway._record(i.id)["tenant"] == tenant]
+            mine = [placed[i.id] for i in made if gateway.state.record(i.id)["tenant"] == tenant]
             assert sorted(mine.count(n) for n in nodes) == [5, 5]
         for node in nodes:  # a node's agent holds exactly the sandboxes placed on it
             held = {info.id for info in gateway._ray.get(gateway.agent(node).list.remote(None))}
             assert held == {sid for sid, n in placed.items() if n == node}
         for info in made[:4]:
-            tenant = gateway._record(info.id)["tenant"]
+            tenant = gateway.state.record(info.id)["tenant"]
             gateway.write_file(info.id, "/workspace/in.txt", info.id.encode(), tenant=tenant)
             result = gateway.run(info.id, "cat in.txt; echo; whoami", tenant=tenant, timeout=30)
             assert result.exit_code == 0 and result.stdout.split()[0] == info.id, result
             assert gateway.read_file(info.id, "/workspace/in.txt", tenant=tenant) == \
                 info.id.encode()
         # Another tenant's sandbox is not found, as on one host.
-        owner = gateway._record(made[0].id)["tenant"]
+        owner = gateway.state.record(made[0].id)["tenant"]
         with pytest.raises(SandboxNotFound):
             gateway.run(made[0].id, "true", tenant="team-a" if owner == "team-b" else "team-b")
         assert {info.id for info in gateway.list()} >= set(placed)
     finally:
         for info in made:
             gateway.destroy(info.id)
-    assert not gateway._records()
+    assert not gateway.state.records()
 
 
 TREE_HASH = ("cd /workspace && find . -type f -print0 | sort -z | xargs -0 sha256sum | "
@@ -165,7 +165,7 @@ def test_a_dead_node_makes_its_sandboxes_lost_and_the_rest_keeps_working(
                 call(sandbox_id)
             assert time.monotonic() - before < 10, name
     gateway.reconcile()
-    assert all(gateway._record(s)["state"] == "lost" for s in on_worker)
+    assert all(gateway.state.record(s)["state"] == "lost" for s in on_worker)
     # The lost sandbox's trail reads back from the gateway's copy, up to the command that was
     # in flight: shipped as written, in order, no line twice.
     trail = gateway.audit(on_worker[0], tenant="team-c")
@@ -181,7 +181,7 @@ def test_a_dead_node_makes_its_sandboxes_lost_and_the_rest_keeps_working(
     for sandbox_id in on_head:  # the surviving node and the gateway keep working
         assert gateway.run(sandbox_id, "echo alive", tenant="team-c").stdout == "alive\n"
     # The lost sandboxes no longer count against the tenant's cluster-wide quota.
-    assert sum(1 for r in gateway._records().values()
+    assert sum(1 for r in gateway.state.records().values()
                if r["tenant"] == "team-c" and r["state"] != "lost") == len(on_head)
     new = gateway.create(tenant="team-c", max_for_tenant=len(on_head) + 1)
     assert gateway.node_of(new.id) != worker.node_id  # placed on the surviving node only

@@ -82,7 +82,8 @@ def test_sandboxes_spread_per_tenant_and_each_call_reaches_its_node(
         nodes = {node.node_id for node in embedded.nodes()}
         assert sorted(list(placed.values()).count(n) for n in nodes) == [10, 10]
         for tenant in ("alpha", "beta"):
-            mine = [placed[sb.id] for sb in made if embedded._record(sb.id)["tenant"] == tenant]
+            mine = [placed[sb.id] for sb in made
+                    if embedded.state.record(sb.id)["tenant"] == tenant]
             assert sorted(mine.count(n) for n in nodes) == [5, 5]
         for node in nodes:  # a node holds exactly what the gateway placed there
             held = {i.id for i in embedded._ray.get(embedded.agent(node).list.remote(None))}
@@ -92,14 +93,14 @@ def test_sandboxes_spread_per_tenant_and_each_call_reaches_its_node(
             assert sb.commands.run("cat me", timeout=30).stdout == sb.id
         # A tenant sees only its own, through the gateway as on one host.
         alpha = {i.id for i in Sandbox.list(**sdk(served, "alpha"))}
-        assert alpha == {sb.id for sb in made if embedded._record(sb.id)["tenant"] == "alpha"}
+        assert alpha == {sb.id for sb in made if embedded.state.record(sb.id)["tenant"] == "alpha"}
         beta_one = next(sb for sb in made if sb.id not in alpha)
         with pytest.raises(SandboxNotFound):
             Sandbox.connect(beta_one.id, **sdk(served, "alpha"))
     finally:
         for sb in made:
             sb.kill()
-    assert not any(r.get("state") == "live" for r in embedded._records().values())
+    assert not any(r.get("state") == "live" for r in embedded.state.records().values())
 
 
 def test_quota_across_the_cluster_and_the_ceiling_on_the_node(
@@ -184,7 +185,7 @@ def test_the_official_e2b_sdk_through_the_gateway(
     assert steps["listed"]["value"] is True and steps["connect"]["value"] == "again\n"
     sandbox_id = steps["id"]["value"].replace("-", "_", 1)
     with pytest.raises(SandboxNotFound):  # killed through E2B: gone from the map too
-        embedded._record(sandbox_id)
+        embedded.state.record(sandbox_id)
 
 
 def test_the_nodes_services_serve_gateways_only_and_sandboxes_cannot_reach_them(
@@ -258,7 +259,7 @@ def test_sandboxes_from_a_snapshot_on_every_node_its_layers_copied_once(
                 sb.id)
         copies = embedded._ray.get(embedded.agent(other).snapshot_copies.remote())
         assert list(copies) == [snap.id]  # one copy on the other node, for every create
-        assert embedded._copies(snap.id) == {other: copies[snap.id]}
+        assert embedded.state.copies(snap.id) == {other: copies[snap.id]}
         # The caller sees the snapshot it took, not the node's copy of it.
         listed = [s.id for s in Sandbox.list_snapshots(**alpha)]
         assert snap.id in listed and copies[snap.id] not in listed
@@ -271,7 +272,7 @@ def test_sandboxes_from_a_snapshot_on_every_node_its_layers_copied_once(
             sb.kill()
     Sandbox.delete_snapshot("seed-everywhere", **alpha)
     assert embedded._ray.get(embedded.agent(other).snapshot_copies.remote()) == {}
-    assert embedded._copies(snap.id) == {}
+    assert embedded.state.copies(snap.id) == {}
 
 
 def test_a_fan_out_over_the_cluster_within_the_tenants_quota(
@@ -299,10 +300,10 @@ def test_a_fan_out_over_the_cluster_within_the_tenants_quota(
             assert rollout.result.stdout == f"solve me {rollout.index}\n"
         nodes = {n.node_id for n in embedded.nodes()}
         # Three at once: two beside the layers, then the third on the other node.
-        assert len(embedded._copies(snap.id)) == 1
+        assert len(embedded.state.copies(snap.id)) == 1
     finally:
         Sandbox.delete_snapshot(snap, **tight)
-    assert not [r for r in embedded._records().values() if r.get("tenant") == "tight"]
+    assert not [r for r in embedded.state.records().values() if r.get("tenant") == "tight"]
     assert len(nodes) == 2
 
 
@@ -319,7 +320,7 @@ def test_mcp_through_the_gateway(served: tuple[ServedGateway, Cluster, dict[str,
                 await session.initialize()
                 made = await _tool(session, "create_sandbox")
                 sandbox_id = str(made["sandbox_id"])
-                assert embedded._record(sandbox_id)["tenant"] == "alpha"
+                assert embedded.state.record(sandbox_id)["tenant"] == "alpha"
                 await _tool(session, "write_file", path="via-mcp.txt", content="relayed",
                             sandbox_id=sandbox_id)
                 ran = await _tool(session, "run_command", sandbox_id=sandbox_id,
@@ -335,11 +336,11 @@ def test_mcp_through_the_gateway(served: tuple[ServedGateway, Cluster, dict[str,
     sandbox_id = anyio.run(main)
     # The MCP session ended: its sandboxes went, through the gateway, and from the map.
     deadline = time.monotonic() + 30
-    while any(r.get("tenant") == "alpha" for r in embedded._records().values()):
-        assert time.monotonic() < deadline, embedded._records()
+    while any(r.get("tenant") == "alpha" for r in embedded.state.records().values()):
+        assert time.monotonic() < deadline, embedded.state.records()
         time.sleep(0.2)
     with pytest.raises(SandboxNotFound):
-        embedded._record(sandbox_id)
+        embedded.state.record(sandbox_id)
 
 
 async def _tool(session: ClientSession, tool: str, **args: Any) -> dict[str, Any]:
@@ -396,4 +397,4 @@ def test_a_node_dying_under_a_streaming_command(
         assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
     for sb in made:
         sb.kill()  # a lost one is forgotten
-    assert not embedded._records()
+    assert not embedded.state.records()

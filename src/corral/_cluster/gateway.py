@@ -1,26 +1,26 @@
 """The cluster gateway: places each new sandbox on a Corral node and routes its calls there.
 
-Built so far (issue 17, first part): nodes found from Ray's membership (every alive node that
-offers the ``corral`` resource gets a Corral node agent, a detached named actor pinned to it);
-placement by free slots (the node's ``corral`` resource is its slot count) with tenants spread
-(fewest of the caller's sandboxes first, then fewest in all); sandbox → node kept in Ray's GCS
-key-value store (not in a detached actor: it outlives any gateway and any one actor, several
-gateways share it, and with GCS fault tolerance it survives a head restart); commands, files,
-get, list and destroy routed; every node's audit lines shipped as they are written to a sink
-beside the gateway (``audit``), so a lost sandbox's trail still reads back; a dead node's
-sandboxes reported ``lost`` (``SandboxLost``) on every call instead of a hang, and destroyed
-by the node if it comes back under its name;
-``fork`` across nodes, the workspace moving node to node through Ray's object store once per
-node.
+Nodes come from Ray's membership: every alive node that offers the ``corral`` resource gets a
+Corral node agent (``node``), a detached named actor pinned to it. Placement is by free slots
+(the node's ``corral`` resource is its slot count) with tenants spread (fewest of the caller's
+sandboxes first, then fewest in all) and, from a snapshot, the nodes that hold its layers
+preferred. Creates and forks claim their places before they reach a node, so the tenant's
+quota holds across the cluster and across gateways. The shared state (sandbox → node, claims,
+snapshot copies) is in Ray's GCS (``state``).
 
-Not yet: the HTTP/MCP/E2B surfaces over the gateway (``corral serve --cluster``), streaming
-and PTY routing, quotas at the gateway. See ``docs/cluster.md``.
+A dead node's sandboxes are reported ``lost`` (``SandboxLost``) on every call instead of a
+hang, and destroyed by the node if it comes back under its name; every node's audit lines are
+shipped as they are written to a sink beside the gateway (``audit``), so a lost sandbox's
+trail still reads back. Forks and creates from a snapshot may land on other nodes: the
+workspace moves node to node through Ray's object store, once per node (``copies``).
+
+This is the gateway's Python face; ``service`` serves the HTTP API over it
+(``corral serve --cluster``), relaying each sandbox's calls to its node's own service.
 """
 
 from __future__ import annotations
 
 import builtins
-import json
 import logging
 import threading
 import time
@@ -43,27 +43,17 @@ from ..models import CommandResult, SandboxInfo
 from .audit import AuditSink
 from .auth import require_token_auth
 from .node import NodeAgent, node_settings
-from .peer import new_secret
+from .state import NAMESPACE, ClusterState
 
 __all__ = ["IDENTITY_LABEL", "Cluster", "NodeView"]
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "corral"
 RESOURCE = "corral"
-_SANDBOX_KEY = "sandbox/"
-_NODE_INDEX_KEY = "node-index/"
-# snapshot-copy/<snapshot id>/<node id> -> the id of that node's copy (``copies``)
-_COPY_KEY = "snapshot-copy/"
 # Placement counts a node without a snapshot's layers as holding this many more of the
 # tenant's sandboxes: creates from one snapshot stay where its layers are until the load is
 # this uneven, then the layers are copied over (once per node) and creates spread.
 _COPY_WEIGHT = 2
-# claim/<random> -> {"tenant", "node", "count", "at"}: places held for sandboxes being made,
-# counted by every gateway's quota and placement until the sandboxes are recorded.
-_CLAIM_KEY = "claim/"
-_CLAIM_TTL_S = 600.0  # older: a crashed gateway's, no longer counted
-_MAX_NODES = 1024
 # Threads per node agent: its commands run side by side (Ray's default actor is one thread).
 _AGENT_CONCURRENCY = 256
 _MEMBERSHIP_TTL_S = 0.5
@@ -123,9 +113,7 @@ class Cluster:
         if not ray.is_initialized():
             ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
                      log_to_driver=False, configure_logging=False)
-        from ray.experimental import internal_kv
-
-        self._kv = internal_kv
+        self.state = ClusterState()
         self._lock = threading.Lock()
         self._agents: dict[str, Any] = {}
         self._alive_cache: tuple[float, set[str]] | None = None
@@ -135,7 +123,7 @@ class Cluster:
         self._service_urls: dict[str, dict[str, str]] = {}
         self._copying: dict[tuple[str, str], threading.Lock] = {}
         self._admitting = threading.Lock()
-        self._secret = self.peer_secret()
+        self._secret = self.state.peer_secret()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # The audit copy lives beside the first gateway (its node, its data directory).
@@ -182,23 +170,6 @@ class Cluster:
                 known = self._identities.get(node_id, node_id)
         return known
 
-    def _node_index(self, identity: str) -> int:
-        """A small number per Corral node, the same for every gateway and across the node's
-        restarts: the first free slot claimed in the key-value store (put without overwrite
-        is atomic in the GCS)."""
-        key = (_NODE_INDEX_KEY + identity).encode()
-        known = self._kv._internal_kv_get(key, namespace=NAMESPACE)
-        if known is not None:
-            return int(known)
-        for index in range(_MAX_NODES):
-            claimed = self._kv._internal_kv_put(f"{_NODE_INDEX_KEY}#{index}".encode(),
-                                                identity.encode(), overwrite=False,
-                                                namespace=NAMESPACE)
-            if not claimed:  # False: the key was new, the slot is ours
-                self._kv._internal_kv_put(key, str(index).encode(), namespace=NAMESPACE)
-                return index
-        raise QuotaExceeded(f"the cluster has more than {_MAX_NODES} Corral nodes")
-
     def agent(self, node_id: str) -> Any:
         """The node's agent (a detached named actor pinned to it), started on first use."""
         with self._lock:
@@ -208,7 +179,7 @@ class Cluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         identity = self._identity_of(node_id)
-        overrides = node_settings(self._settings, self._node_index(identity), identity)
+        overrides = node_settings(self._settings, self.state.node_index(identity), identity)
         remote = self._ray.remote(NodeAgent)
         handle = remote.options(
             name=f"corral-node-{node_id}", namespace=NAMESPACE, get_if_exists=True,
@@ -220,27 +191,6 @@ class Cluster:
         return handle
 
     # -- the sandbox map ----------------------------------------------------------------------
-
-    def _record(self, sandbox_id: str) -> dict[str, Any]:
-        raw = self._kv._internal_kv_get((_SANDBOX_KEY + sandbox_id).encode(),
-                                        namespace=NAMESPACE)
-        if raw is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
-        record: dict[str, Any] = json.loads(raw)
-        return record
-
-    def _put(self, sandbox_id: str, record: dict[str, Any]) -> None:
-        self._kv._internal_kv_put((_SANDBOX_KEY + sandbox_id).encode(),
-                                  json.dumps(record).encode(), namespace=NAMESPACE)
-
-    def _records(self) -> dict[str, dict[str, Any]]:
-        keys = self._kv._internal_kv_list(_SANDBOX_KEY.encode(), namespace=NAMESPACE)
-        found = {}
-        for key in keys:
-            raw = self._kv._internal_kv_get(key, namespace=NAMESPACE)
-            if raw is not None:
-                found[key.decode()[len(_SANDBOX_KEY):]] = json.loads(raw)
-        return found
 
     def _route(self, sandbox_id: str, tenant: str | None) -> Any:
         """The agent of the sandbox's node (``node_for``)."""
@@ -270,7 +220,7 @@ class Cluster:
             known = self._placed.get(f"{tenant}\0{sandbox_id}")
         if known is not None and known in self._alive():
             return known
-        record = self._record(sandbox_id)
+        record = self.state.record(sandbox_id)
         if tenant is not None and record.get("tenant") != tenant:
             raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
         if record.get("state") != "lost" and record["node"] not in self._alive():
@@ -291,7 +241,7 @@ class Cluster:
         lost) if the node's agent is dead or its node left the cluster, else None (the node
         lives: the break was the connection's)."""
         try:
-            record = self._record(sandbox_id)
+            record = self.state.record(sandbox_id)
         except SandboxNotFound:
             return None
         agent = self.agent(record["node"])
@@ -307,14 +257,6 @@ class Cluster:
                            "processes and workspace went with it. Create a new sandbox (from "
                            "a snapshot, if you kept one)")
 
-    def peer_secret(self) -> bytes:
-        """The cluster's secret for signing callers to nodes (``peer``): made by the first
-        gateway, read by the others (put without overwrite is atomic in the GCS)."""
-        key = b"peer-secret"
-        self._kv._internal_kv_put(key, new_secret(), overwrite=False, namespace=NAMESPACE)
-        secret: bytes = self._kv._internal_kv_get(key, namespace=NAMESPACE)
-        return secret
-
     def services(self, node_id: str) -> dict[str, str]:
         """The node's service URLs (``NodeAgent.serve``), started on first use."""
         with self._lock:
@@ -329,14 +271,14 @@ class Cluster:
 
     def _placed_on(self, sandbox_id: str, node_id: str, tenant: str | None) -> None:
         """Record a new sandbox's node, in the store and in this gateway's routing memory."""
-        self._put(sandbox_id, {"node": node_id, "identity": self._identity_of(node_id),
+        self.state.put_record(sandbox_id, {"node": node_id, "identity": self._identity_of(node_id),
                                "tenant": tenant, "state": "live", "at": time.time()})
         with self._lock:
             self._placed[f"{tenant}\0{sandbox_id}"] = node_id
 
     def _lose(self, sandbox_id: str, record: dict[str, Any]) -> None:
         if record.get("state") != "lost":
-            self._put(sandbox_id, {**record, "state": "lost"})
+            self.state.put_record(sandbox_id, {**record, "state": "lost"})
             log.warning("sandbox %s is lost with node %s", sandbox_id, record["node"][:12])
 
     def _call_node(self, ref: Any) -> Any:
@@ -354,7 +296,7 @@ class Cluster:
         try:
             return self._call_node(ref)
         except (self._ray.exceptions.RayActorError, self._ray.exceptions.ActorDiedError):
-            record = self._record(sandbox_id)
+            record = self.state.record(sandbox_id)
             self._lose(sandbox_id, record)
             raise SandboxLost(f"sandbox {sandbox_id}'s cluster node died during the call")\
                 from None
@@ -368,7 +310,7 @@ class Cluster:
         back = {node.identity: node.node_id for node in nodes}
         newly = []
         forget: dict[str, builtins.list[str]] = {}
-        for sandbox_id, record in self._records().items():
+        for sandbox_id, record in self.state.records().items():
             if record["node"] not in alive and record.get("state") != "lost":
                 self._lose(sandbox_id, record)
                 newly.append(sandbox_id)
@@ -378,8 +320,9 @@ class Cluster:
         for node_id, ids in forget.items():
             self._ray.get(self.agent(node_id).forget.remote(ids))
             for sandbox_id in ids:  # still lost to callers; nothing of it is left anywhere
-                self._put(sandbox_id, {**self._record(sandbox_id), "forgotten": True})
-        self._tidy(nodes, self._records())
+                self.state.put_record(sandbox_id,
+                                      {**self.state.record(sandbox_id), "forgotten": True})
+        self._tidy(nodes, self.state.records())
         return newly
 
     def _tidy(self, nodes: builtins.list[NodeView], records: dict[str, dict[str, Any]]) -> None:
@@ -413,10 +356,10 @@ class Cluster:
         per_node: dict[str, int] = {}
         per_tenant: dict[str, int] = {}
         total = 0
-        held = [(r["node"], r.get("tenant"), 1) for r in self._records().values()
+        held = [(r["node"], r.get("tenant"), 1) for r in self.state.records().values()
                 if r.get("state") != "lost"]
         held += [(c.get("node"), c.get("tenant"), int(c.get("count", 1)))
-                 for c in self._claims().values()]
+                 for c in self.state.claims()]
         for node_id, owner, count in held:
             if node_id is not None:
                 per_node[node_id] = per_node.get(node_id, 0) + count
@@ -425,17 +368,6 @@ class Cluster:
                 if node_id is not None:
                     per_tenant[node_id] = per_tenant.get(node_id, 0) + count
         return per_node, per_tenant, total
-
-    def _claims(self) -> dict[str, dict[str, Any]]:
-        now = time.time()
-        found = {}
-        for key in self._kv._internal_kv_list(_CLAIM_KEY.encode(), namespace=NAMESPACE):
-            raw = self._kv._internal_kv_get(key, namespace=NAMESPACE)
-            if raw is not None:
-                claim = json.loads(raw)
-                if now - float(claim.get("at", 0)) < _CLAIM_TTL_S:
-                    found[key.decode()] = claim
-        return found
 
     def place(self, tenant: str | None, pending: dict[str, int] | None = None,
               holding: Collection[str] = ()) -> str:
@@ -480,25 +412,6 @@ class Cluster:
                 return SnapshotSource(node_id, str(found["id"]), bool(found["memory"]))
         return None
 
-    def _copies(self, origin: str) -> dict[str, str]:
-        """node → that node's copy of snapshot ``origin``, as recorded."""
-        prefix = f"{_COPY_KEY}{origin}/"
-        found = {}
-        for key in self._kv._internal_kv_list(prefix.encode(), namespace=NAMESPACE):
-            local = self._kv._internal_kv_get(key, namespace=NAMESPACE)
-            if local is not None:
-                found[key.decode()[len(prefix):]] = local.decode()
-        return found
-
-    def copy_ids(self) -> set[str]:
-        """Every node's copies of other nodes' snapshots (lists show the originals only)."""
-        ids = set()
-        for key in self._kv._internal_kv_list(_COPY_KEY.encode(), namespace=NAMESPACE):
-            local = self._kv._internal_kv_get(key, namespace=NAMESPACE)
-            if local is not None:
-                ids.add(local.decode())
-        return ids
-
     def snapshot_on(self, node_id: str, home: str, origin: str) -> str:
         """The id on ``node_id`` of ``home``'s snapshot ``origin``: itself at home, else that
         node's copy, made first if it has none (the workspace moves through Ray's object store
@@ -515,9 +428,8 @@ class Cluster:
                 if local is None:
                     exported = self.agent(home).export_snapshot.remote(origin, None)
                     local = self._ray.get(agent.copy_snapshot.remote(exported))
-        self._kv._internal_kv_put(f"{_COPY_KEY}{origin}/{node_id}".encode(), local.encode(),
-                                  namespace=NAMESPACE)
         assert local is not None
+        self.state.put_copy(origin, node_id, local)
         return local
 
     def drop_copies(self, origin: str) -> None:
@@ -525,11 +437,10 @@ class Cluster:
         ``SnapshotInUse`` from a node where a sandbox is built on its copy (and what was not
         dropped yet stays)."""
         alive = self._alive()
-        for node_id in self._copies(origin):
+        for node_id in self.state.copies(origin):
             if node_id in alive:
                 self._call_node(self.agent(node_id).drop_snapshot_copy.remote(origin))
-            self._kv._internal_kv_del(f"{_COPY_KEY}{origin}/{node_id}".encode(),
-                                      namespace=NAMESPACE)
+            self.state.delete_copy(origin, node_id)
 
     def _check_quota(self, tenant: str | None, max_for_tenant: int | None, adding: int) -> None:
         """The tenant's sandboxes across the cluster, those being made included, checked
@@ -563,15 +474,12 @@ class Cluster:
                                  "sandbox without one of them")
             node_id = source.node_id
         elif source is not None:
-            holding = {source.node_id, *self._copies(source.snapshot_id)}
+            holding = {source.node_id, *self.state.copies(source.snapshot_id)}
         with self._admitting:
             self._check_quota(tenant, max_for_tenant, count)
             if node_id is None and place:
                 node_id = self.place(tenant, holding=holding)
-            claim = f"{_CLAIM_KEY}{new_secret().hex()[:24]}"
-            self._kv._internal_kv_put(claim.encode(), json.dumps(
-                {"tenant": tenant, "node": node_id, "count": count, "at": time.time()}
-            ).encode(), namespace=NAMESPACE)
+            claim = self.state.claim(tenant, node_id, count)
         try:
             # Another gateway's claim made meanwhile is counted now: if both passed the
             # check above, both see the other here (at worst both refuse).
@@ -585,7 +493,7 @@ class Cluster:
         return Admission(node_id or "", claim, local)
 
     def release(self, claim: str) -> None:
-        self._kv._internal_kv_del(claim.encode(), namespace=NAMESPACE)
+        self.state.release(claim)
 
     def create(self, *, tenant: str | None = None, max_for_tenant: int | None = None,
                **kwargs: Any) -> SandboxInfo:
@@ -660,14 +568,14 @@ class Cluster:
     def audit(self, sandbox_id: str, *, tenant: str | None = None) -> AuditTrail:
         """The sandbox's audit trail as shipped from its node: everything committed there up
         to the last shipment (every 0.1 s), readable whether the node is alive or lost."""
-        record = self._record(sandbox_id)
+        record = self.state.record(sandbox_id)
         if tenant is not None and record.get("tenant") != tenant:
             raise SandboxNotFound(f"no sandbox {sandbox_id} in this cluster")
         trail: AuditTrail = self._ray.get(self._sink.trail.remote(sandbox_id))
         return trail
 
     def node_of(self, sandbox_id: str) -> str:
-        return str(self._record(sandbox_id)["node"])
+        return str(self.state.record(sandbox_id)["node"])
 
     def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxInfo:
         agent = self._route(sandbox_id, tenant)
@@ -711,7 +619,7 @@ class Cluster:
         with self._lock:
             for key in [k for k in self._placed if k.endswith("\0" + sandbox_id)]:
                 del self._placed[key]
-        self._kv._internal_kv_del((_SANDBOX_KEY + sandbox_id).encode(), namespace=NAMESPACE)
+        self.state.delete_record(sandbox_id)
 
     def close_nodes(self) -> None:
         """Destroy every sandbox of every alive node and stop the node agents (tests, and an
@@ -722,7 +630,7 @@ class Cluster:
                 self._ray.get(agent.close.remote())
             finally:
                 self._ray.kill(agent)
-        for sandbox_id in self._records():
+        for sandbox_id in self.state.records():
             self._forget(sandbox_id)
         with self._lock:
             self._agents.clear()

@@ -89,7 +89,7 @@ class _Gateway:
     def __init__(self, cluster: Cluster, tenants: TenantDirectory) -> None:
         self._cluster = cluster
         self._tenants = tenants
-        self._secret = cluster.peer_secret()
+        self._secret = cluster.state.peer_secret()
         self._client: httpx.AsyncClient | None = None
 
     # -- the pieces ---------------------------------------------------------------------------
@@ -319,7 +319,7 @@ class _Gateway:
     async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
         answers = await self._fan_out("GET", path, caller, query)
         # Nodes' copies of other nodes' snapshots are theirs: the caller sees the originals.
-        hidden = await run_in_threadpool(self._cluster.copy_ids) \
+        hidden = await run_in_threadpool(self._cluster.state.copy_ids) \
             if path == "/v1/snapshots" else set()
         items: list[Any] = []
         for answer in answers:
