@@ -23,7 +23,14 @@ import pytest
 from corral._cluster.auth import require_token_auth
 from corral._cluster.gateway import Cluster
 from corral._cluster.node import NodeAgent
-from corral.errors import ConfigError, QuotaExceeded, SandboxLost, SandboxNotFound
+from corral.errors import (
+    ConfigError,
+    QuotaExceeded,
+    SandboxLost,
+    SandboxNotFound,
+    SnapshotInUse,
+    SnapshotNotFound,
+)
 
 from .raycluster import add_worker, embedded_gateway
 from .raycluster import ray_cluster as start_ray_cluster
@@ -112,6 +119,29 @@ def test_a_fork_lands_on_both_nodes_with_the_same_tree(gateway: Cluster) -> None
     finally:
         for info in [*children, source]:
             gateway.destroy(info.id, tenant="team-f")
+
+
+def test_a_snapshot_starts_sandboxes_on_either_node(gateway: Cluster) -> None:
+    source = gateway.create(tenant="team-s")
+    made: list[Any] = []
+    try:
+        gateway.write_file(source.id, "/workspace/state.txt", b"sealed", tenant="team-s")
+        snap = gateway.snapshot(source.id, name="team-s-seed", tenant="team-s")
+        made = [gateway.create(tenant="team-s", snapshot="team-s-seed") for _ in range(3)]
+        assert len({gateway.node_of(info.id) for info in made}) == 2
+        for info in made:
+            assert gateway.read_file(info.id, "/workspace/state.txt", tenant="team-s") == \
+                b"sealed"
+        with pytest.raises(SnapshotInUse):
+            gateway.delete_snapshot("team-s-seed", tenant="team-s")
+    finally:
+        for info in [*made, source]:
+            gateway.destroy(info.id, tenant="team-s")
+    assert len(gateway.state.copies(snap.id)) == 1
+    gateway.delete_snapshot("team-s-seed", tenant="team-s")
+    assert gateway.state.copies(snap.id) == {}
+    with pytest.raises(SnapshotNotFound):
+        gateway.delete_snapshot("team-s-seed", tenant="team-s")
 
 
 def test_a_sandbox_cannot_reach_the_ray_ports(gateway: Cluster,

@@ -37,9 +37,10 @@ from ..errors import (
     QuotaExceeded,
     SandboxLost,
     SandboxNotFound,
+    SnapshotNotFound,
     UsageError,
 )
-from ..models import CommandResult, SandboxInfo
+from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .audit import AuditSink
 from .auth import require_token_auth
 from .node import NodeAgent, node_settings
@@ -564,6 +565,25 @@ class Cluster:
             for node_id, ref in imports:
                 record(node_id, self._call(sandbox_id, ref))
         return children
+
+    def snapshot(self, sandbox_id: str, *, name: str | None = None,
+                 tenant: str | None = None) -> SnapshotInfo:
+        """Snapshot a sandbox on its node; sandboxes on any node can start from it
+        (``create(snapshot=...)``)."""
+        agent = self._route(sandbox_id, tenant)
+        snap: SnapshotInfo = self._call(sandbox_id, agent.snapshot.remote(sandbox_id, tenant,
+                                                                          name))
+        return snap
+
+    def delete_snapshot(self, ref: str, *, tenant: str | None = None) -> None:
+        """Delete a snapshot and every node's copy of it (``SnapshotInUse`` while a sandbox
+        is built on it or on a copy: then the snapshot stays)."""
+        source = self.snapshot_source(ref, tenant)
+        if source is None:
+            raise SnapshotNotFound(f"snapshot {ref!r} is on no alive node of this cluster")
+        self.drop_copies(source.snapshot_id)
+        self._call_node(self.agent(source.node_id).delete_snapshot.remote(
+            source.snapshot_id, tenant))
 
     def audit(self, sandbox_id: str, *, tenant: str | None = None) -> AuditTrail:
         """The sandbox's audit trail as shipped from its node: everything committed there up

@@ -30,7 +30,7 @@ from .._control.manager import Manager, get_manager
 from .._control.tenants import Tenant
 from .._settings import Settings
 from ..errors import SandboxNotFound, SnapshotNotFound
-from ..models import CommandResult, SandboxInfo
+from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .audit import Shipper
 from .auth import require_token_auth
 from .copies import Exported, SnapshotCopies, export_snapshot
@@ -160,6 +160,12 @@ class NodeAgent:
             self._manager.destroy(first.id)
             raise
         return [self._manager.get(first.id), *rest]
+
+    def snapshot(self, sandbox_id: str, tenant: str | None, name: str | None) -> SnapshotInfo:
+        return self._manager.snapshot(sandbox_id, name=name, tenant=tenant)
+
+    def delete_snapshot(self, ref: str, tenant: str | None) -> None:
+        self._manager.delete_snapshot(ref, tenant=tenant)
 
     def find_snapshot(self, ref: str, tenant: str | None) -> dict[str, Any] | None:
         """The snapshot ``ref`` if it was taken here: its id and whether it holds memory."""
