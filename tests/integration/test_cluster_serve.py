@@ -186,6 +186,17 @@ def test_the_official_e2b_sdk_through_the_gateway(
     sandbox_id = steps["id"]["value"].replace("-", "_", 1)
     with pytest.raises(SandboxNotFound):  # killed through E2B: gone from the map too
         embedded.state.record(sandbox_id)
+    # Sandboxes from its snapshot: one beside it, one on the other node from a copy, which
+    # E2B's list does not show and its delete removed with the snapshot.
+    snapshot_id = steps["snapshot_id"]["value"]
+    assert steps["children_read"]["value"] == ["through the cluster"] * 2
+    assert steps["snapshots_listed"]["value"] == [snapshot_id]
+    snap = snapshot_id.replace("-", "_", 1)
+    assert len(embedded.state.copies(snap)) == 1
+    deleted = httpx.delete(f"{gateway.e2b_url}/templates/{snapshot_id}",
+                           headers={"X-API-KEY": keys["alpha-e2b"]})  # as delete_snapshot does
+    assert deleted.status_code == 204, deleted.text
+    assert embedded.state.copies(snap) == {} and embedded.state.copy_ids() == set()
 
 
 def test_the_nodes_services_serve_gateways_only_and_sandboxes_cannot_reach_them(

@@ -5,9 +5,10 @@ decides what the node cannot: which node a request is for. A sandbox's envd and 
 interpreter calls name their sandbox in the ``E2b-Sandbox-Id`` header (URL mode, E2B SDKs
 ≥ 2.7) and go, access token and all, to that sandbox's node, which checks the token it issued.
 Control-plane calls are authenticated here with the caller's E2B key, which becomes a caller
-token the node verifies (``peer``): creates are placed (a snapshot template on its own node),
-lists are asked of every node, and a sandbox's own calls go to its node. Refusals are
-E2B-shaped (``{"code", "message"}``), as the node's own are.
+token the node verifies (``peer``): creates are placed as Corral's own are (from a snapshot
+template on any node, the snapshot copied there once), lists are asked of every node, and a
+sandbox's own calls go to its node. Refusals are E2B-shaped (``{"code", "message"}``), as the
+node's own are.
 
 Not through a gateway: domain mode (``<port>-<id>.<domain>``), and the calls that name no
 sandbox (signed ``/files`` URLs in URL mode, an access token alone): they are refused with
@@ -25,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._control.store import Store
 from .._control.tenants import Tenant, TenantDirectory
-from .._e2b.ids import from_e2b
+from .._e2b.ids import from_e2b, to_e2b
 from .._server.deps import scope as scope_of
 from .._server.guard import HostGuard, ServiceNames
 from .._server.relay import send_json
@@ -89,6 +90,9 @@ class _E2BGateway:
         elif (found := _BY_ID.fullmatch(path)) is not None:
             await self._to_sandbox(scope, receive, send, found.group(1), caller)
         elif path.startswith("/templates/") and method == "DELETE":
+            snapshot = from_e2b(path.removeprefix("/templates/"))
+            if snapshot is not None and snapshot.startswith("snap_"):  # its copies first
+                await run_in_threadpool(self._core._drop_copies, snapshot, scope_of(caller))
             answers = await self._core._fan_out("DELETE", path, caller, service="e2b")
             hit = [a for a in answers if a.status_code != 404]
             await self._core._send_answer(send, (hit or answers)[0])
@@ -129,25 +133,29 @@ class _E2BGateway:
             request = json.loads(body or b"{}")
         except ValueError:
             request = None
-        node_id = None
         template = request.get("templateID") if isinstance(request, dict) else None
         snapshot = from_e2b(template) if isinstance(template, str) else None
-        if snapshot is not None and snapshot.startswith("snap_"):
-            node_id = await self._core._holder("snapshots", snapshot, caller)
         await self._core._send_answer(send, await self._core.create_on(
-            node_id, caller, scope["path"], body, service="e2b",
+            None, caller, scope["path"], body, service="e2b",
+            snapshot=snapshot if snapshot is not None and snapshot.startswith("snap_")
+            else None,
+            naming=lambda request, local: {**request, "templateID": to_e2b(local)},
             made_id=lambda made: from_e2b(str(made.get("sandboxID", "")))))
 
     async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
         """Every node's answer in one list. Paging is per node, so the gateway asks each for
         everything and passes no next token on."""
         answers = await self._core._fan_out("GET", path, caller, query, service="e2b")
+        # Nodes' copies of other nodes' snapshots are theirs: the caller sees the originals.
+        hidden = {to_e2b(i) for i in await run_in_threadpool(self._cluster.state.copy_ids)} \
+            if path == "/snapshots" else set()
         items: list[Any] = []
         for answer in answers:
             if answer.status_code != 200:
                 await self._core._send_answer(send, answer)
                 return
-            items.extend(answer.json())
+            items.extend(item for item in answer.json()
+                         if item.get("snapshotID") not in hidden)
         await send_json(send, 200, items)
 
 

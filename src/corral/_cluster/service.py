@@ -279,18 +279,22 @@ class _Gateway:
 
     async def create_on(self, node_id: str | None, caller: Tenant, path: str, body: bytes,
                         *, made_id: Callable[[dict[str, Any]], str | None],
-                        service: str = "http", snapshot: str | None = None) -> httpx.Response:
+                        service: str = "http", snapshot: str | None = None,
+                        naming: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+                        ) -> httpx.Response:
         """A create, for either dialect: the caller's quota counted across the cluster, the
         request sent to ``node_id`` (a volume's holder) or where ``place`` says (for one
         from ``snapshot``, with the nodes holding its layers preferred), the snapshot copied
-        to that node first if it is not there yet, and the new sandbox (``made_id`` reads it
-        from the answer) recorded there."""
+        to that node first if it is not there yet (``naming`` puts the copy's id in the
+        request; default: as ``snapshot``), and the new sandbox (``made_id`` reads it from
+        the answer) recorded there."""
         admitted = await run_in_threadpool(lambda: self._cluster.admit(
             caller.name, _limit(caller), node_id=node_id, snapshot=snapshot,
             any_tenants=scope_of(caller) is None))
         try:
             if admitted.snapshot is not None and admitted.snapshot != snapshot:
-                body = json.dumps({**json.loads(body), "snapshot": admitted.snapshot}).encode()
+                name = naming or (lambda request, local: {**request, "snapshot": local})
+                body = json.dumps(name(json.loads(body), admitted.snapshot)).encode()
             answer = await self._ask(admitted.node_id, "POST", path, caller, body=body,
                                      service=service)
             made: Any = answer.json() if answer.status_code in (200, 201) else None

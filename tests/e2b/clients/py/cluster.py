@@ -1,6 +1,7 @@
 """Through a Corral cluster gateway (``corral serve --cluster --e2b-port``), the official
 Python SDK (URL mode): create, commands with live output, a background command killed,
-files both ways, list, connect, kill.
+files both ways, list, connect, a snapshot and sandboxes from it (on either node), kill
+(the test deletes the snapshot).
 
 Usage: python cluster.py
 """
@@ -24,5 +25,13 @@ step("kill_background", lambda: sb.commands.kill(handle.pid))
 step("listed", lambda: sb.sandbox_id in {
     s.sandbox_id for s in Sandbox.list().next_items()})
 step("connect", lambda: Sandbox.connect(sb.sandbox_id).commands.run("echo again").stdout)
+snap = step("snapshot", lambda: sb.create_snapshot())
+step("snapshot_id", lambda: snap.snapshot_id)
+children = step("from_snapshot", lambda: [Sandbox.create(template=snap.snapshot_id, timeout=120)
+                                          for _ in range(2)])
+step("children", lambda: [c.sandbox_id for c in children])
+step("children_read", lambda: [c.files.read("/home/user/c.txt") for c in children])
+step("snapshots_listed", lambda: [s.snapshot_id for s in Sandbox.list_snapshots().next_items()])
+step("kill_children", lambda: [c.kill() for c in children])
 step("kill", lambda: sb.kill())
 done()
