@@ -9,9 +9,7 @@ client."""
 
 from __future__ import annotations
 
-import secrets
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,24 +18,11 @@ import pytest
 
 from .conftest import ClientRun, Served, corral_serve, events_of, run_client
 from .test_py_core import raised
-from .tlsca import Pki, make_pki
+from .tlsca import Pki, free_loopback_443, make_pki
 
 pytestmark = [pytest.mark.e2b, pytest.mark.needs_root]
 
 DOMAIN = "corral-e2b.test"
-
-
-def _free_loopback() -> str:
-    for _ in range(20):
-        address = f"127.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}." \
-                  f"{secrets.randbelow(250) + 1}"
-        with socket.socket() as s:
-            try:
-                s.bind((address, 443))
-            except OSError:
-                continue
-            return address
-    pytest.skip("no free loopback address with port 443")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +31,7 @@ def tls_served() -> Iterator[tuple[Served, Pki]]:
         pytest.skip("unshare (util-linux) is missing: it gives each client a private /etc/hosts")
     scratch = Path(tempfile.mkdtemp(prefix="corral-test-e2b-client-"))
     pki = make_pki(scratch, DOMAIN)
-    address = _free_loopback()
+    address = free_loopback_443()
     with corral_serve("--e2b-domain", DOMAIN, "--e2b-tls-cert", str(pki.cert),
                       "--e2b-tls-key", str(pki.key), host=address, e2b_port=443,
                       domain=DOMAIN, scratch=scratch) as served:

@@ -1,12 +1,16 @@
 """A throwaway test CA and one server certificate for ``api.<domain>`` and ``*.<domain>`` (domain
-mode: ``https://49983-<id>.<domain>``), written as PEM files into a given directory."""
+mode: ``https://49983-<id>.<domain>``), written as PEM files into a given directory; and a
+loopback address to serve them on."""
 
 from __future__ import annotations
 
 import datetime as dt
+import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -63,3 +67,18 @@ def make_pki(directory: Path, domain: str) -> Pki:
                                           serialization.NoEncryption()))
     pki.key.chmod(0o600)
     return pki
+
+
+def free_loopback_443() -> str:
+    """A loopback address of our own (127.x.y.z) whose port 443 is free: the E2B SDKs cannot
+    be told another port in domain mode, and the address keeps two runs from colliding."""
+    for _ in range(20):
+        address = f"127.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}." \
+                  f"{secrets.randbelow(250) + 1}"
+        with socket.socket() as s:
+            try:
+                s.bind((address, 443))
+            except OSError:
+                continue
+            return address
+    pytest.skip("no free loopback address with port 443")

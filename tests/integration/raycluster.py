@@ -104,12 +104,15 @@ class ServedGateway:
     """``corral serve --cluster`` in a process of its own, on loopback, with the E2B
     dialect beside it."""
 
-    def __init__(self, cluster: Any, base: Settings) -> None:
+    def __init__(self, cluster: Any, base: Settings, *, host: str = "127.0.0.1",
+                 e2b_port: int | None = None, extra: tuple[str, ...] = ()) -> None:
+        self.host = host
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.e2b_port = free_port()
-        self.e2b_url = f"http://127.0.0.1:{self.e2b_port}"
+        self.url = f"http://{host}:{self.port}"
+        self.e2b_port = e2b_port or free_port()
+        self.e2b_url = f"http://{host}:{self.e2b_port}"
         self.base = base
+        self._extra = extra
         self._cluster = cluster
         self._process: subprocess.Popen[bytes] | None = None
         self.log = base.home / "gateway.log"
@@ -121,7 +124,8 @@ class ServedGateway:
         with self.log.open("ab") as out:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "corral", "serve", "--cluster", self._cluster.address,
-                 "--port", str(self.port), "--e2b-port", str(self.e2b_port)], env=env,
+                 "--host", self.host, "--port", str(self.port), "--e2b-port",
+                 str(self.e2b_port), *self._extra], env=env,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:

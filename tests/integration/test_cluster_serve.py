@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from corral._control.store import Store
 from corral._control.tenants import Ceiling, TenantDirectory
 from corral.errors import AuthError, CeilingExceeded, SandboxLost
 
+from ..e2b.tlsca import free_loopback_443, make_pki
 from .raycluster import ServedGateway, ray_cluster, served_gateway
 
 pytestmark = pytest.mark.needs_root
@@ -197,6 +199,64 @@ def test_the_official_e2b_sdk_through_the_gateway(
                            headers={"X-API-KEY": keys["alpha-e2b"]})  # as delete_snapshot does
     assert deleted.status_code == 204, deleted.text
     assert embedded.state.copies(snap) == {} and embedded.state.copy_ids() == set()
+
+
+def test_the_official_e2b_sdk_in_domain_mode_through_a_gateway(
+        served: tuple[ServedGateway, Cluster, dict[str, str]],
+        cluster: tuple[Any, Any]) -> None:
+    """As tests/e2b/test_domain.py on one host: only E2B_DOMAIN, HTTPS with a test CA, the
+    names in a private /etc/hosts (``unshare -m`` + a bind mount; the host's is untouched)."""
+    gateway, embedded, keys = served
+    python = ROOT / ".venv-e2b" / "latest" / "bin" / "python"
+    if not python.exists() or shutil.which("unshare") is None:
+        pytest.fail("needs .venv-e2b/latest (scripts/e2b-sdks) and unshare (util-linux)")
+    scratch = Path(tempfile.mkdtemp(prefix="corral-test-e2b-client-"))
+    domain = "corral-cluster.test"
+    pki = make_pki(scratch, domain)
+    address = free_loopback_443()
+    second = ServedGateway(cluster[0], gateway.base, host=address, e2b_port=443, extra=(
+        "--e2b-domain", domain, "--e2b-tls-cert", str(pki.cert),
+        "--e2b-tls-key", str(pki.key))).start()
+    hosts = scratch / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n{address} api.{domain}\n")
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "LANG": "C.UTF-8",
+           "E2B_API_KEY": keys["alpha-e2b"], "E2B_CONNECTION_RETRIES": "0",
+           "E2B_DOMAIN": domain, "SSL_CERT_FILE": str(pki.ca)}
+    script = ROOT / "tests/e2b/clients/py/domain.py"
+
+    def client(*args: str) -> dict[str, Any]:
+        done = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c",
+             'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts),
+             "env", "-i", *(f"{k}={v}" for k, v in env.items()), str(python), str(script),
+             *args], capture_output=True, text=True, timeout=300, cwd=scratch)
+        steps = {line["step"]: line for line in map(json.loads, done.stdout.splitlines())
+                 if "step" in line}
+        failed = {name: step for name, step in steps.items()
+                  if "error" in step and name != "exit3"}  # exit 3 raises, as E2B's does
+        assert not failed and done.returncode == 0, (failed, done.stderr[-3000:],
+                                                     second.log.read_text()[-3000:])
+        return {name: step.get("value", step.get("error")) for name, step in steps.items()}
+
+    try:
+        sid = client("create")["id"]
+        with hosts.open("a") as names:
+            names.write(f"{address} 49983-{sid}.{domain} 49999-{sid}.{domain} "
+                        f"8000-{sid}.{domain}\n")
+        assert embedded.state.record(sid.replace("-", "_", 1))["tenant"] == "alpha"
+        used = client("use", sid, "ports")
+        assert used["run"] == "over tls\n" and used["read"] == "through the domain"
+        assert used["exit3"] == "CommandExitException"
+        assert sid in used["list"]
+        # An app's own port by its name, opened by E2B's traffic token on the node.
+        port = used["port"]
+        assert port["host"] == f"8000-{sid}.{domain}"
+        assert (port["status"], port["listing"], port["without_token"]) == (200, True, 404)
+        assert used["kill"] is True
+    finally:
+        second.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert domain not in Path("/etc/hosts").read_text()
 
 
 def test_the_nodes_services_serve_gateways_only_and_sandboxes_cannot_reach_them(

@@ -91,18 +91,20 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
     if cluster is not None:
         from ..errors import UsageError
 
-        if e2b_domain or e2b_tls_cert or e2b_tls_key or ports_url is not None or \
-                ports_domain is not None:
+        if ports_url is not None or ports_domain is not None:
             raise UsageError("--cluster serves exposed ports in the path form "
-                             "(/ports/SANDBOX/PORT/) and E2B in URL mode only: --e2b-domain, "
-                             "--e2b-tls-*, --ports-url and --ports-domain are not available "
+                             "(/ports/SANDBOX/PORT/), and E2B's <port>-<sandbox>.DOMAIN with "
+                             "--e2b-domain: --ports-url and --ports-domain are not available "
                              "with it yet")
+        if e2b_port is None and (e2b_domain or e2b_tls_cert or e2b_tls_key):
+            raise UsageError("--e2b-domain and --e2b-tls-* need --e2b-port")
         from .._cluster.serve import serve_cluster
 
         serve_cluster(cluster, settings, host=host, port=port,
                       host_names=[*settings.server_host_names.split(","), *host_names],
                       allow_keyless=settings.server_allow_keyless if allow_keyless is None
-                      else allow_keyless, e2b_port=e2b_port)
+                      else allow_keyless, e2b_port=e2b_port, e2b_domain=e2b_domain,
+                      e2b_tls_cert=e2b_tls_cert, e2b_tls_key=e2b_tls_key)
         return
     if ports_url is not None or ports_domain is not None:
         from pydantic import ValidationError

@@ -10,9 +10,12 @@ template on any node, the snapshot copied there once), lists are asked of every 
 sandbox's own calls go to its node. Refusals are E2B-shaped (``{"code", "message"}``), as the
 node's own are.
 
-Not through a gateway: domain mode (``<port>-<id>.<domain>``), and the calls that name no
-sandbox (signed ``/files`` URLs in URL mode, an access token alone): they are refused with
-a message that says why, since only a scan of every node could place them.
+Domain mode (``--e2b-domain``; TLS ends here): ``<port>-<id>.<domain>`` names its sandbox,
+so envd, the interpreter, an app's ports and signed URLs go to that sandbox's node, whose own
+E2B app for the same domain routes by the Host this gateway passes on; ``api.<domain>`` is
+the control plane. Not through a gateway: the URL-mode calls that name no sandbox (signed
+``/files`` URLs without ``E2b-Sandbox-Id``, an access token alone): they are refused with a
+message that says why, since only a scan of every node could place them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .._control.store import Store
 from .._control.tenants import Tenant, TenantDirectory
+from .._e2b.app import _own_port
 from .._e2b.ids import from_e2b, to_e2b
 from .._server.deps import scope as scope_of
 from .._server.guard import HostGuard, ServiceNames
@@ -50,10 +54,19 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class _E2BGateway:
-    def __init__(self, core: _Gateway, tenants: TenantDirectory) -> None:
+    def __init__(self, core: _Gateway, tenants: TenantDirectory, names: ServiceNames,
+                 domain: str | None) -> None:
         self._core = core
         self._cluster: Cluster = core._cluster
         self._tenants = tenants
+        self._names = names
+        # Domain mode: each node's E2B app for the same domain routes by the client's Host,
+        # which the relay passes on.
+        self._service = f"e2b:{domain}" if domain else "e2b"
+        self._sandbox_host = re.compile(rf"\d{{1,5}}-([a-z0-9-]{{1,63}})\.{re.escape(domain)}") \
+            if domain else None
+        self._domain = domain
+        self._api_host = f"api.{domain}" if domain else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -69,6 +82,16 @@ class _E2BGateway:
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         named = _header(scope, b"e2b-sandbox-id")
+        if self._sandbox_host is not None:
+            host = _header(scope, b"host") or ""
+            name = host.rsplit(":", 1)[0].lower()
+            by_host = self._sandbox_host.fullmatch(name)
+            if by_host is not None:  # <port>-<id>.DOMAIN: envd, the interpreter, an app
+                await self._to_sandbox(scope, receive, send, by_host.group(1), None)
+                return
+            if name != self._api_host and not self._names.allows(host, _own_port(scope)):
+                raise _Error(421, "misdirected_request", f"Host {host[:80]!r} is neither "
+                             f"{self._api_host} nor <port>-<sandbox>.{self._domain}")
         if _SANDBOX_PATH.fullmatch(path):
             if named is None:
                 raise _Error(400, "invalid_request", "through a Corral cluster gateway, name "
@@ -93,7 +116,7 @@ class _E2BGateway:
             snapshot = from_e2b(path.removeprefix("/templates/"))
             if snapshot is not None and snapshot.startswith("snap_"):  # its copies first
                 await run_in_threadpool(self._core._drop_copies, snapshot, scope_of(caller))
-            answers = await self._core._fan_out("DELETE", path, caller, service="e2b")
+            answers = await self._core._fan_out("DELETE", path, caller, service=self._service)
             hit = [a for a in answers if a.status_code != 404]
             await self._core._send_answer(send, (hit or answers)[0])
         else:  # the rest is the same on every node (health, what is not offered)
@@ -101,7 +124,7 @@ class _E2BGateway:
             if not alive:
                 raise _Error(503, "backend_unavailable", "no cluster node is alive")
             node_id = alive[0]
-            await self._core._relay(scope, receive, send, node_id, "", caller, "e2b")
+            await self._core._relay(scope, receive, send, node_id, "", caller, self._service)
 
     async def _to_sandbox(self, scope: Scope, receive: Receive, send: Send, e2b_id: str,
                           caller: Tenant | None) -> None:
@@ -121,7 +144,7 @@ class _E2BGateway:
             await send_json(send, 410, {"code": 410, "message": exc.message})
             return
         status = await self._core._relay(scope, receive, send, node_id, sandbox_id, caller,
-                                         "e2b")
+                                         self._service)
         if caller is not None and scope.get("method") == "DELETE" and \
                 scope["path"].count("/") == 2 and status == 204:
             await run_in_threadpool(self._cluster._forget, sandbox_id)
@@ -136,7 +159,7 @@ class _E2BGateway:
         template = request.get("templateID") if isinstance(request, dict) else None
         snapshot = from_e2b(template) if isinstance(template, str) else None
         await self._core._send_answer(send, await self._core.create_on(
-            None, caller, scope["path"], body, service="e2b",
+            None, caller, scope["path"], body, service=self._service,
             snapshot=snapshot if snapshot is not None and snapshot.startswith("snap_")
             else None,
             naming=lambda request, local: {**request, "templateID": to_e2b(local)},
@@ -145,7 +168,7 @@ class _E2BGateway:
     async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
         """Every node's answer in one list. Paging is per node, so the gateway asks each for
         everything and passes no next token on."""
-        answers = await self._core._fan_out("GET", path, caller, query, service="e2b")
+        answers = await self._core._fan_out("GET", path, caller, query, service=self._service)
         # Nodes' copies of other nodes' snapshots are theirs: the caller sees the originals.
         hidden = {to_e2b(i) for i in await run_in_threadpool(self._cluster.state.copy_ids)} \
             if path == "/snapshots" else set()
@@ -161,8 +184,10 @@ class _E2BGateway:
 
 def create_cluster_e2b_app(cluster: Cluster, store: Store, *, listen_host: str = "127.0.0.1",
                            host_names: tuple[str, ...] | list[str] = ()) -> ASGIApp:
-    """The gateway's E2B listener: Host checked, then routed as above."""
+    """The gateway's E2B listener: Host checked, then routed as above (in domain mode, for
+    ``cluster.e2b_domain``, the domain's names are its own too)."""
     tenants = TenantDirectory(store)
     names = ServiceNames.of(listen_host, host_names)
-    return HostGuard(_E2BGateway(_Gateway(cluster, tenants), tenants), names=names)
+    app = _E2BGateway(_Gateway(cluster, tenants), tenants, names, cluster.e2b_domain)
+    return app if cluster.e2b_domain else HostGuard(app, names=names)
 

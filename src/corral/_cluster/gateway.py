@@ -102,7 +102,8 @@ class Admission:
 class Cluster:
     """A connection to a Ray cluster of Corral nodes, as a gateway uses it. Thread-safe."""
 
-    def __init__(self, address: str, settings: Settings | None = None) -> None:
+    def __init__(self, address: str, settings: Settings | None = None, *,
+                 e2b_domain: str | None = None) -> None:
         require_token_auth("the gateway")
         try:
             import ray
@@ -111,6 +112,8 @@ class Cluster:
                 from None
         self._ray = ray
         self._settings = settings or Settings()
+        #: E2B's domain mode, if this gateway serves it: each node then serves it too
+        self.e2b_domain = e2b_domain
         if not ray.is_initialized():
             ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING,
                      log_to_driver=False, configure_logging=False)
@@ -259,13 +262,14 @@ class Cluster:
                            "a snapshot, if you kept one)")
 
     def services(self, node_id: str) -> dict[str, str]:
-        """The node's service URLs (``NodeAgent.serve``), started on first use."""
+        """The node's service URLs (``NodeAgent.serve``: ``http``, ``e2b``, and
+        ``e2b:DOMAIN`` for this gateway's ``e2b_domain``), started on first use."""
         with self._lock:
             known = self._service_urls.get(node_id)
         if known is not None:
             return known
-        urls: dict[str, str] = self._ray.get(self.agent(node_id).serve.remote(
-            self._secret), timeout=60)
+        urls: dict[str, str] = self._call_node(self.agent(node_id).serve.remote(
+            self._secret, None, self.e2b_domain))
         with self._lock:
             self._service_urls[node_id] = urls
         return urls

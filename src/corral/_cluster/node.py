@@ -29,7 +29,7 @@ from typing import Any
 from .._control.manager import Manager, get_manager
 from .._control.tenants import Tenant
 from .._settings import Settings
-from ..errors import SandboxNotFound, SnapshotNotFound
+from ..errors import ConfigError, SandboxNotFound, SnapshotNotFound
 from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .audit import Shipper
 from .auth import require_token_auth
@@ -84,9 +84,12 @@ class NodeAgent:
                 "uid_start": self._settings.uid_start, "uid_count": self._settings.uid_count,
                 "sandboxes": len(self._manager.list())}
 
-    def serve(self, secret: bytes, host: str | None = None) -> dict[str, str]:
+    def serve(self, secret: bytes, host: str | None = None,
+              e2b_domain: str | None = None) -> dict[str, str]:
         """Start the node's services (once; idempotent) for gateways holding ``secret``, on
-        ``host`` (default: this Ray node's address). Returns their base URLs."""
+        ``host`` (default: this Ray node's address), and the E2B app in domain mode for
+        ``e2b_domain`` if a gateway serves one (one listener per domain). Returns their base
+        URLs: ``http``, ``e2b`` and ``e2b:DOMAIN``."""
         with self._serve_lock:
             if self._services is None:
                 if host is None:
@@ -95,7 +98,9 @@ class NodeAgent:
                     host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
                 self._services = _Services(self._manager, PeerTenants(self._manager.store,
                                                                       secret), host)
-            return self._services.urls
+            if e2b_domain is not None:
+                self._services.add_e2b_domain(e2b_domain)
+            return dict(self._services.urls)
 
     def create(self, kwargs: dict[str, Any]) -> SandboxInfo:
         return self._manager.create(**kwargs)
@@ -225,40 +230,59 @@ class NodeAgent:
 
 
 class _Services:
-    """The node's HTTP API and E2B listener, each uvicorn on a thread of its own with a port
+    """The node's HTTP API and E2B listeners, each uvicorn on a thread of its own with a port
     the kernel picked, and the reaper that destroys what expires (as ``corral serve`` runs)."""
 
     def __init__(self, manager: Manager, tenants: PeerTenants, host: str) -> None:
-        import uvicorn
-
         from .._control.recovery import Reaper
         from .._e2b.app import E2BConfig, create_e2b_app
         from .._server.app import create_app
 
-        apps: dict[str, Any] = {"http": create_app(manager, listen_host=host, tenants=tenants),
-                "e2b": create_e2b_app(manager, E2BConfig(listen_host=host), tenants=tenants)}
+        self._manager, self._tenants, self._host = manager, tenants, host
         self.urls: dict[str, str] = {}
         self._servers: list[tuple[Any, threading.Thread]] = []
-        for name, app in apps.items():
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                   lifespan="off", timeout_keep_alive=30))
-            thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                                      name=f"corral-node-{name}", daemon=True)
-            thread.start()
-            self._servers.append((server, thread))
-            shown = f"[{host}]" if ":" in host else host
-            self.urls[name] = f"http://{shown}:{port}"
-        deadline = time.monotonic() + 10
-        while not all(server.started for server, _ in self._servers):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the node's service did not start within 10 s")
-            time.sleep(0.01)
+        self._start("http", create_app(manager, listen_host=host, tenants=tenants))
+        self._start("e2b", create_e2b_app(manager, E2BConfig(listen_host=host),
+                                          tenants=tenants))
         self._reaper = Reaper(manager.recover)
         self._reaper.start()
+
+    def add_e2b_domain(self, domain: str) -> None:
+        """E2B's domain mode for a gateway that serves ``domain``: the gateway passes the
+        client's Host (``api.DOMAIN``, ``<port>-<id>.DOMAIN``) on, and this app routes by it
+        exactly as ``corral serve --e2b-domain`` does (TLS ends at the gateway)."""
+        from .._e2b.app import E2BConfig, create_e2b_app
+
+        if f"e2b:{domain}" in self.urls:
+            return
+        try:
+            config = E2BConfig.build(listen_host=self._host, domain=domain)
+        except ValueError as exc:
+            raise ConfigError(f"E2B domain: {exc}") from exc
+        self._start(f"e2b:{config.domain}", create_e2b_app(self._manager, config,
+                                                           tenants=self._tenants))
+
+    def _start(self, name: str, app: Any) -> None:
+        import uvicorn
+
+        host = self._host
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                               lifespan="off", timeout_keep_alive=30))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                                  name=f"corral-node-{name}", daemon=True)
+        thread.start()
+        self._servers.append((server, thread))
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the node's {name} service did not start within 10 s")
+            time.sleep(0.01)
+        shown = f"[{host}]" if ":" in host else host
+        self.urls[name] = f"http://{shown}:{port}"
 
     def close(self) -> None:
         self._reaper.stop()

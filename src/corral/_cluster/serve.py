@@ -24,12 +24,27 @@ _RECONCILE_S = 2.0
 
 def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
                   host_names: Sequence[str] = (), allow_keyless: bool = False,
-                  e2b_port: int | None = None) -> None:
-    """Serve the HTTP API over the Ray cluster at ``address`` until interrupted. Keys are this
-    data directory's (``corral keys create``). Raises ConfigError where ``corral serve``
-    would (no keys beyond loopback, a malformed host name) and without Ray token auth."""
+                  e2b_port: int | None = None, e2b_domain: str | None = None,
+                  e2b_tls_cert: str | None = None, e2b_tls_key: str | None = None) -> None:
+    """Serve the HTTP API over the Ray cluster at ``address`` until interrupted, and with
+    ``e2b_port`` the E2B dialect (in domain mode for ``e2b_domain``, over TLS). Keys are
+    this data directory's (``corral keys create``). Raises ConfigError where ``corral serve``
+    would (no keys beyond loopback, a malformed host name or domain, a domain without TLS)
+    and without Ray token auth."""
+    from .._e2b.app import E2BConfig
     from .gateway import Cluster
     from .service import create_cluster_app
+
+    if e2b_domain is not None:
+        if not (e2b_tls_cert and e2b_tls_key):
+            raise ConfigError("--e2b-domain needs --e2b-tls-cert and --e2b-tls-key: E2B's SDKs "
+                              "reach a domain over https only")
+        try:
+            e2b_domain = E2BConfig.build(domain=e2b_domain).domain
+        except ValueError as exc:
+            raise ConfigError(f"E2B surface: {exc}") from exc
+    if bool(e2b_tls_cert) != bool(e2b_tls_key):
+        raise ConfigError("give both --e2b-tls-cert and --e2b-tls-key")
 
     settings.home.mkdir(parents=True, exist_ok=True, mode=0o711)
     store = Store(settings.home / "corral.db")
@@ -38,7 +53,7 @@ def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
             f"refusing to listen on {host} without API keys: anyone who can reach it could run "
             "code on the cluster. Create a tenant and a key first (`corral tenants add NAME`, "
             "`corral keys create NAME`), or listen on 127.0.0.1")
-    cluster = Cluster(address, settings)
+    cluster = Cluster(address, settings, e2b_domain=e2b_domain)
     try:
         app = create_cluster_app(cluster, store, listen_host=host, host_names=host_names,
                                  allow_keyless=allow_keyless)
@@ -62,7 +77,8 @@ def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
             e2b = uvicorn.Config(create_cluster_e2b_app(cluster, store, listen_host=host,
                                                         host_names=list(host_names)),
                                  host=host, port=e2b_port, log_level="info",
-                                 access_log=False, lifespan="on")
+                                 access_log=False, lifespan="on",
+                                 ssl_certfile=e2b_tls_cert, ssl_keyfile=e2b_tls_key)
             asyncio.run(_serve_both(uvicorn.Server(native), _Sibling(e2b)))
     finally:
         reconciler.stop()

@@ -100,7 +100,7 @@ class _Gateway:
     def _credential(self, tenant: Tenant, service: str) -> tuple[bytes, bytes]:
         """The header that names the caller to the node's ``service``: Corral's API takes
         it as a bearer token, E2B's control plane as its API key."""
-        if service == "e2b":
+        if service.startswith("e2b"):
             return b"x-api-key", sign_caller(tenant, self._secret).encode()
         return b"authorization", self._token(tenant)
 
@@ -108,7 +108,7 @@ class _Gateway:
                  service: str = "http") -> list[tuple[bytes, bytes]]:
         # The client's Host, already judged here: the node builds its URLs (an exposed
         # port's) from it, so they name the gateway.
-        dropped = _NOT_PASSED | ({b"x-api-key"} if service == "e2b" else set())
+        dropped = _NOT_PASSED | ({b"x-api-key"} if service.startswith("e2b") else set())
         headers = [(k, v) for k, v in scope.get("headers", ()) if k not in dropped or
                    k == b"host"]
         if caller is not None:
