@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import threading
@@ -73,6 +74,7 @@ class Auditor:
         self.metrics = Metrics(counters)
         self._logs: dict[str, AuditLog] = {}
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[str, str], None]] = []
 
     def path(self, sandbox_id: str) -> Path:
         if not _ID_RE.match(sandbox_id):
@@ -104,6 +106,21 @@ class Auditor:
         if self.enabled:
             self._log(sandbox_id).append(
                 [Record(type_, self.redactor(sandbox_id).data(data), command)], sync=sync)
+            for listener in tuple(self._listeners):
+                listener(sandbox_id, type_)
+
+    def listen(self, callback: Callable[[str, str], None]) -> Callable[[], None]:
+        """Call ``callback(sandbox_id, type)`` after each lifecycle event this process writes
+        (the dashboard's live list); returns the function that stops it. The callback runs on
+        the writer's thread: it must only hand the news on."""
+        with self._lock:
+            self._listeners.append(callback)
+
+        def stop() -> None:
+            with self._lock, contextlib.suppress(ValueError):
+                self._listeners.remove(callback)
+
+        return stop
 
     def command(self, sandbox_id: str, command_id: str | None = None) -> CommandRecorder | None:
         if not self.enabled:

@@ -337,6 +337,25 @@ class TenantDirectory:
         raise AuthError("malformed API key; expected e2b_<48 hex digits> (`corral keys create "
                         "TENANT --e2b`)")
 
+    def sign_in(self, key: str) -> tuple[str, Tenant]:
+        """(key id, tenant) of a live ``ck_`` key (the dashboard's sign-in)."""
+        match = _KEY_RE.match(key.strip()) if isinstance(key, str) else None
+        if match is None:
+            raise AuthError("that is not a Corral API key (ck_<id>_<secret>, from `corral "
+                            "keys create TENANT`)")
+        return match.group(1), self._tenant_of_key(match.group(1), match.group(2))
+
+    def tenant_of_key_id(self, key_id: str) -> Tenant:
+        """The tenant of a key that is still live, by its id alone (a session made with it)."""
+        found = self._store.key(key_id)
+        if found is None:
+            raise AuthError("the API key this session was made with was revoked: sign in "
+                            "with a live key")
+        row = self._store.tenant(found[0])
+        if row is None:
+            raise AuthError("the key's tenant no longer exists")
+        return _tenant_of(row)
+
     def _tenant_of_key(self, key_id: str, secret: str) -> Tenant:
         found = self._store.key(key_id)
         if found is None or not hmac.compare_digest(found[1], _digest(secret)):

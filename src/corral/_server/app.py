@@ -27,6 +27,8 @@ from .._control.manager import Manager
 from .._control.ports import PortURLs
 from .._control.store import Store
 from .._core.resources import get_tier
+from .._ui.routes import install as install_ui
+from .._ui.session import UISessions
 from .._workspace.files import to_relative
 from ..errors import AuthError, CorralError, SandboxNotFound
 from .auth import Tenant, TenantDirectory
@@ -69,8 +71,9 @@ def is_loopback(host: str) -> bool:
 
 
 def is_protected(path: str) -> bool:
-    # Everything but the health check and the API's own description needs a key.
-    return path.startswith("/v1/") or path == "/metrics"
+    # Everything but the health check, the API's own description and the dashboard's page
+    # and assets needs a key (or a dashboard session).
+    return path.startswith(("/v1/", "/ui/api/")) or path == "/metrics"
 
 
 def key_authenticator(store: Store, tenants: TenantDirectory, *, loopback: bool,
@@ -126,7 +129,9 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     rules = _field_rules(manager)
     loopback = is_loopback(listen_host) and own_keys
     names = ServiceNames.of(listen_host, host_names) if own_keys else AnyName()
-    app = FastAPI(title="Corral", version="0.1.0", responses=_ERRORS,
+    # /docs is the dashboard module's, from assets in the package; ReDoc would need a CDN.
+    app = FastAPI(title="Corral", version="0.1.0", responses=_ERRORS, docs_url=None,
+                  redoc_url=None,
                   description="Sandboxes for AI agents: commands, files, network policy, audit.")
     app.state.manager = manager
     app.state.tenants = tenants
@@ -134,8 +139,10 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     # add_middleware wraps: the last added runs first (Host, body, key, Origin, owner).
     app.add_middleware(OwnerFirst, check=_owner_check(manager))
     app.add_middleware(OriginGuard, names=names)
+    sessions = UISessions(manager.settings.home, tenants) if own_keys else None
     app.add_middleware(Authenticate, protected=is_protected, authenticate=key_authenticator(
-        manager.store, tenants, loopback=loopback, allow_keyless=allow_keyless))
+        manager.store, tenants, loopback=loopback, allow_keyless=allow_keyless),
+        session=None if sessions is None else _session_authenticator(sessions))
     app.add_middleware(BodyLimit, limits=BODY_LIMITS)
     app.add_middleware(HostGuard, names=names)
     # Outermost: an exposed port's requests are the sandbox's app's, not the service's.
@@ -183,7 +190,15 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    install_ui(app, manager, sessions)
     return app
+
+
+def _session_authenticator(sessions: UISessions) -> Any:
+    async def authenticate(cookie: str) -> Tenant:
+        return await run_in_threadpool(sessions.tenant, cookie)
+
+    return authenticate
 
 
 def _field_rules(manager: Manager) -> dict[tuple[str, str], Callable[[Any], object]]:

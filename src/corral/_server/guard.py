@@ -277,20 +277,59 @@ class Authenticate:
 
     def __init__(self, app: ASGIApp, *,
                  authenticate: Callable[[str | None], Awaitable[Tenant]],
-                 protected: Callable[[str], bool]) -> None:
+                 protected: Callable[[str], bool],
+                 session: Callable[[str], Awaitable[Tenant]] | None = None) -> None:
         self.app = app
         self.authenticate = authenticate
         self.protected = protected
+        self.session = session
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and self.protected(scope["path"]):
+            header = _header(scope, b"authorization")
+            cookie = session_cookie(scope) if header is None and self.session else None
             try:
-                tenant = await self.authenticate(_header(scope, b"authorization"))
+                if cookie is not None and self.session is not None:
+                    _check_browser(scope)
+                    tenant = await self.session(cookie)
+                else:
+                    tenant = await self.authenticate(header)
             except AuthError as exc:
                 await _refuse(scope, send, exc)
                 return
             scope[_TENANT_KEY] = tenant
         await self.app(scope, receive, send)
+
+
+#: The dashboard's session cookie, and the header its requests carry (``_ui.session``).
+SESSION_COOKIE = "corral_session"
+UI_HEADER = b"x-corral-ui"
+
+
+def session_cookie(scope: Scope) -> str | None:
+    raw = _header(scope, b"cookie")
+    if raw is None:
+        return None
+    for part in raw.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == SESSION_COOKIE and value:
+            return value
+    return None
+
+
+def _check_browser(scope: Scope) -> None:
+    """A session cookie is a browser's credential, and a browser can be driven by another
+    site's page: its requests must show they come from the dashboard's own script (a header
+    no form, image or cross-origin script can add), its WebSockets from the service's own
+    Origin (judged by ``OriginGuard``; here only its presence)."""
+    if scope["type"] == "websocket":
+        if _header(scope, b"origin") is None:
+            raise AuthError("a WebSocket signed in with a dashboard session must come from a "
+                            "page of this service (no Origin was sent)")
+    elif _header(scope, UI_HEADER) != "1":
+        raise AuthError("a request signed in with a dashboard session must carry "
+                        "`X-Corral-UI: 1` (the dashboard's own requests do); programs send "
+                        "`Authorization: Bearer ck_...` instead")
 
 
 def scope_tenant(scope: Scope) -> Tenant:

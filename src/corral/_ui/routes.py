@@ -1,0 +1,179 @@
+"""The dashboard's routes on ``corral serve``: its page and assets under ``/ui``, sign-in and
+sign-out, the few reads the API lacks (a page of the caller's sandboxes, the live list's
+event stream), and ``/docs`` with the Swagger UI the package ships (it worked only online
+before: FastAPI's default loads it from a CDN).
+
+Everything else the dashboard shows or does goes through the ordinary ``/v1`` API with the
+session cookie (``session``), so tenancy, quotas, ceilings and the audit trail apply to it
+exactly as to any client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Query, Request, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from .._control.manager import Manager
+from .._server.deps import ManagerDep, TenantDep
+from .._server.guard import UI_HEADER
+from ..errors import AuthError, UsageError
+from ..models import SandboxInfo
+from .session import COOKIE, SESSION_S, UISessions
+
+__all__ = ["STATIC", "install"]
+
+STATIC = Path(__file__).resolve().parent / "static"
+# The page may load and connect to nothing but this service (its own assets, its own API).
+_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "font-src 'self'; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+        "form-action 'self'")
+_PAGE_HEADERS = {"content-security-policy": _CSP, "x-content-type-options": "nosniff",
+                 "referrer-policy": "no-referrer", "cache-control": "no-store"}
+_LIVE_TYPES = ("sandbox.", "snapshot.")
+_PAGE_MAX = 500
+
+
+class SignIn(BaseModel):
+    key: str = Field(min_length=1, max_length=200, description="A `ck_` API key.")
+
+
+class SandboxPage(BaseModel):
+    total: int
+    offset: int
+    items: list[SandboxInfo]
+
+
+def install(app: FastAPI, manager: Manager, sessions: UISessions | None) -> None:
+    """Add the dashboard, ``/docs`` and their assets to ``app``."""
+    app.mount("/ui/static", StaticFiles(directory=STATIC), name="ui-static")
+    app.include_router(_docs_router())
+    app.include_router(_ui_router(manager, sessions))
+
+
+def _docs_router() -> APIRouter:
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/docs")
+    def docs() -> HTMLResponse:
+        page = get_swagger_ui_html(
+            openapi_url="/openapi.json", title="Corral API",
+            swagger_js_url="/ui/static/vendor/swagger-ui/swagger-ui-bundle.js",
+            swagger_css_url="/ui/static/vendor/swagger-ui/swagger-ui.css",
+            swagger_favicon_url="/ui/static/vendor/swagger-ui/favicon-32x32.png",
+            # No validator badge: Swagger UI would fetch it from validator.swagger.io.
+            swagger_ui_parameters={"validatorUrl": None})
+        return page
+
+    return router
+
+
+def _ui_router(manager: Manager, sessions: UISessions | None) -> APIRouter:
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/ui")
+    @router.get("/ui/")
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", headers=_PAGE_HEADERS)
+
+    @router.post("/ui/session")
+    def sign_in(body: SignIn, request: Request) -> JSONResponse:
+        if request.headers.get(UI_HEADER.decode()) != "1":
+            raise AuthError("sign in from the dashboard's page (its request carries "
+                            "`X-Corral-UI: 1`)")
+        if sessions is None:
+            raise UsageError("this service has no dashboard sessions (a cluster node)")
+        cookie, tenant = sessions.sign_in(body.key)
+        answer = JSONResponse({"tenant": tenant.name})
+        answer.set_cookie(COOKIE, cookie, max_age=SESSION_S, path="/", httponly=True,
+                          samesite="strict", secure=request.url.scheme == "https")
+        return answer
+
+    @router.delete("/ui/session", status_code=204)
+    def sign_out() -> Response:
+        answer = Response(status_code=204)
+        answer.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        return answer
+
+    @router.get("/ui/api/me")
+    def me(who: TenantDep) -> dict[str, Any]:
+        return {"tenant": who.name, "operator": who.is_local,
+                "max_sandboxes": who.max_sandboxes, "tiers": list(who.tiers)}
+
+    @router.get("/ui/api/sandboxes", response_model=SandboxPage)
+    def sandboxes(who: TenantDep, manager: ManagerDep,
+                  offset: Annotated[int, Query(ge=0)] = 0,
+                  limit: Annotated[int, Query(ge=1, le=_PAGE_MAX)] = 100,
+                  q: Annotated[str, Query(max_length=200)] = "") -> SandboxPage:
+        """A page of the caller's sandboxes, newest first, filtered by ``q`` (a substring of
+        the id, template, tier, isolation, state or a label)."""
+        infos = manager.list(tenant=None if who.is_local else who.name)
+        if q:
+            needle = q.lower()
+            infos = [i for i in infos if needle in _haystack(i)]
+        infos.sort(key=lambda i: (-i.created_at, i.id))
+        return SandboxPage(total=len(infos), offset=offset, items=infos[offset:offset + limit])
+
+    @router.get("/ui/api/stream")
+    async def stream(request: Request, who: TenantDep, manager: ManagerDep) -> StreamingResponse:
+        """Server-sent events, one per lifecycle change of the caller's sandboxes
+        (``{"sandbox": id, "type": ...}``), and a comment every 15 s to keep it open."""
+        return StreamingResponse(_changes(request, manager, who.name, who.is_local),
+                                 media_type="text/event-stream",
+                                 headers={"cache-control": "no-store"})
+
+    return router
+
+
+def _haystack(info: SandboxInfo) -> str:
+    return " ".join([info.id, info.template, info.resources, info.isolation, info.state,
+                     *(f"{k}={v}" for k, v in info.labels.items())]).lower()
+
+
+async def _changes(request: Request, manager: Manager, tenant: str,
+                   operator: bool) -> AsyncIterator[bytes]:
+    loop = asyncio.get_running_loop()
+    news: asyncio.Queue[tuple[str, str]] = asyncio.Queue(maxsize=10_000)
+
+    def heard(sandbox_id: str, type_: str) -> None:
+        if type_.startswith(_LIVE_TYPES):
+            loop.call_soon_threadsafe(_offer, news, (sandbox_id, type_))
+
+    stop = manager.auditor.listen(heard)
+    # Whose a sandbox is, remembered: a destroyed one is no longer in the store.
+    mine: dict[str, bool] = {info.id: True for info in await run_in_threadpool(
+        lambda: manager.list(tenant=None if operator else tenant))}
+    try:
+        yield b": corral live list\n\n"
+        while not await request.is_disconnected():
+            try:
+                sandbox_id, type_ = await asyncio.wait_for(news.get(), timeout=15)
+            except TimeoutError:
+                yield b": keep-alive\n\n"
+                continue
+            if sandbox_id not in mine:
+                record = await run_in_threadpool(manager.store.get, sandbox_id)
+                if record is None:
+                    continue  # gone before we knew whose: never shown, nothing to remove
+                mine[sandbox_id] = operator or record.tenant == tenant
+            if mine[sandbox_id]:
+                data = json.dumps({"sandbox": sandbox_id, "type": type_})
+                yield f"event: change\ndata: {data}\n\n".encode()
+    finally:
+        stop()
+
+
+def _offer(queue: asyncio.Queue[tuple[str, str]], item: tuple[str, str]) -> None:
+    try:
+        queue.put_nowait(item)
+    except asyncio.QueueFull:
+        pass  # a client this far behind reloads its page of the list anyway

@@ -1,0 +1,321 @@
+// Corral's dashboard: one page, no build step, no dependency. Every value from the service
+// (sandbox output above all: a prompt-injected agent writes it) reaches the page through
+// textContent, never as HTML. Requests carry X-Corral-UI: 1, which the service requires of
+// every call signed in with the session cookie (no other site can add it).
+"use strict";
+
+const UI = { "X-Corral-UI": "1" };
+const main = document.getElementById("main");
+let leave = new AbortController();  // aborts the current page's streams on navigation
+
+class Unauthorized extends Error {}
+
+async function api(path, options = {}) {
+  const headers = { ...UI, ...(options.headers || {}) };
+  if (options.json !== undefined) {
+    headers["content-type"] = "application/json";
+    options = { ...options, body: JSON.stringify(options.json) };
+  }
+  const answer = await fetch(path, { credentials: "same-origin", ...options, headers });
+  if (answer.status === 401) throw new Unauthorized((await answer.json()).message);
+  if (!answer.ok) {
+    let message = `${answer.status} ${answer.statusText}`;
+    try { message = (await answer.json()).message || message; } catch (_) { /* not JSON */ }
+    const error = new Error(message);
+    error.status = answer.status;
+    throw error;
+  }
+  return answer;
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (key === "text") node.textContent = value;
+    else node.setAttribute(key, value === true ? "" : String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+async function* lines(answer) {
+  const reader = answer.body.getReader();
+  const decoder = new TextDecoder();
+  let pending = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    pending += decoder.decode(value, { stream: true });
+    const parts = pending.split("\n");
+    pending = parts.pop();
+    for (const line of parts) if (line.trim()) yield line;
+  }
+}
+
+async function* serverEvents(answer) {
+  let data = [];
+  for await (const line of linesKeepingBlanks(answer)) {
+    if (line === "") {
+      if (data.length) yield JSON.parse(data.join("\n"));
+      data = [];
+    } else if (line.startsWith("data:")) data.push(line.slice(5).trim());
+  }
+}
+
+async function* linesKeepingBlanks(answer) {
+  const reader = answer.body.getReader();
+  const decoder = new TextDecoder();
+  let pending = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    pending += decoder.decode(value, { stream: true });
+    const parts = pending.split("\n");
+    pending = parts.pop();
+    yield* parts;
+  }
+}
+
+const ago = (ts) => {
+  const s = Math.max(0, Date.now() / 1000 - ts);
+  if (s < 60) return `${Math.round(s)} s`;
+  if (s < 3600) return `${Math.round(s / 60)} min`;
+  return `${(s / 3600).toFixed(1)} h`;
+};
+const left = (ts) => ago(Date.now() / 1000 - (ts - Date.now() / 1000));
+const clock = (ts) => new Date(ts * 1000).toLocaleTimeString([], { hour12: false });
+const pill = (text, kind = text) => el("span", { class: `pill ${kind}`, text });
+
+function page(title, ...children) {
+  main.replaceChildren(el("h1", { text: title }), ...children);
+  document.title = `${title} · Corral`;
+  const hash = location.hash || "#/sandboxes";
+  for (const link of document.querySelectorAll("nav a[data-nav]")) {
+    if (hash.startsWith(`#/${link.dataset.nav}`)) link.setAttribute("aria-current", "page");
+    else link.removeAttribute("aria-current");
+  }
+}
+
+// -- sign-in ---------------------------------------------------------------------------------
+
+function signIn(reason) {
+  const error = el("p", { class: "error", role: "alert", text: reason || "" });
+  const key = el("input", { type: "password", id: "key", name: "key", autocomplete: "off",
+                            required: true, placeholder: "ck_…" });
+  const form = el("form", { class: "panel signin", onsubmit: async (event) => {
+    event.preventDefault();
+    error.textContent = "";
+    try {
+      await api("/ui/session", { method: "POST", json: { key: key.value } });
+      key.value = "";
+      await who();
+      route();
+    } catch (failure) { error.textContent = failure.message; }
+  } },
+  el("h1", { text: "Sign in to Corral" }),
+  el("label", { for: "key", text: "API key" }), key,
+  el("p", { class: "muted", text: "A key from `corral keys create TENANT`. It is sent once; the " +
+            "session is a cookie this page cannot read." }),
+  el("div", { class: "row" }, el("button", { class: "primary", type: "submit", text: "Sign in" })),
+  error);
+  main.replaceChildren(form);
+  document.title = "Sign in · Corral";
+  key.focus();
+}
+
+async function who() {
+  const box = document.getElementById("who");
+  try {
+    const me = await (await api("/ui/api/me")).json();
+    box.replaceChildren(el("span", { text: me.operator ? "operator" : `tenant ${me.tenant}` }),
+      el("button", { type: "button", text: "Sign out", onclick: async () => {
+        await fetch("/ui/session", { method: "DELETE", headers: UI });
+        box.replaceChildren();
+        signIn();
+      } }));
+    return me;
+  } catch (failure) {
+    box.replaceChildren();
+    throw failure;
+  }
+}
+
+// -- the sandboxes ---------------------------------------------------------------------------
+
+async function sandboxesPage(signal) {
+  const state = { q: "", offset: 0, limit: 50 };
+  const body = el("tbody");
+  const count = el("span", { class: "muted" });
+  const live = el("span", { class: "muted", "aria-live": "polite" });
+  const search = el("input", { type: "search", placeholder: "Filter by id, template, state, label…",
+                               "aria-label": "Filter sandboxes" });
+  const prev = el("button", { type: "button", text: "Previous" });
+  const next = el("button", { type: "button", text: "Next" });
+  page("Sandboxes",
+    el("div", { class: "row" }, search, live),
+    el("table", { "aria-label": "Sandboxes" },
+      el("thead", {}, el("tr", {}, ["Sandbox", "State", "Tier", "Isolation", "Template", "Age",
+                                    "Expires in", "Labels"].map((h) => el("th", { scope: "col", text: h })))),
+      body),
+    el("div", { class: "pager" }, count, prev, next));
+
+  async function load() {
+    const query = new URLSearchParams({ offset: state.offset, limit: state.limit, q: state.q });
+    const data = await (await api(`/ui/api/sandboxes?${query}`, { signal })).json();
+    body.replaceChildren(...data.items.map((info) => el("tr", { "data-id": info.id },
+      el("td", { class: "id" }, el("a", { href: `#/sandboxes/${info.id}`, text: info.id })),
+      el("td", {}, pill(info.state)),
+      el("td", { text: info.resources }),
+      el("td", { text: info.isolation }),
+      el("td", { text: info.image || info.template }),
+      el("td", { text: ago(info.created_at) }),
+      el("td", { text: info.expires_at ? left(info.expires_at) : "—" }),
+      el("td", {}, Object.entries(info.labels).map(([k, v]) => el("span", { class: "label",
+                                                                  text: `${k}=${v}` }))))));
+    if (!data.items.length) {
+      body.replaceChildren(el("tr", {}, el("td", { colspan: 8, class: "muted",
+                                                 text: state.q ? "No sandbox matches." : "No sandboxes yet." })));
+    }
+    const last = Math.min(data.total, state.offset + data.items.length);
+    count.textContent = data.total ? `${state.offset + 1}–${last} of ${data.total}` : "";
+    prev.disabled = state.offset === 0;
+    next.disabled = last >= data.total;
+  }
+
+  let timer = null;
+  const soon = () => { clearTimeout(timer); timer = setTimeout(() => load().catch(() => {}), 100); };
+  search.addEventListener("input", () => { state.q = search.value; state.offset = 0; soon(); });
+  prev.addEventListener("click", () => { state.offset = Math.max(0, state.offset - state.limit); load(); });
+  next.addEventListener("click", () => { state.offset += state.limit; load(); });
+  await load();
+  (async () => {  // the live list: one event per change, then this page of it read again
+    const stream = await api("/ui/api/stream", { signal });
+    live.replaceChildren(el("span", { class: "live" }), "live");
+    for await (const change of serverEvents(stream)) { void change; soon(); }
+  })().catch(() => { live.textContent = ""; });
+}
+
+// -- one sandbox -----------------------------------------------------------------------------
+
+async function sandboxPage(id, signal) {
+  const facts = el("div", { class: "facts panel" });
+  const timeline = el("ol", { class: "timeline", "aria-label": "Timeline", "aria-live": "polite" });
+  const status = el("p", { class: "error", role: "alert" });
+  const command = el("input", { type: "text", id: "command", placeholder: "a shell command",
+                                "aria-label": "Command to run" });
+  const run = el("form", { class: "row", onsubmit: async (event) => {
+    event.preventDefault();
+    status.textContent = "";
+    try {
+      await api(`/v1/sandboxes/${id}/commands`, { method: "POST", signal,
+        json: { cmd: command.value, stream: true, context: { source: "dashboard" } } })
+        .then(async (answer) => { for await (const _ of lines(answer)) { /* shown by the timeline */ } });
+    } catch (failure) { if (!signal.aborted) status.textContent = failure.message; }
+  } }, command, el("button", { class: "primary", type: "submit", text: "Run" }));
+  const destroy = el("button", { type: "button", class: "danger", text: "Destroy", onclick: async () => {
+    if (!confirm(`Destroy ${id}? Its processes stop and its workspace is deleted.`)) return;
+    try { await api(`/v1/sandboxes/${id}`, { method: "DELETE" }); location.hash = "#/sandboxes"; }
+    catch (failure) { status.textContent = failure.message; }
+  } });
+  run.append(destroy);
+  page(id, facts, el("h2", { text: "Run" }), run, status,
+       el("h2", { text: "Timeline" }), timeline);
+
+  try {
+    const info = await (await api(`/v1/sandboxes/${id}`, { signal })).json();
+    facts.replaceChildren(...[["State", pill(info.state)], ["Tier", info.resources],
+      ["Isolation", info.isolation], ["Template", info.image || info.template],
+      ["Created", `${ago(info.created_at)} ago`], ["Network", networkText(info.network)],
+      ["Labels", Object.entries(info.labels).map(([k, v]) => `${k}=${v}`).join(" ") || "—"]]
+      .map(([name, value]) => el("div", {}, el("span", { text: name }), value)));
+  } catch (failure) {
+    if (failure instanceof Unauthorized) throw failure;
+    facts.replaceChildren(el("p", { class: "muted", text: "This sandbox is gone; its audit trail remains." }));
+    run.remove(); destroy.remove();
+  }
+  const commands = new Map();
+  const answer = await api(`/v1/sandboxes/${id}/audit?follow=true`, { signal });
+  for await (const line of lines(answer)) timeline.append(...render(JSON.parse(line), commands));
+}
+
+function networkText(network) {
+  if (!network || network.mode === "none" || !network.mode) return "none";
+  const allow = (network.allow || []).join(", ");
+  return allow ? `${network.mode}: ${allow}` : network.mode;
+}
+
+function summary(data, keys) {
+  return keys.filter((k) => data[k] !== undefined && data[k] !== null)
+    .map((k) => `${k} ${typeof data[k] === "object" ? JSON.stringify(data[k]) : data[k]}`).join(" · ");
+}
+
+function render(event, commands) {
+  const d = event.data || {};
+  const item = (kind, cls, ...rest) => el("li", { class: cls, "data-type": event.type },
+    el("span", { class: "when", text: clock(event.ts) }), el("span", { class: "kind", text: kind }), ...rest);
+  switch (event.type) {
+    case "command.started": {
+      const out = el("pre", { class: "out", "aria-label": "output" });
+      const result = el("span", { class: "muted", text: " running…" });
+      const context = d.context ? el("div", { class: "muted", text: `context ${JSON.stringify(d.context)}` }) : null;
+      const node = item("command", "command", el("code", { text: (d.argv || []).join(" ") }), result, context, out);
+      commands.set(event.command, { out, result, node });
+      return [node];
+    }
+    case "command.output": {
+      const known = commands.get(event.command);
+      if (!known) return [];
+      known.out.append(el("span", { class: d.stream === "stderr" ? "stderr" : "", text: d.text }));
+      return [];
+    }
+    case "command.finished": {
+      const known = commands.get(event.command);
+      if (!known) return [];
+      const seconds = typeof d.duration_s === "number" ? d.duration_s.toFixed(3) : "?";
+      known.result.textContent = ` exit ${d.exit_code ?? "—"} · ${seconds} s` +
+        (d.timed_out ? " · timed out" : "") + (d.oom_killed ? " · out of memory" : "");
+      if (d.exit_code !== 0) known.node.classList.add("failed");
+      return [];
+    }
+    case "egress.decision": {
+      const refused = d.verdict && !["allow", "allowed"].includes(d.verdict);
+      return [item("egress", refused ? "refused" : "", el("code", { text: `${d.host ?? ""}${d.port ? `:${d.port}` : ""}` }),
+        " ", pill(d.verdict || "?", refused ? "bad" : "ok"), " ",
+        el("span", { class: "muted", text: summary(d, ["rule", "reason", "method", "status"]) }))];
+    }
+    default: {
+      const [group] = event.type.split(".");
+      const cls = event.type === "file.refused" ? "refused" : group === "file" ? "file" : "";
+      return [item(event.type, cls, el("span", { class: "muted", text: summary(d,
+        ["path", "sha256", "bytes", "template", "resources", "isolation", "snapshot", "name",
+         "reason", "error", "port"]) }))];
+    }
+  }
+}
+
+// -- routing ---------------------------------------------------------------------------------
+
+async function route() {
+  leave.abort();
+  leave = new AbortController();
+  const { signal } = leave;
+  const hash = location.hash || "#/sandboxes";
+  try {
+    const sandbox = hash.match(/^#\/sandboxes\/(sbx_[a-z0-9]+)$/);
+    if (sandbox) await sandboxPage(sandbox[1], signal);
+    else await sandboxesPage(signal);
+  } catch (failure) {
+    if (failure instanceof Unauthorized) signIn();
+    else if (!signal.aborted && failure.name !== "AbortError") {
+      main.append(el("p", { class: "error", role: "alert", text: failure.message }));
+    }
+  }
+}
+
+window.addEventListener("hashchange", route);
+who().then(route, (failure) => signIn(failure instanceof Unauthorized ? "" : failure.message));

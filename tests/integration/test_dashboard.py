@@ -1,0 +1,178 @@
+"""The web dashboard (``/ui``) and ``/docs``, in a real headless Chromium (Debian's, driven by
+Playwright: ``tests/browser.py``) against a real ``corral serve`` app on loopback with two
+tenants; and the session's guards (cookie, CSRF header, Origin) over plain HTTP.
+
+Bounded: a handful of sandboxes, every command with a timeout; the browser reaches loopback
+only, and every request it tried to send elsewhere is recorded and must be none.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from corral import Sandbox
+from corral._control.manager import Manager
+from corral._control.tenants import TenantDirectory
+from corral._server.app import create_app
+from corral._settings import Settings
+
+from ..browser import chromium_page, save_screenshot
+from ..conftest import managed
+from .servers import Server
+
+pytestmark = pytest.mark.needs_root
+
+
+@dataclass
+class Service:
+    server: Server
+    manager: Manager
+    keys: dict[str, str]
+    directory: TenantDirectory
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[Service]:
+    home = Path(tempfile.mkdtemp(prefix="corral-test-ui-"))
+    home.chmod(0o711)
+    settings = Settings(home=home, uid_start=2_130_000_000 + secrets.randbelow(100) * 1000,
+                        uid_count=1000)
+    with managed(settings) as mgr:
+        directory = TenantDirectory(mgr.store)
+        for name in ("alpha", "beta"):
+            directory.add_tenant(name, max_sandboxes=10, tiers=["small"],
+                                 commands_per_minute=10_000)
+        keys = {name: directory.create_key(name)[1] for name in ("alpha", "beta")}
+        with Server(mgr, create_app(mgr)) as srv:
+            yield Service(srv, mgr, keys, directory)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _signed_in(service: Service, tenant: str) -> httpx.Client:
+    client = httpx.Client(base_url=service.server.url, timeout=30)
+    answer = client.post("/ui/session", json={"key": service.keys[tenant]},
+                         headers={"X-Corral-UI": "1"})
+    assert answer.status_code == 200, answer.text
+    return client
+
+
+def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -> None:
+    alpha = {"url": service.server.url, "api_key": service.keys["alpha"]}
+    beta_box = Sandbox.create(url=service.server.url, api_key=service.keys["beta"])
+    blocked: list[str] = []
+    made: list[Sandbox] = [beta_box]
+    try:
+        with chromium_page(blocked=blocked) as page:
+            page.goto(f"{service.server.url}/ui")
+            page.get_by_label("API key").fill(service.keys["alpha"])
+            save_screenshot(page, "dashboard-sign-in")
+            page.get_by_role("button", name="Sign in").click()
+            page.get_by_role("heading", name="Sandboxes").wait_for()
+            assert page.evaluate("document.cookie") == ""  # HttpOnly: no script reads it
+            assert "tenant alpha" in page.locator("#who").inner_text()
+
+            sandbox = Sandbox.create(labels={"agent": "ui-test"}, **alpha)
+            made.append(sandbox)
+            row = page.locator(f'tr[data-id="{sandbox.id}"]')
+            row.wait_for()  # pushed by the live stream, no reload
+            assert "agent=ui-test" in row.inner_text()
+            assert page.locator(f'tr[data-id="{beta_box.id}"]').count() == 0
+            save_screenshot(page, "dashboard-sandboxes")
+
+            row.get_by_role("link").click()
+            page.get_by_role("heading", name=sandbox.id).wait_for()
+            runner = threading.Thread(target=lambda: sandbox.commands.run(
+                "for i in 1 2 3; do echo line-$i; sleep 0.4; done", timeout=30,
+                context={"tool_call_id": "call-7"}))
+            runner.start()
+            output = page.locator("li.command pre.out").last
+            output.get_by_text("line-1").wait_for()  # while the command still runs
+            assert "line-3" not in output.inner_text()
+            runner.join(timeout=30)
+            output.get_by_text("line-3").wait_for()
+            page.locator("li.command").last.get_by_text("exit 0").wait_for()
+            assert "call-7" in page.locator("li.command").last.inner_text()
+
+            page.get_by_label("Command to run").fill("echo typed-in-the-$((6*7))-ui")
+            page.get_by_role("button", name="Run").click()
+            page.get_by_text("typed-in-the-42-ui").wait_for()
+            save_screenshot(page, "dashboard-sandbox-timeline")
+
+            # Another tenant's sandbox, by its URL: not shown.
+            page.goto(f"{service.server.url}/ui#/sandboxes/{beta_box.id}")
+            page.get_by_text("This sandbox is gone").wait_for()
+            assert page.locator("li.command").count() == 0
+    finally:
+        for sandbox in made:
+            sandbox.kill()
+    assert blocked == [], f"the page tried to reach off the machine: {blocked}"
+
+
+def test_docs_render_offline() -> None:
+    home = Path(tempfile.mkdtemp(prefix="corral-test-docs-"))
+    blocked: list[str] = []
+    try:
+        with managed(Settings(home=home, uid_start=2_131_000_000, uid_count=100)) as mgr, \
+                Server(mgr) as srv, chromium_page(blocked=blocked) as page:
+            page.goto(f"{srv.url}/docs")
+            page.locator(".swagger-ui .info .title").get_by_text("Corral").wait_for()
+            page.get_by_text("/v1/sandboxes").first.wait_for()
+            save_screenshot(page, "docs")
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    assert blocked == [], f"/docs tried to reach off the machine: {blocked}"
+
+
+def test_a_session_is_the_browsers_alone_and_its_tenants_alone(service: Service) -> None:
+    url = service.server.url
+    # Sign-in needs the dashboard's header (a cross-site form cannot add it) and a real key.
+    refused = httpx.post(f"{url}/ui/session", json={"key": service.keys["alpha"]})
+    assert refused.status_code == 401
+    wrong = httpx.post(f"{url}/ui/session", json={"key": "ck_000000000000_" + "x" * 32},
+                       headers={"X-Corral-UI": "1"})
+    assert wrong.status_code == 401
+    client = _signed_in(service, "alpha")
+    cookie = client.cookies.get("corral_session")
+    assert cookie is not None and service.keys["alpha"] not in cookie
+    set_cookie = client.post("/ui/session", json={"key": service.keys["alpha"]},
+                             headers={"X-Corral-UI": "1"}).headers["set-cookie"].lower()
+    assert "httponly" in set_cookie and "samesite=strict" in set_cookie
+    ui = {"X-Corral-UI": "1"}
+    beta = Sandbox.create(url=url, api_key=service.keys["beta"])
+    try:
+        # The cookie alone (an <img>, a form, a cross-site script without the header): 401.
+        assert client.get("/v1/sandboxes").status_code == 401
+        listed = client.get("/v1/sandboxes", headers=ui)
+        assert listed.status_code == 200 and beta.id not in {i["id"] for i in listed.json()}
+        for method, path in (("GET", f"/v1/sandboxes/{beta.id}"),
+                             ("DELETE", f"/v1/sandboxes/{beta.id}"),
+                             ("GET", f"/v1/sandboxes/{beta.id}/audit")):
+            assert client.request(method, path, headers=ui).status_code == 404, path
+        assert beta.get_info().state == "running"  # untouched
+        # A page of another origin, even with the header: refused before anything runs.
+        evil = client.post("/v1/sandboxes", json={}, headers={**ui,
+                                                              "Origin": "http://evil.example"})
+        assert evil.status_code == 403
+        page = client.get("/ui/api/sandboxes", params={"limit": 5}, headers=ui).json()
+        assert page["total"] == 0 and page["items"] == []
+        # A forged cookie, then the key revoked: the session ends with it.
+        forged = httpx.get(f"{url}/ui/api/me", headers=ui,
+                           cookies={"corral_session": cookie[:-4] + "AAAA"})
+        assert forged.status_code == 401
+        assert client.get("/ui/api/me", headers=ui).json()["tenant"] == "alpha"
+        key_id = service.keys["alpha"].split("_")[1]
+        assert service.manager.store.revoke_key(key_id)
+        assert client.get("/ui/api/me", headers=ui).status_code == 401
+        service.keys["alpha"] = service.directory.create_key("alpha")[1]
+    finally:
+        beta.kill()
+        client.close()
