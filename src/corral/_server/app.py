@@ -139,7 +139,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     # add_middleware wraps: the last added runs first (Host, body, key, Origin, owner).
     app.add_middleware(OwnerFirst, check=_owner_check(manager))
     app.add_middleware(OriginGuard, names=names)
-    sessions = UISessions(manager.settings.home, tenants) if own_keys else None
+    sessions = UISessions(lambda: manager.settings.home, tenants) if own_keys else None
     app.add_middleware(Authenticate, protected=is_protected, authenticate=key_authenticator(
         manager.store, tenants, loopback=loopback, allow_keyless=allow_keyless),
         session=None if sessions is None else _session_authenticator(sessions))

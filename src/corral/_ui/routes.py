@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from .._control.manager import Manager
 from .._server.deps import ManagerDep, TenantDep
 from .._server.guard import UI_HEADER
-from ..errors import AuthError, UsageError
+from ..errors import AuthError, SandboxNotFound, UsageError
 from ..models import SandboxInfo
 from .session import COOKIE, SESSION_S, UISessions
 
@@ -123,6 +123,33 @@ def _ui_router(manager: Manager, sessions: UISessions | None) -> APIRouter:
         infos.sort(key=lambda i: (-i.created_at, i.id))
         return SandboxPage(total=len(infos), offset=offset, items=infos[offset:offset + limit])
 
+    @router.get("/ui/api/sandboxes/{sandbox_id}/family")
+    def family(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
+        """The sandbox's family: up to the sandbox it descends from (by fork or snapshot),
+        then down through every fork and snapshot, as read from their audit trails."""
+        return _family(manager, sandbox_id, None if who.is_local else who.name)
+
+    @router.get("/ui/api/egress")
+    def egress(who: TenantDep, manager: ManagerDep,
+               limit: Annotated[int, Query(ge=1, le=200)] = 20) -> dict[str, Any]:
+        """Egress decisions across the caller's live sandboxes, grouped by host, rule and
+        verdict, refused first: where a prompt-injected agent shows itself."""
+        groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for info in manager.list(tenant=None if who.is_local else who.name):
+            for event in manager.auditor.trail(info.id, types=["egress.decision"]).events:
+                d = event.data
+                key = (str(d.get("host", "")), str(d.get("rule", "")), str(d.get("verdict", "")))
+                group = groups.setdefault(key, {"host": key[0], "rule": key[1],
+                                                "verdict": key[2], "count": 0,
+                                                "sandboxes": set(), "last": 0.0})
+                group["count"] += 1
+                group["sandboxes"].add(info.id)
+                group["last"] = max(group["last"], event.ts)
+        ranked = sorted(groups.values(), key=lambda g: (g["verdict"] == "allowed", -g["count"],
+                                                        g["host"]))
+        return {"groups": [{**g, "sandboxes": sorted(g["sandboxes"])[:10]}
+                           for g in ranked[:limit]]}
+
     @router.get("/ui/api/stream")
     async def stream(request: Request, who: TenantDep, manager: ManagerDep) -> StreamingResponse:
         """Server-sent events, one per lifecycle change of the caller's sandboxes
@@ -132,6 +159,49 @@ def _ui_router(manager: Manager, sessions: UISessions | None) -> APIRouter:
                                  headers={"cache-control": "no-store"})
 
     return router
+
+
+_FAMILY_MAX = 200
+
+
+def _family(manager: Manager, sandbox_id: str, tenant: str | None) -> dict[str, Any]:
+    def created(sid: str) -> dict[str, Any] | None:
+        events = manager.auditor.trail(sid, types=["sandbox.created"]).events
+        return dict(events[0].data) if events else None
+
+    first = created(sandbox_id)
+    if first is None or (tenant is not None and first.get("tenant") != tenant):
+        raise SandboxNotFound(f"sandbox {sandbox_id} does not exist")
+    root, origin, hops = sandbox_id, first, 0
+    while hops < 50:  # up: the sandbox this one was forked or started from
+        parent = origin.get("forked_from")
+        if parent is None and origin.get("snapshot"):
+            snap = manager.store.snapshot(str(origin["snapshot"]), tenant=tenant)
+            parent = snap.sandbox if snap is not None else None
+        above = created(str(parent)) if parent else None
+        if above is None or (tenant is not None and above.get("tenant") != tenant):
+            break
+        root, origin, hops = str(parent), above, hops + 1
+    live = {i.id: i.state for i in manager.list(tenant=tenant)}
+    nodes: list[dict[str, Any]] = []
+    queue: list[tuple[str, str | None, str]] = [(root, None, "root")]
+    seen: set[str] = set()
+    while queue and len(nodes) < _FAMILY_MAX:
+        sid, parent, via = queue.pop(0)
+        if sid in seen:
+            continue
+        seen.add(sid)
+        nodes.append({"id": sid, "parent": parent, "via": via,
+                      "state": live.get(sid, "gone")})
+        for event in manager.auditor.trail(sid, types=["sandbox.forked", "snapshot.created",
+                                                       "snapshot.restored"]).events:
+            if event.type == "sandbox.forked":
+                queue.extend((child, sid, "fork") for child in event.data.get("children", []))
+            else:
+                nodes.append({"id": event.data.get("snapshot"), "parent": sid,
+                              "via": event.type.split(".")[1],
+                              "name": event.data.get("name"), "at": event.ts})
+    return {"root": root, "sandbox": sandbox_id, "nodes": nodes}
 
 
 def _haystack(info: SandboxInfo) -> str:

@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .._control.tenants import Tenant, TenantDirectory
@@ -48,9 +49,17 @@ def _unb64(text: str) -> bytes:
 class UISessions:
     """Issues and checks session cookies for one data directory's keys."""
 
-    def __init__(self, home: Path, tenants: TenantDirectory) -> None:
+    def __init__(self, home: Callable[[], Path], tenants: TenantDirectory) -> None:
         self._tenants = tenants
-        self._secret = _secret(home / "ui-session.key")
+        self._home = home
+        self._key: bytes | None = None
+
+    @property
+    def _secret(self) -> bytes:
+        # Read (or made) on first use, not when the app is assembled.
+        if self._key is None:
+            self._key = _secret(self._home() / "ui-session.key")
+        return self._key
 
     def sign_in(self, key: str) -> tuple[str, Tenant]:
         """(the cookie's value, the key's tenant) for a live ``ck_`` key; AuthError else."""

@@ -206,41 +206,180 @@ async function sandboxPage(id, signal) {
   const facts = el("div", { class: "facts panel" });
   const timeline = el("ol", { class: "timeline", "aria-label": "Timeline", "aria-live": "polite" });
   const status = el("p", { class: "error", role: "alert" });
+  const notice = el("p", { class: "muted", role: "status" });
+  const files = el("div", { class: "panel", "aria-label": "Files" });
+  const family = el("div", { class: "panel", "aria-label": "Family" });
+  const terminal = el("div", { class: "terminal", hidden: true });
   const command = el("input", { type: "text", id: "command", placeholder: "a shell command",
                                 "aria-label": "Command to run" });
-  const run = el("form", { class: "row", onsubmit: async (event) => {
+  const act = async (what, fn) => {
+    status.textContent = ""; notice.textContent = "";
+    try { const said = await fn(); if (said) notice.textContent = said; }
+    catch (failure) { if (!signal.aborted) status.textContent = `${what}: ${failure.message}`; }
+  };
+  const run = el("form", { class: "row", onsubmit: (event) => {
     event.preventDefault();
-    status.textContent = "";
-    try {
-      await api(`/v1/sandboxes/${id}/commands`, { method: "POST", signal,
-        json: { cmd: command.value, stream: true, context: { source: "dashboard" } } })
-        .then(async (answer) => { for await (const _ of lines(answer)) { /* shown by the timeline */ } });
-    } catch (failure) { if (!signal.aborted) status.textContent = failure.message; }
+    act("Run", async () => {
+      const answer = await api(`/v1/sandboxes/${id}/commands`, { method: "POST", signal,
+        json: { cmd: command.value, stream: true, context: { source: "dashboard" } } });
+      for await (const _ of lines(answer)) { /* the timeline shows it */ }
+    });
   } }, command, el("button", { class: "primary", type: "submit", text: "Run" }));
-  const destroy = el("button", { type: "button", class: "danger", text: "Destroy", onclick: async () => {
-    if (!confirm(`Destroy ${id}? Its processes stop and its workspace is deleted.`)) return;
-    try { await api(`/v1/sandboxes/${id}`, { method: "DELETE" }); location.hash = "#/sandboxes"; }
-    catch (failure) { status.textContent = failure.message; }
-  } });
-  run.append(destroy);
-  page(id, facts, el("h2", { text: "Run" }), run, status,
+  const button = (text, fn, cls) => el("button", { type: "button", text, class: cls, onclick: fn });
+  const actions = el("div", { class: "row", role: "toolbar", "aria-label": "Actions" },
+    button("Terminal", () => act("Terminal", () => openTerminal(id, terminal, signal))),
+    button("Snapshot", () => act("Snapshot", async () => {
+      const snap = await (await api(`/v1/sandboxes/${id}/snapshots`, { method: "POST", json: {} })).json();
+      await showFamily(id, family, signal);
+      return `Snapshot ${snap.id} taken.`;
+    })),
+    button("Fork", () => act("Fork", async () => {
+      const [child] = await (await api(`/v1/sandboxes/${id}/fork`, { method: "POST", json: { count: 1 } })).json();
+      await showFamily(id, family, signal);
+      return `Forked into ${child.id}.`;
+    })),
+    button("Pause", () => act("Pause", async () => { await api(`/v1/sandboxes/${id}/pause`, { method: "POST" }); return "Paused."; })),
+    button("Resume", () => act("Resume", async () => { await api(`/v1/sandboxes/${id}/resume`, { method: "POST" }); return "Resumed."; })),
+    button("Extend 10 min", () => act("Extend", async () => {
+      await api(`/v1/sandboxes/${id}/timeout`, { method: "POST", json: { timeout: 600 } });
+      return "It now ends 10 minutes from now.";
+    })),
+    button("Destroy", () => act("Destroy", async () => {
+      if (!confirm(`Destroy ${id}? Its processes stop and its workspace is deleted.`)) return "";
+      await api(`/v1/sandboxes/${id}`, { method: "DELETE" });
+      location.hash = "#/sandboxes";
+      return "";
+    }), "danger"));
+  page(id, facts, el("h2", { text: "Act" }), run, actions, status, notice, terminal,
+       el("h2", { text: "Files" }), files, el("h2", { text: "Snapshots and forks" }), family,
        el("h2", { text: "Timeline" }), timeline);
 
   try {
     const info = await (await api(`/v1/sandboxes/${id}`, { signal })).json();
     facts.replaceChildren(...[["State", pill(info.state)], ["Tier", info.resources],
       ["Isolation", info.isolation], ["Template", info.image || info.template],
-      ["Created", `${ago(info.created_at)} ago`], ["Network", networkText(info.network)],
+      ["Created", `${ago(info.created_at)} ago`], ["Ends in", left(info.expires_at)],
+      ["Network", networkText(info.network)],
       ["Labels", Object.entries(info.labels).map(([k, v]) => `${k}=${v}`).join(" ") || "—"]]
       .map(([name, value]) => el("div", {}, el("span", { text: name }), value)));
+    showFiles(id, "/workspace", files, signal).catch(() => {});
   } catch (failure) {
     if (failure instanceof Unauthorized) throw failure;
     facts.replaceChildren(el("p", { class: "muted", text: "This sandbox is gone; its audit trail remains." }));
-    run.remove(); destroy.remove();
+    run.remove(); actions.remove(); files.previousSibling.remove(); files.remove();
   }
+  showFamily(id, family, signal).catch(() => { family.textContent = ""; });
   const commands = new Map();
   const answer = await api(`/v1/sandboxes/${id}/audit?follow=true`, { signal });
   for await (const line of lines(answer)) timeline.append(...render(JSON.parse(line), commands));
+}
+
+async function showFiles(id, path, box, signal) {
+  const entries = await (await api(`/v1/sandboxes/${id}/files?path=${encodeURIComponent(path)}`, { signal })).json();
+  const up = path === "/workspace" ? null : path.replace(/\/[^/]+$/, "") || "/workspace";
+  box.replaceChildren(el("div", { class: "muted" }, el("code", { text: path })),
+    el("ul", { class: "files" },
+      up ? el("li", {}, el("a", { href: "#", text: "..", onclick: (e) => { e.preventDefault(); showFiles(id, up, box, signal); } })) : null,
+      entries.sort((a, b) => (a.type !== "dir") - (b.type !== "dir") || a.name.localeCompare(b.name))
+        .map((entry) => el("li", {}, entry.type === "dir"
+          ? el("a", { href: "#", text: `${entry.name}/`, onclick: (e) => { e.preventDefault(); showFiles(id, entry.path, box, signal); } })
+          : el("a", { href: "#", text: entry.name, "data-path": entry.path, onclick: (e) => { e.preventDefault(); download(id, entry); } }),
+          el("span", { class: "muted", text: ` ${entry.type === "dir" ? "" : `${entry.size} B`}` })))));
+}
+
+async function download(id, entry) {
+  // Fetched with the session's header, then handed to the browser as a file of its own.
+  const answer = await api(`/v1/sandboxes/${id}/files/content?path=${encodeURIComponent(entry.path)}`);
+  const url = URL.createObjectURL(await answer.blob());
+  const link = el("a", { href: url, download: entry.name });
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10_000);
+}
+
+async function showFamily(id, box, signal) {
+  const tree = await (await api(`/ui/api/sandboxes/${id}/family`, { signal })).json();
+  const children = new Map();
+  for (const node of tree.nodes) {
+    if (!children.has(node.parent)) children.set(node.parent, []);
+    children.get(node.parent).push(node);
+  }
+  const branch = (parent) => {
+    const kids = children.get(parent) || [];
+    if (!kids.length) return null;
+    return el("ul", { class: "tree" }, kids.map((node) => el("li", { "data-node": node.id },
+      node.via === "created" || node.via === "restored"
+        ? el("span", {}, pill(node.via === "created" ? "snapshot" : "restored", "warn"), " ",
+             el("code", { text: node.id }), node.name ? ` ${node.name}` : "")
+        : el("span", {}, node.via === "root" ? "" : pill(node.via), " ",
+             node.id === id ? el("strong", { text: node.id })
+               : el("a", { href: `#/sandboxes/${node.id}`, text: node.id }), " ", pill(node.state)),
+      branch(node.id))));
+  };
+  box.replaceChildren(branch(null) || el("p", { class: "muted", text: "No snapshots or forks." }));
+}
+
+let xtermLoaded = null;
+function loadXterm() {
+  xtermLoaded = xtermLoaded || new Promise((resolve, reject) => {
+    document.head.append(el("link", { rel: "stylesheet", href: "/ui/static/vendor/xterm/xterm.css" }));
+    const core = el("script", { src: "/ui/static/vendor/xterm/xterm.js" });
+    core.onload = () => {
+      const fit = el("script", { src: "/ui/static/vendor/xterm/addon-fit.js" });
+      fit.onload = resolve; fit.onerror = reject;
+      document.head.append(fit);
+    };
+    core.onerror = reject;
+    document.head.append(core);
+  });
+  return xtermLoaded;
+}
+
+async function openTerminal(id, box, signal) {
+  await loadXterm();
+  box.hidden = false;
+  box.replaceChildren();
+  const term = new window.Terminal({ fontFamily: getComputedStyle(document.body).getPropertyValue("--mono"),
+                                     fontSize: 13, cursorBlink: true, convertEol: false });
+  const fit = new window.FitAddon.FitAddon();
+  term.loadAddon(fit);
+  term.open(box);
+  fit.fit();
+  const scheme = location.protocol === "https:" ? "wss" : "ws";
+  // The session cookie goes with the handshake; the service checks this page's Origin.
+  const ws = new WebSocket(`${scheme}://${location.host}/v1/sandboxes/${id}/pty?rows=${term.rows}&cols=${term.cols}`);
+  ws.binaryType = "arraybuffer";
+  ws.onmessage = (message) => {
+    if (typeof message.data === "string") {
+      const end = JSON.parse(message.data);
+      term.write(`\r\n[${end.type === "exit" ? `exited ${end.exit_code}` : end.message}]\r\n`);
+    } else term.write(new Uint8Array(message.data));
+  };
+  ws.onclose = () => term.options.disableStdin = true;
+  term.onData((data) => ws.readyState === 1 && ws.send(JSON.stringify({ type: "input", data })));
+  term.onResize(({ rows, cols }) => ws.readyState === 1 && ws.send(JSON.stringify({ type: "resize", rows, cols })));
+  signal.addEventListener("abort", () => { ws.close(); term.dispose(); });
+  term.focus();
+  return "Terminal open: a login shell in the sandbox; closing the page ends it.";
+}
+
+// -- egress across sandboxes ------------------------------------------------------------------
+
+async function egressPage(signal) {
+  const body = el("tbody");
+  page("Egress", el("p", { class: "muted", text: "Every egress decision of your live sandboxes, grouped " +
+    "by host, rule and verdict, refusals first: a prompt-injected agent trying to send data out shows here." }),
+    el("table", { "aria-label": "Egress decisions" },
+      el("thead", {}, el("tr", {}, ["Host", "Verdict", "Rule", "Count", "Last", "Sandboxes"]
+        .map((h) => el("th", { scope: "col", text: h })))), body));
+  const data = await (await api("/ui/api/egress", { signal })).json();
+  body.replaceChildren(...data.groups.map((g) => el("tr", {},
+    el("td", {}, el("code", { text: g.host })),
+    el("td", {}, pill(g.verdict, g.verdict === "allowed" ? "ok" : "bad")),
+    el("td", { text: g.rule }), el("td", { text: g.count }), el("td", { text: `${ago(g.last)} ago` }),
+    el("td", {}, g.sandboxes.map((sid) => el("a", { href: `#/sandboxes/${sid}`, class: "label", text: sid }))))));
+  if (!data.groups.length) body.replaceChildren(el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No egress yet." })));
 }
 
 function networkText(network) {
@@ -308,6 +447,7 @@ async function route() {
   try {
     const sandbox = hash.match(/^#\/sandboxes\/(sbx_[a-z0-9]+)$/);
     if (sandbox) await sandboxPage(sandbox[1], signal);
+    else if (hash === "#/egress") await egressPage(signal);
     else await sandboxesPage(signal);
   } catch (failure) {
     if (failure instanceof Unauthorized) signIn();
