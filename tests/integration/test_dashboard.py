@@ -162,6 +162,47 @@ def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -
     assert blocked == [], f"the page tried to reach off the machine: {blocked}"
 
 
+def test_the_operator_sees_every_tenant_and_runs_the_drill(service: Service) -> None:
+    operator = service.directory.create_operator_key()[1]
+    boxes = [Sandbox.create(url=service.server.url, api_key=service.keys[t])
+             for t in ("alpha", "beta", "beta")]
+    blocked: list[str] = []
+    try:
+        with chromium_page(blocked=blocked) as page:
+            page.goto(f"{service.server.url}/ui")
+            page.get_by_label("API key").fill(operator)
+            page.get_by_role("button", name="Sign in").click()
+            page.get_by_role("heading", name="Sandboxes").wait_for()
+            for box in boxes:  # every tenant's
+                page.locator(f'tr[data-id="{box.id}"]').wait_for()
+            page.get_by_role("link", name="Tenants").click()
+            beta = page.locator('tr[data-tenant="beta"]')
+            beta.wait_for()
+            assert "2 of 10" in beta.inner_text()
+            assert service.keys["beta"].split("_")[1] in beta.inner_text()
+            assert service.keys["beta"] not in page.content()  # ids only, never a key
+            save_screenshot(page, "dashboard-tenants")
+
+            page.get_by_role("link", name="Drill").click()
+            page.get_by_label("filesystem").check()
+            page.get_by_role("button", name="Run the drill").click()
+            page.get_by_role("status").get_by_text("16 cases: 16 held").wait_for(timeout=120_000)
+            section = page.locator('section[data-category="filesystem"]')
+            assert "16/16 held" in section.inner_text().lower()
+            assert page.get_by_text("holds", exact=True).count() == 1
+            save_screenshot(page, "dashboard-drill")
+    finally:
+        for box in boxes:
+            box.kill()
+    assert blocked == [], f"the page tried to reach off the machine: {blocked}"
+    # A tenant's session may not use the operator's pages.
+    client = _signed_in(service, "alpha")
+    ui = {"X-Corral-UI": "1"}
+    assert client.get("/ui/api/tenants", headers=ui).status_code == 403
+    assert client.post("/ui/api/drill", json={}, headers=ui).status_code == 403
+    client.close()
+
+
 def test_docs_render_offline() -> None:
     home = Path(tempfile.mkdtemp(prefix="corral-test-docs-"))
     blocked: list[str] = []

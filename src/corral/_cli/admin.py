@@ -190,19 +190,32 @@ def keys() -> None:
 
 
 @keys.command(name="create")
-@click.argument("tenant")
+@click.argument("tenant", required=False)
 @click.option("--e2b", is_flag=True,
               help="A key in the E2B SDKs' format (e2b_<hex>) for `corral serve --e2b-port`: "
                    "set it as E2B_API_KEY. Same tenant, quotas and ceilings as any key.")
+@click.option("--operator", is_flag=True,
+              help="An operator key instead of a tenant's: every tenant's sandboxes, no "
+                   "quotas, the dashboard's tenants page. Guard it like root's password.")
 @json_option
 @click.pass_context
 @handle_errors
-def keys_create(ctx: click.Context, tenant: str, e2b: bool, as_json: bool) -> None:
-    """Create a key for TENANT and print it (it cannot be shown again)."""
+def keys_create(ctx: click.Context, tenant: str | None, e2b: bool, operator: bool,
+                as_json: bool) -> None:
+    """Create a key for TENANT (or, with --operator, the operator's) and print it (it
+    cannot be shown again)."""
     from .._control.manager import get_manager
 
-    key_id, key = TenantDirectory(get_manager(ctx.obj["settings"]).store).create_key(
-        tenant, e2b=e2b)
+    directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
+    if operator:
+        if tenant is not None or e2b:
+            raise errors.UsageError("--operator takes no TENANT and no --e2b")
+        key_id, key = directory.create_operator_key()
+        tenant = "local"
+    elif tenant is None:
+        raise errors.UsageError("name the TENANT the key is for (or pass --operator)")
+    else:
+        key_id, key = directory.create_key(tenant, e2b=e2b)
     if as_json:
         emit_json({"id": key_id, "tenant": tenant, "key": key})
     else:

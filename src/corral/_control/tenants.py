@@ -306,6 +306,14 @@ class TenantDirectory:
         self._store.add_key(key_id, tenant, digest)
         return key_id, key
 
+    def create_operator_key(self) -> tuple[str, str]:
+        """(key id, the key itself) for the operator: every tenant's sandboxes, no quotas,
+        the server's default ceiling, as the keyless local service has. For the dashboard's
+        operator pages and administration over HTTP; guard it like root's password."""
+        key_id, key, digest = new_key()
+        self._store.add_key(key_id, LOCAL_TENANT, digest)
+        return key_id, key
+
     # -- requests -----------------------------------------------------------------------------
 
     def authenticate(self, header: str | None, *, auth_required: bool) -> Tenant:
@@ -351,7 +359,12 @@ class TenantDirectory:
         if found is None:
             raise AuthError("the API key this session was made with was revoked: sign in "
                             "with a live key")
-        row = self._store.tenant(found[0])
+        return self._tenant_named(found[0])
+
+    def _tenant_named(self, name: str) -> Tenant:
+        if name == LOCAL_TENANT:  # an operator key (create_operator_key)
+            return local_tenant()
+        row = self._store.tenant(name)
         if row is None:
             raise AuthError("the key's tenant no longer exists")
         return _tenant_of(row)
@@ -360,10 +373,7 @@ class TenantDirectory:
         found = self._store.key(key_id)
         if found is None or not hmac.compare_digest(found[1], _digest(secret)):
             raise AuthError("unknown or revoked API key")
-        row = self._store.tenant(found[0])
-        if row is None:
-            raise AuthError("the key's tenant no longer exists")
-        return _tenant_of(row)
+        return self._tenant_named(found[0])
 
 
 class Admission:

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,9 +30,11 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from .._control.manager import Manager
+from .._control.tenants import LOCAL_TENANT, Tenant, TenantDirectory
+from .._drill.model import Category as DrillCategory
 from .._server.deps import ManagerDep, TenantDep
 from .._server.guard import UI_HEADER
-from ..errors import AuthError, SandboxNotFound, UsageError
+from ..errors import AuthError, PolicyError, SandboxBusy, SandboxNotFound, UsageError
 from ..models import SandboxInfo
 from .session import COOKIE, SESSION_S, UISessions
 
@@ -34,7 +42,9 @@ __all__ = ["STATIC", "install"]
 
 STATIC = Path(__file__).resolve().parent / "static"
 # The page may load and connect to nothing but this service (its own assets, its own API).
-_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+# Inline styles: xterm.js sizes its rows with <style> elements (no script can come of them).
+_CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; "
         "font-src 'self'; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
         "form-action 'self'")
 _PAGE_HEADERS = {"content-security-policy": _CSP, "x-content-type-options": "nosniff",
@@ -150,6 +160,37 @@ def _ui_router(manager: Manager, sessions: UISessions | None) -> APIRouter:
         return {"groups": [{**g, "sandboxes": sorted(g["sandboxes"])[:10]}
                            for g in ranked[:limit]]}
 
+    @router.get("/ui/api/tenants")
+    def tenants(who: TenantDep, manager: ManagerDep) -> list[dict[str, Any]]:
+        """Every tenant with its limits, its live sandboxes and its keys' ids (operator)."""
+        _operator(who)
+        live: dict[str, int] = {}
+        for record in manager.store.list():
+            live[record.tenant] = live.get(record.tenant, 0) + 1
+        keys: dict[str, list[dict[str, Any]]] = {}
+        for key in manager.store.keys():
+            keys.setdefault(key["tenant"], []).append(key)
+        rows = [{"name": t.name, "max_sandboxes": t.max_sandboxes, "tiers": list(t.tiers),
+                 "commands_per_minute": t.commands_per_minute,
+                 "ceiling": t.ceiling.to_json(), "live_sandboxes": live.get(t.name, 0),
+                 "keys": keys.get(t.name, [])}
+                for t in TenantDirectory(manager.store).tenants()]
+        rows.append({"name": LOCAL_TENANT, "operator": True, "live_sandboxes": live.get(
+            LOCAL_TENANT, 0), "keys": keys.get(LOCAL_TENANT, [])})
+        return rows
+
+    @router.post("/ui/api/drill", status_code=202)
+    def start_drill(body: DrillRequest, who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
+        """Run the drill against this service's own configuration, in a process of its own
+        (``corral drill --json``), as the operator; one at a time."""
+        _operator(who)
+        return drills.start(manager, body.categories)
+
+    @router.get("/ui/api/drill/{run_id}")
+    def drill_status(run_id: str, who: TenantDep) -> dict[str, Any]:
+        _operator(who)
+        return drills.status(run_id)
+
     @router.get("/ui/api/stream")
     async def stream(request: Request, who: TenantDep, manager: ManagerDep) -> StreamingResponse:
         """Server-sent events, one per lifecycle change of the caller's sandboxes
@@ -202,6 +243,72 @@ def _family(manager: Manager, sandbox_id: str, tenant: str | None) -> dict[str, 
                               "via": event.type.split(".")[1],
                               "name": event.data.get("name"), "at": event.ts})
     return {"root": root, "sandbox": sandbox_id, "nodes": nodes}
+
+
+def _operator(who: Tenant) -> None:
+    if not who.is_local:
+        raise PolicyError("only the operator may do this (a key from `corral keys create "
+                          "--operator`, or the keyless service on loopback)")
+
+
+class DrillRequest(BaseModel):
+    categories: list[DrillCategory] = Field(default_factory=list, max_length=16,
+                                            description="Only these categories (all if empty).")
+
+
+class _Drills:
+    """The drill runs started from the dashboard, one at a time, each ``corral drill --json``
+    in a process of its own over the service's data directory (the CLI's drill, unchanged)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, dict[str, Any]] = {}
+
+    def start(self, manager: Manager, categories: Sequence[str]) -> dict[str, Any]:
+        with self._lock:
+            if any(run["state"] == "running" for run in self._runs.values()):
+                raise SandboxBusy("a drill is running already: wait for its report")
+            run_id = f"drill_{secrets.token_hex(6)}"
+            settings = manager.settings
+            env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+            env |= {"CORRAL_HOME": str(settings.home), "CORRAL_UID_START":
+                    str(settings.uid_start), "CORRAL_UID_COUNT": str(settings.uid_count)}
+            argv = [sys.executable, "-m", "corral", "drill", "--json",
+                    *(arg for c in categories for arg in ("--category", c))]
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            run = {"id": run_id, "state": "running", "started_at": time.time(),
+                   "categories": list(categories), "report": None, "error": None}
+            self._runs = {k: v for k, v in self._runs.items() if v["state"] == "running"}
+            self._runs[run_id] = run
+        threading.Thread(target=self._wait, args=(run, proc), daemon=True,
+                         name="corral-ui-drill").start()
+        return {k: v for k, v in run.items() if k != "report"}
+
+    def _wait(self, run: dict[str, Any], proc: subprocess.Popen[bytes]) -> None:
+        try:
+            out, err = proc.communicate(timeout=_DRILL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        try:
+            run["report"] = json.loads(out)
+        except ValueError:
+            run["error"] = (err.decode(errors="replace")[-2000:] or
+                            f"the drill exited with {proc.returncode} and no report")
+        run["finished_at"] = time.time()
+        run["state"] = "done"
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        with self._lock:
+            run = self._runs.get(run_id)
+        if run is None:
+            raise UsageError(f"no drill run {run_id[:40]!r} (runs are kept until the next one)")
+        return dict(run)
+
+
+drills = _Drills()
+_DRILL_TIMEOUT_S = 900
 
 
 def _haystack(info: SandboxInfo) -> str:

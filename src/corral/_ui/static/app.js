@@ -58,8 +58,12 @@ async function* lines(answer) {
 }
 
 async function* serverEvents(answer) {
+  // The stream's first line, a comment, comes once the service listens for changes: said
+  // as {subscribed: true}, so a page reads its list again then (what changed before is in it).
   let data = [];
+  let first = true;
   for await (const line of linesKeepingBlanks(answer)) {
+    if (first && line.startsWith(":")) { first = false; yield { subscribed: true }; continue; }
     if (line === "") {
       if (data.length) yield JSON.parse(data.join("\n"));
       data = [];
@@ -132,6 +136,7 @@ async function who() {
   const box = document.getElementById("who");
   try {
     const me = await (await api("/ui/api/me")).json();
+    for (const link of document.querySelectorAll("nav a[data-operator]")) link.hidden = !me.operator;
     box.replaceChildren(el("span", { text: me.operator ? "operator" : `tenant ${me.tenant}` }),
       el("button", { type: "button", text: "Sign out", onclick: async () => {
         await fetch("/ui/session", { method: "DELETE", headers: UI });
@@ -196,7 +201,7 @@ async function sandboxesPage(signal) {
   (async () => {  // the live list: one event per change, then this page of it read again
     const stream = await api("/ui/api/stream", { signal });
     live.replaceChildren(el("span", { class: "live" }), "live");
-    for await (const change of serverEvents(stream)) { void change; soon(); }
+    for await (const change of serverEvents(stream)) { void change; soon(); }  // subscribed, or a change
   })().catch(() => { live.textContent = ""; });
 }
 
@@ -437,6 +442,77 @@ function render(event, commands) {
   }
 }
 
+// -- the operator's pages ---------------------------------------------------------------------
+
+async function tenantsPage(signal) {
+  const body = el("tbody");
+  page("Tenants", el("p", { class: "muted", text: "Tenants, their limits and usage, and their keys' ids " +
+    "(keys are stored hashed; create and revoke them with `corral keys`)." }),
+    el("table", { "aria-label": "Tenants" },
+      el("thead", {}, el("tr", {}, ["Tenant", "Sandboxes", "Commands / min", "Tiers", "Ceiling", "Keys"]
+        .map((h) => el("th", { scope: "col", text: h })))), body));
+  const rows = await (await api("/ui/api/tenants", { signal })).json();
+  body.replaceChildren(...rows.map((t) => el("tr", { "data-tenant": t.name },
+    el("td", {}, t.operator ? el("strong", { text: "operator" }) : t.name),
+    el("td", { text: t.operator ? `${t.live_sandboxes}` : `${t.live_sandboxes} of ${t.max_sandboxes}` }),
+    el("td", { text: t.commands_per_minute ?? "—" }),
+    el("td", { text: (t.tiers || []).join(", ") || "all" }),
+    el("td", {}, el("code", { text: t.ceiling && Object.keys(t.ceiling).length ? JSON.stringify(t.ceiling) : "server default" })),
+    el("td", {}, t.keys.map((k) => el("span", { class: "label", text: `${k.id}${k.revoked ? " (revoked)" : ""}` }))))));
+}
+
+const CATEGORIES = ["network", "credentials", "filesystem", "privilege", "resources", "control", "caller", "e2b"];
+
+async function drillPage(signal) {
+  const boxes = CATEGORIES.map((c) => el("label", { class: "check" },
+    el("input", { type: "checkbox", value: c }), ` ${c}`));
+  const state = el("p", { class: "muted", role: "status" });
+  const report = el("div");
+  const start = el("button", { class: "primary", type: "button", text: "Run the drill" });
+  page("Drill", el("p", { class: "muted", text: "Attacks a hijacked agent would try, run against this " +
+    "service's own configuration: each case holds, or is a breach with its evidence. Pick categories, " +
+    "or none for all (a few minutes)." }),
+    el("div", { class: "row", role: "group", "aria-label": "Categories" }, boxes), el("div", { class: "row" }, start),
+    state, report);
+  start.addEventListener("click", async () => {
+    start.disabled = true;
+    report.replaceChildren();
+    try {
+      const categories = boxes.map((b) => b.querySelector("input")).filter((i) => i.checked).map((i) => i.value);
+      let run = await (await api("/ui/api/drill", { method: "POST", json: { categories }, signal })).json();
+      while (run.state === "running") {
+        state.textContent = `Running ${categories.join(", ") || "every category"}… ${Math.round(Date.now() / 1000 - run.started_at)} s`;
+        await new Promise((resolve) => setTimeout(resolve, 1000));
+        run = await (await api(`/ui/api/drill/${run.id}`, { signal })).json();
+      }
+      if (run.error) throw new Error(run.error);
+      state.textContent = run.report.summary;
+      report.replaceChildren(...drillReport(run.report));
+    } catch (failure) { if (!signal.aborted) state.textContent = `The drill could not run: ${failure.message}`; }
+    start.disabled = false;
+  });
+}
+
+function drillReport(report) {
+  const verdict = { held: "ok", breached: "bad", error: "bad", skipped: "warn" };
+  const byCategory = new Map();
+  for (const result of report.results) {
+    if (!byCategory.has(result.category)) byCategory.set(result.category, []);
+    byCategory.get(result.category).push(result);
+  }
+  const evidence = (r) => r.evidence.filter((e) => e.sandbox).slice(0, 3).map((e) =>
+    el("a", { href: `#/sandboxes/${e.sandbox}`, class: "label",
+              text: `${e.event || e.kind}${e.seq ? ` #${e.seq}` : ""}` }));
+  const row = (r) => el("tr", {},
+    el("td", {}, el("code", { text: r.id })), el("td", {}, pill(r.verdict, verdict[r.verdict])),
+    el("td", { class: "wrap", text: r.observed }), el("td", {}, evidence(r)));
+  const section = ([category, results]) => el("section", { "data-category": category },
+    el("h2", { text: `${category} (${results.filter((r) => r.verdict === "held").length}/${results.length} held)` }),
+    el("table", { "aria-label": `Drill: ${category}` }, el("tbody", {}, results.map(row))));
+  return [el("p", {}, pill(report.ok ? "holds" : "breached", report.ok ? "ok" : "bad")),
+          ...[...byCategory].map(section)];
+}
+
 // -- routing ---------------------------------------------------------------------------------
 
 async function route() {
@@ -448,6 +524,8 @@ async function route() {
     const sandbox = hash.match(/^#\/sandboxes\/(sbx_[a-z0-9]+)$/);
     if (sandbox) await sandboxPage(sandbox[1], signal);
     else if (hash === "#/egress") await egressPage(signal);
+    else if (hash === "#/tenants") await tenantsPage(signal);
+    else if (hash === "#/drill") await drillPage(signal);
     else await sandboxesPage(signal);
   } catch (failure) {
     if (failure instanceof Unauthorized) signIn();
