@@ -28,7 +28,7 @@ step("connect", lambda: Sandbox.connect(sb.sandbox_id).commands.run("echo again"
 snap = step("snapshot", lambda: sb.create_snapshot())
 step("snapshot_id", lambda: snap.snapshot_id)
 children = step("from_snapshot", lambda: [Sandbox.create(template=snap.snapshot_id, timeout=120)
-                                          for _ in range(2)])
+                                          for _ in range(3)])
 step("children", lambda: [c.sandbox_id for c in children])
 step("children_read", lambda: [c.files.read("/home/user/c.txt") for c in children])
 step("snapshots_listed", lambda: [s.snapshot_id for s in Sandbox.list_snapshots().next_items()])
