@@ -44,17 +44,7 @@ function el(tag, attrs = {}, ...children) {
 }
 
 async function* lines(answer) {
-  const reader = answer.body.getReader();
-  const decoder = new TextDecoder();
-  let pending = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    pending += decoder.decode(value, { stream: true });
-    const parts = pending.split("\n");
-    pending = parts.pop();
-    for (const line of parts) if (line.trim()) yield line;
-  }
+  for await (const line of linesKeepingBlanks(answer)) if (line.trim()) yield line;
 }
 
 async function* serverEvents(answer) {
