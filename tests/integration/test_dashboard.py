@@ -8,6 +8,7 @@ only, and every request it tried to send elsewhere is recorded and must be none.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import shutil
@@ -250,6 +251,20 @@ def test_a_session_is_the_browsers_alone_and_its_tenants_alone(service: Service)
         assert evil.status_code == 403
         page = client.get("/ui/api/sandboxes", params={"limit": 5}, headers=ui).json()
         assert page["total"] == 0 and page["items"] == []
+        # A long trail's end, without the rest (the timeline asks for it this way).
+        mine = client.post("/v1/sandboxes", json={}, headers=ui).json()["id"]
+        for i in range(3):
+            service.manager.auditor.event(mine, "file.read", {"path": f"/workspace/{i}"})
+        last = client.get(f"/v1/sandboxes/{mine}/audit", params={"tail": 2}, headers=ui)
+        assert [e["data"]["path"] for e in map(json.loads, last.text.splitlines())] == [
+            "/workspace/1", "/workspace/2"]
+        with client.stream("GET", f"/v1/sandboxes/{mine}/audit",
+                           params={"tail": 1, "follow": "true"}, headers=ui) as followed:
+            lines = followed.iter_lines()
+            assert json.loads(next(lines))["data"]["path"] == "/workspace/2"
+            service.manager.auditor.event(mine, "file.read", {"path": "/workspace/next"})
+            assert json.loads(next(lines))["data"]["path"] == "/workspace/next"
+        assert client.delete(f"/v1/sandboxes/{mine}", headers=ui).status_code == 204
         # A WebSocket with the cookie: from another Origin, or none, refused.
         ws_url = url.replace("http", "ws") + f"/v1/sandboxes/{beta.id}/pty"
         for origin in ("http://evil.example", None):

@@ -220,8 +220,10 @@ def follow(
     poll_s: float = 0.2,
     stop: Callable[[], bool] | None = None,
     heartbeat_s: float | None = None,
+    start: int = 0,
 ) -> Iterator[AuditEvent | None]:
-    """Yield events as they are appended, from the start, until ``sandbox.destroyed``.
+    """Yield events as they are appended, from the start (or byte offset ``start``, a line's
+    beginning: ``tail_offset``), until ``sandbox.destroyed``.
 
     ``stop`` is an optional callable; when it returns True the generator ends. With
     ``heartbeat_s``, None is yielded after that long without events (so a consumer can notice
@@ -229,7 +231,7 @@ def follow(
     """
     quiet_since = time.monotonic()
     match = _matcher(types, None, None, command)
-    offset = 0
+    offset = start
     pending = b""
     while True:
         with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
@@ -256,3 +258,29 @@ def follow(
             quiet_since = time.monotonic()
             yield None
         time.sleep(poll_s)
+
+
+def tail_offset(path: Path, count: int, *, block: int = 1 << 16) -> int:
+    """The byte offset where the last ``count`` lines of ``path`` begin (0 for fewer), found
+    reading backwards, so a long trail's end is reached without reading all of it."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return 0
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        position, newlines = end, 0
+        # A complete last line ends with a newline: that one does not start a line.
+        if end and (f.seek(end - 1), f.read(1))[1] == b"\n":
+            newlines = -1
+        while position > 0:
+            step = min(block, position)
+            position -= step
+            f.seek(position)
+            chunk = f.read(step)
+            for index in range(len(chunk) - 1, -1, -1):
+                if chunk[index] == 0x0A:
+                    newlines += 1
+                    if newlines == count:
+                        return position + index + 1
+        return 0

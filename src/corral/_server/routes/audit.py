@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from ..._audit.log import follow as follow_log
+from ..._audit.log import tail_offset
 from ..._audit.metrics import render
 from ..._control.manager import Manager
 from ...errors import SandboxNotFound
@@ -20,23 +21,31 @@ __all__ = ["router"]
 
 router = APIRouter()
 
+_FOLLOW_POLL_S = 0.05
+
 
 @router.get("/v1/sandboxes/{sandbox_id}/audit", response_class=StreamingResponse,
             responses={200: {"content": _NDJSON, "description": "One event per line."}})
 def audit(sandbox_id: str, who: TenantDep, manager: ManagerDep,
           type: Annotated[list[str] | None, Query()] = None,  # noqa: A002 - the query name
           since: float | None = None, until: float | None = None,
-          command: str | None = None, follow: bool = False) -> StreamingResponse:
+          command: str | None = None, follow: bool = False,
+          tail: Annotated[int | None, Query(ge=1, le=1_000_000, description=(
+              "Only the last N lines of the trail (then, with follow, what comes next): a "
+              "long trail's end without reading all of it."))] = None) -> StreamingResponse:
     _check_trail_owner(manager, sandbox_id, who)
     if follow:
         path = manager.auditor.path(sandbox_id)
         if not path.exists():
             raise SandboxNotFound(f"no audit trail for {sandbox_id}")
+        start = tail_offset(path, tail) if tail is not None else 0
 
         def live() -> Iterator[bytes]:
             # Heartbeats (empty chunks) return control every second, so a client that went
-            # away frees its worker thread instead of holding it until the sandbox ends.
-            for event in follow_log(path, types=type, command=command, heartbeat_s=1.0):
+            # away frees its worker thread instead of holding it until the sandbox ends. A
+            # 50 ms poll: an event reaches a watching page well within 0.2 s.
+            for event in follow_log(path, types=type, command=command, heartbeat_s=1.0,
+                                    poll_s=_FOLLOW_POLL_S, start=start):
                 if event is None:
                     yield b""
                 elif (since is None or event.ts >= since) and (until is None
@@ -46,7 +55,8 @@ def audit(sandbox_id: str, who: TenantDep, manager: ManagerDep,
         return StreamingResponse(live(), media_type="application/x-ndjson")
     trail = manager.auditor.trail(sandbox_id, types=type, since=since, until=until,
                                   command=command)
-    body = "".join(e.model_dump_json() + "\n" for e in trail.events)
+    events = trail.events[-tail:] if tail is not None else trail.events
+    body = "".join(e.model_dump_json() + "\n" for e in events)
     return StreamingResponse(iter([body.encode()]), media_type="application/x-ndjson",
                              headers={"x-corral-torn-tail": str(trail.torn_tail).lower()})
 

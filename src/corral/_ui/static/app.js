@@ -5,6 +5,7 @@
 "use strict";
 
 const UI = { "X-Corral-UI": "1" };
+const TIMELINE_TAIL = 1000;
 const main = document.getElementById("main");
 let leave = new AbortController();  // aborts the current page's streams on navigation
 
@@ -264,9 +265,19 @@ async function sandboxPage(id, signal) {
     run.remove(); actions.remove(); files.previousSibling.remove(); files.remove();
   }
   showFamily(id, family, signal).catch(() => { family.textContent = ""; });
+  // The trail's last events, then what comes: a long trail (an agent's day) renders at once.
   const commands = new Map();
-  const answer = await api(`/v1/sandboxes/${id}/audit?follow=true`, { signal });
-  for await (const line of lines(answer)) timeline.append(...render(JSON.parse(line), commands));
+  const answer = await api(`/v1/sandboxes/${id}/audit?follow=true&tail=${TIMELINE_TAIL}`, { signal });
+  let first = true;
+  for await (const line of lines(answer)) {
+    const event = JSON.parse(line);
+    if (first && event.seq > 1) {
+      timeline.before(el("p", { class: "muted", text: `Events #1–#${event.seq - 1} are not shown ` +
+        `(the last ${TIMELINE_TAIL} are); the whole trail: \`corral replay ${id}\` or GET /v1/sandboxes/${id}/audit.` }));
+    }
+    first = false;
+    timeline.append(...render(event, commands));
+  }
 }
 
 async function showFiles(id, path, box, signal) {
