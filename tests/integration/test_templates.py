@@ -391,9 +391,12 @@ def test_an_interrupted_build_leaves_nothing(sig: signal.Signals, cli_env: dict[
     spec = spec_dir / "stopped.toml"
     spec.write_text(f'name = "{name}"\npackages = ["hello"]\n')
     shim.paused.unlink(missing_ok=True)
+    # SIGINT as a terminal delivers it: a run started in the background (`cmd &` in a
+    # script) inherits it ignored, and Python then never turns it into KeyboardInterrupt.
     builder = subprocess.Popen(
         [sys.executable, "-m", "corral", "templates", "build", "--file", str(spec)],
-        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     try:
         # Signal at a known point: mmdebstrap holds the build in its hook (see `shim`), so
         # the build has certainly begun and cannot finish before the signal lands.
@@ -404,9 +407,7 @@ def test_an_interrupted_build_leaves_nothing(sig: signal.Signals, cli_env: dict[
         assert builder.poll() is None, builder.communicate()[1]
         assert shim.calls(name) == 1
         builder.send_signal(sig)
-        # Its stop is bounded (mmdebstrap's 30 s grace, then SIGKILL); the rest is margin for
-        # a CI host whose two cores are busy with the microVM cases beside this run.
-        _, err = builder.communicate(timeout=240)
+        _, err = builder.communicate(timeout=120)
     finally:
         shim.paused.unlink(missing_ok=True)  # releases a hook the interrupt left behind
         if builder.poll() is None:

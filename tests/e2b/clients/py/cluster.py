@@ -20,12 +20,14 @@ step("seen", lambda: "".join(seen))
 step("write", lambda: sb.files.write("/home/user/c.txt", "through the cluster").path)
 step("read", lambda: sb.files.read("/home/user/c.txt"))
 step("cat", lambda: sb.commands.run("cat /home/user/c.txt").stdout)
+# Before the background command: a snapshot is refused while anything runs in the sandbox,
+# and a killed command may still be exiting for a moment.
+snap = step("snapshot", lambda: sb.create_snapshot())
 handle = step("background", lambda: sb.commands.run("sleep 60", background=True))
 step("kill_background", lambda: sb.commands.kill(handle.pid))
 step("listed", lambda: sb.sandbox_id in {
     s.sandbox_id for s in Sandbox.list().next_items()})
 step("connect", lambda: Sandbox.connect(sb.sandbox_id).commands.run("echo again").stdout)
-snap = step("snapshot", lambda: sb.create_snapshot())
 step("snapshot_id", lambda: snap.snapshot_id)
 children = step("from_snapshot", lambda: [Sandbox.create(template=snap.snapshot_id, timeout=120)
                                           for _ in range(3)])
