@@ -229,6 +229,26 @@ def follow(
     ``heartbeat_s``, None is yielded after that long without events (so a consumer can notice
     its client left).
     """
+    for batch in follow_batches(path, types=types, command=command, poll_s=poll_s, stop=stop,
+                                heartbeat_s=heartbeat_s, start=start):
+        if batch:
+            yield from batch
+        else:
+            yield None
+
+
+def follow_batches(
+    path: Path,
+    *,
+    types: Iterable[str] | None = None,
+    command: str | None = None,
+    poll_s: float = 0.2,
+    stop: Callable[[], bool] | None = None,
+    heartbeat_s: float | None = None,
+    start: int = 0,
+) -> Iterator[list[AuditEvent]]:
+    """``follow``, each read's events at once (a page of a long trail in one piece, not one
+    write per event); an empty list is the heartbeat."""
     quiet_since = time.monotonic()
     match = _matcher(types, None, None, command)
     offset = start
@@ -241,6 +261,7 @@ def follow(
             pending += chunk
         *complete, pending = pending.split(b"\n")
         finished = False
+        batch = []
         for raw in complete:
             if not raw.strip():
                 continue
@@ -249,14 +270,16 @@ def follow(
             except ValueError:
                 continue
             if match(event):
-                yield event
-                quiet_since = time.monotonic()
+                batch.append(event)
             finished = finished or event.type == "sandbox.destroyed"
+        if batch:
+            yield batch
+            quiet_since = time.monotonic()
         if finished or (stop is not None and stop()):
             return
         if heartbeat_s is not None and time.monotonic() - quiet_since >= heartbeat_s:
             quiet_since = time.monotonic()
-            yield None
+            yield []
         time.sleep(poll_s)
 
 

@@ -8,8 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from ..._audit.log import follow as follow_log
-from ..._audit.log import tail_offset
+from ..._audit.log import follow_batches, tail_offset
 from ..._audit.metrics import render
 from ..._control.manager import Manager
 from ...errors import SandboxNotFound
@@ -44,13 +43,11 @@ def audit(sandbox_id: str, who: TenantDep, manager: ManagerDep,
             # Heartbeats (empty chunks) return control every second, so a client that went
             # away frees its worker thread instead of holding it until the sandbox ends. A
             # 50 ms poll: an event reaches a watching page well within 0.2 s.
-            for event in follow_log(path, types=type, command=command, heartbeat_s=1.0,
-                                    poll_s=_FOLLOW_POLL_S, start=start):
-                if event is None:
-                    yield b""
-                elif (since is None or event.ts >= since) and (until is None
-                                                               or event.ts <= until):
-                    yield (event.model_dump_json() + "\n").encode()
+            for batch in follow_batches(path, types=type, command=command, heartbeat_s=1.0,
+                                        poll_s=_FOLLOW_POLL_S, start=start):
+                yield "".join(event.model_dump_json() + "\n" for event in batch
+                              if (since is None or event.ts >= since) and (
+                                  until is None or event.ts <= until)).encode()
 
         return StreamingResponse(live(), media_type="application/x-ndjson")
     trail = manager.auditor.trail(sandbox_id, types=type, since=since, until=until,

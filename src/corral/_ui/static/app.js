@@ -45,7 +45,15 @@ function el(tag, attrs = {}, ...children) {
 }
 
 async function* lines(answer) {
-  for await (const line of linesKeepingBlanks(answer)) if (line.trim()) yield line;
+  for await (const batch of lineBatches(answer)) yield* batch;
+}
+
+async function* lineBatches(answer) {
+  // The lines each read brought, together: a long trail's page is drawn in one go.
+  for await (const batch of rawLineBatches(answer)) {
+    const full = batch.filter((line) => line.trim());
+    if (full.length) yield full;
+  }
 }
 
 async function* serverEvents(answer) {
@@ -63,6 +71,10 @@ async function* serverEvents(answer) {
 }
 
 async function* linesKeepingBlanks(answer) {
+  for await (const batch of rawLineBatches(answer)) yield* batch;
+}
+
+async function* rawLineBatches(answer) {
   const reader = answer.body.getReader();
   const decoder = new TextDecoder();
   let pending = "";
@@ -72,7 +84,7 @@ async function* linesKeepingBlanks(answer) {
     pending += decoder.decode(value, { stream: true });
     const parts = pending.split("\n");
     pending = parts.pop();
-    yield* parts;
+    if (parts.length) yield parts;
   }
 }
 
@@ -250,6 +262,9 @@ async function sandboxPage(id, signal) {
        el("h2", { text: "Files" }), files, el("h2", { text: "Snapshots and forks" }), family,
        el("h2", { text: "Timeline" }), timeline);
 
+  // Asked at once, beside the sandbox's facts.
+  const trail = api(`/v1/sandboxes/${id}/audit?follow=true&tail=${TIMELINE_TAIL}`, { signal });
+  trail.catch(() => {});
   try {
     const info = await (await api(`/v1/sandboxes/${id}`, { signal })).json();
     facts.replaceChildren(...[["State", pill(info.state)], ["Tier", info.resources],
@@ -267,16 +282,20 @@ async function sandboxPage(id, signal) {
   showFamily(id, family, signal).catch(() => { family.textContent = ""; });
   // The trail's last events, then what comes: a long trail (an agent's day) renders at once.
   const commands = new Map();
-  const answer = await api(`/v1/sandboxes/${id}/audit?follow=true&tail=${TIMELINE_TAIL}`, { signal });
+  const answer = await trail;
   let first = true;
-  for await (const line of lines(answer)) {
-    const event = JSON.parse(line);
-    if (first && event.seq > 1) {
-      timeline.before(el("p", { class: "muted", text: `Events #1–#${event.seq - 1} are not shown ` +
-        `(the last ${TIMELINE_TAIL} are); the whole trail: \`corral replay ${id}\` or GET /v1/sandboxes/${id}/audit.` }));
+  for await (const batch of lineBatches(answer)) {
+    const drawn = document.createDocumentFragment();
+    for (const line of batch) {
+      const event = JSON.parse(line);
+      if (first && event.seq > 1) {
+        timeline.before(el("p", { class: "muted", text: `Events #1–#${event.seq - 1} are not shown ` +
+          `(the last ${TIMELINE_TAIL} are); the whole trail: \`corral replay ${id}\` or GET /v1/sandboxes/${id}/audit.` }));
+      }
+      first = false;
+      drawn.append(...render(event, commands));
     }
-    first = false;
-    timeline.append(...render(event, commands));
+    timeline.append(drawn);
   }
 }
 
