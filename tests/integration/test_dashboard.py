@@ -147,6 +147,13 @@ def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -
             screen.get_by_text("term-42").wait_for()
             save_screenshot(page, "dashboard-terminal")
 
+            page.get_by_role("link", name="Templates").click()
+            page.locator('tr', has_text="base").first.wait_for()
+            save_screenshot(page, "dashboard-templates")
+            page.get_by_role("link", name="Metrics").click()
+            page.locator('[data-metric="corral_sandboxes_created_total"] .value').wait_for()
+            save_screenshot(page, "dashboard-metrics")
+
             page.goto(f"{service.server.url}/ui#/egress")
             row = page.locator("tr", has_text="exfil.test")
             row.wait_for()

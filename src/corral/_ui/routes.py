@@ -34,6 +34,7 @@ from .._control.tenants import LOCAL_TENANT, Tenant, TenantDirectory
 from .._drill.model import Category as DrillCategory
 from .._server.deps import ManagerDep, TenantDep
 from .._server.guard import UI_HEADER
+from .._templates.catalog import list_builds
 from ..errors import AuthError, PolicyError, SandboxBusy, SandboxNotFound, UsageError
 from ..models import SandboxInfo
 from .session import COOKIE, SESSION_S, UISessions
@@ -159,6 +160,18 @@ def _ui_router(manager: Manager, sessions: UISessions | None) -> APIRouter:
                                                         g["host"]))
         return {"groups": [{**g, "sandboxes": sorted(g["sandboxes"])[:10]}
                            for g in ranked[:limit]]}
+
+    @router.get("/ui/api/templates")
+    def templates(who: TenantDep, manager: ManagerDep) -> list[dict[str, Any]]:
+        """The templates and pulled images sandboxes can start from, each marked with
+        whether the caller's ceiling allows it (host paths left out)."""
+        allowed = manager.ceiling_for(who).templates
+        builds = []
+        for build in list_builds(manager.settings.home / "templates"):
+            entry = {k: v for k, v in build.to_dict().items() if k != "path"}
+            entry["allowed"] = allowed is None or build.name in allowed
+            builds.append(entry)
+        return builds
 
     @router.get("/ui/api/tenants")
     def tenants(who: TenantDep, manager: ManagerDep) -> list[dict[str, Any]]:

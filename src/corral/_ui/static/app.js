@@ -462,6 +462,93 @@ function render(event, commands) {
   }
 }
 
+// -- templates and images ----------------------------------------------------------------------
+
+async function templatesPage(signal) {
+  const body = el("tbody");
+  page("Templates and images", el("p", { class: "muted", text: "What sandboxes can start from: " +
+    "`base` (the host's system, read-only), templates built with `corral templates build`, and images " +
+    "pulled from an allowed registry. Greyed out: beyond your ceiling." }),
+    el("table", { "aria-label": "Templates" },
+      el("thead", {}, el("tr", {}, ["Name", "Version", "Source", "Size", "Packages", "Built", "Tags"]
+        .map((h) => el("th", { scope: "col", text: h })))), body));
+  const builds = await (await api("/ui/api/templates", { signal })).json();
+  const size = (bytes) => bytes > 1e9 ? `${(bytes / 1e9).toFixed(1)} GB` : `${Math.round(bytes / 1e6)} MB`;
+  body.replaceChildren(el("tr", {}, el("td", {}, el("code", { text: "base" })), el("td", { text: "host" }),
+      el("td", { text: "the host's /usr, read-only" }), el("td", { text: "—" }), el("td", { text: "—" }),
+      el("td", { text: "—" }), el("td", {})),
+    ...builds.map((b) => el("tr", { class: b.allowed ? "" : "muted", "data-template": b.name },
+      el("td", {}, el("code", { text: b.name }), b.current ? " " : "", b.current ? pill("current", "ok") : ""),
+      el("td", {}, el("code", { text: String(b.version).slice(0, 19) })),
+      el("td", { text: b.image ? b.image.reference : (b.packages.join(" ") || "Debian") }),
+      el("td", { text: size(b.size_bytes) }), el("td", { text: b.installed_packages }),
+      el("td", { text: `${ago(b.built_at)} ago` }),
+      el("td", {}, b.tags.map((t) => el("span", { class: "label", text: t }))))));
+}
+
+// -- metrics at a glance -----------------------------------------------------------------------
+
+async function metricsPage(signal) {
+  const grid = el("div", { class: "cards" });
+  page("Metrics", el("p", { class: "muted", text: "The service's Prometheus counters (/metrics), summed " +
+    "over their labels, read every 5 s while this page is open; each chart is the last 5 minutes." }), grid);
+  const history = new Map();
+  const cards = new Map();
+  for (;;) {
+    const text = await (await api("/metrics", { signal })).text();
+    const now = Date.now() / 1000;
+    for (const [name, value] of parseMetrics(text)) {
+      if (!history.has(name)) history.set(name, []);
+      const points = history.get(name);
+      points.push([now, value]);
+      while (points.length && points[0][0] < now - 300) points.shift();
+      if (!cards.has(name)) {
+        const card = { value: el("div", { class: "value" }), chart: el("div", { class: "chart" }) };
+        grid.append(el("div", { class: "panel card", "data-metric": name }, el("div", { class: "muted", text: name }),
+                       card.value, card.chart));
+        cards.set(name, card);
+      }
+      const card = cards.get(name);
+      card.value.textContent = Number.isInteger(value) ? value.toLocaleString() : value.toFixed(3);
+      card.chart.replaceChildren(sparkline(points));
+    }
+    await new Promise((resolve, reject) => {
+      const timer = setTimeout(resolve, 5000);
+      signal.addEventListener("abort", () => { clearTimeout(timer); reject(new DOMException("left", "AbortError")); });
+    });
+  }
+}
+
+function parseMetrics(text) {
+  const sums = new Map();
+  for (const line of text.split("\n")) {
+    if (!line || line.startsWith("#")) continue;
+    const match = line.match(/^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|\+Inf|-Inf)/);
+    if (!match || match[1].endsWith("_created") || match[1].endsWith("_bucket")) continue;
+    const value = Number(match[3]);
+    if (Number.isFinite(value)) sums.set(match[1], (sums.get(match[1]) || 0) + value);
+  }
+  return sums;
+}
+
+function sparkline(points) {
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("viewBox", "0 0 100 30");
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", "the last five minutes");
+  if (points.length > 1) {
+    const [t0, t1] = [points[0][0], points[points.length - 1][0]];
+    const values = points.map((p) => p[1]);
+    const [lo, hi] = [Math.min(...values), Math.max(...values)];
+    const line = document.createElementNS(ns, "polyline");
+    line.setAttribute("points", points.map(([t, v]) =>
+      `${((t - t0) / Math.max(1e-9, t1 - t0) * 100).toFixed(1)},${(28 - (v - lo) / Math.max(1e-9, hi - lo) * 26).toFixed(1)}`).join(" "));
+    svg.append(line);
+  }
+  return svg;
+}
+
 // -- the operator's pages ---------------------------------------------------------------------
 
 async function tenantsPage(signal) {
@@ -545,6 +632,8 @@ async function route() {
     if (sandbox) await sandboxPage(sandbox[1], signal);
     else if (hash === "#/egress") await egressPage(signal);
     else if (hash === "#/tenants") await tenantsPage(signal);
+    else if (hash === "#/templates") await templatesPage(signal);
+    else if (hash === "#/metrics") await metricsPage(signal);
     else if (hash === "#/drill") await drillPage(signal);
     else await sandboxesPage(signal);
   } catch (failure) {
