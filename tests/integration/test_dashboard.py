@@ -137,6 +137,12 @@ def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -
             child = tree.locator("li a").first
             child.wait_for()
             made.append(Sandbox.connect(child.inner_text(), **alpha))
+            # A sandbox started from the snapshot joins the tree under it.
+            snap_id = tree.locator("code", has_text="snap_").first.inner_text()
+            started = Sandbox.create(snapshot=snap_id, **alpha)
+            made.append(started)
+            page.reload()
+            page.locator(f'li[data-node="{snap_id}"] li[data-node="{started.id}"]').wait_for()
             save_screenshot(page, "dashboard-family")
 
             # A terminal: xterm.js over the PTY WebSocket, signed in by the cookie.

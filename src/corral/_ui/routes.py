@@ -237,6 +237,12 @@ def _family(manager: Manager, sandbox_id: str, tenant: str | None) -> dict[str, 
             break
         root, origin, hops = str(parent), above, hops + 1
     live = {i.id: i.state for i in manager.list(tenant=tenant)}
+    # Live sandboxes started from a snapshot, by snapshot: a trail's first line says so.
+    started_from: dict[str, list[str]] = {}
+    for sid in list(live)[:_FAMILY_SCAN_MAX]:
+        began = _first_event(manager.auditor.path(sid))
+        if began is not None and began.get("snapshot") and not began.get("forked_from"):
+            started_from.setdefault(str(began["snapshot"]), []).append(sid)
     nodes: list[dict[str, Any]] = []
     queue: list[tuple[str, str | None, str]] = [(root, None, "root")]
     seen: set[str] = set()
@@ -252,10 +258,27 @@ def _family(manager: Manager, sandbox_id: str, tenant: str | None) -> dict[str, 
             if event.type == "sandbox.forked":
                 queue.extend((child, sid, "fork") for child in event.data.get("children", []))
             else:
-                nodes.append({"id": event.data.get("snapshot"), "parent": sid,
-                              "via": event.type.split(".")[1],
+                taken = str(event.data.get("snapshot"))
+                nodes.append({"id": taken, "parent": sid, "via": event.type.split(".")[1],
                               "name": event.data.get("name"), "at": event.ts})
+                if event.type == "snapshot.created":
+                    queue.extend((child, taken, "started")
+                                 for child in started_from.get(taken, []))
     return {"root": root, "sandbox": sandbox_id, "nodes": nodes}
+
+
+_FAMILY_SCAN_MAX = 2000
+
+
+def _first_event(path: Path) -> dict[str, Any] | None:
+    """A trail's first event's data (``sandbox.created``), reading its first line only."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(1 << 20)
+        data = json.loads(line).get("data")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _operator(who: Tenant) -> None:

@@ -337,7 +337,7 @@ async function showFamily(id, box, signal) {
       node.via === "created" || node.via === "restored"
         ? el("span", {}, pill(node.via === "created" ? "snapshot" : "restored", "warn"), " ",
              el("code", { text: node.id }), node.name ? ` ${node.name}` : "")
-        : el("span", {}, node.via === "root" ? "" : pill(node.via), " ",
+        : el("span", {}, node.via === "root" ? "" : pill(node.via === "started" ? "started from it" : node.via), " ",
              node.id === id ? el("strong", { text: node.id })
                : el("a", { href: `#/sandboxes/${node.id}`, text: node.id }), " ", pill(node.state)),
       branch(node.id))));
