@@ -39,6 +39,7 @@ from corral._control.store import Store
 from corral._control.tenants import Ceiling, TenantDirectory
 from corral.errors import AuthError, CeilingExceeded, SandboxLost
 
+from ..browser import chromium_page, save_screenshot
 from ..e2b.tlsca import free_loopback_443, make_pki
 from .raycluster import ServedGateway, ray_cluster, served_gateway
 
@@ -257,6 +258,38 @@ def test_the_official_e2b_sdk_in_domain_mode_through_a_gateway(
         second.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     assert domain not in Path("/etc/hosts").read_text()
+
+
+def test_the_dashboard_through_the_gateway(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    gateway, embedded, keys = served
+    blocked: list[str] = []
+    made: list[Sandbox] = []
+    try:
+        with chromium_page(blocked=blocked) as page:
+            page.goto(f"{gateway.url}/ui")
+            page.get_by_label("API key").fill(keys["alpha"])
+            page.get_by_role("button", name="Sign in").click()
+            page.get_by_role("heading", name="Sandboxes").wait_for()
+            page.locator(".live").wait_for()  # every node's stream listens
+            made = [Sandbox.create(**sdk(served, "alpha")) for _ in range(2)]
+            assert len({embedded.node_of(sb.id) for sb in made}) == 2
+            for sb in made:  # both nodes' sandboxes, pushed live
+                page.locator(f'tr[data-id="{sb.id}"]').wait_for()
+            save_screenshot(page, "cluster-dashboard-sandboxes")
+            target = made[1]
+            page.locator(f'tr[data-id="{target.id}"]').get_by_role("link").click()
+            page.get_by_role("heading", name=target.id).wait_for()
+            target.commands.run("echo through-$((40+2))-the-gateway", timeout=30)
+            page.locator("li.command pre.out").get_by_text("through-42-the-gateway").wait_for()
+            page.locator(f'ul.tree li[data-node="{target.id}"]').wait_for()  # from its node
+            save_screenshot(page, "cluster-dashboard-timeline")
+            page.goto(f"{gateway.url}/docs")
+            page.locator(".swagger-ui .info .title").get_by_text("Corral").wait_for()
+    finally:
+        for sb in made:
+            sb.kill()
+    assert blocked == [], f"the page tried to reach off the machine: {blocked}"
 
 
 def test_the_nodes_services_serve_gateways_only_and_sandboxes_cannot_reach_them(

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._audit.log import AuditTrail
@@ -137,6 +138,11 @@ class Cluster:
             scheduling_strategy=NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(str(self._settings.home / "cluster-audit"))
+
+    @property
+    def home(self) -> Path:
+        """The gateway's data directory (its keys, sessions and the audit copy)."""
+        return Path(self._settings.home)
 
     # -- membership and node agents ---------------------------------------------------------
 

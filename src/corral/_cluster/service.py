@@ -29,6 +29,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -47,9 +49,12 @@ from .._server.guard import (
     scope_tenant,
 )
 from .._server.relay import HOP_HEADERS, HttpRelay, Refusal, WebSocketRelay, send_json
+from .._ui.routes import install_pages
+from .._ui.session import UISessions
 from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound, UsageError
 from .gateway import Cluster
 from .peer import sign_caller
+from .ui import GatewayUI
 
 __all__ = ["create_cluster_app"]
 
@@ -58,6 +63,8 @@ log = logging.getLogger(__name__)
 _SANDBOX = re.compile(r"/v1/sandboxes/(sbx_[a-z0-9]{1,50})(/.*)?")
 _PORT = re.compile(r"/ports/(sbx_[a-z0-9]{1,50})/\d{1,5}(/.*)?")
 _BY_REF = re.compile(r"/v1/(snapshots|volumes)/([^/]{1,200})")
+# The dashboard's pieces that need no control plane (``_ui.routes.install_pages``).
+_PAGES = frozenset({"/ui", "/ui/", "/docs", "/ui/session", "/ui/api/me"})
 # Request headers the gateway never passes on: the caller's credentials are replaced by a
 # signed caller token; Origin was judged here (the node would judge it against its names).
 _NOT_PASSED = HOP_HEADERS | {b"host", b"authorization", b"origin"}
@@ -86,11 +93,14 @@ async def _read_body(receive: Receive) -> bytes:
 class _Gateway:
     """The gateway's own routing, inside the same guards as ``corral serve``'s."""
 
-    def __init__(self, cluster: Cluster, tenants: TenantDirectory) -> None:
+    def __init__(self, cluster: Cluster, tenants: TenantDirectory,
+                 pages: ASGIApp | None = None) -> None:
         self._cluster = cluster
         self._tenants = tenants
         self._secret = cluster.state.peer_secret()
         self._client: httpx.AsyncClient | None = None
+        self._pages = pages  # the dashboard's page, assets, /docs, sign-in (``_ui``)
+        self._ui = GatewayUI(self, tenants)
 
     # -- the pieces ---------------------------------------------------------------------------
 
@@ -216,9 +226,22 @@ class _Gateway:
         if port is not None:
             await self._relay_port(scope, receive, send, port.group(1))
             return
+        if self._pages is not None and (path in _PAGES or path.startswith("/ui/static/")):
+            await self._pages(scope, receive, send)
+            return
+        if path == "/openapi.json":  # every node's API is the same: /docs reads it
+            nodes = await self._alive_nodes()
+            if not nodes:
+                raise _Error(503, "backend_unavailable", "no cluster node is alive")
+            await self._relay(scope, receive, send, nodes[0], "", None)
+            return
         if not is_protected(path):
             raise _Error(404, "not_found", "Not Found")
         caller = scope_tenant(scope)
+        if path.startswith("/ui/api/"):
+            await self._ui(scope, receive, send, caller, lambda sandbox_id: self._relay_sandbox(
+                scope, receive, send, sandbox_id, "/family", caller))
+            return
         if path == "/v1/sandboxes":
             if method == "POST":
                 await self._create(scope, receive, send, caller)
@@ -511,10 +534,23 @@ def create_cluster_app(cluster: Cluster, store: Store, *, listen_host: str = "12
     the cluster routing. Keys are those of ``store`` (the gateway's data directory)."""
     tenants = TenantDirectory(store)
     names = ServiceNames.of(listen_host, host_names)
-    app: ASGIApp = _Gateway(cluster, tenants)
+    sessions = UISessions(lambda: cluster.home, tenants)
+    pages = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    install_pages(pages, sessions)
+
+    @pages.exception_handler(CorralError)
+    async def refused(request: Request, exc: CorralError) -> JSONResponse:
+        return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status)
+
+    app: ASGIApp = _Gateway(cluster, tenants, pages)
     app = OriginGuard(app, names=names)
+
+    async def session(cookie: str) -> Tenant:
+        return await run_in_threadpool(sessions.tenant, cookie)
+
     app = Authenticate(app, protected=is_protected, authenticate=key_authenticator(
-        store, tenants, loopback=is_loopback(listen_host), allow_keyless=allow_keyless))
+        store, tenants, loopback=is_loopback(listen_host), allow_keyless=allow_keyless),
+        session=session)
     app = BodyLimit(app, limits=BODY_LIMITS)
     return HostGuard(app, names=names)
 

@@ -297,6 +297,10 @@ class TenantDirectory:
     def tenants(self) -> list[Tenant]:
         return [_tenant_of(row) for row in self._store.tenants()]
 
+    def keys(self) -> list[dict[str, Any]]:
+        """Every key's id, tenant, creation time and whether it is revoked (never a secret)."""
+        return self._store.keys()
+
     def create_key(self, tenant: str, *, e2b: bool = False) -> tuple[str, str]:
         """(key id, the key itself). The key is shown once; only its hash is kept. ``e2b``:
         a key for the E2B surface (``X-API-KEY: e2b_...``), with the same tenant and limits."""

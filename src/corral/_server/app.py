@@ -190,7 +190,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    install_ui(app, manager, sessions)
+    install_ui(app, sessions)
     return app
 
 

@@ -39,7 +39,7 @@ from ..errors import AuthError, PolicyError, SandboxBusy, SandboxNotFound, Usage
 from ..models import SandboxInfo
 from .session import COOKIE, SESSION_S, UISessions
 
-__all__ = ["STATIC", "install"]
+__all__ = ["PAGE_MAX", "STATIC", "SandboxPage", "install", "install_pages", "sandbox_page"]
 
 STATIC = Path(__file__).resolve().parent / "static"
 # The page may load and connect to nothing but this service (its own assets, its own API).
@@ -51,7 +51,7 @@ _CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'
 _PAGE_HEADERS = {"content-security-policy": _CSP, "x-content-type-options": "nosniff",
                  "referrer-policy": "no-referrer", "cache-control": "no-store"}
 _LIVE_TYPES = ("sandbox.", "snapshot.")
-_PAGE_MAX = 500
+PAGE_MAX = 500
 
 
 class SignIn(BaseModel):
@@ -64,11 +64,28 @@ class SandboxPage(BaseModel):
     items: list[SandboxInfo]
 
 
-def install(app: FastAPI, manager: Manager, sessions: UISessions | None) -> None:
+def install(app: FastAPI, sessions: UISessions | None) -> None:
     """Add the dashboard, ``/docs`` and their assets to ``app``."""
+    install_pages(app, sessions)
+    app.include_router(_ui_router())
+
+
+def install_pages(app: FastAPI, sessions: UISessions | None) -> None:
+    """What of the dashboard needs no control plane: the page, its assets, ``/docs``,
+    sign-in and -out, who is signed in (the cluster gateway serves these too)."""
     app.mount("/ui/static", StaticFiles(directory=STATIC), name="ui-static")
     app.include_router(_docs_router())
-    app.include_router(_ui_router(manager, sessions))
+    app.include_router(_page_router(sessions))
+
+
+def sandbox_page(infos: list[SandboxInfo], *, q: str, offset: int, limit: int) -> SandboxPage:
+    """A page of sandboxes, newest first, filtered by ``q`` (a substring of the id, template,
+    tier, isolation, state or a label)."""
+    if q:
+        needle = q.lower()
+        infos = [i for i in infos if needle in _haystack(i)]
+    infos = sorted(infos, key=lambda i: (-i.created_at, i.id))
+    return SandboxPage(total=len(infos), offset=offset, items=infos[offset:offset + limit])
 
 
 def _docs_router() -> APIRouter:
@@ -88,7 +105,7 @@ def _docs_router() -> APIRouter:
     return router
 
 
-def _ui_router(manager: Manager, sessions: UISessions | None) -> APIRouter:
+def _page_router(sessions: UISessions | None) -> APIRouter:
     router = APIRouter(include_in_schema=False)
 
     @router.get("/ui")
@@ -120,19 +137,20 @@ def _ui_router(manager: Manager, sessions: UISessions | None) -> APIRouter:
         return {"tenant": who.name, "operator": who.is_local,
                 "max_sandboxes": who.max_sandboxes, "tiers": list(who.tiers)}
 
+    return router
+
+
+def _ui_router() -> APIRouter:
+    router = APIRouter(include_in_schema=False)
+
     @router.get("/ui/api/sandboxes", response_model=SandboxPage)
     def sandboxes(who: TenantDep, manager: ManagerDep,
                   offset: Annotated[int, Query(ge=0)] = 0,
-                  limit: Annotated[int, Query(ge=1, le=_PAGE_MAX)] = 100,
+                  limit: Annotated[int, Query(ge=1, le=PAGE_MAX)] = 100,
                   q: Annotated[str, Query(max_length=200)] = "") -> SandboxPage:
-        """A page of the caller's sandboxes, newest first, filtered by ``q`` (a substring of
-        the id, template, tier, isolation, state or a label)."""
-        infos = manager.list(tenant=None if who.is_local else who.name)
-        if q:
-            needle = q.lower()
-            infos = [i for i in infos if needle in _haystack(i)]
-        infos.sort(key=lambda i: (-i.created_at, i.id))
-        return SandboxPage(total=len(infos), offset=offset, items=infos[offset:offset + limit])
+        """A page of the caller's sandboxes (``sandbox_page``)."""
+        return sandbox_page(manager.list(tenant=None if who.is_local else who.name), q=q,
+                            offset=offset, limit=limit)
 
     @router.get("/ui/api/sandboxes/{sandbox_id}/family")
     def family(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
@@ -181,7 +199,7 @@ def _ui_router(manager: Manager, sessions: UISessions | None) -> APIRouter:
         for record in manager.store.list():
             live[record.tenant] = live.get(record.tenant, 0) + 1
         keys: dict[str, list[dict[str, Any]]] = {}
-        for key in manager.store.keys():
+        for key in TenantDirectory(manager.store).keys():
             keys.setdefault(key["tenant"], []).append(key)
         rows = [{"name": t.name, "max_sandboxes": t.max_sandboxes, "tiers": list(t.tiers),
                  "commands_per_minute": t.commands_per_minute,
