@@ -91,6 +91,7 @@ def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -
             row = page.locator(f'tr[data-id="{sandbox.id}"]')
             row.wait_for()  # pushed by the live stream, no reload
             assert "agent=ui-test" in row.inner_text()
+            assert "MiB" in row.inner_text()  # its cgroup's memory now
             assert page.locator(f'tr[data-id="{beta_box.id}"]').count() == 0
             save_screenshot(page, "dashboard-sandboxes")
 
@@ -137,6 +138,12 @@ def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -
             child = tree.locator("li a").first
             child.wait_for()
             made.append(Sandbox.connect(child.inner_text(), **alpha))
+            # Restore to it: the file written since is gone.
+            sandbox.files.write("later.txt", "after the snapshot")
+            page.once("dialog", lambda dialog: dialog.accept())
+            page.get_by_role("button", name=re.compile(r"Restore snap_")).first.click()
+            notice.get_by_text(re.compile(r"Restored to snap_\w+")).wait_for()
+            assert not sandbox.files.exists("later.txt")
             # A sandbox started from the snapshot joins the tree under it.
             snap_id = tree.locator("code", has_text="snap_").first.inner_text()
             started = Sandbox.create(snapshot=snap_id, **alpha)

@@ -187,6 +187,15 @@ class Manager:
     def resume(self, sandbox_id: str) -> SandboxInfo:
         return self.sandboxes.resume(sandbox_id).public()
 
+    def usage_now(self, sandbox_id: str) -> dict[str, float] | None:
+        """A running sandbox's CPU seconds so far and memory now, where its tier can say
+        (``{"cpu_s", "memory_bytes"}``), else None."""
+        record = self.sandboxes.get(sandbox_id)
+        sample = getattr(self.sandboxes.backend(record), "usage_now", None)
+        now = sample(self.sandboxes.spec(record)) if sample is not None else None
+        return None if now is None else {"cpu_s": round(now.cpu_s, 3),
+                                         "memory_bytes": now.memory_bytes}
+
     def destroy(self, sandbox_id: str) -> None:
         self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
         self.interpreter.forget_sandbox(sandbox_id)  # its kernels died with it

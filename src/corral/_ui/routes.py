@@ -11,6 +11,7 @@ exactly as to any client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -35,7 +36,14 @@ from .._drill.model import Category as DrillCategory
 from .._server.deps import ManagerDep, TenantDep
 from .._server.guard import UI_HEADER
 from .._templates.catalog import list_builds
-from ..errors import AuthError, PolicyError, SandboxBusy, SandboxNotFound, UsageError
+from ..errors import (
+    AuthError,
+    CorralError,
+    PolicyError,
+    SandboxBusy,
+    SandboxNotFound,
+    UsageError,
+)
 from ..models import SandboxInfo
 from .session import COOKIE, SESSION_S, UISessions
 
@@ -62,6 +70,8 @@ class SandboxPage(BaseModel):
     total: int
     offset: int
     items: list[SandboxInfo]
+    #: the page's running sandboxes' CPU seconds so far and memory now, by id
+    usage: dict[str, dict[str, float]] = Field(default_factory=dict)
 
 
 def install(app: FastAPI, sessions: UISessions | None) -> None:
@@ -148,9 +158,17 @@ def _ui_router() -> APIRouter:
                   offset: Annotated[int, Query(ge=0)] = 0,
                   limit: Annotated[int, Query(ge=1, le=PAGE_MAX)] = 100,
                   q: Annotated[str, Query(max_length=200)] = "") -> SandboxPage:
-        """A page of the caller's sandboxes (``sandbox_page``)."""
-        return sandbox_page(manager.list(tenant=None if who.is_local else who.name), q=q,
+        """A page of the caller's sandboxes (``sandbox_page``), with what each running one
+        uses now."""
+        page = sandbox_page(manager.list(tenant=None if who.is_local else who.name), q=q,
                             offset=offset, limit=limit)
+        for info in page.items:
+            if info.state == "running":
+                with contextlib.suppress(CorralError):
+                    now = manager.usage_now(info.id)
+                    if now is not None:
+                        page.usage[info.id] = now
+        return page
 
     @router.get("/ui/api/sandboxes/{sandbox_id}/family")
     def family(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> dict[str, Any]:

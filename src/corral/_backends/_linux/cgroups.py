@@ -34,6 +34,14 @@ class CgroupUsage:
     oom_killed: bool
 
 
+@dataclass(frozen=True, slots=True)
+class CgroupNow:
+    """A sandbox's use at this moment: CPU time so far and memory now."""
+
+    cpu_s: float
+    memory_bytes: int
+
+
 class CgroupDriver(Protocol):
     version: int
 
@@ -45,6 +53,7 @@ class CgroupDriver(Protocol):
         process that places its own child and should not load this driver)."""
         ...
     def usage(self, group: str) -> CgroupUsage: ...
+    def now(self, group: str) -> CgroupNow: ...
     def kill(self, group: str) -> None: ...
     def freeze(self, group: str, frozen: bool) -> None: ...
     def remove(self, group: str) -> None: ...
@@ -187,6 +196,11 @@ class CgroupV1:
     def procs_files(self, group: str) -> list[Path]:
         return [path / "cgroup.procs" for path in self._paths(group)]
 
+    def now(self, group: str) -> CgroupNow:
+        return CgroupNow(
+            cpu_s=int(_read(self._path("cpuacct", group) / "cpuacct.usage")) / 1e9,
+            memory_bytes=int(_read(self._path("memory", group) / "memory.usage_in_bytes")))
+
     def usage(self, group: str) -> CgroupUsage:
         mem = self._path("memory", group)
         oom = 0
@@ -294,6 +308,15 @@ class CgroupV2:
 
     def procs_files(self, group: str) -> list[Path]:
         return [self._base / group / "cgroup.procs"]
+
+    def now(self, group: str) -> CgroupNow:
+        path = self._base / group
+        cpu_us = 0
+        for line in _read(path / "cpu.stat").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                cpu_us = int(value)
+        return CgroupNow(cpu_s=cpu_us / 1e6, memory_bytes=int(_read(path / "memory.current")))
 
     def usage(self, group: str) -> CgroupUsage:
         path = self._base / group

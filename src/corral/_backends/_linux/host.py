@@ -30,7 +30,7 @@ from ...backends import EgressEndpoint, ExecRequest, Leftover, SandboxSpec, Seal
 from ...errors import BackendError, BackendUnavailable, ConfigError, PortClosed
 from ...models import ResourceTier
 from . import netns
-from .cgroups import CgroupDriver
+from .cgroups import CgroupDriver, CgroupNow
 from .storage import WorkspaceStore
 from .template import BaseTemplate, load_template
 from .uids import lowest_free_uid
@@ -277,6 +277,14 @@ class HostBackedBackend:
                              f"{port} ({reason}); start a server listening on 0.0.0.0:{port} "
                              f"or 127.0.0.1:{port} there") from None
         return sock
+
+    def usage_now(self, spec: SandboxSpec) -> CgroupNow | None:
+        """The sandbox's CPU time so far and memory now, from its cgroup (None when it has
+        none: paused mid-teardown, or gone)."""
+        try:
+            return self.cgroups.now(spec.id)
+        except (OSError, ValueError):
+            return None
 
     def files(self, spec: SandboxSpec) -> WorkspaceFS:
         return WorkspaceFiles(self.workspace_root(spec), spec.uid)

@@ -168,7 +168,7 @@ async function sandboxesPage(signal) {
     el("div", { class: "row" }, search, live),
     el("table", { "aria-label": "Sandboxes" },
       el("thead", {}, el("tr", {}, ["Sandbox", "State", "Tier", "Isolation", "Template", "Age",
-                                    "Expires in", "Labels"].map((h) => el("th", { scope: "col", text: h })))),
+                                    "Expires in", "CPU", "Memory", "Labels"].map((h) => el("th", { scope: "col", text: h })))),
       body),
     el("div", { class: "pager" }, count, prev, next));
 
@@ -183,10 +183,12 @@ async function sandboxesPage(signal) {
       el("td", { text: info.image || info.template }),
       el("td", { text: ago(info.created_at) }),
       el("td", { text: info.expires_at ? left(info.expires_at) : "—" }),
+      el("td", { text: data.usage[info.id] ? `${data.usage[info.id].cpu_s.toFixed(2)} s` : "—" }),
+      el("td", { text: data.usage[info.id] ? `${(data.usage[info.id].memory_bytes / 1048576).toFixed(1)} MiB` : "—" }),
       el("td", {}, Object.entries(info.labels).map(([k, v]) => el("span", { class: "label",
                                                                   text: `${k}=${v}` }))))));
     if (!data.items.length) {
-      body.replaceChildren(el("tr", {}, el("td", { colspan: 8, class: "muted",
+      body.replaceChildren(el("tr", {}, el("td", { colspan: 10, class: "muted",
                                                  text: state.q ? "No sandbox matches." : "No sandboxes yet." })));
     }
     const last = Math.min(data.total, state.offset + data.items.length);
@@ -238,12 +240,12 @@ async function sandboxPage(id, signal) {
     button("Terminal", () => act("Terminal", () => openTerminal(id, terminal, signal))),
     button("Snapshot", () => act("Snapshot", async () => {
       const snap = await (await api(`/v1/sandboxes/${id}/snapshots`, { method: "POST", json: {} })).json();
-      await showFamily(id, family, signal);
+      await showFamily(id, family, signal, act);
       return `Snapshot ${snap.id} taken.`;
     })),
     button("Fork", () => act("Fork", async () => {
       const [child] = await (await api(`/v1/sandboxes/${id}/fork`, { method: "POST", json: { count: 1 } })).json();
-      await showFamily(id, family, signal);
+      await showFamily(id, family, signal, act);
       return `Forked into ${child.id}.`;
     })),
     button("Pause", () => act("Pause", async () => { await api(`/v1/sandboxes/${id}/pause`, { method: "POST" }); return "Paused."; })),
@@ -279,7 +281,7 @@ async function sandboxPage(id, signal) {
     facts.replaceChildren(el("p", { class: "muted", text: "This sandbox is gone; its audit trail remains." }));
     run.remove(); actions.remove(); files.previousSibling.remove(); files.remove();
   }
-  showFamily(id, family, signal).catch(() => { family.textContent = ""; });
+  showFamily(id, family, signal, facts.isConnected ? act : null).catch(() => { family.textContent = ""; });
   // The trail's last events, then what comes: a long trail (an agent's day) renders at once.
   const commands = new Map();
   const answer = await trail;
@@ -323,7 +325,7 @@ async function download(id, entry) {
   setTimeout(() => URL.revokeObjectURL(url), 10_000);
 }
 
-async function showFamily(id, box, signal) {
+async function showFamily(id, box, signal, act) {
   const tree = await (await api(`/ui/api/sandboxes/${id}/family`, { signal })).json();
   const children = new Map();
   for (const node of tree.nodes) {
@@ -336,11 +338,19 @@ async function showFamily(id, box, signal) {
     return el("ul", { class: "tree" }, kids.map((node) => el("li", { "data-node": node.id },
       node.via === "created" || node.via === "restored"
         ? el("span", {}, pill(node.via === "created" ? "snapshot" : "restored", "warn"), " ",
-             el("code", { text: node.id }), node.name ? ` ${node.name}` : "")
+             el("code", { text: node.id }), node.name ? ` ${node.name}` : "",
+             act && node.via === "created" && node.parent === id ? el("button", {
+               type: "button", class: "small", text: "Restore", "aria-label": `Restore ${node.id}`,
+               onclick: () => act("Restore", async () => {
+                 if (!confirm(`Put ${id}'s workspace back as it was in ${node.id}?`)) return "";
+                 await api(`/v1/sandboxes/${id}/restore`, { method: "POST", json: { snapshot: node.id } });
+                 await showFamily(id, box, signal, act);
+                 return `Restored to ${node.id}.`;
+               }) }) : null)
         : el("span", {}, node.via === "root" ? "" : pill(node.via === "started" ? "started from it" : node.via), " ",
              node.id === id ? el("strong", { text: node.id })
                : el("a", { href: `#/sandboxes/${node.id}`, text: node.id }), " ", pill(node.state)),
-      branch(node.id))));
+      node.via === "restored" ? null : branch(node.id))));
   };
   box.replaceChildren(branch(null) || el("p", { class: "muted", text: "No snapshots or forks." }));
 }
