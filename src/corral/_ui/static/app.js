@@ -451,7 +451,9 @@ function render(event, commands) {
       const known = commands.get(event.command);
       if (!known) return [];
       const seconds = typeof d.duration_s === "number" ? d.duration_s.toFixed(3) : "?";
-      known.result.textContent = ` exit ${d.exit_code ?? "—"} · ${seconds} s` +
+      const usage = typeof d.cpu_s === "number"
+        ? ` · cpu ${d.cpu_s.toFixed(3)} s · peak ${(d.peak_memory_bytes / 1048576).toFixed(1)} MiB` : "";
+      known.result.textContent = ` exit ${d.exit_code ?? "—"} · ${seconds} s${usage}` +
         (d.timed_out ? " · timed out" : "") + (d.oom_killed ? " · out of memory" : "");
       if (d.exit_code !== 0) known.node.classList.add("failed");
       return [];
