@@ -61,6 +61,15 @@ class CgroupDriver(Protocol):
     def describe(self) -> str: ...
 
 
+def _keyed(path: Path, name: str) -> int:
+    """The value of ``name`` in a ``key value`` per line file (cpu.stat, memory.events)."""
+    for line in _read(path).splitlines():
+        key, _, value = line.partition(" ")
+        if key == name:
+            return int(value)
+    return 0
+
+
 def _write(path: Path, value: str) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
@@ -203,11 +212,7 @@ class CgroupV1:
 
     def usage(self, group: str) -> CgroupUsage:
         mem = self._path("memory", group)
-        oom = 0
-        for line in _read(mem / "memory.oom_control").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                oom = int(value)
+        oom = _keyed(mem / "memory.oom_control", "oom_kill")
         return CgroupUsage(
             cpu_s=int(_read(self._path("cpuacct", group) / "cpuacct.usage")) / 1e9,
             peak_memory_bytes=int(_read(mem / "memory.max_usage_in_bytes")),
@@ -311,28 +316,16 @@ class CgroupV2:
 
     def now(self, group: str) -> CgroupNow:
         path = self._base / group
-        cpu_us = 0
-        for line in _read(path / "cpu.stat").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "usage_usec":
-                cpu_us = int(value)
-        return CgroupNow(cpu_s=cpu_us / 1e6, memory_bytes=int(_read(path / "memory.current")))
+        return CgroupNow(cpu_s=_keyed(path / "cpu.stat", "usage_usec") / 1e6,
+                         memory_bytes=int(_read(path / "memory.current")))
 
     def usage(self, group: str) -> CgroupUsage:
         path = self._base / group
-        cpu_us = 0
-        for line in _read(path / "cpu.stat").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "usage_usec":
-                cpu_us = int(value)
-        oom = 0
-        for line in _read(path / "memory.events").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                oom = int(value)
         peak_file = path / "memory.peak"
         peak = int(_read(peak_file)) if peak_file.exists() else int(_read(path / "memory.current"))
-        return CgroupUsage(cpu_s=cpu_us / 1e6, peak_memory_bytes=peak, oom_killed=oom > 0)
+        return CgroupUsage(cpu_s=_keyed(path / "cpu.stat", "usage_usec") / 1e6,
+                           peak_memory_bytes=peak,
+                           oom_killed=_keyed(path / "memory.events", "oom_kill") > 0)
 
     def kill(self, group: str) -> None:
         path = self._base / group
