@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -30,6 +31,9 @@ from corral._server.app import create_app
 from corral._settings import Settings
 
 from ..browser import chromium_page, save_screenshot
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 from ..conftest import managed
 from .servers import Server
 
@@ -222,6 +226,41 @@ def test_the_operator_sees_every_tenant_and_runs_the_drill(service: Service) -> 
     assert client.get("/ui/api/tenants", headers=ui).status_code == 403
     assert client.post("/ui/api/drill", json={}, headers=ui).status_code == 403
     client.close()
+
+
+def _tab_to(page: Page, wanted: str, limit: int = 60) -> None:
+    """Press Tab until the focused element matches the CSS selector ``wanted``."""
+    for _ in range(limit):
+        page.keyboard.press("Tab")
+        if page.evaluate(f"document.activeElement.matches({wanted!r})"):
+            return
+    raise AssertionError(f"Tab never reached {wanted}")
+
+
+def test_the_dashboard_works_from_the_keyboard_alone(service: Service) -> None:
+    sandbox = Sandbox.create(url=service.server.url, api_key=service.keys["beta"])
+    try:
+        with chromium_page() as page:
+            page.goto(f"{service.server.url}/ui")
+            page.get_by_label("API key").wait_for()
+            assert page.evaluate("document.activeElement.id") == "key"  # focused for typing
+            page.keyboard.type(service.keys["beta"])
+            page.keyboard.press("Enter")
+            page.get_by_role("heading", name="Sandboxes").wait_for()
+            page.locator(f'tr[data-id="{sandbox.id}"]').wait_for()
+            _tab_to(page, f'a[href="#/sandboxes/{sandbox.id}"]')
+            page.keyboard.press("Enter")
+            page.get_by_role("heading", name=sandbox.id).wait_for()
+            _tab_to(page, "#command")
+            page.keyboard.type("echo by-$((2+3))-keys")
+            page.keyboard.press("Enter")
+            page.locator("li.command pre.out").get_by_text("by-5-keys").wait_for()
+            # Every control shows where the focus is.
+            _tab_to(page, 'button[type="button"]')
+            outline = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+            assert outline not in ("", "none"), outline
+    finally:
+        sandbox.kill()
 
 
 def test_docs_render_offline() -> None:
