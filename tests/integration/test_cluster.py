@@ -10,7 +10,9 @@ recovery) and checks no raylet is left.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -23,6 +25,7 @@ import pytest
 from corral._cluster.auth import require_token_auth
 from corral._cluster.gateway import Cluster
 from corral._cluster.node import NodeAgent
+from corral._templates.catalog import METADATA, build_dir, set_current
 from corral.errors import (
     ConfigError,
     QuotaExceeded,
@@ -142,6 +145,34 @@ def test_a_snapshot_starts_sandboxes_on_either_node(gateway: Cluster) -> None:
     assert gateway.state.copies(snap.id) == {}
     with pytest.raises(SnapshotNotFound):
         gateway.delete_snapshot("team-s-seed", tenant="team-s")
+
+
+def test_nodes_publish_capacity_and_a_template_draws_creates_to_its_node(
+        gateway: Cluster) -> None:
+    capacity = gateway.capacity()
+    assert len(capacity) == 2
+    for node in capacity.values():
+        assert node["slots"] > 0 and node["free_memory_bytes"] > 0
+        assert node["free_disk_bytes"] > 0 and "base" in node["templates"]
+    # A template present on one node only (laid out as a build is): creates naming it go there.
+    target = sorted(capacity)[1]
+    templates = Path(capacity[target]["home"]) / "templates"
+    templates.mkdir(exist_ok=True)
+    build = build_dir(templates, "onlyhere", "0" * 16)
+    (build / "root").mkdir(parents=True)
+    (build / METADATA).write_text(json.dumps({"built_at": time.time(), "build_s": 0,
+                                              "size_bytes": 0, "spec": {"packages": []}}))
+    set_current(templates, "onlyhere", "0" * 16)
+    try:
+        assert "onlyhere" in gateway.capacity()[target]["templates"]
+        for _ in range(3):
+            admitted = gateway.admit("team-t", None, template="onlyhere")
+            gateway.release(admitted.claim)
+            assert admitted.node_id == target
+    finally:
+        shutil.rmtree(build)
+        (templates / "onlyhere.current").unlink()
+    assert not [c for c in gateway.state.claims() if c.get("tenant") == "team-t"]
 
 
 def test_a_sandbox_cannot_reach_the_ray_ports(gateway: Cluster,

@@ -56,6 +56,7 @@ RESOURCE = "corral"
 # tenant's sandboxes: creates from one snapshot stay where its layers are until the load is
 # this uneven, then the layers are copied over (once per node) and creates spread.
 _COPY_WEIGHT = 2
+_CAPACITY_TTL_S = 5.0
 # Threads per node agent: its commands run side by side (Ray's default actor is one thread).
 _AGENT_CONCURRENCY = 256
 _MEMBERSHIP_TTL_S = 0.5
@@ -128,6 +129,7 @@ class Cluster:
         self._service_urls: dict[str, dict[str, str]] = {}
         self._copying: dict[tuple[str, str], threading.Lock] = {}
         self._admitting = threading.Lock()
+        self._capacity: tuple[float, dict[str, dict[str, Any]]] | None = None
         self._secret = self.state.peer_secret()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -464,9 +466,31 @@ class Cluster:
                 f"tenant {tenant or 'local'} has {live} sandboxes in the cluster and may have "
                 f"{max_for_tenant}: destroy some first")
 
+    def capacity(self, *, max_age_s: float = 0.0) -> dict[str, dict[str, Any]]:
+        """Every alive node's ``describe()`` (sandboxes, free memory and disk, templates
+        present) with its slots, asked of the nodes at once; reused for ``max_age_s``."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._capacity
+        if cached is not None and now - cached[0] < max_age_s:
+            return cached[1]
+        views = self.nodes()
+        asked = [(view, self.agent(view.node_id).describe.remote()) for view in views]
+        found = {}
+        for view, ref in asked:
+            try:
+                found[view.node_id] = {**self._ray.get(ref, timeout=30), "slots": view.slots,
+                                       "identity": view.identity}
+            except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+                continue  # a node dying meanwhile has no capacity to speak of
+        with self._lock:
+            self._capacity = (now, found)
+        return found
+
     def admit(self, tenant: str | None, max_for_tenant: int | None, *, count: int = 1,
               node_id: str | None = None, snapshot: str | None = None,
-              any_tenants: bool = False, place: bool = True) -> Admission:
+              any_tenants: bool = False, place: bool = True,
+              template: str | None = None) -> Admission:
         """Admit ``count`` new sandboxes of ``tenant``: its quota across the cluster checked,
         a node chosen (``node_id`` if decided already; none with ``place=False``), and the
         places claimed, so that creates at once, through this gateway or another, never
@@ -486,6 +510,10 @@ class Cluster:
             node_id = source.node_id
         elif source is not None:
             holding = {source.node_id, *self.state.copies(source.snapshot_id)}
+        elif template not in (None, "base") and node_id is None and place:
+            # A template is built per node: the nodes that have it, if any do.
+            holding = {n for n, c in self.capacity(max_age_s=_CAPACITY_TTL_S).items()
+                       if template in c.get("templates", ())}
         with self._admitting:
             self._check_quota(tenant, max_for_tenant, count)
             if node_id is None and place:
@@ -511,7 +539,8 @@ class Cluster:
         """Create a sandbox on the node ``place`` picks, within the tenant's cluster-wide
         ``max_for_tenant`` (the node's control plane checks the request again, exactly as on
         one host)."""
-        admitted = self.admit(tenant, max_for_tenant, snapshot=kwargs.get("snapshot"))
+        admitted = self.admit(tenant, max_for_tenant, snapshot=kwargs.get("snapshot"),
+                              template=kwargs.get("template"))
         try:
             if max_for_tenant is not None:
                 kwargs["max_for_tenant"] = max_for_tenant

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import shutil
 import socket
 import threading
 import time
@@ -29,6 +30,7 @@ from typing import Any
 from .._control.manager import Manager, get_manager
 from .._control.tenants import Tenant
 from .._settings import Settings
+from .._templates.catalog import list_builds
 from ..errors import ConfigError, SandboxNotFound, SnapshotNotFound
 from ..models import CommandResult, SandboxInfo, SnapshotInfo
 from .audit import Shipper
@@ -79,10 +81,17 @@ class NodeAgent:
                 resume=lambda sid: ray.get(sink.size.remote(sid)))
 
     def describe(self) -> dict[str, Any]:
-        """Who this node is and what it holds (the gateway's placement reads it)."""
-        return {"node_id": self._node_id, "home": str(self._settings.home),
+        """Who this node is and what it has: its sandboxes, free memory and disk, and the
+        templates and images present (the gateway's placement prefers a node that holds the
+        template a create names)."""
+        home = Path(self._settings.home)
+        return {"node_id": self._node_id, "home": str(home),
                 "uid_start": self._settings.uid_start, "uid_count": self._settings.uid_count,
-                "sandboxes": len(self._manager.list())}
+                "sandboxes": len(self._manager.list()),
+                "free_memory_bytes": _available_memory(),
+                "free_disk_bytes": shutil.disk_usage(home).free,
+                "templates": sorted({"base", *(build.name for build in
+                                               list_builds(home / "templates"))})}
 
     def serve(self, secret: bytes, host: str | None = None,
               e2b_domain: str | None = None) -> dict[str, str]:
@@ -227,6 +236,13 @@ class NodeAgent:
         if remove_instance is not None:
             remove_instance()
         self._manager.close()
+
+
+def _available_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 class _Services:

@@ -288,6 +288,7 @@ class _Gateway:
             request = None
         node_id = None
         snapshot = None
+        template = request.get("template") if isinstance(request, dict) else None
         if isinstance(request, dict):
             volumes = request.get("volumes")
             if isinstance(request.get("snapshot"), str) and validate_ref(request["snapshot"]):
@@ -298,13 +299,13 @@ class _Gateway:
                     node_id = await self._holder("volumes", first, caller)
         await self._send_answer(send, await self.create_on(
             node_id, caller, "/v1/sandboxes", body, made_id=lambda made: made.get("id"),
-            snapshot=snapshot))
+            snapshot=snapshot, template=template if isinstance(template, str) else None))
 
     async def create_on(self, node_id: str | None, caller: Tenant, path: str, body: bytes,
                         *, made_id: Callable[[dict[str, Any]], str | None],
                         service: str = "http", snapshot: str | None = None,
-                        naming: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
-                        ) -> httpx.Response:
+                        naming: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
+                        template: str | None = None) -> httpx.Response:
         """A create, for either dialect: the caller's quota counted across the cluster, the
         request sent to ``node_id`` (a volume's holder) or where ``place`` says (for one
         from ``snapshot``, with the nodes holding its layers preferred), the snapshot copied
@@ -313,7 +314,7 @@ class _Gateway:
         the answer) recorded there."""
         admitted = await run_in_threadpool(lambda: self._cluster.admit(
             caller.name, _limit(caller), node_id=node_id, snapshot=snapshot,
-            any_tenants=scope_of(caller) is None))
+            any_tenants=scope_of(caller) is None, template=template))
         try:
             if admitted.snapshot is not None and admitted.snapshot != snapshot:
                 name = naming or (lambda request, local: {**request, "snapshot": local})
