@@ -84,3 +84,12 @@ def test_operator_cidrs_open_exactly_their_range() -> None:
     assert forbidden_reason(ipaddress.ip_address("10.1.2.3"), cidrs) is None
     assert forbidden_reason(ipaddress.ip_address("::ffff:10.1.2.3"), cidrs) is None
     assert forbidden_reason(ipaddress.ip_address("10.2.0.1"), cidrs) == "private"
+
+
+@pytest.mark.parametrize("text", ["exa\x00mple.com", "\x00", "a b.com", "x.com\r\ny", "\x7f.io",
+                                  "\udb9f\udcd0b.com"])
+def test_a_rule_with_control_characters_or_garbage_is_refused_not_a_crash(text: str) -> None:
+    # Found by the schema fuzzer: a NUL reached socket.inet_aton, which raised ValueError (500).
+    with pytest.raises(UsageError):
+        Rule.parse(text)
+    assert not is_ip_literal("127.0.0\x001")

@@ -73,7 +73,7 @@ def is_ip_literal(host: str) -> bool:
     try:
         socket.inet_aton(text)  # the permissive BSD forms
         return True
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in it, never an address
         return False
 
 
@@ -89,6 +89,9 @@ class Rule:
         if not isinstance(text, str) or not text.strip():
             raise UsageError(f"empty network rule {clip(str(text))!r}")
         raw = text.strip()
+        if any(ord(c) < 0x21 or c == "\x7f" for c in raw):
+            raise UsageError(f"network rule {clip(text)!r}: spaces and control characters "
+                             "cannot be in a host name")
         port: int | None = None
         host = raw
         if raw.count(":") == 1:
