@@ -383,16 +383,19 @@ class Cluster:
         return per_node, per_tenant, total
 
     def place(self, tenant: str | None, pending: dict[str, int] | None = None,
-              holding: Collection[str] = ()) -> str:
+              holding: Collection[str] = (),
+              counts: tuple[dict[str, int], dict[str, int], int] | None = None) -> str:
         """The node for a new sandbox: one with a free slot, fewest of this tenant's sandboxes
         first (spread), then fewest in all. ``pending``: sandboxes of this tenant already
         placed on a node but not recorded yet (a fork's other children). ``holding``: the
-        nodes that hold the layers it starts from, preferred by ``_COPY_WEIGHT``."""
+        nodes that hold the layers it starts from, preferred by ``_COPY_WEIGHT``. ``counts``:
+        ``_counts(tenant)`` if the caller has just read it."""
         nodes = self.nodes()
         if not nodes:
             raise BackendUnavailable("no cluster node offers the 'corral' resource: start one "
                                      "with `ray start ... --resources='{\"corral\": N}'`")
-        per_node, per_tenant, _ = self._counts(tenant)
+        read = counts or self._counts(tenant)
+        per_node, per_tenant = dict(read[0]), dict(read[1])
         for node_id, extra in (pending or {}).items():
             per_node[node_id] = per_node.get(node_id, 0) + extra
             per_tenant[node_id] = per_tenant.get(node_id, 0) + extra
@@ -445,6 +448,14 @@ class Cluster:
         self.state.put_copy(origin, node_id, local)
         return local
 
+    def drop_copies_of(self, ref: str, tenant: str | None) -> SnapshotSource | None:
+        """Find snapshot ``ref`` (the tenant's; anyone's with None) and delete every node's
+        copy of it (``drop_copies``); its source, or None when no alive node has it."""
+        source = self.snapshot_source(ref, tenant)
+        if source is not None:
+            self.drop_copies(source.snapshot_id)
+        return source
+
     def drop_copies(self, origin: str) -> None:
         """Delete every node's copy of snapshot ``origin`` (before the snapshot itself goes);
         ``SnapshotInUse`` from a node where a sandbox is built on its copy (and what was not
@@ -455,12 +466,14 @@ class Cluster:
                 self._call_node(self.agent(node_id).drop_snapshot_copy.remote(origin))
             self.state.delete_copy(origin, node_id)
 
-    def _check_quota(self, tenant: str | None, max_for_tenant: int | None, adding: int) -> None:
-        """The tenant's sandboxes across the cluster, those being made included, checked
-        here; each node checks its own share again."""
+    def _check_quota(self, tenant: str | None, max_for_tenant: int | None, adding: int,
+                     live: int | None = None) -> None:
+        """The tenant's sandboxes across the cluster (``live``, unless read here), those
+        being made included, checked here; each node checks its own share again."""
         if max_for_tenant is None:
             return
-        live = self._counts(tenant)[2]
+        if live is None:
+            live = self._counts(tenant)[2]
         if live + adding > max_for_tenant:
             raise QuotaExceeded(
                 f"tenant {tenant or 'local'} has {live} sandboxes in the cluster and may have "
@@ -494,8 +507,8 @@ class Cluster:
         """Admit ``count`` new sandboxes of ``tenant``: its quota across the cluster checked,
         a node chosen (``node_id`` if decided already; none with ``place=False``), and the
         places claimed, so that creates at once, through this gateway or another, never
-        pass the quota together. From ``snapshot`` (one of ``scope``'s, default the
-        tenant's), the nodes holding its layers are preferred and it is copied to the node
+        pass the quota together. From ``snapshot`` (the tenant's; anyone's with
+        ``any_tenants``), the nodes holding its layers are preferred and it is copied to the node
         chosen if it is not there. ``release`` the claim once the sandboxes are recorded (or
         were not made)."""
         holding: set[str] = set()
@@ -515,9 +528,11 @@ class Cluster:
             holding = {n for n, c in self.capacity(max_age_s=_CAPACITY_TTL_S).items()
                        if template in c.get("templates", ())}
         with self._admitting:
-            self._check_quota(tenant, max_for_tenant, count)
+            # One read of the map and the claims serves the quota and the placement.
+            counts = self._counts(tenant)
+            self._check_quota(tenant, max_for_tenant, count, live=counts[2])
             if node_id is None and place:
-                node_id = self.place(tenant, holding=holding)
+                node_id = self.place(tenant, holding=holding, counts=counts)
             claim = self.state.claim(tenant, node_id, count)
         try:
             # Another gateway's claim made meanwhile is counted now: if both passed the
@@ -617,10 +632,9 @@ class Cluster:
     def delete_snapshot(self, ref: str, *, tenant: str | None = None) -> None:
         """Delete a snapshot and every node's copy of it (``SnapshotInUse`` while a sandbox
         is built on it or on a copy: then the snapshot stays)."""
-        source = self.snapshot_source(ref, tenant)
+        source = self.drop_copies_of(ref, tenant)
         if source is None:
             raise SnapshotNotFound(f"snapshot {ref!r} is on no alive node of this cluster")
-        self.drop_copies(source.snapshot_id)
         self._call_node(self.agent(source.node_id).delete_snapshot.remote(
             source.snapshot_id, tenant))
 

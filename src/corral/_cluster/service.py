@@ -338,11 +338,8 @@ class _Gateway:
 
     def _drop_copies(self, ref: str, owner: str | None) -> None:
         """Before a snapshot goes: its copies on other nodes (``copies``)."""
-        if not validate_ref(ref):
-            return  # the node answers for a ref that cannot be
-        source = self._cluster.snapshot_source(ref, owner)
-        if source is not None:
-            self._cluster.drop_copies(source.snapshot_id)
+        if validate_ref(ref):  # else the node answers for a ref that cannot be
+            self._cluster.drop_copies_of(ref, owner)
 
     async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
         answers = await self._fan_out("GET", path, caller, query)
