@@ -5,9 +5,12 @@ Corral's fixed environment (``_core.privileged``); the command's own environment
 host path travel to bwrap as data on an ``--args`` descriptor (see ``bwrap``).
 
 Ordering that makes the limits hold: bwrap is started with ``--block-fd``, so after building the
-namespaces its sandbox init waits; we read the init's pid from ``--info-fd``, move both bwrap
-processes into the command's cgroup, and only then release it. Nothing the user asked for runs
-outside the cgroup, even for a microsecond.
+namespaces its sandbox init waits; we read the init's pid from ``--info-fd``, move the init
+into the command's cgroup, and only then release it. Nothing the user asked for runs outside
+the cgroup, even for a microsecond: everything it runs descends from that init. bwrap's outer
+process, which only waits for the init (and dies with it, or with us), stays in Corral's
+cgroup: moving a process between v1 cgroups costs ~0.5 ms per hierarchy (an RCU grace period
+each), and placing it too doubled the largest cost of a command (``bench/bench_profile.py``).
 """
 
 from __future__ import annotations
@@ -236,7 +239,7 @@ class CommandLauncher:
                     resource.prlimit(pid, resource.RLIMIT_NOFILE, _NOFILE)
                     resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
             try:
-                self.cgroups.attach(group, (proc.pid, init_pid))
+                self.cgroups.attach(group, (init_pid,))
                 os.write(block_w, b"1")
             except (ProcessLookupError, BrokenPipeError):
                 raise BackendError(

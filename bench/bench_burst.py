@@ -1,0 +1,186 @@
+"""Bursts: N sandboxes created at once, each to its first command's result, embedded and over HTTP.
+
+Run as root::
+
+    .venv/bin/python bench/bench_burst.py [--sizes 10,100,500] [--modes embedded,http] [--out F]
+
+For each mode and size N, N threads wait at a barrier, then each creates a sandbox and runs
+``true`` in it; a sample is the time from the barrier to that thread's result. Then the same
+number of sandboxes (at most ``--serial-max``) is made one after another in one thread: the
+serial rate is the reference measured in the same run. Reported per burst: p50/p95/p99 of
+create-to-first-result, the burst's throughput (N over the time to the last result) and its
+ratio to the serial rate (above 1: concurrency bought something). The sandboxes of a burst
+are destroyed after it (timed apart, as ``destroy_s``).
+
+``embedded`` uses one in-process manager; ``http`` starts ``python -m corral serve`` on
+127.0.0.1 with its own data directory. Everything made is removed at the end; a leftover is
+listed under ``cleanup`` and makes the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_sandbox import DEFAULT_UID_START, percentile, teardown  # noqa: E402
+from bench_service import Server  # noqa: E402
+
+from corral import Sandbox  # noqa: E402
+from corral._control import manager as manager_mod  # noqa: E402
+from corral._settings import Settings  # noqa: E402
+
+LIFETIME_S = 600
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _target(mode: str, home: Path, url: str | None) -> dict[str, Any]:
+    return {"url": url} if mode == "http" else {"home": str(home)}
+
+
+def one(target: dict[str, Any]) -> tuple[Sandbox, float]:
+    """Create a sandbox and run its first command; the sandbox and when the result came."""
+    sandbox = Sandbox.create(timeout=LIFETIME_S, **target)
+    result = sandbox.commands.run(["true"])
+    if result.exit_code != 0:
+        raise RuntimeError(f"`true` exited {result.exit_code}: {result.stderr}")
+    return sandbox, time.perf_counter()
+
+
+def burst(target: dict[str, Any], n: int) -> dict[str, Any]:
+    barrier = threading.Barrier(n + 1)
+    done: list[tuple[Sandbox, float]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        barrier.wait()
+        try:
+            got = one(target)
+        except Exception as exc:  # a failed create is counted, not fatal
+            with lock:
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            return
+        with lock:
+            done.append(got)
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    latencies = sorted((at - start) * 1000 for _, at in done)
+    end = max((at for _, at in done), default=start)
+    destroy_start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda item: item[0].kill(), done))
+    report: dict[str, Any] = {
+        "n": n, "ok": len(done), "failed": len(errors), "errors": sorted(set(errors))[:5],
+        "destroy_s": round(time.perf_counter() - destroy_start, 3),
+    }
+    if latencies:
+        report |= {
+            "p50_ms": round(percentile(latencies, 0.5), 1),
+            "p95_ms": round(percentile(latencies, 0.95), 1),
+            "p99_ms": round(percentile(latencies, 0.99), 1),
+            "max_ms": round(latencies[-1], 1),
+            "throughput_per_s": round(len(done) / max(end - start, 1e-9), 1),
+        }
+    return report
+
+
+def serial(target: dict[str, Any], n: int) -> dict[str, Any]:
+    made: list[Sandbox] = []
+    start = time.perf_counter()
+    for _ in range(n):
+        made.append(one(target)[0])
+    took = time.perf_counter() - start
+    for sandbox in made:
+        sandbox.kill()
+    return {"n": n, "rate_per_s": round(n / took, 1), "mean_ms": round(took / n * 1000, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10,100,500")
+    parser.add_argument("--modes", default="embedded,http")
+    parser.add_argument("--serial-max", type=int, default=50)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        log("bench_burst: run as root")
+        return 2
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    modes = [m for m in args.modes.split(",") if m]
+    if not sizes or min(sizes) < 1 or set(modes) - {"embedded", "http"}:
+        parser.error("--sizes takes positive integers; --modes embedded and/or http")
+    uid_count = max(1000, 2 * max(sizes))
+    results: dict[str, Any] = {}
+    leftovers: list[str] = []
+    for mode in modes:
+        home = Path(tempfile.mkdtemp(prefix="corral-bench-"))
+        settings = Settings(home=home, uid_start=int(os.environ.get(
+            "CORRAL_UID_START", DEFAULT_UID_START)), uid_count=uid_count)
+        server: Server | None = None
+        url = None
+        try:
+            if mode == "http":
+                server = Server(settings, home.parent / f"{home.name}.log")
+                server.start()
+                url = server.url
+            else:
+                manager_mod.get_manager(settings)
+            target = _target(mode, home, url)
+            one(target)[0].kill()  # warm: templates loaded, recovery done
+            rows = []
+            for n in sizes:
+                log(f"{mode}: serial reference ({min(n, args.serial_max)}), then a burst of {n}")
+                reference = serial(target, min(n, args.serial_max))
+                row = burst(target, n)
+                row["serial"] = reference
+                if "throughput_per_s" in row:
+                    row["throughput_over_serial"] = round(
+                        row["throughput_per_s"] / reference["rate_per_s"], 2)
+                rows.append(row)
+            results[mode] = rows
+        finally:
+            if server is not None:
+                server.stop()
+                (home.parent / f"{home.name}.log").unlink(missing_ok=True)
+                manager_mod.get_manager(settings)  # to sweep what the server left
+            leftovers += teardown(settings)
+            shutil.rmtree(home, ignore_errors=True)
+    report = {
+        "benchmark": "burst: N concurrent create -> first command result",
+        "nproc": os.cpu_count(),
+        "results": results,
+        "targets": {"p99_under_1s_at_100": all(
+            r.get("p99_ms", 1e9) <= 1000 for rows in results.values() for r in rows
+            if r["n"] == 100)},
+        "cleanup": {"ok": not leftovers, "leftovers": leftovers},
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0 if not leftovers else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
