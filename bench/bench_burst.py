@@ -20,7 +20,6 @@ listed under ``cleanup`` and makes the exit status 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -34,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_sandbox import DEFAULT_UID_START, percentile, teardown  # noqa: E402
+from bench_sandbox import DEFAULT_UID_START, emit_report, percentile, teardown  # noqa: E402
 from bench_service import Server  # noqa: E402
 
 from corral import Sandbox  # noqa: E402
@@ -175,11 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             if r["n"] == 100)},
         "cleanup": {"ok": not leftovers, "leftovers": leftovers},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return 0 if not leftovers else 1
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
 import os
 import shutil
 import statistics
@@ -41,6 +40,7 @@ from bench_sandbox import (  # noqa: E402
     BWRAP_ROOT,
     DEFAULT_UID_START,
     UID_COUNT,
+    emit_report,
     percentile,
     run_checked,
     teardown,
@@ -228,11 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "absent": probes.absent,
         "cleanup": {"ok": not left, "leftovers": left},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    return 0 if not left else 1
+    return emit_report(report, args.out)
 
 
 if __name__ == "__main__":
