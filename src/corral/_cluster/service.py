@@ -32,7 +32,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._control import validate
 from .._control.store import Store
@@ -411,9 +411,19 @@ class _Gateway:
                 await send({"type": "http.response.body", "body": b""})
                 return
             raise
-        status = await self._relay(scope, receive, send, node_id, sandbox_id, caller)
-        if rest == "" and scope.get("method") == "DELETE" and status == 204:
-            await run_in_threadpool(self._cluster._forget, sandbox_id)
+        if rest == "" and scope.get("method") == "DELETE":
+            send = self._forgetting(send, sandbox_id)
+        await self._relay(scope, receive, send, node_id, sandbox_id, caller)
+
+    def _forgetting(self, send: Send, sandbox_id: str) -> Send:
+        """``send`` for a relayed destroy: the node's 204 reaches the caller only once the map
+        has forgotten the sandbox, so a caller that lists right after its delete (or counts
+        its quota) never sees it live."""
+        async def forgetting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 204:
+                await run_in_threadpool(self._cluster._forget, sandbox_id)
+            await send(message)
+        return forgetting_send
 
     async def _relay_port(self, scope: Scope, receive: Receive, send: Send,
                           sandbox_id: str) -> None:
