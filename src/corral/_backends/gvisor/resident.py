@@ -19,22 +19,19 @@ import base64
 import contextlib
 import copy
 import errno
-import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..._core.privileged import privileged_env
 from ...errors import BackendError
-from .._linux.seccomp import compile_filter
+from .._linux import ondemand
+from .._linux.static_helper import build_static_helper
 from .bundle import write_config
 from .runsc import Runsc
 
@@ -52,40 +49,9 @@ logger = logging.getLogger(__name__)
 
 
 def ensure_launcher(parent: Path) -> Path:
-    """The directory bound read-only at ``/.corral``: the launcher (``run.c``, built static
-    with the host's gcc) and the namespace tier's seccomp program (``filter``), made once,
-    named after their content, world-readable (the gofer is the sandbox's runtime uid)."""
-    source = _LAUNCHER_SOURCE.read_bytes()
-    program = compile_filter()
-    digest = hashlib.sha256(source + b"\0" + program).hexdigest()[:16]
-    dest = parent / f"resident.{digest}"
-    if (dest / "run").is_file():
-        return dest
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        raise BackendError("the resident gVisor sandbox builds its launcher with gcc on the "
-                           "host: install it (apt-get install gcc)")
-    parent.mkdir(parents=True, exist_ok=True, mode=0o711)
-    tmp = Path(tempfile.mkdtemp(prefix=".resident-", dir=parent))
-    try:
-        built = subprocess.run(
-            [gcc, "-O2", "-static", "-Wall", "-Werror", "-o", str(tmp / "run"),
-             str(_LAUNCHER_SOURCE)], capture_output=True, text=True, timeout=120,
-            stdin=subprocess.DEVNULL, env=privileged_env())
-        if built.returncode != 0:
-            raise BackendError(f"cannot build the gVisor launcher: {built.stderr.strip()}")
-        (tmp / "filter").write_bytes(program)
-        os.chmod(tmp / "run", 0o755)
-        os.chmod(tmp / "filter", 0o644)
-        os.chmod(tmp, 0o755)
-        try:
-            tmp.rename(dest)
-        except OSError:
-            if not (dest / "run").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    """The directory bound read-only at ``/.corral``: the launcher (``run.c``) and the
+    namespace tier's seccomp program (``filter``); see ``build_static_helper``."""
+    return build_static_helper(parent, _LAUNCHER_SOURCE, "run", "the gVisor launcher")
 
 
 def helper_config(command_config: Mapping[str, Any], launcher: Path,
@@ -343,114 +309,13 @@ class Resident:
         return self._proc.poll() is None and self._reader.is_alive()
 
 
-class OnDemand:
-    """A resident sandbox started by the first command that needs it and stopped once nothing
-    has run for ``idle_s`` seconds, so an idle Corral sandbox still costs no process; one that
-    died (the OOM killer took its Sentry, gVisor crashed) is replaced by the next command."""
-
-    def __init__(self, start: Callable[[], Resident], idle_s: float) -> None:
-        self._start = start
-        self._idle_s = idle_s
-        self._lock = threading.Lock()
-        self._resident: Resident | None = None
-        self._busy = 0
-        self._timer: threading.Timer | None = None
-        self._closed = False
-        self.starts = 0
-
-    @property
-    def running(self) -> bool:
-        with self._lock:
-            return self._resident is not None
-
-    def _acquire(self) -> Resident:
-        with self._lock:
-            if self._closed:  # its sandbox is being destroyed or remounted: never start again
-                raise BackendError("the sandbox's gVisor sandbox was stopped under this command")
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if self._resident is not None and not self._resident.alive and self._busy == 0:
-                self._resident.close()
-                self._resident = None
-            if self._resident is None:
-                self._resident = self._start()  # under the lock: one start at a time
-                self.starts += 1
-            self._busy += 1
-            return self._resident
-
-    def prestart(self, slots: threading.Semaphore) -> None:
-        """Start the resident in the background (a new sandbox's first command then finds it
-        up, or waits only for what is left of its start), when one of ``slots`` is free: a
-        burst of creates must not become a burst of gVisor starts. A failed start is only
-        logged; the first command tries again and reports its own error."""
-        if self.running or not slots.acquire(blocking=False):
-            return
-
-        def start() -> None:
-            try:
-                with self._lock:
-                    if self._closed or self._resident is not None:
-                        return
-                    self._resident = self._start()  # not busy meanwhile: nothing runs yet
-                    self.starts += 1
-                    if self._busy == 0:
-                        self._arm_idle_timer()
-            except BackendError as exc:
-                logger.info("a resident gVisor sandbox did not start ahead: %s", exc)
-            finally:
-                slots.release()
-
-        threading.Thread(target=start, name="corral-resident-start", daemon=True).start()
-
-    def _release(self) -> None:
-        with self._lock:
-            self._busy -= 1
-            if self._busy == 0 and self._resident is not None:
-                self._arm_idle_timer()
-
-    def _arm_idle_timer(self) -> None:  # under the lock
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = threading.Timer(self._idle_s, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _expire(self) -> None:
-        # Closed under the lock: the next start reuses the container id and bundle path.
-        with self._lock:
-            if self._busy or self._resident is None:
-                return
-            self._resident.close()
-            self._resident = self._timer = None
-
-    @property
-    def busy(self) -> int:
-        with self._lock:
-            return self._busy
-
-    def settle(self) -> None:
-        """Return once no start is under way (a start holds the lock throughout)."""
-        with self._lock:
-            pass
+class OnDemand(ondemand.OnDemand[Resident]):
+    """A resident gVisor sandbox started on demand (``_linux.ondemand``)."""
 
     def kill(self, key: str) -> bool:
-        with self._lock:
-            resident = self._resident
+        resident = self.current
         return resident is not None and resident.kill(key)
 
     def run(self, argv: list[str], **kwargs: Any) -> ResidentResult:
-        resident = self._acquire()
-        try:
+        with self.use() as resident:
             return resident.run(argv, **kwargs)
-        finally:
-            self._release()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            if self._timer is not None:
-                self._timer.cancel()
-            if self._resident is not None:
-                self._resident.close()
-            self._resident = self._timer = None
