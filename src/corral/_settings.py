@@ -74,6 +74,13 @@ class Settings(BaseSettings):
             formatted disks (each keyed by a hash of what made it). ``CORRAL_MICROVM_CACHE``.
         microvm_warm: restore new microVMs from the template's warm snapshot (on by default;
             off, every VM boots cold). ``CORRAL_MICROVM_WARM``.
+        namespace_resident: run a namespace sandbox's commands from a resident helper kept
+            while it is in use (on by default: a command costs a fork and an exec in
+            namespaces made ahead, not a bwrap); off, every command starts a bwrap of its own.
+            Either way each command gets its own PID, mount, IPC, UTS and cgroup namespace,
+            ``/tmp``, cgroup and filter. ``CORRAL_NAMESPACE_RESIDENT``.
+        namespace_idle_s: how long a namespace sandbox's resident helper with nothing
+            running is kept before it is stopped. ``CORRAL_NAMESPACE_IDLE_S``.
         gvisor_resident: run a gVisor sandbox's commands in one gVisor sandbox kept while it
             is in use (on by default: ~7x faster per command); off, every command starts a
             gVisor sandbox of its own (more separation between the commands of one sandbox:
@@ -153,6 +160,8 @@ class Settings(BaseSettings):
     microvm_allow_tcg: bool = False
     microvm_cache: Path = Path("/var/cache/corral/microvm")
     microvm_warm: bool = True
+    namespace_resident: bool = True
+    namespace_idle_s: float = Field(default=10.0, gt=0, le=3600)
     gvisor_resident: bool = True
     gvisor_idle_s: float = Field(default=10.0, gt=0, le=3600)
     gvisor_pin_cpus: bool = True

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 
 __all__ = ["host_procs_of_uid", "host_uid", "not_resident", "status_field"]
+
+_NAMESPACE_RESIDENT = re.compile(r"/[rw]\.\d+\.\d+(\.\d+)?$", re.MULTILINE)
 
 
 def host_uid(sandbox_id: str) -> int:
@@ -48,8 +51,10 @@ def host_procs_of_uid(uid: int, *, zombies: bool = False) -> list[tuple[int, str
 
 
 def not_resident(procs: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """Those of ``procs`` that are not a resident gVisor sandbox's (runsc, gofer, Sentry: its
-    own cgroup group ``c.<owner>.resident-N``, kept between commands until it is idle)."""
+    """Those of ``procs`` that are not a sandbox's resident helper's, kept between commands
+    until it is idle: a gVisor sandbox's (runsc, gofer, Sentry: its own cgroup group
+    ``c.<owner>.resident-N``) or a namespace sandbox's (bwrap and its zygote, group
+    ``r.<owner>``, and the next command's init made ahead, ``w.<owner>.N``)."""
     kept = []
     for pid, status in procs:
         try:
@@ -57,6 +62,6 @@ def not_resident(procs: list[tuple[int, str]]) -> list[tuple[int, str]]:
                 groups = f.read()
         except OSError:
             continue  # gone meanwhile
-        if ".resident-" not in groups:
+        if ".resident-" not in groups and not _NAMESPACE_RESIDENT.search(groups):
             kept.append((pid, status))
     return kept

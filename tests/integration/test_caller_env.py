@@ -138,14 +138,19 @@ def test_loader_variables_never_reach_a_terminal_launcher(
 
 def test_pid1_shows_no_host_data_directory(sandbox: Sandbox, settings: Settings,
                                            isolation: str) -> None:
-    """``/proc/1`` inside is the sandbox's init (bwrap's, in the namespace tier): neither its
+    """``/proc/1`` inside is the command's init (the resident zygote's in the namespace tier,
+    or bwrap's; the zygote's hides its environment: it is not dumpable): neither its
     command line nor its environment carries the host's data directory, template or
     workspace paths; nor does the workspace's line in ``mountinfo`` (overlayfs options)."""
     probe = textwrap.dedent("""
         import sys
         for name in ("cmdline", "environ"):
-            with open(f"/proc/1/{name}", "rb") as f:
-                sys.stdout.write(f"{name}=" + f.read().replace(b"\\0", b" ").decode() + "\\n")
+            try:
+                with open(f"/proc/1/{name}", "rb") as f:
+                    text = f.read().replace(b"\\0", b" ").decode()
+            except PermissionError:  # the namespace tier's init is not dumpable
+                text = "<unreadable>"
+            sys.stdout.write(f"{name}=" + text + "\\n")
         for line in open("/proc/self/mountinfo"):
             if line.split()[4] == "/workspace":
                 sys.stdout.write("workspace=" + line)

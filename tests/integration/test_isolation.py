@@ -213,7 +213,7 @@ def test_host_sees_commands_running_as_the_sandbox_uid_never_root(
             assert procs, "no process of the sandbox's uid seen on the host while a command ran"
             names = sorted(status_field(s, "Name") for _, s in procs)
             if isolation == "namespace":
-                assert "bwrap" in names and "bash" in names, names
+                assert "bwrap" in names and "zygote" in names and "bash" in names, names
             else:
                 assert host_procs_of_uid(uid) == [], names
                 # runsc-gofer, runsc-sandbox (or "exe" once re-executed) and stubs.
@@ -228,16 +228,25 @@ def test_host_sees_commands_running_as_the_sandbox_uid_never_root(
                     userns = os.readlink(f"/proc/{pid}/ns/user")
                 except FileNotFoundError:
                     continue  # exited meanwhile
-                if isolation == "namespace" or userns == _host_userns():
+                if (isolation == "namespace" and not_resident([(pid, status)])) \
+                        or userns == _host_userns():
                     assert int(status_field(status, "CapEff"), 16) == 0, (pid, status)
                     assert int(status_field(status, "CapPrm"), 16) == 0, (pid, status)
+                elif isolation == "namespace":
+                    # The resident's zygote and the init made ahead: CAP_SYS_ADMIN and
+                    # CAP_SETPCAP, in the sandbox's own user namespace only, and nothing else.
+                    assert userns != _host_userns(), (pid, status)
+                    assert int(status_field(status, "CapEff"), 16) & ~_RESIDENT_CAPS == 0, \
+                        (pid, status)
         finally:
             sandbox.files.write("go", "")
             result = future.result(timeout=30)
     assert result.exit_code == 0, result
     # The gVisor tier keeps its resident sandbox between commands (runtime uid, its own group)
-    # until it is idle; nothing else of the command may be left.
-    assert host_procs_of_uid(uid) == [] and not_resident(host_procs_of_uid(host_uid)) == []
+    # until it is idle, as the namespace tier its bwrap and zygote (the sandbox's uid, groups
+    # of their own); nothing else of the command may be left.
+    assert not_resident(host_procs_of_uid(uid)) == []
+    assert not_resident(host_procs_of_uid(host_uid)) == []
 
 
 def _check_only_qemu_on_the_host(sandbox: Sandbox, uid: int) -> None:
@@ -274,13 +283,20 @@ def _microvm_top(home: str, sandbox_id: str) -> Path:
     return disks / os.readlink(disks / "top")
 
 
+# CAP_SYS_ADMIN (21) and CAP_SETPCAP (8): what a namespace sandbox's zygote holds in its own
+# user namespace (``_backends/namespace/bwrap.py``).
+_RESIDENT_CAPS = (1 << 21) | (1 << 8)
+
+
 def _host_procs_of_commands(uid: int, isolation: str) -> list[tuple[int, str]]:
     """Host processes of the sandbox's uid that a command could have left: all of them, but
     on the microVM tier its QEMU (the VM itself, there for the sandbox's whole life)."""
     procs = host_procs_of_uid(uid)
     if isolation == "microvm":
         procs = [(p, s) for p, s in procs if status_field(s, "Name") != "qemu-system-x86"]
-    return procs
+    # A namespace sandbox's resident helper (its bwrap and zygote, and the next command's init
+    # made ahead: each in a group of its own) stays until it is idle; nothing of a command may.
+    return not_resident(procs)
 
 
 # -- filesystem -----------------------------------------------------------------------------------
@@ -376,9 +392,10 @@ def test_host_secrets_are_not_visible(sandbox: Sandbox, isolation: str) -> None:
     for path in ("/etc/shadow", "/etc/gshadow", "/proc/1/root/etc/shadow", "/root",
                  "/root/.bashrc", "/etc/ssh", "/etc/ssl/private"):
         refusals = ["No such file or directory"]
-        if isolation in ("gvisor", "microvm") and path.startswith("/proc/1/root"):
+        if path.startswith("/proc/1/root"):
             # gVisor refuses /proc/<pid>/root outright (EACCES, its ptrace-access check); in
-            # the microVM pid 1 is the launcher's init, root's, so the user may not look in.
+            # the microVM pid 1 is the launcher's init, root's, so the user may not look in;
+            # in the namespace tier pid 1 is the command's init, which is not dumpable.
             # The file is not in the sandbox's root either way (the first line checks that).
             refusals.append("Permission denied")
         assert any(f"{path}: {why}" in r.stderr or f"'{path}': {why}" in r.stderr
@@ -477,10 +494,9 @@ def test_only_own_processes_are_visible(sandbox: Sandbox, isolation: str) -> Non
     assert r.exit_code == 0, r.stderr
     *rows, count = r.stdout.strip().splitlines()
     comms = sorted(line.split()[1] for line in rows)
-    # bwrap's init is pid 1 in the namespace tier; on the gVisor and microVM tiers it is the
-    # launcher's init (``run``: the command's own PID namespace in the resident gVisor sandbox
-    # or the guest), which reaps.
-    expected = {"namespace": ["bash", "bwrap", "ps"]}.get(isolation, ["bash", "ps", "run"])
+    # pid 1 is the command's init, which reaps: the resident zygote's in the namespace tier,
+    # the launcher's (``run``) in the resident gVisor sandbox or the guest.
+    expected = {"namespace": ["bash", "init", "ps"]}.get(isolation, ["bash", "ps", "run"])
     assert comms == expected, rows
     pids = sorted(int(line.split()[0]) for line in rows)
     assert pids[0] == 1 and pids[-1] < 20, pids  # a PID namespace of its own

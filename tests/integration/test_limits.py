@@ -18,7 +18,7 @@ import pytest
 
 from corral import Sandbox
 
-from .hostprocs import host_procs_of_uid, host_uid, status_field
+from .hostprocs import host_procs_of_uid, host_uid, not_resident, status_field
 
 pytestmark = pytest.mark.needs_root
 
@@ -34,9 +34,10 @@ SMALL_OUTPUT = 1 * MiB
 
 
 def live_host_procs_of_uid(uid: int) -> list[str]:
-    """Host processes (not zombies) running as ``uid``: "pid name state"."""
+    """Host processes (not zombies) running as ``uid``: "pid name state", but the sandbox's
+    resident helper (kept until it is idle, in groups of its own: ``hostprocs.not_resident``)."""
     return [f"{pid} {status_field(st, 'Name')} {status_field(st, 'State')}"
-            for pid, st in host_procs_of_uid(uid)]
+            for pid, st in not_resident(host_procs_of_uid(uid))]
 
 
 def assert_host_and_sandbox_fine(sb: Sandbox) -> None:

@@ -48,6 +48,9 @@ class CgroupDriver(Protocol):
     def create_sandbox(self, group: str, tier: ResourceTier) -> None: ...
     def create_command(self, group: str) -> None: ...
     def attach(self, group: str, pids: Iterable[int]) -> None: ...
+    def rename_command(self, group: str, new: str, pids: Iterable[int]) -> None:
+        """Make ``group`` (holding ``pids``) the group ``new``, a sibling: a command's group
+        made ahead takes the command's name."""
     def procs_files(self, group: str) -> list[Path]:
         """The ``cgroup.procs`` files a process is written to to join ``group`` (for a helper
         process that places its own child and should not load this driver)."""
@@ -202,6 +205,18 @@ class CgroupV1:
             for pid in pid_list:
                 _write(path / "cgroup.procs", str(pid))
 
+    def rename_command(self, group: str, new: str, pids: Iterable[int]) -> None:
+        # A v1 rename moves no process: none of the RCU grace periods a move costs.
+        done: list[tuple[Path, Path]] = []
+        try:
+            for old, dest in zip(self._paths(group), self._paths(new), strict=True):
+                old.rename(dest)
+                done.append((old, dest))
+        except BaseException:
+            for old, dest in done:
+                dest.rename(old)
+            raise
+
     def procs_files(self, group: str) -> list[Path]:
         return [path / "cgroup.procs" for path in self._paths(group)]
 
@@ -310,6 +325,16 @@ class CgroupV2:
     def attach(self, group: str, pids: Iterable[int]) -> None:
         for pid in pids:
             _write(self._base / group / "cgroup.procs", str(pid))
+
+    def rename_command(self, group: str, new: str, pids: Iterable[int]) -> None:
+        # The unified hierarchy cannot rename a group: the processes move instead.
+        self.create_command(new)
+        try:
+            self.attach(new, pids)
+        except BaseException:
+            _rmdir_tree(self._base / new)
+            raise
+        _rmdir_tree(self._base / group)
 
     def procs_files(self, group: str) -> list[Path]:
         return [self._base / group / "cgroup.procs"]

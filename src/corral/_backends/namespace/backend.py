@@ -1,20 +1,33 @@
 """The namespace tier: bwrap + user/PID/mount/IPC/UTS/cgroup namespaces + seccomp + cgroups,
 a private network namespace per sandbox and a per-sandbox host uid.
+
+A command runs from the sandbox's resident helper (``resident``, on by default,
+``Settings.namespace_resident``): one bwrap per sandbox in use, started by its first command
+and stopped after ``Settings.namespace_idle_s`` with nothing running, whose zygote starts each
+command in fresh PID, mount, IPC, UTS and cgroup namespaces of its own. A terminal (PTY)
+command, an image build's step, and every command with the resident off run in a bwrap of
+their own (``runner.CommandLauncher.run``). The resident is closed before the workspace is
+mounted anew (a snapshot's seal, a restore) and replaced when a mount it was given changed.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..._settings import Settings
-from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
+from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec, SealResult
 from ...errors import BackendUnavailable
 from .._linux.cgroups import detect_cgroups
 from .._linux.host import HostBackedBackend
 from .._linux.hostcheck import check_host
+from .._linux.ondemand import OnDemand
 from .._linux.template import build_root_template
+from .resident import RESIDENT_PREFIX, WARM_PREFIX, Zygote, ensure_zygote
 from .runner import CommandLauncher, Launch
 
 __all__ = ["NamespaceBackend"]
@@ -28,6 +41,13 @@ class NamespaceBackend(HostBackedBackend):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self._launcher: CommandLauncher | None = None
+        self._resident_on = settings.namespace_resident
+        self._lock = threading.Lock()
+        # A sandbox's resident, with the identity of what it was started on (see _zygote_for).
+        self._zygotes: dict[str, tuple[OnDemand[Zygote], tuple[object, ...]]] = {}
+        # Makes each resident's next command init while the current command runs.
+        self._warmer = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1),
+                                          thread_name_prefix="corral-zygote-warm")
 
     def check_host(self) -> list[HostCheck]:
         return check_host(self._settings)
@@ -53,18 +73,112 @@ class NamespaceBackend(HostBackedBackend):
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         launcher = self._ready()
+        self._close_zygote_if_unmounted(spec)
         workspace = self._ensure_runtime(spec)
         template = (self._template(spec.template) if request.build_root is None
                     else build_root_template(Path(request.build_root)))
         # An image build's step has a root of its own and never a volume.
         mounts = () if request.build_root is not None else tuple(
             (str(m.source), m.target, m.read_only) for m in self._planned_mounts(spec))
-        return launcher.run(Launch(
+        launch = Launch(
             uid=spec.uid, netns_path=self._netns_path(spec.id),
             template=template, workspace=workspace,
             tmp_bytes=spec.tier.tmp_bytes, group=f"{spec.id}/{self._group_name(request)}",
             request=request, env=self._command_env(spec, request), mounts=mounts,
-        ))
+        )
+        if (not self._resident_on or request.pty is not None or request.build_root is not None
+                or template.writable):
+            return launcher.run(launch)
+        holder = self._zygote_for(spec, launch)
+        with holder.use() as zygote:
+            return launcher.run_resident(zygote, launch)
+
+    def _zygote_for(self, spec: SandboxSpec, launch: Launch) -> OnDemand[Zygote]:
+        """The sandbox's resident holder, made on first use. A resident keeps the mounts it
+        was started with: one whose workspace, volume binds or template changed since (a
+        remount, a rebuilt template) is replaced."""
+        mounted = [os.stat(launch.workspace)] + [os.stat(m[0]) for m in launch.mounts]
+        identity: tuple[object, ...] = (
+            id(launch.template), launch.mounts, launch.tmp_bytes,
+            *(n for st in mounted for n in (st.st_dev, st.st_ino)))
+        stale: OnDemand[Zygote] | None = None
+        with self._lock:
+            holder, given = self._zygotes.get(spec.id, (None, identity))
+            if holder is not None and given != identity:
+                stale, holder = holder, None
+            if holder is None:
+                holder = OnDemand(lambda: self._start_zygote(spec, launch),
+                                  self._settings.namespace_idle_s)
+                self._zygotes[spec.id] = (holder, identity)
+        if stale is not None:
+            stale.close()
+        return holder
+
+    def _close_zygote_if_unmounted(self, spec: SandboxSpec) -> None:
+        """A resident keeps the mounts it was started with alive in its mount namespace. If
+        the host's went away under it (a reboot of the mounts, an operator's umount), the
+        resident must be gone before they are mounted again: a second mount of the same ext4
+        image beside the first loses what the first has not written back."""
+        holder = self._holder(spec.id)
+        if holder is None or not holder.running:
+            return
+        points = [self._store.mount_point(spec.id),
+                  *(m.source for m in self._planned_mounts(spec))]
+        if not all(os.path.ismount(point) for point in points):
+            self._close_zygote(spec.id)
+
+    def _start_zygote(self, spec: SandboxSpec, launch: Launch) -> Zygote:
+        launcher = self._ready()
+        helper = ensure_zygote(self._settings.home / "helpers")
+        return Zygote(
+            start=lambda fd, group: launcher.start_resident(launch, helper, fd, group),
+            cgroups=launcher.cgroups, sandbox_group=spec.id, owner=self._owner,
+            warmer=self._warmer)
+
+    def _close_zygote(self, sandbox_id: str) -> None:
+        with self._lock:
+            entry = self._zygotes.pop(sandbox_id, None)
+        if entry is not None:
+            entry[0].close()
+
+    def _holder(self, sandbox_id: str) -> OnDemand[Zygote] | None:
+        with self._lock:
+            entry = self._zygotes.get(sandbox_id)
+        return entry[0] if entry is not None else None
+
+    def busy(self, spec: SandboxSpec) -> bool:
+        # The resident's group and its init made ahead are no command.
+        holder = self._holder(spec.id)
+        if holder is not None and holder.busy:
+            return True
+        return any(not name.startswith((RESIDENT_PREFIX, WARM_PREFIX))
+                   for name in self.cgroups.children(spec.id))
+
+    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
+        self._close_zygote(spec.id)  # nothing runs (the caller's promise); its mount goes
+        return super().seal_workspace(spec, layer_id)
+
+    def reset_workspace(self, spec: SandboxSpec) -> None:
+        self._close_zygote(spec.id)
+        super().reset_workspace(spec)
+
+    def pause(self, spec: SandboxSpec, paused: bool) -> None:
+        holder = self._holder(spec.id)
+        if paused and holder is not None:
+            holder.settle()  # a resident frozen mid-start would time out under its lock
+        super().pause(spec, paused)
+
+    def destroy(self, spec: SandboxSpec) -> None:
+        self._close_zygote(spec.id)
+        super().destroy(spec)
+
+    def close(self) -> None:
+        with self._lock:
+            holders, self._zygotes = [h for h, _ in self._zygotes.values()], {}
+        for holder in holders:
+            holder.close()
+        self._warmer.shutdown(wait=False, cancel_futures=True)
+        super().close()
 
 
 if TYPE_CHECKING:  # the protocol, checked by mypy

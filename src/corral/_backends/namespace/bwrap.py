@@ -28,7 +28,13 @@ __all__ = ["BwrapFds", "build_options", "command_line", "encode_args"]
 class BwrapFds:
     info: int
     block: int
-    seccomp: int
+    seccomp: int | None  # None: the resident zygote, which installs the filter per command
+
+
+#: Where the resident zygote's directory (``resident.ensure_zygote``) is bound, read-only.
+HELPER_MOUNT = "/.corral"
+# Inside the sandbox's user namespace only: unshare and mount, per command (see zygote.c).
+_RESIDENT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETPCAP")
 
 
 def build_options(
@@ -41,12 +47,19 @@ def build_options(
     fds: BwrapFds,
     new_session: bool = True,
     mounts: Sequence[tuple[str, str, bool]] = (),
+    resident: Path | None = None,
 ) -> list[str]:
     """The options for ``--args``: everything but the command itself.
 
     The network namespace and host uid are set by the caller, not by bwrap. ``env`` is the
     command's whole environment (the caller builds it from scratch). ``mounts`` are the
     sandbox's volumes and data mounts as (host source, target, read-only), in mount order.
+
+    ``resident`` (the zygote's directory) makes them the options of a sandbox's resident
+    helper instead: the same sandbox, with the zygote bound at ``HELPER_MOUNT`` as PID 1,
+    holding ``_RESIDENT_CAPS`` in the user namespace, and without the filter and the /proc
+    masks, which it applies to each command it starts (a masked /proc would forbid the fresh
+    /proc each command mounts).
     """
     args = [
         # Fresh user (needed unprivileged), PID, IPC, UTS and cgroup namespaces per command.
@@ -57,8 +70,14 @@ def build_options(
         "--uid", "0" if template.writable else str(SANDBOX_UID),
         "--gid", "0" if template.writable else str(SANDBOX_GID),
         "--hostname", "sandbox",
-        "--die-with-parent", "--cap-drop", "ALL",
+        "--die-with-parent",
     ]
+    if resident is None:
+        args += ["--cap-drop", "ALL"]
+    else:
+        args += ["--cap-drop", "ALL", "--as-pid-1"]
+        for cap in _RESIDENT_CAPS:
+            args += ["--cap-add", cap]
     if new_session:
         # Detaches from any terminal (the classic TIOCSTI defence; seccomp also blocks it).
         # PTY commands keep their session so the PTY can be their controlling terminal.
@@ -80,8 +99,11 @@ def build_options(
         "--remount-ro", "/dev",
         "--proc", "/proc",
     ]
-    for hidden in template.masked_proc:
-        args += ["--ro-bind", "/dev/null", hidden]
+    if resident is None:
+        for hidden in template.masked_proc:
+            args += ["--ro-bind", "/dev/null", hidden]
+    else:
+        args += ["--ro-bind", str(resident), HELPER_MOUNT]
     args += [
         "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
     ]
@@ -106,7 +128,10 @@ def build_options(
         "--chdir", cwd,
         "--info-fd", str(fds.info),
         "--block-fd", str(fds.block),
-        "--seccomp", str(fds.seccomp),
+    ]
+    if fds.seccomp is not None:
+        args += ["--seccomp", str(fds.seccomp)]
+    args += [
         "--clearenv",
     ]
     for name, value in env.items():

@@ -16,6 +16,7 @@ each), and placing it too doubled the largest cost of a command (``bench/bench_p
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -26,9 +27,10 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..._audit.tracing import tracer
 from ..._core import linux
@@ -37,13 +39,14 @@ from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from .._linux import netns, seccomp
 from .._linux.cgroups import CgroupDriver
-from .._linux.notfound import ExecFailureHead
+from .._linux.notfound import ExecFailureHead, exec_failure
 from .._linux.process_io import command_stdio
 from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
 from .._linux.supervise import supervise
 from .._linux.template import BaseTemplate
 from ..execlimits import check_exec_size
 from .bwrap import BwrapFds, build_options, command_line, encode_args
+from .resident import Zygote, ZygoteProcess, zygote_argv
 
 __all__ = ["CommandLauncher", "Launch"]
 
@@ -138,9 +141,12 @@ class CommandLauncher:
         self.cgroups.create_command(launch.group)
         try:
             return self._run_in_group(launch)
-        finally:
+        except BaseException:
+            # supervise kills the group once the command is done; this is for what failed.
             with contextlib.suppress(BackendError):
                 self.cgroups.kill(launch.group)
+            raise
+        finally:
             self.cgroups.remove(launch.group)
 
     def _run_in_group(self, launch: Launch) -> ExecOutcome:
@@ -166,45 +172,75 @@ class CommandLauncher:
 
     def _start(self, launch: Launch) -> tuple[subprocess.Popen[bytes], int]:
         """Start bwrap, place it in the command's cgroup, then let the command run."""
-        request, group = launch.request, launch.group
+        request = launch.request
         check_exec_size(request.argv, launch.env)
+        seccomp_fd = seccomp.filter_fd()
+        try:
+            argv, stdio, terminal = command_stdio(request, [], self.setsid)
+        except BaseException:
+            os.close(seccomp_fd)
+            raise
+        return self._start_bwrap(
+            launch, request.argv, group=launch.group, seccomp_fd=seccomp_fd,
+            prefix=argv, stdio=stdio, terminal=terminal, env=launch.env, cwd=request.cwd,
+            new_session=request.pty is None)
+
+    def start_resident(self, launch: Launch, helper: Path, control_fd: int,
+                       group: str) -> subprocess.Popen[bytes]:
+        """Start ``launch``'s sandbox's resident: bwrap with the zygote (``resident``) as its
+        PID 1, holding ``control_fd``, placed in ``group`` before the zygote runs."""
+        argv = zygote_argv(control_fd, launch.tmp_bytes, launch.template.masked_proc)
+        stdio: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL,
+                                 "stderr": subprocess.PIPE, "start_new_session": True}
+        proc, _ = self._start_bwrap(
+            launch, argv, group=group, seccomp_fd=None, prefix=[], stdio=stdio,
+            terminal=None, env={"PATH": "/usr/bin:/bin"}, cwd="/", new_session=True,
+            resident=helper, extra_fds=(control_fd,), pdeathsig=True)
+        return proc
+
+    def _start_bwrap(
+        self, launch: Launch, command: Sequence[str], *, group: str, seccomp_fd: int | None,
+        prefix: list[str], stdio: dict[str, Any], terminal: int | None, env: Mapping[str, str],
+        cwd: str, new_session: bool, resident: Path | None = None,
+        extra_fds: tuple[int, ...] = (), pdeathsig: bool = False,
+    ) -> tuple[subprocess.Popen[bytes], int]:
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
-        seccomp_fd = seccomp.filter_fd()
         options = build_options(
             template=launch.template, workspace=launch.workspace,
-            tmp_bytes=launch.tmp_bytes, cwd=request.cwd, env=launch.env,
+            tmp_bytes=launch.tmp_bytes, cwd=cwd, env=env,
             fds=BwrapFds(info=info_w, block=block_r, seccomp=seccomp_fd),
-            new_session=request.pty is None, mounts=launch.mounts,
+            new_session=new_session, mounts=launch.mounts, resident=resident,
         )
+        bwrap_fds = (info_w, block_r) + ((seccomp_fd,) if seccomp_fd is not None else ())
         # A memfd rather than a pipe: the options (the environment included, up to a few
         # hundred KiB) are written whole before bwrap starts, with no reader to wait for.
         try:
             args_fd = _sealed_file(encode_args(options))
         except BaseException:
-            for fd in (info_r, info_w, block_r, block_w, seccomp_fd):
+            for fd in (info_r, block_w, *bwrap_fds):
                 os.close(fd)
             raise
-        child_fds = (info_w, block_r, seccomp_fd, args_fd)
-        argv = command_line(self.bwrap, args_fd, request.argv)
+        child_fds = (*bwrap_fds, args_fd)
+        argv = command_line(self.bwrap, args_fd, command)
         # setpriv drops to the sandbox's uid and execs bwrap (same pid). Doing it here rather than
         # with Popen(user=...) lets CPython use vfork: forking a large process (the service) to
-        # change uid costs milliseconds per command.
+        # change uid costs milliseconds per command. A resident dies with the spawner thread.
         argv = [self.setpriv, f"--reuid={launch.uid}", f"--regid={launch.uid}",
-                "--clear-groups", "--", *argv]
+                "--clear-groups", *(["--pdeathsig", "KILL"] if pdeathsig else []), "--", *argv]
         if ignored_signals():
             # Ignored signals survive exec: a service started in the background (SIGINT and
             # SIGQUIT ignored) or under nohup would hand that on, and Ctrl-C in a terminal
             # would then reach nothing. Only then, one more exec resets them all.
             argv = [self.env, "--default-signal", "--", *argv]
-        argv, stdio, terminal = command_stdio(request, argv, self.setsid)  # setsid execs: same pid
+        argv = [*prefix, *argv]  # setsid execs: same pid
 
         def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(
                 argv,
                 env=privileged_env(),
                 cwd="/",
-                pass_fds=child_fds,
+                pass_fds=(*child_fds, *extra_fds),
                 **stdio,
             )
 
@@ -239,7 +275,8 @@ class CommandLauncher:
                     resource.prlimit(pid, resource.RLIMIT_NOFILE, _NOFILE)
                     resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
             try:
-                self.cgroups.attach(group, (init_pid,))
+                # A resident's bwrap lives as long as it does: it is the sandbox's, in its group.
+                self.cgroups.attach(group, (proc.pid, init_pid) if resident else (init_pid,))
                 os.write(block_w, b"1")
             except (ProcessLookupError, BrokenPipeError):
                 raise BackendError(
@@ -252,6 +289,56 @@ class CommandLauncher:
             os.close(info_r)
             os.close(block_w)
         return proc, init_pid
+
+    def run_resident(self, zygote: Zygote, launch: Launch) -> ExecOutcome:
+        """``run``, from the sandbox's resident: the init made ahead takes the command."""
+        request, group = launch.request, launch.group
+        check_exec_size(request.argv, launch.env)
+        started = time.monotonic()
+        with tracer.start_as_current_span("corral.process.start"):
+            init = zygote.take()
+            try:
+                proc = zygote.start_command(
+                    init, group=group, cwd=request.cwd, argv=request.argv, env=dict(launch.env),
+                    stdin=request.stdin is not None or request.interactive)
+            except BaseException:
+                zygote.discard(init)
+                raise
+        try:
+            seen = supervise(
+                proc, request, cgroups=self.cgroups, group=group,  # type: ignore[arg-type]
+                started=started, terminal=None, abort=lambda: self._abort_resident(proc, group))
+        except BaseException:
+            with contextlib.suppress(BackendError):
+                self.cgroups.kill(group)
+            raise
+        finally:
+            proc.close()
+            self.cgroups.remove(group)
+        if proc.setup_error is not None:
+            if proc.setup_error.startswith("chdir:"):
+                raise CommandError("cannot enter the working directory: "
+                                   + proc.setup_error.removeprefix("chdir: "))
+            raise BackendError(f"the command could not be set up: {proc.setup_error}")
+        if proc.exec_errno is not None:
+            failed = exec_failure(request.argv[0], os.strerror(proc.exec_errno))
+            if failed is not None:
+                code, line = failed
+                seen.stderr.feed(line.encode())
+                return seen.outcome(code)
+            if proc.exec_errno == errno.E2BIG:
+                raise CommandError("the kernel refused the command's argv and environment as "
+                                   "too large (ARG_MAX or MAX_ARG_STRLEN, 128 KiB per entry); "
+                                   "pass data through files or stdin")
+            seen.stderr.feed(f"corral: cannot run {request.argv[0]}: "
+                             f"{os.strerror(proc.exec_errno)}\n".encode())
+            return seen.outcome(126)
+        return seen.outcome()
+
+    def _abort_resident(self, proc: ZygoteProcess, group: str) -> None:
+        with contextlib.suppress(BackendError):
+            self.cgroups.kill(group)
+        proc.close()
 
     def _abort(self, proc: subprocess.Popen[bytes], group: str, init_pid: int) -> None:
         terminal = getattr(proc, "terminal", None)

@@ -1,0 +1,332 @@
+/* The resident helper of an active namespace sandbox (see resident.py).
+ *
+ *   zygote CONTROL_FD TMP_BYTES FILTER [MASKED_PROC...]
+ *
+ * It runs as the command in the sandbox's bwrap (user, PID, mount, IPC, UTS namespaces, the
+ * sandbox's root, workspace and network namespace), as the sandbox's uid with CAP_SYS_ADMIN
+ * and CAP_SETPCAP inside that user namespace only, and no seccomp filter: it needs unshare and
+ * mount. It never runs anything of the user's itself. For each "w" on the control socket it
+ * makes a command's *init*: a child in new PID, mount, IPC and UTS namespaces that sets up what
+ * bwrap sets up per command (a private mount tree, a fresh size-limited /tmp and /dev/shm, its
+ * own devpts, a fresh /proc with bwrap's covers and the template's masks) and answers "r" on a
+ * socket of its own, whose host end the zygote hands to the host on the control socket. The
+ * host reads the init's host pid from that answer's credentials and places the init in a
+ * cgroup; the init runs nothing until the request comes.
+ *
+ * A request is "x" with four descriptors: stdin, stdout, stderr and a sealed memfd holding
+ * "CWD\0ARGC\0ARGV...\0ENVC\0ENV...\0" (counts in decimal). The init then unshares a cgroup
+ * namespace (its group, placed by now, becomes its root), empties every capability set and the
+ * bounding set, sets no_new_privs, installs the namespace tier's seccomp filter (the same
+ * program bwrap installs), enters CWD and forks the command, which starts a session of its own,
+ * takes its stdio and the request's environment, and execs. The init reaps until the command
+ * exits, answers "x STATUS" (the exit code, or minus the signal), and exits: the kernel kills
+ * whatever is left in the PID namespace, so nothing the command started outlives it.
+ * Failures answer "e ERRNO WHAT" (set-up: nothing of the user's ran) or "n ERRNO" (execve
+ * failed: the program cannot be run).
+ *
+ * Static, libc only. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_FILTER (4096 * sizeof(struct sock_filter))
+#define MAX_REQUEST (4 << 20)
+
+static int control_fd;
+static const char *tmp_options;
+static struct sock_fprog filter;
+static char **masked;
+static int nmasked;
+
+extern char **environ;
+
+static void answer(int fd, const char *text) {
+    /* SEQPACKET: one message per answer; the host reads it whole. */
+    while (send(fd, text, strlen(text), MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+}
+
+static void init_fail(int fd, const char *what) {
+    char line[128];
+    snprintf(line, sizeof line, "e %d %s", errno, what);
+    answer(fd, line);
+    _exit(125);
+}
+
+static int read_filter(const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    char *buf = malloc(MAX_FILTER);
+    if (buf == NULL) return -1;
+    size_t size = 0;
+    for (;;) {
+        ssize_t got = read(fd, buf + size, MAX_FILTER - size);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return -1;
+        if (got == 0) break;
+        size += (size_t)got;
+        if (size == MAX_FILTER) { errno = EFBIG; return -1; }
+    }
+    close(fd);
+    if (size == 0 || size % sizeof(struct sock_filter)) { errno = EINVAL; return -1; }
+    filter.len = (unsigned short)(size / sizeof(struct sock_filter));
+    filter.filter = (struct sock_filter *)buf;
+    return 0;
+}
+
+/* bind PATH read-only onto TARGET (TARGET itself when PATH is NULL); a missing target is
+ * skipped: the kernel has no such file to hide. */
+static int bind_readonly(const char *source, const char *target) {
+    if (mount(source, target, NULL, MS_BIND | MS_REC, NULL) < 0)
+        return errno == ENOENT ? 0 : -1;
+    return mount(NULL, target, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+                 | MS_NOEXEC, NULL);
+}
+
+static void set_up_mounts(int fd) {
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) init_fail(fd, "mount-private");
+    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp_options) < 0)
+        init_fail(fd, "mount-tmp");
+    if (mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp_options) < 0)
+        init_fail(fd, "mount-shm");
+    if (mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+              "newinstance,ptmxmode=0666,mode=620") < 0)
+        init_fail(fd, "mount-devpts");
+    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+        init_fail(fd, "mount-proc");
+    /* What bwrap's --proc covers read-only. */
+    static const char *covered[] = {"/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus"};
+    for (size_t i = 0; i < sizeof covered / sizeof covered[0]; i++)
+        if (bind_readonly(covered[i], covered[i]) < 0) init_fail(fd, "cover-proc");
+    for (int i = 0; i < nmasked; i++)
+        if (bind_readonly("/dev/null", masked[i]) < 0) init_fail(fd, "mask-proc");
+}
+
+/* The request's memfd, read whole: fills cwd, argv and env from one buffer kept until exec. */
+static int parse_request(int req, char **cwd, char ***argv, char ***env) {
+    struct stat st;
+    if (fstat(req, &st) < 0) return -1;
+    if (st.st_size <= 0 || st.st_size > MAX_REQUEST) { errno = E2BIG; return -1; }
+    size_t size = (size_t)st.st_size;
+    char *buf = malloc(size + 1);
+    if (buf == NULL) return -1;
+    size_t have = 0;
+    while (have < size) {
+        ssize_t got = pread(req, buf + have, size - have, (off_t)have);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) { errno = EIO; return -1; }
+        have += (size_t)got;
+    }
+    buf[size] = '\0';
+    if (buf[size - 1] != '\0') { errno = EINVAL; return -1; }
+    char *at = buf, *end = buf + size;
+#define NEXT() ({ char *field = at; if (at >= end) { errno = EINVAL; return -1; } \
+                  at += strlen(at) + 1; field; })
+    *cwd = NEXT();
+    for (int list = 0; list < 2; list++) {
+        char *count_text = NEXT();
+        char *tail;
+        unsigned long count = strtoul(count_text, &tail, 10);
+        if (*tail != '\0' || count > size) { errno = EINVAL; return -1; }
+        char **items = calloc(count + 1, sizeof(char *));
+        if (items == NULL) return -1;
+        for (unsigned long i = 0; i < count; i++) items[i] = NEXT();
+        if (list == 0) *argv = items; else *env = items;
+    }
+#undef NEXT
+    if ((*argv)[0] == NULL) { errno = EINVAL; return -1; }
+    return 0;
+}
+
+static void drop_privileges(int fd) {
+    for (int cap = 0; cap <= 63; cap++)
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL)
+            init_fail(fd, "capbset");
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
+        init_fail(fd, "ambient");
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    if (syscall(SYS_capset, &header, data) < 0) init_fail(fd, "capset");
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) init_fail(fd, "no-new-privs");
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter) < 0) init_fail(fd, "seccomp");
+}
+
+static int receive_request(int fd, int fds[4]) {
+    char byte;
+    char control[CMSG_SPACE(4 * sizeof(int))];
+    struct iovec iov = {&byte, 1};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t got;
+    while ((got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC)) < 0 && errno == EINTR) {}
+    if (got <= 0) return -1;  /* the host let this init go: nothing ran */
+    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+    if (byte != 'x' || cmsg == NULL || cmsg->cmsg_type != SCM_RIGHTS
+        || cmsg->cmsg_len != CMSG_LEN(4 * sizeof(int))) {
+        errno = EPROTO;
+        return -2;
+    }
+    memcpy(fds, CMSG_DATA(cmsg), 4 * sizeof(int));
+    return 0;
+}
+
+static void run_init(int fd) {
+    /* The zygote ignores SIGCHLD (its inits are reaped by the kernel); an init must not. */
+    signal(SIGCHLD, SIG_DFL);
+    prctl(PR_SET_NAME, "init", 0, 0, 0);  /* what the command's ps shows as PID 1 */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0) init_fail(fd, "pdeathsig");
+    set_up_mounts(fd);
+    struct rlimit nofile = {4096, 4096}, core = {0, 0};
+    if (setrlimit(RLIMIT_NOFILE, &nofile) < 0 || setrlimit(RLIMIT_CORE, &core) < 0)
+        init_fail(fd, "rlimit");
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);  /* the command cannot ptrace or read its init */
+    answer(fd, "r");
+
+    int fds[4];
+    int got = receive_request(fd, fds);
+    if (got == -1) _exit(0);
+    if (got < 0) init_fail(fd, "request");
+    /* The host moved this init into the command's cgroup before it sent the request. */
+    if (unshare(CLONE_NEWCGROUP) < 0) init_fail(fd, "unshare-cgroup");
+    char *cwd = NULL, **argv = NULL, **env = NULL;
+    if (parse_request(fds[3], &cwd, &argv, &env) < 0) init_fail(fd, "request");
+    close(fds[3]);
+    drop_privileges(fd);
+    if (chdir(cwd) < 0) init_fail(fd, "chdir");
+
+    int report[2];
+    if (pipe2(report, O_CLOEXEC) < 0) init_fail(fd, "pipe");
+    pid_t child = fork();
+    if (child < 0) init_fail(fd, "fork");
+    if (child == 0) {
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        setsid();
+        for (int i = 0; i < 3; i++)
+            if (dup2(fds[i], i) < 0) _exit(125);
+        signal(SIGPIPE, SIG_DFL);
+        environ = env;
+        execvp(argv[0], argv);
+        int err = errno;
+        while (write(report[1], &err, sizeof err) < 0 && errno == EINTR) {}
+        _exit(127);
+    }
+    close(report[1]);
+    for (int i = 0; i < 3; i++) close(fds[i]);
+    int exec_errno = 0;
+    ssize_t n;
+    while ((n = read(report[0], &exec_errno, sizeof exec_errno)) < 0 && errno == EINTR) {}
+    close(report[0]);
+    int status = 0;
+    for (;;) {
+        pid_t done = wait(&status);
+        if (done == child) break;
+        if (done < 0 && errno != EINTR) init_fail(fd, "wait");
+    }
+    char line[64];
+    if (n == (ssize_t)sizeof exec_errno)
+        snprintf(line, sizeof line, "n %d", exec_errno);
+    else
+        snprintf(line, sizeof line, "x %d",
+                 WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+    answer(fd, line);
+    _exit(0);
+}
+
+static void send_fd(int fd, const char *text) {
+    char control[CMSG_SPACE(sizeof(int))];
+    memset(control, 0, sizeof control);
+    struct iovec iov = {(void *)text, strlen(text)};
+    struct msghdr msg = {0};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    if (fd >= 0) {
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+        cmsg->cmsg_level = SOL_SOCKET;
+        cmsg->cmsg_type = SCM_RIGHTS;
+        cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+    }
+    while (sendmsg(control_fd, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+}
+
+static void warm(void) {
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0) {
+        char line[64];
+        snprintf(line, sizeof line, "e %d socketpair", errno);
+        send_fd(-1, line);
+        return;
+    }
+    int on = 1;
+    /* Set here, before the init can answer: the host reads the init's pid, in the host's PID
+     * namespace, from the answer's credentials. */
+    setsockopt(pair[0], SOL_SOCKET, SO_PASSCRED, &on, sizeof on);
+    long pid = syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
+                       | SIGCHLD, NULL, NULL, NULL, NULL);
+    if (pid == 0) {
+        close(control_fd);
+        close(pair[0]);
+        run_init(pair[1]);
+    }
+    if (pid < 0) {
+        char line[64];
+        snprintf(line, sizeof line, "e %d clone", errno);
+        send_fd(-1, line);
+    } else {
+        send_fd(pair[0], "i");
+    }
+    close(pair[0]);
+    close(pair[1]);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: zygote CONTROL_FD TMP_BYTES FILTER [MASKED_PROC...]\n");
+        return 2;
+    }
+    control_fd = atoi(argv[1]);
+    static char options[64];
+    snprintf(options, sizeof options, "size=%s,mode=1777", argv[2]);
+    tmp_options = options;
+    masked = argv + 4;
+    nmasked = argc - 4;
+    if (read_filter(argv[3]) < 0) {
+        fprintf(stderr, "zygote: cannot read the seccomp filter %s: %s\n", argv[3],
+                strerror(errno));
+        return 2;
+    }
+    fcntl(control_fd, F_SETFD, FD_CLOEXEC);
+    signal(SIGCHLD, SIG_IGN);  /* inits are reaped by the kernel; the host follows them */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    for (;;) {
+        char byte;
+        ssize_t got = recv(control_fd, &byte, 1, 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) return 0;  /* the host closed the control socket: stop */
+        if (byte == 'w') warm();
+    }
+}

@@ -1,0 +1,245 @@
+"""The namespace tier's resident helper (``namespace.resident`` + ``zygote.c``, issue 19): one
+bwrap per sandbox in use whose zygote starts each command in fresh namespaces made ahead.
+
+The tier's behavioural, isolation, limits and drill suites run through it (it is on by
+default); these hold what the speed-up must not have cost, seen from the host as well as from
+inside: each command in its own PID namespace and its own cgroup from its first instruction, a
+fresh ``/tmp``, the filter and no capabilities, nothing of it left once it returns, and the
+resident itself stopped when idle, replaced when killed, and gone with a SIGKILLed owner.
+Bounded: a timeout on every command, a handful of sandboxes, everything destroyed after.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral._control.manager import Manager
+from corral._settings import Settings
+
+from ..conftest import managed
+from .hostprocs import host_procs_of_uid, host_uid, not_resident, status_field
+
+pytestmark = pytest.mark.needs_root
+
+
+def _cgroup_of(pid: int) -> str:
+    """The process's group in the pids hierarchy (relative to Corral's instance)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            return path
+    raise LookupError(f"no pids cgroup for {pid}")
+
+
+def _resident_pids(uid: int) -> list[int]:
+    return [pid for pid, _ in host_procs_of_uid(uid) if not not_resident([(pid, "")])]
+
+
+def _wait_for(path: Path, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert path.exists(), f"{path} never appeared"
+
+
+@pytest.fixture
+def sandbox(home: str) -> Iterator[Sandbox]:
+    sb = Sandbox.create(home=home)
+    yield sb
+    sb.kill()
+
+
+def test_each_command_has_its_own_pid_namespace_cgroup_tmp_and_filter(
+        sandbox: Sandbox, settings: Settings) -> None:
+    """Seen from the host while each command runs: its process is in the command's own
+    group (named after its command id), in a PID and mount namespace that is neither the
+    resident's nor the previous command's; inside, a fresh ``/tmp``, PID 1 its own init, the
+    filter, no capabilities; and nothing of a command is left once it returns."""
+    uid = host_uid(sandbox.id)
+    seen: list[tuple[str, str, str, str]] = []
+    for round_ in range(3):
+        flag = f"started-{round_}"
+        marker = f"corral-resident-{secrets.token_hex(4)}"
+        script = (
+            f"ls -A /tmp; echo round{round_} > /tmp/mine; "
+            f"(exec -a {marker} sleep 1000) & "
+            "grep -E '^(Seccomp|NoNewPrivs|CapEff|CapBnd):' /proc/self/status; "
+            "ps -eo pid=,comm= | sort -n | head -1; "
+            f"touch /workspace/{flag}; "
+            f"for i in $(seq 400); do [ -e /workspace/go-{round_} ] && exit 0; sleep 0.05; done; "
+            "exit 3")
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        running = pool.submit(sandbox.commands.run, script, timeout=30)
+        try:
+            deadline = time.monotonic() + 15
+            while not sandbox.files.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert sandbox.files.exists(flag), "the command never started"
+            procs = not_resident(host_procs_of_uid(uid))
+            sleeper = [pid for pid, st in procs if status_field(st, "Name") == "sleep"]
+            assert sleeper, procs
+            pid = sleeper[0]
+            group = _cgroup_of(pid)
+            assert group.split("/")[-2] == sandbox.id and group.split("/")[-1].startswith("c."), \
+                group
+            seen.append((group, os.readlink(f"/proc/{pid}/ns/pid"),
+                         os.readlink(f"/proc/{pid}/ns/mnt"), os.readlink(f"/proc/{pid}/ns/cgroup")))
+            # Not the resident's namespaces: the command's own (an inode number may be used
+            # again once a namespace is gone, so earlier commands' are not compared).
+            zygote = [p for p, st in host_procs_of_uid(uid) if status_field(st, "Name") == "zygote"]
+            assert len(zygote) == 1, host_procs_of_uid(uid)
+            for kind, mine in zip(("pid", "mnt", "cgroup"), seen[-1][1:], strict=True):
+                assert os.readlink(f"/proc/{zygote[0]}/ns/{kind}") != mine, kind
+        finally:
+            sandbox.files.write(f"go-{round_}", "")
+            pool.shutdown(wait=True)
+        r = running.result(timeout=30)
+        assert r.exit_code == 0, (r.stdout, r.stderr)
+        out = r.stdout.splitlines()
+        assert "mine" not in out, out  # /tmp was empty: the last command's file is gone
+        fields = dict(line.split(":\t", 1) for line in out if ":\t" in line)
+        assert fields["Seccomp"] == "2" and fields["NoNewPrivs"] == "1", fields
+        assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0, fields
+        assert out[-1].split() == ["1", "init"], out
+        # The straggler died with the command's PID namespace.
+        assert not [p for p, st in host_procs_of_uid(uid) if status_field(st, "Name") == "sleep"]
+        assert sandbox.commands.run(f"pgrep -f '[{marker[0]}]{marker[1:]}'; echo $?",
+                                    timeout=10).stdout == "1\n"
+    assert len({s[0] for s in seen}) == 3  # a group per command
+
+
+def test_the_first_instruction_already_runs_in_the_commands_cgroup(sandbox: Sandbox) -> None:
+    """The cgroup namespace is made by the init once it is in the command's group: a command
+    that looks at once sees itself at the root of its cgroup namespace, and the group's
+    ``cgroup.procs`` on the host held it from its first instruction (``pids.max`` counted)."""
+    r = sandbox.commands.run("exec cat /proc/self/cgroup", timeout=10)
+    assert r.exit_code == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line]
+    assert lines and all(line.endswith(":/") for line in lines), lines
+
+
+def test_a_resident_idle_for_long_enough_is_stopped_and_the_next_command_starts_one(
+        settings: Settings, manager: Manager) -> None:
+    quick = settings.model_copy(update={
+        "home": settings.home / "idle", "namespace_idle_s": 0.5,
+        "uid_start": settings.uid_start + settings.uid_count // 2,
+        "uid_count": settings.uid_count // 4})
+    quick.home.mkdir()
+    with managed(quick):
+        sb = Sandbox.create(home=str(quick.home))
+        try:
+            uid = host_uid(sb.id)
+            assert sb.commands.run("true").exit_code == 0
+            assert _resident_pids(uid), "no resident after a command"
+            deadline = time.monotonic() + 10
+            while _resident_pids(uid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert host_procs_of_uid(uid) == []  # an idle sandbox costs no process
+            assert sb.commands.run("echo again").stdout == "again\n"
+        finally:
+            sb.kill()
+        assert host_procs_of_uid(uid) == []
+
+
+def test_a_killed_resident_is_replaced_by_the_next_command(sandbox: Sandbox) -> None:
+    uid = host_uid(sandbox.id)
+    assert sandbox.commands.run("true").exit_code == 0
+    zygotes = [pid for pid, st in host_procs_of_uid(uid) if status_field(st, "Name") == "zygote"]
+    assert len(zygotes) == 1, host_procs_of_uid(uid)
+    os.kill(zygotes[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while host_procs_of_uid(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host_procs_of_uid(uid) == []  # bwrap and the init made ahead died with it
+    assert sandbox.commands.run("echo back", timeout=10).stdout == "back\n"
+
+
+def test_a_sigkill_in_the_middle_of_a_burst_leaves_nothing_and_loses_no_result(
+        settings: Settings, manager: Manager, home: str) -> None:
+    """Another process runs commands in several sandboxes at once, printing each result as
+    it returns; SIGKILLed in the middle, it leaves no process behind (its residents die with
+    it), the next start's sweep removes its groups, and every result it had printed is in its
+    sandbox's audit trail."""
+    env = {**os.environ, "CORRAL_HOME": str(settings.home),
+           "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    code = textwrap.dedent("""
+        import threading
+        from corral import Sandbox
+        from corral._control.manager import get_manager
+        lock = threading.Lock()
+        def work():
+            sb = Sandbox.create()
+            with lock:
+                print("sandbox", sb.id, get_manager().store.get(sb.id).uid, flush=True)
+            for i in range(400):
+                r = sb.commands.run(["sh", "-c", "echo $0", str(i)], timeout=30)
+                with lock:
+                    print("result", sb.id, r.command_id, r.stdout.strip(), flush=True)
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    sandboxes: dict[str, int] = {}
+    results: list[tuple[str, str]] = []
+
+    def take(line: str) -> None:
+        kind, *rest = line.split()
+        if kind == "sandbox":
+            sandboxes[rest[0]] = int(rest[1])
+        elif kind == "result" and len(rest) >= 2:
+            results.append((rest[0], rest[1]))
+
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        while len(results) < 40 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            take(line)
+        assert len(results) >= 40, proc.communicate(timeout=30)[1]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        rest_of_output, _ = proc.communicate(timeout=30)
+    # What the pipe still held was printed before the kill too: results returned to a caller.
+    for line in rest_of_output.splitlines():
+        take(line)
+    deadline = time.monotonic() + 15
+    while any(host_procs_of_uid(u) for u in sandboxes.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [host_procs_of_uid(u) for u in sandboxes.values()] == [[]] * len(sandboxes)
+    manager.recover()
+    for sandbox_id in sandboxes:
+        group = Path("/sys/fs/cgroup/pids", f"corral-{settings.instance}", sandbox_id)
+        left = [p.name for p in group.iterdir() if p.is_dir()] if group.exists() else []
+        assert left == [], left
+    finished: dict[str, set[str]] = {}
+    for sandbox_id in sandboxes:
+        sb = Sandbox.connect(sandbox_id, home=home)
+        finished[sandbox_id] = {e.command for e in sb.audit.events(types=["command.finished"])
+                                if e.command}
+    missing = [(s, c) for s, c in results if c not in finished[s]]
+    assert missing == [], missing
+    for sandbox_id in sandboxes:  # and each sandbox works on
+        sb = Sandbox.connect(sandbox_id, home=home)
+        try:
+            assert sb.commands.run("echo fine", timeout=10).stdout == "fine\n"
+        finally:
+            sb.kill()
