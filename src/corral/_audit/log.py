@@ -4,7 +4,9 @@ Writers from any number of processes serialise on ``flock``; the sequence number
 file's last line. A crash can only tear the line being written: the next writer cuts that torn tail
 off (and records an ``audit.recovered`` event), and a reader that meets one skips it and says so.
 Callers ask for ``sync=True`` when the events must be on disk before they go on (the end of a
-command).
+command). Those syncs are committed as a group: a caller whose write an ``fdatasync`` begun
+after it already covers waits for that one instead of starting its own, so the concurrent
+commands of one sandbox share one sync (each still returns only once its events are on disk).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class AuditLog:
         self.sandbox_id = sandbox_id
         self._lock = threading.Lock()
         self._fd: int | None = None
+        # Group commit: writes are numbered; _synced is the last number an fdatasync covered.
+        self._sync_lock = threading.Lock()
+        self._written = 0
+        self._synced = 0
         # (file size, last seq) as of our own last write: skips re-reading the tail when no
         # other process wrote in between.
         self._known: tuple[int, int] | None = None
@@ -134,21 +140,38 @@ class AuditLog:
                 view = memoryview(payload)
                 while view:
                     view = view[os.write(fd, view):]
-                if sync:
-                    os.fdatasync(fd)
                 self._known = (os.fstat(fd).st_size, seq)
-                return seq
+                self._written += 1
+                ticket = self._written
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
+        if sync:
+            self._sync_through(ticket)
+        return seq
+
+    def _sync_through(self, ticket: int) -> None:
+        """Return once write ``ticket`` is on disk: by an ``fdatasync`` of our own, or one
+        that began after that write (its caller waited here meanwhile)."""
+        with self._sync_lock:
+            if self._synced >= ticket:
+                return
+            with self._lock:
+                covered, fd = self._written, self._fd
+            if fd is not None:
+                os.fdatasync(fd)
+            self._synced = covered
 
     def sync(self) -> None:
         with self._lock:
-            if self._fd is not None:
-                os.fdatasync(self._fd)
+            ticket = self._written
+        self._sync_through(ticket)
 
     def close(self) -> None:
-        with self._lock:
+        with self._sync_lock, self._lock:
             if self._fd is not None:
+                if self._synced < self._written:  # a writer between its write and its sync
+                    os.fdatasync(self._fd)
+                    self._synced = self._written
                 os.close(self._fd)
                 self._fd = None
                 self._known = None

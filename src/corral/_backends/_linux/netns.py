@@ -88,22 +88,26 @@ def remove_netns(path: Path) -> None:
 
 
 class Spawner:
-    """One long-lived thread that starts processes inside sandbox network namespaces.
+    """Long-lived threads that start processes inside sandbox network namespaces: one per
+    CPU (at least two), so a burst of sandboxes starts in parallel.
 
     Why not a fresh thread per spawn: bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, which
     fires when the *thread* that forked it exits. A short-lived spawning thread would SIGKILL the
-    sandbox moments after starting it (a race that load makes likely). This thread lives as long as
-    the process, so sandboxes die exactly when Corral does. It enters a namespace only for the
-    fork and always returns to the host's namespace before taking the next job.
+    sandbox moments after starting it (a race that load makes likely). These threads live as long
+    as the process, so sandboxes die exactly when Corral does. Each enters a namespace only for
+    the fork and always returns to the host's namespace before taking the next job.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int | None = None) -> None:
         self._host_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self._jobs: queue.SimpleQueue[
             tuple[Path, Callable[[], object], concurrent.futures.Future[object]]
         ] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="corral-spawner", daemon=True)
-        self._thread.start()
+        count = workers if workers is not None else max(2, os.cpu_count() or 1)
+        self._threads = [threading.Thread(target=self._loop, name=f"corral-spawner-{n}",
+                                          daemon=True) for n in range(count)]
+        for thread in self._threads:
+            thread.start()
 
     def _loop(self) -> None:
         while True:
