@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,14 +18,43 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from corral._control.manager import Manager
 from corral._settings import Settings
 
+# The longest files' halves (measured: ``--durations`` in CI's log), so the two halves of the
+# rest take about as long; every other file goes by a hash of its path. The cluster's files
+# share one half: each starts a Ray cluster, and one at a time is enough for 2 cores.
+_HALF_OF = {
+    "tests/integration/test_drill.py": 0, "tests/conformance/test_sdk.py": 0,
+    "tests/integration/test_cluster_serve.py": 0, "tests/integration/test_cluster.py": 0,
+    "tests/integration/test_templates.py": 1, "tests/integration/test_code_interpreter.py": 1,
+    "tests/integration/test_gvisor.py": 1, "tests/integration/test_snapshot_surfaces.py": 1,
+    "tests/integration/test_ports_volumes_cli.py": 1, "tests/integration/test_service.py": 1,
+    "tests/integration/test_cli.py": 1,
+}
+
+
+# The sessions scripts/test runs side by side: each draws its uid ranges from its own slots.
+_UID_SLOTS = {"microvm": 1, "rest-a": 2, "rest-b": 3}
+
+
+def _partition_of(item: pytest.Item) -> str:
+    if "microvm" in item.nodeid:
+        return "microvm"
+    path = item.nodeid.split("::", 1)[0]
+    half = _HALF_OF.get(path, zlib.crc32(path.encode()) % 2)
+    return f"rest-{'ab'[half]}"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # scripts/test runs the microVM cases in a session of their own beside the rest:
-    # CORRAL_TEST_PARTITION=microvm keeps only them, =rest only the others.
+    # scripts/test runs the suite in three sessions at once: CORRAL_TEST_PARTITION=microvm
+    # keeps only the microVM cases, =rest-a and =rest-b each half of the others (=rest: all
+    # of the others).
     partition = os.environ.get("CORRAL_TEST_PARTITION")
-    if partition in ("microvm", "rest"):
-        keep = [item for item in items if ("microvm" in item.nodeid) == (partition == "microvm")]
-        dropped = [item for item in items if ("microvm" in item.nodeid) != (partition == "microvm")]
+    if partition in ("microvm", "rest", "rest-a", "rest-b"):
+        def wanted(item: pytest.Item) -> bool:
+            mine = _partition_of(item)
+            return mine == partition or (partition == "rest" and mine != "microvm")
+
+        keep = [item for item in items if wanted(item)]
+        dropped = [item for item in items if not wanted(item)]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = keep
@@ -52,7 +82,9 @@ def settings() -> Iterator[Settings]:
     home = Path(tempfile.mkdtemp(prefix="corral-test-"))
     # A uid range of our own, so a test run never shares uids with a real instance.
     # secrets, not the global `random`: Hypothesis owns that one's state while it generates.
-    start = 2_100_000_000 + secrets.randbelow(1000) * 10_000
+    # Sessions run side by side (scripts/test) take slots of their own: never the same range.
+    slot = _UID_SLOTS.get(os.environ.get("CORRAL_TEST_PARTITION", ""), 0)
+    start = 2_100_000_000 + (secrets.randbelow(250) * 4 + slot) * 10_000
     yield Settings(home=home, uid_start=start, uid_count=10_000)
     shutil.rmtree(home, ignore_errors=True)
 
