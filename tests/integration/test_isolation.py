@@ -195,7 +195,9 @@ def test_host_sees_commands_running_as_the_sandbox_uid_never_root(
     if isolation == "microvm":
         _check_only_qemu_on_the_host(sandbox, uid)
         return
-    # The gVisor tier may already have its resident sandbox up (started ahead at create).
+    # Past the first command (the namespace tier's takes a bwrap of its own): the one below
+    # starts the resident. The gVisor tier may already have its resident up (from create).
+    assert sandbox.commands.run("true").exit_code == 0
     assert host_procs_of_uid(uid) == [] and not_resident(host_procs_of_uid(host_uid)) == []
     waiter = (
         "touch /workspace/started; "
@@ -490,6 +492,8 @@ def test_other_sandbox_workspace_unreadable_by_another_sandbox_uid_on_host(
 
 
 def test_only_own_processes_are_visible(sandbox: Sandbox, isolation: str) -> None:
+    # Past the first command (the namespace tier's takes a bwrap of its own), as most are.
+    assert sandbox.commands.run("true").exit_code == 0
     r = sandbox.commands.run("ps -eo pid=,comm=; ls -d /proc/[0-9]* | wc -l")
     assert r.exit_code == 0, r.stderr
     *rows, count = r.stdout.strip().splitlines()

@@ -1,5 +1,6 @@
 """The namespace tier's resident helper (``namespace.resident`` + ``zygote.c``, issue 19): one
-bwrap per sandbox in use whose zygote starts each command in fresh namespaces made ahead.
+bwrap per sandbox in use whose zygote starts each command in fresh namespaces made ahead (from
+a sandbox's second command on: its first takes a bwrap of its own).
 
 The tier's behavioural, isolation, limits and drill suites run through it (it is on by
 default); these hold what the speed-up must not have cost, seen from the host as well as from
@@ -56,7 +57,10 @@ def _wait_for(path: Path, timeout_s: float = 15.0) -> None:
 
 @pytest.fixture
 def sandbox(home: str) -> Iterator[Sandbox]:
+    """A sandbox past its first command (which takes a bwrap of its own): the next start
+    its resident."""
     sb = Sandbox.create(home=home)
+    assert sb.commands.run("true").exit_code == 0
     yield sb
     sb.kill()
 
@@ -142,7 +146,9 @@ def test_a_resident_idle_for_long_enough_is_stopped_and_the_next_command_starts_
         try:
             uid = host_uid(sb.id)
             assert sb.commands.run("true").exit_code == 0
-            assert _resident_pids(uid), "no resident after a command"
+            assert not _resident_pids(uid), "a resident for a sandbox's first command"
+            assert sb.commands.run("true").exit_code == 0
+            assert _resident_pids(uid), "no resident after the second command"
             deadline = time.monotonic() + 10
             while _resident_pids(uid) and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -2,12 +2,14 @@
 a private network namespace per sandbox and a per-sandbox host uid.
 
 A command runs from the sandbox's resident helper (``resident``, on by default,
-``Settings.namespace_resident``): one bwrap per sandbox in use, started by its first command
-and stopped after ``Settings.namespace_idle_s`` with nothing running, whose zygote starts each
-command in fresh PID, mount, IPC, UTS and cgroup namespaces of its own. A terminal (PTY)
-command, an image build's step, and every command with the resident off run in a bwrap of
-their own (``runner.CommandLauncher.run``). The resident is closed before the workspace is
-mounted anew (a snapshot's seal, a restore) and replaced when a mount it was given changed.
+``Settings.namespace_resident``): one bwrap per sandbox in use, started by its second command
+(the first takes a bwrap of its own: see ``_first_command``) and stopped after
+``Settings.namespace_idle_s`` with nothing running, whose zygote starts each command in fresh
+PID, mount, IPC, UTS and cgroup namespaces of its own. A terminal (PTY) command, an image
+build's step, and every command with the resident off run in a bwrap of their own
+(``runner.CommandLauncher.run``). The resident is closed before the workspace is mounted anew
+(a snapshot's seal, a restore) or after its mounts went away, and replaced when a mount it was
+given or its template changed.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class NamespaceBackend(HostBackedBackend):
         self._launcher: CommandLauncher | None = None
         self._resident_on = settings.namespace_resident
         self._lock = threading.Lock()
+        self._unmounted_lock = threading.Lock()
+        # Sandboxes that ran a command in this process (see _first_command).
+        self._commanded: set[str] = set()
         # A sandbox's resident, with the identity of what it was started on (see _zygote_for).
         self._zygotes: dict[str, tuple[OnDemand[Zygote], tuple[object, ...]]] = {}
         # Makes each resident's next command init while the current command runs.
@@ -87,11 +92,22 @@ class NamespaceBackend(HostBackedBackend):
             request=request, env=self._command_env(spec, request), mounts=mounts,
         )
         if (not self._resident_on or request.pty is not None or request.build_root is not None
-                or template.writable):
+                or template.writable or self._first_command(spec.id)):
             return launcher.run(launch)
         holder = self._zygote_for(spec, launch)
         with holder.use() as zygote:
             return launcher.run_resident(zygote, launch)
+
+    def _first_command(self, sandbox_id: str) -> bool:
+        """True for a sandbox's first command in this process, which takes the bwrap path: a
+        resident's start (bwrap, then the first init, each moved into a cgroup) costs more
+        than one bwrap command, and many sandboxes run one command (a burst of creates, an
+        evaluation's single check). From the second on, the resident pays for itself."""
+        with self._lock:
+            if sandbox_id in self._commanded:
+                return False
+            self._commanded.add(sandbox_id)
+            return True
 
     def _zygote_for(self, spec: SandboxSpec, launch: Launch) -> OnDemand[Zygote]:
         """The sandbox's resident holder, made on first use. A resident keeps the mounts it
@@ -119,12 +135,17 @@ class NamespaceBackend(HostBackedBackend):
         the host's went away under it (a reboot of the mounts, an operator's umount), the
         resident must be gone before they are mounted again: a second mount of the same ext4
         image beside the first loses what the first has not written back."""
-        holder = self._holder(spec.id)
+        with self._unmounted_lock:  # a close under way elsewhere finishes first
+            holder = self._holder(spec.id)
         if holder is None or not holder.running:
             return
         points = [self._store.mount_point(spec.id),
                   *(m.source for m in self._planned_mounts(spec))]
-        if not all(os.path.ismount(point) for point in points):
+        if all(os.path.ismount(point) for point in points):
+            return
+        # Held while the resident closes: a command beside this one must not mount the image
+        # again before the old mount is gone with the resident.
+        with self._unmounted_lock:
             self._close_zygote(spec.id)
 
     def _start_zygote(self, spec: SandboxSpec, launch: Launch) -> Zygote:
@@ -135,9 +156,11 @@ class NamespaceBackend(HostBackedBackend):
             cgroups=launcher.cgroups, sandbox_group=spec.id, owner=self._owner,
             warmer=self._warmer)
 
-    def _close_zygote(self, sandbox_id: str) -> None:
+    def _close_zygote(self, sandbox_id: str, *, forget: bool = False) -> None:
         with self._lock:
             entry = self._zygotes.pop(sandbox_id, None)
+            if forget:
+                self._commanded.discard(sandbox_id)
         if entry is not None:
             entry[0].close()
 
@@ -169,7 +192,7 @@ class NamespaceBackend(HostBackedBackend):
         super().pause(spec, paused)
 
     def destroy(self, spec: SandboxSpec) -> None:
-        self._close_zygote(spec.id)
+        self._close_zygote(spec.id, forget=True)
         super().destroy(spec)
 
     def close(self) -> None:

@@ -275,7 +275,7 @@ class CommandLauncher:
                     resource.prlimit(pid, resource.RLIMIT_NOFILE, _NOFILE)
                     resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
             try:
-                # A resident's bwrap lives as long as it does: it is the sandbox's, in its group.
+                # A resident's bwrap lives as long as it does: the sandbox's, in its group.
                 self.cgroups.attach(group, (proc.pid, init_pid) if resident else (init_pid,))
                 os.write(block_w, b"1")
             except (ProcessLookupError, BrokenPipeError):
