@@ -112,6 +112,10 @@ def _read_procs(path: Path) -> str:
         raise
 
 
+# How long a kill lets a group that is emptying on its own finish before it freezes it.
+_EXITING_S = 0.002
+
+
 def _wait_empty(procs_files: list[Path], deadline_s: float = 5.0) -> bool:
     end = time.monotonic() + deadline_s
     delay = 0.0005
@@ -247,6 +251,10 @@ class CgroupV1:
         if not _procs(freezer):
             # Nothing to kill (or no group). Worth the check: freezing a group whose children
             # were just removed can sit in FREEZING for tens of milliseconds.
+            return
+        if _wait_empty([freezer / "cgroup.procs"], _EXITING_S):
+            # A command's init that has just reported and is exiting (its PID namespace
+            # with it): freezing and thawing it would cost more than its exit.
             return
         # Freeze first so nothing can fork while we collect pids, then kill every pid, then thaw
         # so the kernel can deliver SIGKILL.
