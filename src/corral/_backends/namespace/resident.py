@@ -47,8 +47,8 @@ from .._linux.static_helper import FILTER_NAME, build_static_helper
 from .._linux.supervise import SETUP_TIMEOUT_S
 from .bwrap import HELPER_MOUNT
 
-__all__ = ["WARM_PREFIX", "RESIDENT_PREFIX", "Zygote", "ZygoteProcess", "ensure_zygote",
-           "zygote_argv"]
+__all__ = ["RESIDENT_PREFIX", "WARM_PREFIX", "Zygote", "ZygoteProcess", "ensure_zygote",
+           "sealed_file", "zygote_argv"]
 
 _SOURCE = Path(__file__).with_name("zygote.c")
 _PROGRAM = "zygote"
@@ -160,12 +160,19 @@ def _request(cwd: str, argv: Sequence[str], env: dict[str, str]) -> int:
     for field in fields:
         if "\0" in field:
             raise ValueError("a command's argv or environment contains a NUL byte")
-    data = b"".join(os.fsencode(field) + b"\0" for field in fields)
-    fd = os.memfd_create("corral-request", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    return sealed_file(b"".join(os.fsencode(field) + b"\0" for field in fields),
+                       "corral-request")
+
+
+def sealed_file(data: bytes, name: str) -> int:
+    """A read-only descriptor holding ``data`` from offset 0 (a sealed memfd): nothing, not
+    even a later bug of ours, can change what the reader is about to parse."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK
                     | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
     except BaseException:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import re
@@ -46,27 +45,10 @@ from .._linux.supervise import supervise
 from .._linux.template import BaseTemplate
 from ..execlimits import check_exec_size
 from .bwrap import BwrapFds, build_options, command_line, encode_args
-from .resident import Zygote, ZygoteProcess, zygote_argv
+from .resident import Zygote, ZygoteProcess, sealed_file, zygote_argv
 
 __all__ = ["CommandLauncher", "Launch"]
 
-
-
-def _sealed_file(data: bytes) -> int:
-    """A read-only descriptor holding ``data`` from offset 0 (a sealed memfd)."""
-    fd = os.memfd_create("corral-bwrap-args", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.lseek(fd, 0, os.SEEK_SET)
-        # Nothing (not even a later bug) can change what bwrap is about to parse.
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK
-                    | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _reap(pid: int) -> None:
@@ -216,7 +198,7 @@ class CommandLauncher:
         # A memfd rather than a pipe: the options (the environment included, up to a few
         # hundred KiB) are written whole before bwrap starts, with no reader to wait for.
         try:
-            args_fd = _sealed_file(encode_args(options))
+            args_fd = sealed_file(encode_args(options), "corral-bwrap-args")
         except BaseException:
             for fd in (info_r, block_w, *bwrap_fds):
                 os.close(fd)
