@@ -252,7 +252,7 @@ class CgroupV1:
             # Nothing to kill (or no group). Worth the check: freezing a group whose children
             # were just removed can sit in FREEZING for tens of milliseconds.
             return
-        if _wait_empty([freezer / "cgroup.procs"], _EXITING_S):
+        if _wait_empty([g / "cgroup.procs" for g in _groups(freezer)], _EXITING_S):
             # A command's init that has just reported and is exiting (its PID namespace
             # with it): freezing and thawing it would cost more than its exit.
             return
