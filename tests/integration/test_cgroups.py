@@ -93,6 +93,33 @@ def test_v1_limits_placement_usage_and_tree_kill() -> None:
     assert not (Path("/sys/fs/cgroup/freezer") / driver._prefix).exists()  # type: ignore[union-attr]
 
 
+def test_v1_kill_of_a_sandbox_group_kills_what_runs_in_its_children() -> None:
+    """A destroy kills the sandbox's group: its processes are all in child groups (commands,
+    the resident helper), none in the group itself, and every one of them dies; a group
+    whose last process is already exiting is let go without a freeze."""
+    driver = detect_cgroups(f"corral-test-{secrets.token_hex(3)}")
+    if driver.version != 1:
+        pytest.skip("this host runs cgroup v2")
+    driver.create_sandbox("sbx", get_tier("small"))
+    try:
+        driver.create_command("sbx/cmd")
+        driver.create_command("sbx/r.1.2.0")
+        proc, children = _place_and_release(driver, "sbx/cmd")
+        other, more = _place_and_release(driver, "sbx/r.1.2.0")
+        driver.kill("sbx")
+        _close(proc)
+        _close(other)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in children + more) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(_alive(p) for p in children + more)
+        driver.remove("sbx")  # nothing populated is left: no EBUSY
+    finally:
+        driver.kill("sbx")
+        driver.remove("")
+    assert not (Path("/sys/fs/cgroup/freezer") / driver._prefix).exists()  # type: ignore[union-attr]
+
+
 def test_v2_placement_and_cgroup_kill_without_controllers() -> None:
     root = next((Path(p) for p, t, _ in _mounts() if t == "cgroup2"), None)
     if root is None or not os.access(root / "cgroup.procs", os.W_OK):
