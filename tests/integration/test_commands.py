@@ -165,8 +165,9 @@ def test_many_quick_commands_do_not_leak_processes(sandbox: Sandbox, settings) -
         children = {p.name: int((p / "pids.current").read_text())
                     for p in group.iterdir() if p.is_dir()}
         assert all(name[:2] in ("r.", "w.") for name in children), children
-        assert sum(n for name, n in children.items() if name.startswith("w.")) <= 1
-        assert sum(n for name, n in children.items() if name.startswith("r.")) <= 2
+        # bwrap, the zygote and one init: the init being made ahead is in the resident's
+        # group from its clone until Corral moves it to its own (a warm group, ``w.*``).
+        assert sum(children.values()) <= 3, children
         assert int((group / "pids.current").read_text()) == sum(children.values())
 
 

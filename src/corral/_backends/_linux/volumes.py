@@ -90,6 +90,9 @@ MIN_VOLUME_BYTES = 1024 * 1024
 _MIN_FREE = 64 * 1024 * 1024
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
+# How long a removal waits for a mount namespace that is going away to let go of a volume.
+_HELD_GRACE_S = 3.0
+
 
 @dataclass(frozen=True, slots=True)
 class BoundMount:
@@ -230,7 +233,7 @@ class VolumeKit:
                     except OSError as exc:
                         raise VolumeInUse(f"volume {volume_id} is in use on the host "
                                           f"({exc.strerror}); retry once nothing uses it") from exc
-                if self._still_attached(volume_id):
+                if self._still_held(volume_id):
                     # A mount of it lives on, detached, in some mount namespace (a command
                     # still running?): its writes would go to a deleted file.
                     raise VolumeInUse(f"volume {volume_id} is still held by a process; retry "
@@ -238,6 +241,17 @@ class VolumeKit:
                 shutil.rmtree(directory)
         except VolumeNotFound:
             return  # removed by someone else meanwhile
+
+    def _still_held(self, volume_id: str) -> bool:
+        """Whether a mount of the volume lives on after ``_HELD_GRACE_S``: a sandbox destroyed
+        a moment ago (by another process, whose resident helper dies with it) lets go of its
+        mount namespace only once its last process is gone."""
+        deadline = time.monotonic() + _HELD_GRACE_S
+        while self._still_attached(volume_id):
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.05)
+        return False
 
     def usage(self, volume_id: str) -> int:
         """Bytes used in the volume, as ``df`` inside would say (mounts it if needed)."""
