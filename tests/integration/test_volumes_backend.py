@@ -16,7 +16,9 @@ import concurrent.futures
 import os
 import secrets
 import shutil
+import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,6 +397,46 @@ def test_volume_storage_refuses_what_it_cannot_do(tier: Rig) -> None:
     tier.backend.remove_volume(volume_id)  # idempotent
     assert volume_id not in tier.backend.volume_ids()
     assert not (tier.settings.home / "volumes" / volume_id).exists()
+
+
+def test_a_copy_of_the_hosts_mounts_in_another_namespace_does_not_keep_a_volume(
+        tier: Rig) -> None:
+    # Any process that makes a mount namespace of its own (unshare -m, a template build's
+    # mmdebstrap) while a volume is mounted holds a copy of that mount; the host's mounts are
+    # private here, so the host's umount does not reach it. Removal still goes through, and
+    # the loop device goes with it while that process lives on.
+    volume_id = tier.volume()
+    image = tier.volume_image(volume_id)
+    tier.backend.volume_usage(volume_id)  # mounts it on the host
+    assert is_mount(tier.volume_mount(volume_id))
+    found = loop.attached(str(image))
+    assert found is not None
+    os.close(found[0])
+    backing = Path("/sys/block", os.path.basename(found[1]), "loop", "backing_file")
+
+    def still_backed() -> bool:
+        try:
+            return backing.read_text().startswith(str(image))  # " (deleted)" once unlinked
+        except OSError:
+            return False  # cleared
+
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--",
+                               "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{holder.pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt"):
+            assert time.monotonic() < deadline, "unshare never made its mount namespace"
+            time.sleep(0.01)
+        tier.backend.remove_volume(volume_id)
+        assert holder.poll() is None
+        deadline = time.monotonic() + 5  # the kernel clears an autoclear device a moment after
+        while still_backed():
+            assert time.monotonic() < deadline, f"{found[1]} still backed by the removed image"
+            time.sleep(0.02)
+        assert not (tier.settings.home / "volumes" / volume_id).exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 # -- clean-up and rebuilds -----------------------------------------------------------------------

@@ -233,9 +233,15 @@ class VolumeKit:
                     except OSError as exc:
                         raise VolumeInUse(f"volume {volume_id} is in use on the host "
                                           f"({exc.strerror}); retry once nothing uses it") from exc
+                # A process that made a mount namespace of its own while the volume was
+                # mounted holds a copy of this mount (the host's mounts are private here, so
+                # the umount above did not reach it); removing the mount point detaches such
+                # copies (Linux >= 3.18) and leaves a sandbox's own bind, made elsewhere, be.
+                with contextlib.suppress(FileNotFoundError):
+                    point.rmdir()
                 if self._still_held(volume_id):
-                    # A mount of it lives on, detached, in some mount namespace (a command
-                    # still running?): its writes would go to a deleted file.
+                    # A mount of it lives on in some mount namespace (a command still
+                    # running?): its writes would go to a deleted file.
                     raise VolumeInUse(f"volume {volume_id} is still held by a process; retry "
                                       "once the sandboxes that mounted it have stopped")
                 shutil.rmtree(directory)
