@@ -10,7 +10,9 @@ number of sandboxes (at most ``--serial-max``) is made one after another in one 
 serial rate is the reference measured in the same run. Reported per burst: p50/p95/p99 of
 create-to-first-result, the burst's throughput (N over the time to the last result) and its
 ratio to the serial rate (above 1: concurrency bought something). The sandboxes of a burst
-are destroyed after it (timed apart, as ``destroy_s``).
+are destroyed after it (timed apart, as ``destroy_s``). First, as the host's own reference,
+bare ``bwrap --unshare-all true`` (root) one after another and then as many at once (at most
+100): the ratio it reaches bounds what namespaces allow here.
 
 ``embedded`` uses one in-process manager; ``http`` starts ``python -m corral serve`` on
 127.0.0.1 with its own data directory. Everything made is removed at the end; a leftover is
@@ -33,7 +35,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_sandbox import DEFAULT_UID_START, emit_report, percentile, teardown  # noqa: E402
+from bench_sandbox import (  # noqa: E402
+    BWRAP_ROOT,
+    DEFAULT_UID_START,
+    emit_report,
+    percentile,
+    run_checked,
+    teardown,
+)
 from bench_service import Server  # noqa: E402
 
 from corral import Sandbox  # noqa: E402
@@ -115,6 +124,42 @@ def serial(target: dict[str, Any], n: int) -> dict[str, Any]:
     return {"n": n, "rate_per_s": round(n / took, 1), "mean_ms": round(took / n * 1000, 2)}
 
 
+def bare_bwrap(bwrap: str, n: int) -> dict[str, Any]:
+    """The kernel's own reference: ``n`` bare ``bwrap --unshare-all true`` one after another,
+    then ``n`` at once from ``n`` threads. Namespace set-up (a network namespace, a copy of
+    the mount table) takes locks of the kernel's; what these reach is what any sandbox built
+    on namespaces can reach on this host."""
+    argv = [bwrap, *BWRAP_ROOT]
+    start = time.perf_counter()
+    for _ in range(n):
+        run_checked(argv)
+    serial_rate = n / (time.perf_counter() - start)
+    barrier = threading.Barrier(n + 1)
+    ends: list[float] = []
+
+    def worker() -> None:
+        barrier.wait()
+        run_checked(argv)
+        ends.append(time.perf_counter())
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    if len(ends) != n:
+        raise RuntimeError(f"only {len(ends)} of {n} bare bwrap runs succeeded")
+    latencies = sorted((at - start) * 1000 for at in ends)
+    burst_rate = n / (max(ends) - start)
+    return {"n": n, "serial_rate_per_s": round(serial_rate, 1),
+            "burst_rate_per_s": round(burst_rate, 1),
+            "burst_over_serial": round(burst_rate / serial_rate, 2),
+            "p50_ms": round(percentile(latencies, 0.5), 1),
+            "p99_ms": round(percentile(latencies, 0.99), 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,100,500")
@@ -132,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     uid_count = max(1000, 2 * max(sizes))
     results: dict[str, Any] = {}
     leftovers: list[str] = []
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        log("bench_burst: needs bwrap (Debian's bubblewrap) for its reference")
+        return 2
+    log("reference: bare bwrap, serial then at once")
+    reference_rows = [bare_bwrap(bwrap, min(n, 100)) for n in sizes]
     for mode in modes:
         home = Path(tempfile.mkdtemp(prefix="corral-bench-"))
         settings = Settings(home=home, uid_start=int(os.environ.get(
@@ -168,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "burst: N concurrent create -> first command result",
         "nproc": os.cpu_count(),
+        "bare_bwrap": reference_rows,
         "results": results,
         "targets": {"p99_under_1s_at_100": all(
             r.get("p99_ms", 1e9) <= 1000 for rows in results.values() for r in rows

@@ -25,7 +25,7 @@ _HALF_OF = {
     "tests/integration/test_drill.py": 0, "tests/conformance/test_sdk.py": 0,
     "tests/integration/test_cluster_serve.py": 0, "tests/integration/test_cluster.py": 0,
     "tests/integration/test_templates.py": 1, "tests/integration/test_code_interpreter.py": 1,
-    "tests/integration/test_gvisor.py": 1, "tests/integration/test_snapshot_surfaces.py": 1,
+    "tests/integration/test_gvisor.py": 1, "tests/integration/test_snapshot_surfaces.py": 0,
     "tests/integration/test_ports_volumes_cli.py": 1, "tests/integration/test_service.py": 1,
     "tests/integration/test_cli.py": 1,
 }
