@@ -209,3 +209,15 @@ def test_a_fan_out_refuses_bad_arguments_before_anything_starts(kwargs: dict[str
     args: dict[str, object] = {"snapshot": "s", "count": 2, "command": "true", **kwargs}
     with pytest.raises(UsageError, match=message):
         corral.FanOut(**args)  # type: ignore[arg-type]
+
+
+def test_the_shared_pools_keep_alive_every_connection_they_may_open() -> None:
+    # httpcore closes a "surplus" idle connection outside its lock, racing a request it has
+    # just been handed (EBADF under more threads than connections: bench_burst's 500 over
+    # HTTP failed 8-9 creates a run; encode/httpcore#1110). No surplus, no such close.
+    from corral._sdk._io import ahttp_pool, http_pool
+
+    for pool in (http_pool("http://127.0.0.1:9", None, 5.0),
+                 ahttp_pool("http://127.0.0.1:9", None, 5.0)):
+        limits = pool.client._transport._pool
+        assert limits._max_keepalive_connections >= limits._max_connections >= 100

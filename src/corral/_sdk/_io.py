@@ -75,13 +75,22 @@ _pools: weakref.WeakValueDictionary[tuple[str, str | None, float], Pool] = (
 _pools_lock = threading.Lock()
 
 
+_MAX_CONNECTIONS = 100  # httpx's default
+
+
 def _client_args(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
     import httpx
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     # No read timeout: a command may legitimately print nothing for minutes.
     return {"base_url": url.rstrip("/"), "headers": headers,
-            "timeout": httpx.Timeout(timeout_s, read=None)}
+            "timeout": httpx.Timeout(timeout_s, read=None),
+            # Keep-alive for every connection the pool may open: httpcore (1.0.9) closes a
+            # "surplus" idle connection outside its lock, and under more threads than
+            # connections that races a request just handed the same connection (it fails
+            # with EBADF; encode/httpcore#1110). With one origin and no surplus, it never does.
+            "limits": httpx.Limits(max_connections=_MAX_CONNECTIONS,
+                                   max_keepalive_connections=_MAX_CONNECTIONS)}
 
 
 def http_pool(url: str, api_key: str | None, timeout_s: float) -> Pool:
