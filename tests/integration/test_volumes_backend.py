@@ -496,6 +496,26 @@ def test_everything_is_rebuilt_after_a_reboot(tier: Rig) -> None:
     os.close(found[0])
 
 
+def test_a_resident_whose_mounts_went_away_is_stopped_before_they_are_mounted_again(
+        tier: Rig) -> None:
+    volume_id = tier.volume()
+    spec = tier.create(Mount("volume", volume_id, "/mnt/v", read_only=False))
+    # Two commands: from the second on, the sandbox's resident helper holds its mounts.
+    ok(tier, spec, "echo one > /mnt/v/f")
+    ok(tier, spec, "echo two >> /mnt/v/f; echo ws > /workspace/w")
+    holder = tier.backend._holder(spec.id)  # type: ignore[attr-defined]
+    assert holder is not None and holder.running
+    # An operator's umount of the host's side while the resident lives on with its copies.
+    for point in mounts_under(tier.settings.home / "sandboxes" / spec.id):
+        linux.umount(str(point), linux.MNT_DETACH)
+    linux.umount(str(tier.volume_mount(volume_id)), linux.MNT_DETACH)
+    assert ok(tier, spec, "cat /mnt/v/f /workspace/w") == "one\ntwo\nws\n"
+    assert not holder.running  # stopped first, then everything mounted once again
+    ok(tier, spec, "echo three >> /mnt/v/f")
+    assert (tier.volume_mount(volume_id) / "f").read_text() == "one\ntwo\nthree\n"
+    assert len(mounts_under(tier.volume_mount(volume_id))) == 1
+
+
 def test_a_volume_detached_but_alive_is_mounted_again_on_its_own_device(tier: Rig) -> None:
     """Two filesystems on one image would corrupt it: a volume whose mount lives on somewhere
     (here: a bind the host still holds) is mounted again through the same loop device."""

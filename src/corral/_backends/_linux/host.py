@@ -19,9 +19,10 @@ import logging
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Callable, Set
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..._settings import Settings
 from ..._templates import catalog
@@ -31,6 +32,7 @@ from ...errors import BackendError, BackendUnavailable, ConfigError, PortClosed
 from ...models import ResourceTier
 from . import netns
 from .cgroups import CgroupDriver, CgroupNow
+from .ondemand import OnDemand
 from .storage import WorkspaceStore
 from .template import BaseTemplate, load_template
 from .uids import lowest_free_uid
@@ -101,8 +103,16 @@ class HostBackedBackend:
         # Command cgroups carry the owner's pid and start time, so a later process can tell a
         # crashed owner's leftovers from a live neighbour's commands.
         self._owner = f"{os.getpid()}.{proc_start_time(os.getpid())}"
+        self._unmounted_lock = threading.Lock()
 
     # -- hooks --------------------------------------------------------------------------------
+
+    def _holder(self, sandbox_id: str) -> OnDemand[Any] | None:
+        """The sandbox's resident helper (a tier that keeps one per sandbox in use), if any."""
+        return None
+
+    def _close_resident(self, sandbox_id: str, *, forget: bool = False) -> None:
+        """Stop the sandbox's resident helper, if any (``forget``: the sandbox goes)."""
 
     def _ready(self) -> TierLauncher:
         raise NotImplementedError
@@ -298,11 +308,32 @@ class HostBackedBackend:
 
     def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
         self._ready()
+        self._close_resident(spec.id)  # nothing runs (the caller's promise); its mount goes
         return self._store.seal(spec, layer_id)
 
     def reset_workspace(self, spec: SandboxSpec) -> None:
         self._ready()
+        self._close_resident(spec.id)
         self._store.reset(spec)
+
+    def _close_resident_if_unmounted(self, spec: SandboxSpec) -> None:
+        """A resident keeps the mounts it was started with alive in its mount namespace. If
+        the host's went away under it (a reboot of the mounts, an operator's umount), the
+        resident must be gone before they are mounted again: a second mount beside the one
+        it holds (the overlay on the same upper directory, an ext4 image on a second loop
+        device) would fail or lose what the first has not written back."""
+        with self._unmounted_lock:  # a close under way elsewhere finishes first
+            holder = self._holder(spec.id)
+        if holder is None or not holder.running:
+            return
+        points = [self._store.mount_point(spec.id),
+                  *(m.source for m in self._planned_mounts(spec))]
+        if all(os.path.ismount(point) for point in points):
+            return
+        # Held while the resident closes: a command beside this one must not mount the image
+        # again before the old mount is gone with the resident.
+        with self._unmounted_lock:
+            self._close_resident(spec.id)
 
     def remove_layer(self, layer_id: str) -> None:
         self._store.remove_layer(layer_id)
@@ -328,6 +359,11 @@ class HostBackedBackend:
 
     def pause(self, spec: SandboxSpec, paused: bool) -> None:
         self._ready()
+        # A resident frozen mid-start would time out under its own lock (and hold up the
+        # destroy that waits for that lock): a start under way finishes first.
+        holder = self._holder(spec.id)
+        if paused and holder is not None:
+            holder.settle()
         self._ensure_runtime(spec)
         self.cgroups.freeze(spec.id, paused)
 
@@ -345,6 +381,9 @@ class HostBackedBackend:
 
     def destroy(self, spec: SandboxSpec) -> None:
         self._ready()
+        # First: a resident still starting is waited for and stopped, so it never makes its
+        # group inside a cgroup being removed.
+        self._close_resident(spec.id, forget=True)
         self._ensured.discard(spec.id)
         with contextlib.suppress(BackendError, OSError):
             self.cgroups.freeze(spec.id, False)  # a frozen process cannot die

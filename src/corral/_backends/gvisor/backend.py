@@ -108,7 +108,6 @@ from ...backends import (
     HostCheck,
     Leftover,
     SandboxSpec,
-    SealResult,
 )
 from ...errors import BackendError, BackendUnavailable, CommandError, ConfigError
 from ...models import ResourceTier, Usage
@@ -242,6 +241,7 @@ class GvisorBackend(HostBackedBackend):
         if request.build_root is not None:
             raise BackendUnavailable("image builds run their steps on the namespace tier")
         launcher = self._ready()
+        self._close_resident_if_unmounted(spec)
         workspace = self._ensure_runtime(spec)
         template = self._template(spec.template)
         rootfs = self._rootfs_for(template)
@@ -466,22 +466,6 @@ class GvisorBackend(HostBackedBackend):
         if entry is not None:
             entry[0].close()
 
-    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
-        self._close_resident(spec.id)  # nothing runs (the caller's promise); its mount goes
-        return super().seal_workspace(spec, layer_id)
-
-    def reset_workspace(self, spec: SandboxSpec) -> None:
-        self._close_resident(spec.id)
-        super().reset_workspace(spec)
-
-    def pause(self, spec: SandboxSpec, paused: bool) -> None:
-        # A resident frozen mid-start would time out under its own lock (and hold up the
-        # destroy that waits for that lock): a start under way finishes first.
-        holder = self._holder(spec.id)
-        if paused and holder is not None:
-            holder.settle()
-        super().pause(spec, paused)
-
     def busy(self, spec: SandboxSpec) -> bool:
         # The resident's group is no command: it alone does not make the sandbox busy.
         holder = self._holder(spec.id)
@@ -504,12 +488,6 @@ class GvisorBackend(HostBackedBackend):
         super().close()
 
     # -- the tier's own leftovers --------------------------------------------------------------
-
-    def destroy(self, spec: SandboxSpec) -> None:
-        # First: a resident still starting (ahead, from create) is waited for and stopped, so
-        # it never makes its group inside a cgroup being removed.
-        self._close_resident(spec.id, forget=True)
-        super().destroy(spec)
 
     def _destroy_extra(self, spec: SandboxSpec) -> None:
         self._remove_runsc_leftovers(lambda sandbox_id: sandbox_id != spec.id)

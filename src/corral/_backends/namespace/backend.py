@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..._settings import Settings
-from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec, SealResult
+from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, SandboxSpec
 from ...errors import BackendUnavailable
 from .._linux.cgroups import detect_cgroups
 from .._linux.host import HostBackedBackend
@@ -45,7 +45,6 @@ class NamespaceBackend(HostBackedBackend):
         self._launcher: CommandLauncher | None = None
         self._resident_on = settings.namespace_resident
         self._lock = threading.Lock()
-        self._unmounted_lock = threading.Lock()
         # Sandboxes that ran a command in this process (see _first_command).
         self._commanded: set[str] = set()
         # A sandbox's resident, with the identity of what it was started on (see _zygote_for).
@@ -78,7 +77,7 @@ class NamespaceBackend(HostBackedBackend):
 
     def exec(self, spec: SandboxSpec, request: ExecRequest) -> ExecOutcome:
         launcher = self._ready()
-        self._close_zygote_if_unmounted(spec)
+        self._close_resident_if_unmounted(spec)
         workspace = self._ensure_runtime(spec)
         template = (self._template(spec.template) if request.build_root is None
                     else build_root_template(Path(request.build_root)))
@@ -130,24 +129,6 @@ class NamespaceBackend(HostBackedBackend):
             stale.close()
         return holder
 
-    def _close_zygote_if_unmounted(self, spec: SandboxSpec) -> None:
-        """A resident keeps the mounts it was started with alive in its mount namespace. If
-        the host's went away under it (a reboot of the mounts, an operator's umount), the
-        resident must be gone before they are mounted again: a second mount of the same ext4
-        image beside the first loses what the first has not written back."""
-        with self._unmounted_lock:  # a close under way elsewhere finishes first
-            holder = self._holder(spec.id)
-        if holder is None or not holder.running:
-            return
-        points = [self._store.mount_point(spec.id),
-                  *(m.source for m in self._planned_mounts(spec))]
-        if all(os.path.ismount(point) for point in points):
-            return
-        # Held while the resident closes: a command beside this one must not mount the image
-        # again before the old mount is gone with the resident.
-        with self._unmounted_lock:
-            self._close_zygote(spec.id)
-
     def _start_zygote(self, spec: SandboxSpec, launch: Launch) -> Zygote:
         launcher = self._ready()
         helper = ensure_zygote(self._settings.home / "helpers")
@@ -156,7 +137,7 @@ class NamespaceBackend(HostBackedBackend):
             cgroups=launcher.cgroups, sandbox_group=spec.id, owner=self._owner,
             warmer=self._warmer)
 
-    def _close_zygote(self, sandbox_id: str, *, forget: bool = False) -> None:
+    def _close_resident(self, sandbox_id: str, *, forget: bool = False) -> None:
         with self._lock:
             entry = self._zygotes.pop(sandbox_id, None)
             if forget:
@@ -176,24 +157,6 @@ class NamespaceBackend(HostBackedBackend):
             return True
         return any(not name.startswith((RESIDENT_PREFIX, WARM_PREFIX))
                    for name in self.cgroups.children(spec.id))
-
-    def seal_workspace(self, spec: SandboxSpec, layer_id: str) -> SealResult:
-        self._close_zygote(spec.id)  # nothing runs (the caller's promise); its mount goes
-        return super().seal_workspace(spec, layer_id)
-
-    def reset_workspace(self, spec: SandboxSpec) -> None:
-        self._close_zygote(spec.id)
-        super().reset_workspace(spec)
-
-    def pause(self, spec: SandboxSpec, paused: bool) -> None:
-        holder = self._holder(spec.id)
-        if paused and holder is not None:
-            holder.settle()  # a resident frozen mid-start would time out under its lock
-        super().pause(spec, paused)
-
-    def destroy(self, spec: SandboxSpec) -> None:
-        self._close_zygote(spec.id, forget=True)
-        super().destroy(spec)
 
     def close(self) -> None:
         with self._lock:
