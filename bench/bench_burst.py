@@ -69,7 +69,23 @@ def one(target: dict[str, Any]) -> tuple[Sandbox, float]:
     return sandbox, time.perf_counter()
 
 
-def burst(target: dict[str, Any], n: int) -> dict[str, Any]:
+def _host_mounts() -> int:
+    with open("/proc/self/mountinfo") as f:
+        return sum(1 for _ in f)
+
+
+def _bare_bwrap_ms(bwrap: str, runs: int = 20) -> float:
+    """p50 of a bare root bwrap run now: its mount namespace is a copy of the host's whole
+    mount table, so it grows with every mount a live sandbox adds."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run_checked([bwrap, *BWRAP_ROOT])
+        times.append((time.perf_counter() - start) * 1000)
+    return round(percentile(sorted(times), 0.5), 2)
+
+
+def burst(target: dict[str, Any], n: int, bwrap: str) -> dict[str, Any]:
     barrier = threading.Barrier(n + 1)
     done: list[tuple[Sandbox, float]] = []
     errors: list[str] = []
@@ -95,12 +111,15 @@ def burst(target: dict[str, Any], n: int) -> dict[str, Any]:
         thread.join()
     latencies = sorted((at - start) * 1000 for _, at in done)
     end = max((at for _, at in done), default=start)
+    alive = {"host_mounts": _host_mounts(), "bare_bwrap_p50_ms": _bare_bwrap_ms(bwrap)}
     destroy_start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda item: item[0].kill(), done))
     report: dict[str, Any] = {
         "n": n, "ok": len(done), "failed": len(errors), "errors": sorted(set(errors))[:5],
         "destroy_s": round(time.perf_counter() - destroy_start, 3),
+        "while_alive": alive,
+        "after": {"host_mounts": _host_mounts(), "bare_bwrap_p50_ms": _bare_bwrap_ms(bwrap)},
     }
     if latencies:
         report |= {
@@ -182,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         log("bench_burst: needs bwrap (Debian's bubblewrap) for its reference")
         return 2
     log("reference: bare bwrap, serial then at once")
-    reference_rows = [bare_bwrap(bwrap, min(n, 100)) for n in sizes]
+    reference_rows = [bare_bwrap(bwrap, n) for n in sorted({min(n, 100) for n in sizes})]
     for mode in modes:
         home = Path(tempfile.mkdtemp(prefix="corral-bench-"))
         settings = Settings(home=home, uid_start=int(os.environ.get(
@@ -202,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in sizes:
                 log(f"{mode}: serial reference ({min(n, args.serial_max)}), then a burst of {n}")
                 reference = serial(target, min(n, args.serial_max))
-                row = burst(target, n)
+                row = burst(target, n, bwrap)
                 row["serial"] = reference
                 if "throughput_per_s" in row:
                     row["throughput_over_serial"] = round(
