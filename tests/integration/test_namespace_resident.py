@@ -13,6 +13,7 @@ Bounded: a timeout on every command, a handful of sandboxes, everything destroye
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import secrets
 import signal
@@ -157,6 +158,46 @@ def test_a_resident_idle_for_long_enough_is_stopped_and_the_next_command_starts_
         finally:
             sb.kill()
         assert host_procs_of_uid(uid) == []
+
+
+def test_a_sandbox_starts_from_a_mount_namespace_with_its_own_mounts_and_no_others(
+        sandbox: Sandbox, settings: Settings) -> None:
+    """Every live sandbox adds mounts to the host's table, and a new mount namespace copies
+    the table it starts from: a sandbox's bwrap starts from one that holds its own workspace
+    and none of another sandbox's, of its data directory or of another one (whose mounts a
+    long-lived copy would otherwise keep alive), with fewer mounts than the host's."""
+    lean = settings.model_copy(update={
+        "home": settings.home / "lean", "uid_start": settings.uid_start
+        + 3 * settings.uid_count // 4, "uid_count": settings.uid_count // 4})
+    lean.home.mkdir()
+    with managed(lean):
+        other = Sandbox.create(home=str(lean.home))
+        sb = Sandbox.create(home=str(lean.home))
+        try:
+            # Its first command (a bwrap of its own) makes the lean namespace; its second
+            # starts the resident, whose bwrap lives on.
+            assert other.commands.run("true").exit_code == 0
+            for _ in range(2):
+                assert sb.commands.run("true").exit_code == 0
+            mine = f" {lean.home}/sandboxes/{sb.id}/"
+            theirs = [f" {lean.home}/sandboxes/{other.id}/",
+                      f" {settings.home}/sandboxes/{sandbox.id}/"]
+            host_mounts = Path("/proc/self/mountinfo").read_text()
+            assert mine in host_mounts and all(t in host_mounts for t in theirs)
+            seen = []
+            for pid, _ in host_procs_of_uid(host_uid(sb.id)):
+                with contextlib.suppress(OSError):
+                    seen.append(Path(f"/proc/{pid}/mountinfo").read_text())
+            outer = [table for table in seen if mine in table]
+            assert outer, "no process of the sandbox's sees its host-side mounts"
+            for table in outer:
+                assert [t for t in theirs if t in table] == []
+                assert len(table.splitlines()) < len(host_mounts.splitlines())
+            out = sb.commands.run("echo ok > /workspace/f; cat /workspace/f").stdout
+            assert out == "ok\n"
+        finally:
+            sb.kill()
+            other.kill()
 
 
 def test_a_killed_resident_is_replaced_by_the_next_command(sandbox: Sandbox) -> None:

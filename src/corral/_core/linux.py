@@ -1,4 +1,5 @@
-"""Thin ctypes wrappers for the Linux calls Python 3.11 lacks (setns, unshare, mount, openat2)."""
+"""Thin ctypes wrappers for the Linux calls Python 3.11 lacks (setns, unshare, mount, openat2,
+open_tree, move_mount)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import os
 import platform
 
 __all__ = [
+    "CLONE_FS",
     "CLONE_NEWNET",
+    "CLONE_NEWNS",
     "MNT_DETACH",
     "MS_BIND",
     "RESOLVE_BENEATH",
     "RESOLVE_NO_MAGICLINKS",
     "RESOLVE_NO_XDEV",
+    "clone_tree",
     "mount",
+    "move_tree",
     "set_child_subreaper",
     "openat2",
     "setns",
@@ -21,15 +26,25 @@ __all__ = [
     "unshare",
 ]
 
+CLONE_FS = 0x200
+CLONE_NEWNS = 0x20000
 CLONE_NEWNET = 0x40000000
 MS_BIND = 0x1000
 MS_REC = 0x4000
+MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_BENEATH = 0x08
 
 _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(platform.machine(), 437)
+# The same on every architecture since Linux 5.2 (the new mount API).
+_SYS_OPEN_TREE = 428
+_SYS_MOVE_MOUNT = 429
+_OPEN_TREE_CLONE = 1
+_AT_RECURSIVE = 0x8000
+_AT_FDCWD = -100
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -92,3 +107,21 @@ def openat2(dir_fd: int, path: str, flags: int, mode: int = 0, resolve: int = 0)
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
     return int(fd)
+
+
+def clone_tree(path: str) -> int:
+    """open_tree(2) with OPEN_TREE_CLONE | AT_RECURSIVE: a descriptor holding a detached copy
+    of the mounts at and below ``path``, which ``move_tree`` attaches in another namespace."""
+    fd = _libc.syscall(_SYS_OPEN_TREE, ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(os.fsencode(path)),
+                       ctypes.c_uint(_OPEN_TREE_CLONE | _AT_RECURSIVE | os.O_CLOEXEC))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"open_tree {path}: {os.strerror(err)}")
+    return int(fd)
+
+
+def move_tree(tree_fd: int, target: str) -> None:
+    """move_mount(2): attach the detached tree ``tree_fd`` at ``target`` in this namespace."""
+    _check(_libc.syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree_fd), ctypes.c_char_p(b""),
+                         ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(os.fsencode(target)),
+                         ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount {target}")

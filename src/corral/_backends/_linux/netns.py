@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import fcntl
+import logging
 import os
 import queue
+import re
 import socket
 import struct
 import threading
@@ -27,6 +29,8 @@ _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 def _on_fresh_thread(fn: Callable[[], T]) -> T:
@@ -87,6 +91,49 @@ def remove_netns(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
+# A Corral data directory's per-sandbox mounts, whichever instance made them: a sandbox's
+# disk, overlay and binds, a volume's mount, a snapshot layer's.
+_CORRAL_MOUNT = re.compile(r"/sandboxes/sbx_[^/]+/|/volumes/vol_[^/]+/mnt$|/layers/lyr_[^/]+/")
+
+
+def _lean_namespace(hidden: tuple[Path, ...]) -> int:
+    """A descriptor of a new mount namespace: the host's, private, without the mounts below
+    any of ``hidden`` (every sandbox's workspace and volume binds, the pinned network
+    namespaces), nor any other Corral instance's sandbox, volume or layer mounts, nor any
+    pinned namespace. Made on a fresh thread, which dies; the descriptor keeps it alive.
+
+    What it holds it keeps alive for the life of the process: a copy of another instance's
+    workspace disk here would keep its superblock after that instance unmounted it, and a
+    second mount of the image beside it would lose what the first had not written back."""
+    def work() -> int:
+        linux.unshare(linux.CLONE_FS | linux.CLONE_NEWNS)
+        # Private first: an unmount here must never reach the host's peers (/run/netns is
+        # shared).
+        linux.mount("none", "/", None, linux.MS_REC | linux.MS_PRIVATE)
+        prefixes = tuple(f"{path}/" for path in hidden)
+        with open("/proc/thread-self/mountinfo") as f:
+            rows = [line.split() for line in f]
+        dropped = []
+        for row in rows:
+            point = _unescape(row[4])
+            fstype = row[row.index("-") + 1]
+            if point.startswith(prefixes) or fstype == "nsfs" or _CORRAL_MOUNT.search(point):
+                dropped.append(point)
+        for point in sorted(dropped, key=lambda p: p.count("/"), reverse=True):
+            try:
+                linux.umount(point, linux.MNT_DETACH)
+            except OSError:
+                pass  # below one detached already
+        return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+
+    return _on_fresh_thread(work)
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 class Spawner:
     """Long-lived threads that start processes inside sandbox network namespaces: one per
     CPU (at least two), so a burst of sandboxes starts in parallel.
@@ -96,12 +143,25 @@ class Spawner:
     sandbox moments after starting it (a race that load makes likely). These threads live as long
     as the process, so sandboxes die exactly when Corral does. Each enters a namespace only for
     the fork and always returns to the host's namespace before taking the next job.
+
+    With ``lean_hides``, a job given a ``tree`` forks in a mount namespace of its own: a copy
+    of a lean one (the host's without the mounts below ``lean_hides``) with the mounts at and
+    below ``tree`` attached at the same path. A new mount namespace copies every mount of the
+    one it starts from, under a lock of the kernel's, and each live sandbox adds three to the
+    host's: a bwrap started from the host's costs 7 ms with none and 234 ms beside 500. From
+    the lean one it costs the same beside any number.
     """
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(self, workers: int | None = None,
+                 lean_hides: tuple[Path, ...] = ()) -> None:
         self._host_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self._host_mnt_fd = os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        self._lean_hides = lean_hides
+        self._lean_fd: int | None = None
+        self._lean_lock = threading.Lock()
+        self._lean_off = not lean_hides
         self._jobs: queue.SimpleQueue[
-            tuple[Path, Callable[[], object], concurrent.futures.Future[object]]
+            tuple[Path, Path | None, Callable[[], object], concurrent.futures.Future[object]]
         ] = queue.SimpleQueue()
         count = workers if workers is not None else max(2, os.cpu_count() or 1)
         self._threads = [threading.Thread(target=self._loop, name=f"corral-spawner-{n}",
@@ -109,15 +169,79 @@ class Spawner:
         for thread in self._threads:
             thread.start()
 
+    def _lean(self) -> int | None:
+        with self._lean_lock:
+            if self._lean_off:
+                return None
+            if self._lean_fd is None:
+                try:
+                    self._lean_fd = _lean_namespace(self._lean_hides)
+                except OSError as exc:
+                    logger.warning("cannot make the lean mount namespace commands start from "
+                                   "(%s); they start from the host's", exc)
+                    self._lean_off = True
+            return self._lean_fd
+
+    def _enter_tree(self, tree: Path) -> bool:
+        """Move this thread into a fresh copy of the lean namespace holding ``tree``'s mounts;
+        False (still in the host's) where that cannot be done."""
+        lean = self._lean()
+        if lean is None:
+            return False
+        try:
+            tree_fd = linux.clone_tree(str(tree))
+        except OSError as exc:
+            logger.warning("cannot copy the mounts of %s (%s); commands start from the host's "
+                           "mount namespace", tree, exc)
+            self._lean_off = True
+            return False
+        try:
+            linux.setns(lean, linux.CLONE_NEWNS)
+            try:
+                linux.unshare(linux.CLONE_NEWNS)
+                linux.move_tree(tree_fd, str(tree))
+            except BaseException:
+                self._leave_tree()
+                raise
+        except OSError as exc:
+            logger.warning("cannot start from the lean mount namespace (%s); commands start "
+                           "from the host's", exc)
+            self._lean_off = True
+            return False
+        finally:
+            os.close(tree_fd)
+        return True
+
+    def _leave_tree(self) -> None:
+        try:
+            linux.setns(self._host_mnt_fd, linux.CLONE_NEWNS)
+        except OSError:
+            os._exit(70)  # never take the next job outside the host's mount namespace
+
     def _loop(self) -> None:
+        own_fs = False
+        if self._lean_hides:
+            try:
+                # A thread may enter another mount namespace only with its own root and cwd.
+                linux.unshare(linux.CLONE_FS)
+                own_fs = True
+            except OSError as exc:
+                logger.warning("a spawner thread cannot leave the host's mount namespace "
+                               "(%s); its commands start from the host's", exc)
         while True:
-            path, fn, future = self._jobs.get()
+            path, tree, fn, future = self._jobs.get()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # before leaving the host's view
                 try:
-                    linux.setns(fd, linux.CLONE_NEWNET)
+                    moved = own_fs and tree is not None and self._enter_tree(tree)
+                    try:
+                        linux.setns(fd, linux.CLONE_NEWNET)
+                    except BaseException:
+                        if moved:
+                            self._leave_tree()
+                        raise
                 finally:
                     os.close(fd)
                 try:
@@ -129,14 +253,17 @@ class Spawner:
                         linux.setns(self._host_fd, linux.CLONE_NEWNET)
                     except OSError:
                         os._exit(70)
+                    if moved:
+                        self._leave_tree()
             except BaseException as exc:
                 if not future.done():
                     future.set_exception(exc)
 
-    def run(self, path: Path, fn: Callable[[], T]) -> T:
-        """Run ``fn`` inside the namespace pinned at ``path``; children it forks stay there."""
+    def run(self, path: Path, fn: Callable[[], T], *, tree: Path | None = None) -> T:
+        """Run ``fn`` inside the namespace pinned at ``path``; children it forks stay there.
+        ``tree``: they need only the mounts at and below it of Corral's own (see the class)."""
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
-        self._jobs.put((path, fn, future))
+        self._jobs.put((path, tree, fn, future))
         return future.result()  # type: ignore[return-value]
 
 

@@ -69,7 +69,13 @@ class NamespaceBackend(HostBackedBackend):
             assert bwrap is not None  # checked above
             cgroups = detect_cgroups(self._instance)
             self._attach_cgroups(cgroups)
-            self._launcher = CommandLauncher(bwrap=bwrap, cgroups=cgroups)
+            # Commands start from a mount namespace without the mounts of the sandboxes,
+            # layers, volumes and network namespaces below these (each brings its own
+            # sandbox's); templates and helpers are directories, not mounts.
+            self._launcher = CommandLauncher(
+                bwrap=bwrap, cgroups=cgroups,
+                lean_hides=(self._store.root, self._store.layers_root,
+                            self._volumes.root, self._settings.run_dir))
         return self._launcher
 
     def create(self, spec: SandboxSpec) -> None:
@@ -84,11 +90,15 @@ class NamespaceBackend(HostBackedBackend):
         # An image build's step has a root of its own and never a volume.
         mounts = () if request.build_root is not None else tuple(
             (str(m.source), m.target, m.read_only) for m in self._planned_mounts(spec))
+        tree = self._store.sandbox_dir(spec.id)
         launch = Launch(
             uid=spec.uid, netns_path=self._netns_path(spec.id),
             template=template, workspace=workspace,
             tmp_bytes=spec.tier.tmp_bytes, group=f"{spec.id}/{self._group_name(request)}",
             request=request, env=self._command_env(spec, request), mounts=mounts,
+            # Every mount the command binds is below the sandbox's directory, or the host's
+            # own (a data mount's source, the template's system directories).
+            tree=tree if request.build_root is None and workspace.is_relative_to(tree) else None,
         )
         if (not self._resident_on or request.pty is not None or request.build_root is not None
                 or template.writable or self._first_command(spec.id)):

@@ -91,6 +91,9 @@ class Launch:
     env: Mapping[str, str]
     # The sandbox's volumes and data mounts: (host source, target, read-only), in order.
     mounts: tuple[tuple[str, str, bool], ...] = ()
+    # The directory holding every mount of Corral's the command needs (the sandbox's), if
+    # one does: it starts from a lean mount namespace (``netns.Spawner``).
+    tree: Path | None = None
 
 
 # Signals Python itself ignores and subprocess restores in the child anyway.
@@ -107,10 +110,11 @@ def ignored_signals() -> list[signal.Signals]:
 class CommandLauncher:
     """Starts commands for one backend: the bwrap binary, the cgroup driver, the spawner thread."""
 
-    def __init__(self, bwrap: str, cgroups: CgroupDriver) -> None:
+    def __init__(self, bwrap: str, cgroups: CgroupDriver,
+                 lean_hides: tuple[Path, ...] = ()) -> None:
         self.bwrap = bwrap
         self.cgroups = cgroups
-        self.spawner = netns.Spawner()
+        self.spawner = netns.Spawner(lean_hides=lean_hides)
         self.setsid = shutil.which("setsid") or "setsid"
         self.setpriv = shutil.which("setpriv") or "setpriv"
         self.env = shutil.which("env") or "env"
@@ -227,7 +231,7 @@ class CommandLauncher:
             )
 
         try:
-            proc = self.spawner.run(launch.netns_path, spawn)
+            proc = self.spawner.run(launch.netns_path, spawn, tree=launch.tree)
         except OSError as exc:
             for fd in (*child_fds, info_r, block_w):
                 os.close(fd)
