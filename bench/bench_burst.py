@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,19 @@ def one(target: dict[str, Any]) -> tuple[Sandbox, float]:
     return sandbox, time.perf_counter()
 
 
+def _at_once(n: int, worker: Callable[[], None], barrier: threading.Barrier) -> float:
+    """Run ``worker`` on ``n`` threads that each wait at ``barrier`` (of ``n + 1``) first;
+    when they were let go, once all have finished."""
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return start
+
+
 def _host_mounts() -> int:
     with open("/proc/self/mountinfo") as f:
         return sum(1 for _ in f)
@@ -102,13 +116,7 @@ def burst(target: dict[str, Any], n: int, bwrap: str) -> dict[str, Any]:
         with lock:
             done.append(got)
 
-    threads = [threading.Thread(target=worker) for _ in range(n)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for thread in threads:
-        thread.join()
+    start = _at_once(n, worker, barrier)
     latencies = sorted((at - start) * 1000 for _, at in done)
     end = max((at for _, at in done), default=start)
     alive = {"host_mounts": _host_mounts(), "bare_bwrap_p50_ms": _bare_bwrap_ms(bwrap)}
@@ -161,13 +169,7 @@ def bare_bwrap(bwrap: str, n: int) -> dict[str, Any]:
         run_checked(argv)
         ends.append(time.perf_counter())
 
-    threads = [threading.Thread(target=worker) for _ in range(n)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for thread in threads:
-        thread.join()
+    start = _at_once(n, worker, barrier)
     if len(ends) != n:
         raise RuntimeError(f"only {len(ends)} of {n} bare bwrap runs succeeded")
     latencies = sorted((at - start) * 1000 for at in ends)
