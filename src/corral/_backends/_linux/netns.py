@@ -8,6 +8,7 @@ namespace.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import fcntl
 import logging
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..._core import linux
+from .storage import unescape_mountinfo
 
 __all__ = ["Spawner", "create_netns", "is_pinned", "remove_netns"]
 
@@ -115,7 +117,7 @@ def _lean_namespace(hidden: tuple[Path, ...]) -> int:
             rows = [line.split() for line in f]
         dropped = []
         for row in rows:
-            point = _unescape(row[4])
+            point = unescape_mountinfo(row[4])
             fstype = row[row.index("-") + 1]
             if point.startswith(prefixes) or fstype == "nsfs" or _CORRAL_MOUNT.search(point):
                 dropped.append(point)
@@ -127,11 +129,6 @@ def _lean_namespace(hidden: tuple[Path, ...]) -> int:
         return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
 
     return _on_fresh_thread(work)
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 class Spawner:
@@ -191,9 +188,7 @@ class Spawner:
         try:
             tree_fd = linux.clone_tree(str(tree))
         except OSError as exc:
-            logger.warning("cannot copy the mounts of %s (%s); commands start from the host's "
-                           "mount namespace", tree, exc)
-            self._lean_off = True
+            self._refused(exc)
             return False
         try:
             linux.setns(lean, linux.CLONE_NEWNS)
@@ -204,13 +199,21 @@ class Spawner:
                 self._leave_tree()
                 raise
         except OSError as exc:
-            logger.warning("cannot start from the lean mount namespace (%s); commands start "
-                           "from the host's", exc)
-            self._lean_off = True
+            self._refused(exc)
             return False
         finally:
             os.close(tree_fd)
         return True
+
+    def _refused(self, exc: OSError) -> None:
+        """This job starts from the host's namespace; every later one too if the kernel or
+        our privileges will never allow it (not for a sandbox destroyed meanwhile, say)."""
+        if exc.errno in (errno.ENOSYS, errno.EPERM):
+            logger.warning("cannot start commands from a lean mount namespace (%s); they "
+                           "start from the host's", exc)
+            self._lean_off = True
+        else:
+            logger.debug("this command starts from the host's mount namespace: %s", exc)
 
     def _leave_tree(self) -> None:
         try:

@@ -172,7 +172,7 @@ def mount_disk(image: Path, point: Path, *, read_only: bool, reuse: bool = False
                   str(point)], f"mounting {image}")
 
 
-def _unescape(field: str) -> str:
+def unescape_mountinfo(field: str) -> str:
     # mountinfo writes space, tab, newline and backslash in paths as octal escapes.
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
@@ -186,7 +186,7 @@ def mounts_under(path: Path) -> list[Path]:
     found: list[Path] = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            point = _unescape(line.split(" ", 5)[4])
+            point = unescape_mountinfo(line.split(" ", 5)[4])
             if point == prefix[:-1] or point.startswith(prefix):
                 found.append(Path(point))
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
