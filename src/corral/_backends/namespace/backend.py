@@ -96,8 +96,9 @@ class NamespaceBackend(HostBackedBackend):
             template=template, workspace=workspace,
             tmp_bytes=spec.tier.tmp_bytes, group=f"{spec.id}/{self._group_name(request)}",
             request=request, env=self._command_env(spec, request), mounts=mounts,
-            # Every mount the command binds is below the sandbox's directory, or the host's
-            # own (a data mount's source, the template's system directories).
+            # Every mount of Corral's the command binds is below the sandbox's directory
+            # (its volumes and data mounts are bound there first); the rest is the host's
+            # system directories and the template's.
             tree=tree if request.build_root is None and workspace.is_relative_to(tree) else None,
         )
         if (not self._resident_on or request.pty is not None or request.build_root is not None
