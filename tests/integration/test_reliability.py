@@ -11,11 +11,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from corral._control.manager import Manager
 from corral._settings import Settings
 
 pytestmark = pytest.mark.needs_root
@@ -259,3 +263,31 @@ def test_names_that_are_not_utf8_through_the_async_sdk(where: dict[str, str]) ->
                 await sb.files.rename("x\udcff", "y")
 
     asyncio.run(scenario())
+
+
+def test_a_destroy_beside_one_under_way_returns_once_the_sandbox_is_gone(
+        manager: Manager, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A kill while the reaper (or another request) is destroying the same sandbox must not
+    # return before it is gone: a snapshot delete right after would find it still built on.
+    info = manager.create()
+    record = manager.store.get(info.id)
+    assert record is not None
+    backend = manager.sandboxes.backend(record)
+    started = threading.Event()
+    real_destroy = backend.destroy
+
+    def slow_destroy(spec: Any) -> None:
+        started.set()
+        time.sleep(1.0)  # a destroy that takes a while (many processes, a slow disk)
+        real_destroy(spec)
+
+    monkeypatch.setattr(backend, "destroy", slow_destroy)
+    first = threading.Thread(target=manager.sandboxes.destroy, args=(record,),
+                             kwargs={"reason": "requested"})
+    first.start()
+    try:
+        assert started.wait(10)
+        manager.sandboxes.destroy(record, reason="interrupted")
+        assert manager.store.get(info.id) is None
+    finally:
+        first.join(30)

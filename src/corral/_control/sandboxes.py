@@ -47,6 +47,11 @@ __all__ = ["Sandboxes", "find_snapshot", "new_id"]
 logger = logging.getLogger(__name__)
 
 
+# How long a destroy waits for the same sandbox's destroy under way in another thread (a
+# destroy kills, unmounts and syncs the trail: seconds at most).
+_DESTROY_WAIT_S = 60.0
+
+
 def new_id(prefix: str = "sbx") -> str:
     alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
     return f"{prefix}_" + "".join(secrets.choice(alphabet) for _ in range(12))
@@ -80,7 +85,8 @@ class Sandboxes:
         # Recovery, before the first create or list: injected, because recovery is built on
         # this service (the call goes up; the dependency does not).
         self._ready = ready
-        self._destroying: set[str] = set()
+        # Sandbox id -> the thread destroying it and an event set once it is done.
+        self._destroying: dict[str, tuple[int, threading.Event]] = {}
         self._destroying_lock = threading.Lock()
 
     # -- what the other services share ---------------------------------------------------------
@@ -283,11 +289,19 @@ class Sandboxes:
 
     def destroy(self, info: SandboxRecord, *, reason: str) -> None:
         # One destroy per sandbox at a time in this process: the reaper finishing a
-        # "destroying" row must not race the request that is destroying it right now.
+        # "destroying" row must not race the request that is destroying it right now. A
+        # second caller returns once the first is done, so that whoever asked sees it gone.
+        me = threading.get_ident()
         with self._destroying_lock:
-            if info.id in self._destroying:
-                return
-            self._destroying.add(info.id)
+            underway = self._destroying.get(info.id)
+            if underway is None:
+                done = threading.Event()
+                self._destroying[info.id] = (me, done)
+        if underway is not None:
+            thread, finished = underway
+            if thread != me:
+                finished.wait(_DESTROY_WAIT_S)
+            return
         try:
             # Mark first: a crash in the middle leaves a row that the next start finishes off.
             self._store.set_state(info.id, "destroying")
@@ -302,4 +316,5 @@ class Sandboxes:
             logger.info("destroyed sandbox %s (%s)", info.id, reason)
         finally:
             with self._destroying_lock:
-                self._destroying.discard(info.id)
+                del self._destroying[info.id]
+            done.set()
