@@ -162,7 +162,8 @@ class Probes:
 
 def _summary(values: list[float]) -> dict[str, float]:
     ms = sorted(v * 1000 for v in values)
-    return {"p50_ms": round(percentile(ms, 0.5), 3), "mean_ms": round(statistics.fmean(ms), 3)}
+    return {"p50_ms": round(percentile(ms, 0.5), 3), "p90_ms": round(percentile(ms, 0.9), 3),
+            "p99_ms": round(percentile(ms, 0.99), 3), "mean_ms": round(statistics.fmean(ms), 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from .._audit.auditor import Auditor
 from ..backends import IsolationBackend, Leftover
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, SandboxNotFound
 from .layers import Layers
 from .processes import ProcessTable
 from .records import SandboxRecord
@@ -79,14 +79,25 @@ class Recovery:
         removed += self._layers.sweep()
         for item in swept:
             self._auditor.count("corral_reaper_actions", action=f"sweep_{item.kind}")
-            if item.kind == "command" and item.command_id is not None:
+            if item.kind == "command" and item.command_id is not None \
+                    and not self._finished(item.sandbox_id, item.command_id):
                 # Its process died (crash, SIGKILL): close the command's story in the trail.
+                # A command that had finished (its group is removed after its result) has
+                # its end there already.
                 self._auditor.event(item.sandbox_id, "command.finished", {
                     "exit_code": None, "interrupted": True,
                     "error": "interrupted: the process running it stopped",
                 }, command=item.command_id, sync=True)
         self._done = True
         return removed + [str(item) for item in swept]
+
+    def _finished(self, sandbox_id: str, command_id: str) -> bool:
+        try:
+            trail = self._auditor.trail(sandbox_id, types=["command.finished"],
+                                        command=command_id)
+        except SandboxNotFound:  # no trail (auditing off): nothing is there to contradict
+            return False
+        return bool(trail.events)
 
     def _idle(self, info: SandboxRecord, now: float) -> bool:
         """Past its idle timeout with nothing running (no command, no background process)."""

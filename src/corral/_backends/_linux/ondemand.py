@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
@@ -38,6 +39,7 @@ class OnDemand(Generic[R]):
         self._resident: R | None = None
         self._busy = 0
         self._timer: threading.Timer | None = None
+        self._last_release = 0.0
         self._closed = False
         self.starts = 0
 
@@ -71,9 +73,6 @@ class OnDemand(Generic[R]):
             if self._closed:  # its sandbox is being destroyed or remounted: never start again
                 raise BackendError("the sandbox's resident helper was stopped under this "
                                    "command (the sandbox was destroyed or remounted)")
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
             if self._resident is not None and not self._resident.alive and self._busy == 0:
                 self._resident.close()
                 self._resident = None
@@ -110,20 +109,33 @@ class OnDemand(Generic[R]):
     def _release(self) -> None:
         with self._lock:
             self._busy -= 1
+            self._last_release = time.monotonic()
             if self._busy == 0 and self._resident is not None:
                 self._arm_idle_timer()
 
-    def _arm_idle_timer(self) -> None:  # under the lock
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = threading.Timer(self._idle_s, self._expire)
+    def _arm_idle_timer(self, after_s: float | None = None) -> None:  # under the lock
+        # One timer at a time, left running across uses: it re-arms for what is left of the
+        # idle time when it fires early. A timer (a thread) per command cost more than the
+        # command's own fork.
+        if self._timer is not None and after_s is None:
+            return
+        self._timer = threading.Timer(self._idle_s if after_s is None else after_s,
+                                      self._expire)
         self._timer.daemon = True
         self._timer.start()
 
     def _expire(self) -> None:
         # Closed under the lock: the next start may reuse the resident's names.
         with self._lock:
-            if self._busy or self._resident is None:
+            if self._closed or self._resident is None:
+                self._timer = None
+                return
+            if self._busy:
+                self._timer = None  # the last use's release arms it again
+                return
+            left = self._last_release + self._idle_s - time.monotonic()
+            if left > 0:
+                self._arm_idle_timer(left)
                 return
             self._resident.close()
             self._resident = self._timer = None

@@ -29,7 +29,7 @@ from .._linux.host import HostBackedBackend
 from .._linux.hostcheck import check_host
 from .._linux.ondemand import OnDemand
 from .._linux.template import build_root_template
-from .resident import RESIDENT_PREFIX, WARM_PREFIX, Zygote, ensure_zygote
+from .resident import RESIDENT_PREFIX, WARM_PREFIX, GroupRetirer, Zygote, ensure_zygote
 from .runner import CommandLauncher, Launch
 
 __all__ = ["NamespaceBackend"]
@@ -52,6 +52,7 @@ class NamespaceBackend(HostBackedBackend):
         # Makes each resident's next command init while the current command runs.
         self._warmer = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1),
                                           thread_name_prefix="corral-zygote-warm")
+        self._retirer: GroupRetirer | None = None  # with the cgroup driver, in _ready
 
     def check_host(self) -> list[HostCheck]:
         return check_host(self._settings)
@@ -69,6 +70,7 @@ class NamespaceBackend(HostBackedBackend):
             assert bwrap is not None  # checked above
             cgroups = detect_cgroups(self._instance)
             self._attach_cgroups(cgroups)
+            self._retirer = GroupRetirer(cgroups, self._warmer)
             # Commands start from a mount namespace without the mounts of the sandboxes,
             # layers, volumes and network namespaces below these (each brings its own
             # sandbox's); templates and helpers are directories, not mounts.
@@ -105,8 +107,9 @@ class NamespaceBackend(HostBackedBackend):
                 or template.writable or self._first_command(spec.id)):
             return launcher.run(launch)
         holder = self._zygote_for(spec, launch)
+        assert self._retirer is not None  # made with the launcher
         with holder.use() as zygote:
-            return launcher.run_resident(zygote, launch)
+            return launcher.run_resident(zygote, launch, retire=self._retirer.retire)
 
     def _first_command(self, sandbox_id: str) -> bool:
         """True for a sandbox's first command in this process, which takes the bwrap path: a
@@ -166,7 +169,9 @@ class NamespaceBackend(HostBackedBackend):
         holder = self._holder(spec.id)
         if holder is not None and holder.busy:
             return True
+        retiring = self._retirer.pending() if self._retirer is not None else frozenset()
         return any(not name.startswith((RESIDENT_PREFIX, WARM_PREFIX))
+                   and f"{spec.id}/{name}" not in retiring
                    for name in self.cgroups.children(spec.id))
 
     def close(self) -> None:
@@ -175,6 +180,8 @@ class NamespaceBackend(HostBackedBackend):
         for holder in holders:
             holder.close()
         self._warmer.shutdown(wait=False, cancel_futures=True)
+        if self._retirer is not None:
+            self._retirer.drain()
         super().close()
 
 

@@ -30,6 +30,7 @@ import array
 import contextlib
 import fcntl
 import itertools
+import logging
 import os
 import select
 import socket
@@ -47,8 +48,10 @@ from .._linux.static_helper import FILTER_NAME, build_static_helper
 from .._linux.supervise import SETUP_TIMEOUT_S
 from .bwrap import HELPER_MOUNT
 
-__all__ = ["RESIDENT_PREFIX", "WARM_PREFIX", "Zygote", "ZygoteProcess", "ensure_zygote",
-           "sealed_file", "zygote_argv"]
+__all__ = ["RESIDENT_PREFIX", "WARM_PREFIX", "GroupRetirer", "Zygote", "ZygoteProcess",
+           "ensure_zygote", "sealed_file", "zygote_argv"]
+
+logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("zygote.c")
 _PROGRAM = "zygote"
@@ -59,6 +62,7 @@ _UCRED = struct.Struct("iII")
 _RESIDENT_NUMBERS = itertools.count()
 _REPLY_MAX = 256
 _KILLED = -9
+_EXIT_WAIT_S = 0.5
 
 
 def ensure_zygote(parent: Path) -> Path:
@@ -91,6 +95,14 @@ class WarmInit:
     sock: socket.socket
     pid: int
     group: str
+    #: the init's pidfd: readable once it has exited, and with it its whole PID namespace
+    pidfd: int
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.pidfd >= 0:  # once: the number may be another file's after
+            fd, self.pidfd = self.pidfd, -1
+            os.close(fd)
 
 
 class ZygoteProcess:
@@ -99,6 +111,7 @@ class ZygoteProcess:
     killed (a timeout, ``kill_command``, the sandbox's destroy): minus SIGKILL."""
 
     def __init__(self, init: WarmInit, stdin: int | None, stdout: int, stderr: int) -> None:
+        self._init = init
         self._sock = init.sock
         self.pid = init.pid
         # Buffered as Popen's: an interactive caller's write (``ProcessHandle``) is whole.
@@ -121,6 +134,12 @@ class ZygoteProcess:
         except OSError:
             reply = b""
         self._sock.close()
+        # An init exits right after its answer, and the kernel empties its PID namespace
+        # before the exit completes: once its pidfd reads, nothing of the command is left to
+        # kill, and the group's emptiness check finds it empty at its first look (sleeping
+        # there cost a command ~0.5 ms). A process stuck in the kernel (D state) bounds this
+        # wait; the group's kill then deals with it.
+        select.select([self._init.pidfd], [], [], _EXIT_WAIT_S)
         if reply.startswith(b"x "):
             self.returncode = int(reply[2:])
         elif reply.startswith(b"n "):
@@ -149,8 +168,7 @@ class ZygoteProcess:
             if pipe is not None and not pipe.closed:
                 with contextlib.suppress(OSError):
                     pipe.close()
-        if self.returncode is None:
-            self._sock.close()
+        self._init.close()
 
 
 def _request(cwd: str, argv: Sequence[str], env: dict[str, str]) -> int:
@@ -179,6 +197,47 @@ def sealed_file(data: bytes, name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+class GroupRetirer:
+    """Removes finished commands' (empty) groups on ``pool``, off the command's path: an
+    rmdir waits for the kernel's cgroup lock, which the next init's placement holds through
+    an RCU grace period, so removing in line cost a command up to ~20 ms at p99. Until it
+    is removed, a retiring group is no command (``pending``); a crash in between leaves it
+    to the sweep, which finds the command's end already in the audit trail."""
+
+    def __init__(self, cgroups: CgroupDriver, pool: ThreadPoolExecutor) -> None:
+        self._cgroups = cgroups
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()
+
+    def retire(self, group: str) -> None:
+        with self._lock:
+            self._pending.add(group)
+        try:
+            self._pool.submit(self._remove, group)
+        except RuntimeError:  # the pool is shutting down: Corral is closing
+            self._remove(group)
+
+    def pending(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._pending)
+
+    def drain(self) -> None:
+        """Remove what is still pending, here and now (before the pool goes away)."""
+        for group in self.pending():
+            self._remove(group)
+
+    def _remove(self, group: str) -> None:
+        try:
+            self._cgroups.remove(group)
+        except (BackendError, OSError) as exc:
+            logger.warning("a finished command's cgroup %s was not removed (the sweep "
+                           "will): %s", group, exc)
+        finally:
+            with self._lock:
+                self._pending.discard(group)
 
 
 class Zygote:
@@ -249,8 +308,12 @@ class Zygote:
             detail = _setup_failure(reply) if reply.startswith(b"e ") else "no answer"
             raise BackendError(f"the sandbox's zygote could not make a command's init: {detail}")
         sock = socket.socket(fileno=fds[0])
+        pidfd = -1
         try:
             pid = self._ready_pid(sock)
+            # Opened while the init waits for its request (it exits only on one, or on its
+            # socket's EOF): the pid is still its own.
+            pidfd = os.pidfd_open(pid)
             group = f"{self._sandbox_group}/{WARM_PREFIX}{self._owner}.{next(self._numbers)}"
             self._cgroups.create_command(group)
             try:
@@ -261,8 +324,10 @@ class Zygote:
                 raise
         except BaseException:
             sock.close()
+            if pidfd >= 0:
+                os.close(pidfd)
             raise
-        return WarmInit(sock=sock, pid=pid, group=group)
+        return WarmInit(sock=sock, pid=pid, group=group, pidfd=pidfd)
 
     @staticmethod
     def _ready_pid(sock: socket.socket) -> int:
@@ -332,7 +397,7 @@ class Zygote:
 
     def discard(self, init: WarmInit) -> None:
         """Let an init go unused (its answer socket closed, it exits) and remove its group."""
-        init.sock.close()
+        init.close()
         with contextlib.suppress(BackendError, OSError):
             self._cgroups.kill(init.group)
         with contextlib.suppress(OSError):

@@ -26,7 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,8 +276,10 @@ class CommandLauncher:
             os.close(block_w)
         return proc, init_pid
 
-    def run_resident(self, zygote: Zygote, launch: Launch) -> ExecOutcome:
-        """``run``, from the sandbox's resident: the init made ahead takes the command."""
+    def run_resident(self, zygote: Zygote, launch: Launch, *,
+                     retire: Callable[[str], None]) -> ExecOutcome:
+        """``run``, from the sandbox's resident: the init made ahead takes the command.
+        ``retire`` takes the command's group once it is empty (``GroupRetirer``)."""
         request, group = launch.request, launch.group
         check_exec_size(request.argv, launch.env)
         started = time.monotonic()
@@ -297,10 +299,11 @@ class CommandLauncher:
         except BaseException:
             with contextlib.suppress(BackendError):
                 self.cgroups.kill(group)
-            raise
-        finally:
             proc.close()
             self.cgroups.remove(group)
+            raise
+        proc.close()
+        retire(group)  # supervise's kill found it empty
         if proc.setup_error is not None:
             if proc.setup_error.startswith("chdir:"):
                 raise CommandError("cannot enter the working directory: "
