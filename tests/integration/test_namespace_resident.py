@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -290,3 +291,45 @@ def test_a_sigkill_in_the_middle_of_a_burst_leaves_nothing_and_loses_no_result(
             assert sb.commands.run("echo fine", timeout=10).stdout == "fine\n"
         finally:
             sb.kill()
+
+
+def test_a_finished_commands_group_is_no_command_and_a_sweep_keeps_its_recorded_end(
+        sandbox: Sandbox, manager: Manager) -> None:
+    """A command's emptied group is removed after its result is returned: until then it
+    must not read as a running command, and a crash in between must not have the next
+    start's sweep call the finished command interrupted."""
+    record = manager.store.get(sandbox.id)
+    assert record is not None
+    for _ in range(5):
+        assert sandbox.commands.run("true").exit_code == 0
+        assert not manager.sandboxes.busy(record), "a finished command reads as running"
+    backend = manager.backend
+    time.sleep(0.2)  # the next command's init, made ahead, is ready
+    # Every worker of the pool that removes groups waits: the next command's group stays.
+    gate = threading.Event()
+    for _ in range(backend._warmer._max_workers):  # type: ignore[attr-defined]
+        backend._warmer.submit(gate.wait, 10)  # type: ignore[attr-defined]
+    try:
+        assert sandbox.commands.run("true").exit_code == 0
+        assert backend._retirer.pending(), "no group left to remove"  # type: ignore[attr-defined]
+        assert not manager.sandboxes.busy(record), "a retiring group reads as a command"
+    finally:
+        gate.set()
+    finished = sandbox.commands.run("echo done")
+    assert finished.command_id is not None
+    cgroups = manager.backend.cgroups  # type: ignore[attr-defined]
+    # What a crash leaves between the result and the removal: the command's group, named
+    # for an owner that is gone (pid 1 never started at time 0).
+    left = f"{sandbox.id}/c.1.0.{finished.command_id}"
+    cgroups.create_command(left)
+    unfinished = f"cmd_{secrets.token_hex(8)}"
+    cgroups.create_command(f"{sandbox.id}/c.1.0.{unfinished}")
+    swept = manager.recover()
+    assert any(finished.command_id in item for item in swept), swept
+    assert left.rsplit("/", 1)[-1] not in cgroups.children(sandbox.id)
+    ends = sandbox.audit.events(types=["command.finished"])
+    mine = [e for e in ends if e.command == finished.command_id]
+    assert len(mine) == 1 and not mine[0].data.get("interrupted"), mine
+    # One the trail has no end for is still closed as interrupted.
+    theirs = [e for e in ends if e.command == unfinished]
+    assert len(theirs) == 1 and theirs[0].data.get("interrupted") is True, theirs
