@@ -136,6 +136,25 @@ def test_the_first_instruction_already_runs_in_the_commands_cgroup(sandbox: Sand
     assert lines and all(line.endswith(":/") for line in lines), lines
 
 
+def test_a_sandboxs_first_command_and_a_terminal_one_are_born_in_their_cgroup(
+        home: str, manager: Manager) -> None:
+    """The commands that take a bwrap of their own (a sandbox's first, a terminal's): the
+    launch joins the command's group before it execs bwrap, so bwrap makes the cgroup
+    namespace inside the group (the command sees its root, and nothing of the host's
+    names: instance, sandbox id, owner), and the init is never anywhere else."""
+    sb = Sandbox.create(home=home)
+    try:
+        for result in (sb.commands.run("exec cat /proc/self/cgroup", timeout=10),
+                       manager.run(sb.id, ["cat", "/proc/self/cgroup"], pty=(24, 80),
+                                   timeout=10)):
+            assert result.exit_code == 0, result.stderr
+            lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+            assert lines and all(line.endswith(":/") for line in lines), lines
+            assert sb.id not in result.stdout
+    finally:
+        sb.kill()
+
+
 def test_a_resident_idle_for_long_enough_is_stopped_and_the_next_command_starts_one(
         settings: Settings, manager: Manager) -> None:
     quick = settings.model_copy(update={
@@ -333,3 +352,35 @@ def test_a_finished_commands_group_is_no_command_and_a_sweep_keeps_its_recorded_
     # One the trail has no end for is still closed as interrupted.
     theirs = [e for e in ends if e.command == unfinished]
     assert len(theirs) == 1 and theirs[0].data.get("interrupted") is True, theirs
+
+
+def test_the_launch_helper_drops_to_the_uid_and_refuses_what_it_cannot_do(
+        tmp_path: Path) -> None:
+    from corral._backends.namespace.runner import ensure_launch_helper
+
+    helper = str(ensure_launch_helper(tmp_path))
+
+    def launch(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([helper, *args], capture_output=True, text=True, timeout=30)
+
+    # Started with SIGINT and SIGQUIT ignored (as under nohup or `&`): they are reset.
+    ok = subprocess.run(
+        ["/bin/sh", "-c", 'trap "" INT QUIT; exec "$@"', "sh", helper, "65534", "-", "0",
+         "--", "/bin/sh", "-c", "id -u; id -g; id -G; "
+         "grep -E '^(CapEff|CapPrm|SigIgn)' /proc/self/status"],
+        capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.split("\n")
+    assert lines[:3] == ["65534", "65534", "65534"], ok.stdout  # no supplementary group
+    assert "CapEff:\t0000000000000000" in ok.stdout and "CapPrm:\t0000000000000000" in ok.stdout
+    assert "SigIgn:\t0000000000000000" in ok.stdout
+    refused = {
+        "uid 0": launch("0", "-", "0", "--", "/bin/true"),
+        "uid": launch("x", "-", "0", "--", "/bin/true"),
+        "join descriptor": launch("65534", "1,x", "0", "--", "/bin/true"),
+        "cannot join the command's cgroup": launch("65534", "99", "0", "--", "/bin/true"),
+        "/nonexistent": launch("65534", "-", "0", "--", "/nonexistent"),
+        "usage": launch("65534", "-", "0", "/bin/true"),
+    }
+    for what, result in refused.items():
+        assert result.returncode == 125 and what in result.stderr, (what, result)

@@ -56,6 +56,10 @@ class CgroupDriver(Protocol):
         """The ``cgroup.procs`` files a process is written to to join ``group`` (for a helper
         process that places its own child and should not load this driver)."""
         ...
+    def join_files(self, group: str) -> list[Path]:
+        """The files a process writes "0" to, to move itself into ``group`` (v1: each
+        hierarchy's ``tasks``, where a thread moving itself takes no global lock)."""
+        ...
     def usage(self, group: str) -> CgroupUsage: ...
     def now(self, group: str) -> CgroupNow: ...
     def kill(self, group: str) -> None: ...
@@ -229,6 +233,9 @@ class CgroupV1:
     def procs_files(self, group: str) -> list[Path]:
         return [path / "cgroup.procs" for path in self._paths(group)]
 
+    def join_files(self, group: str) -> list[Path]:
+        return [path / "tasks" for path in self._paths(group)]
+
     def now(self, group: str) -> CgroupNow:
         return CgroupNow(
             cpu_s=int(_read(self._path("cpuacct", group) / "cpuacct.usage")) / 1e9,
@@ -351,6 +358,9 @@ class CgroupV2:
 
     def procs_files(self, group: str) -> list[Path]:
         return [self._base / group / "cgroup.procs"]
+
+    def join_files(self, group: str) -> list[Path]:
+        return self.procs_files(group)
 
     def now(self, group: str) -> CgroupNow:
         path = self._base / group

@@ -30,7 +30,7 @@ from .._linux.hostcheck import check_host
 from .._linux.ondemand import OnDemand
 from .._linux.template import build_root_template
 from .resident import RESIDENT_PREFIX, WARM_PREFIX, GroupRetirer, Zygote, ensure_zygote
-from .runner import CommandLauncher, Launch
+from .runner import CommandLauncher, Launch, ensure_launch_helper
 
 __all__ = ["NamespaceBackend"]
 
@@ -76,6 +76,7 @@ class NamespaceBackend(HostBackedBackend):
             # sandbox's); templates and helpers are directories, not mounts.
             self._launcher = CommandLauncher(
                 bwrap=bwrap, cgroups=cgroups,
+                launch_helper=ensure_launch_helper(self._settings.home / "helpers"),
                 lean_hides=(self._store.root, self._store.layers_root,
                             self._volumes.root, self._settings.run_dir))
         return self._launcher

@@ -18,7 +18,7 @@ CAP_SYS_ADMIN and CAP_SETPCAP in the sandbox's user namespace (they give nothing
 and is not reachable from a command: not in its PID namespace, no descriptor shared, not
 dumpable. A terminal (PTY) command and an image build's step take the bwrap path.
 
-``setpriv --pdeathsig KILL`` ties the resident's bwrap to the spawner thread (which lives as
+The launch helper's ``PR_SET_PDEATHSIG`` ties the resident's bwrap to the spawner thread (which lives as
 long as Corral) and bwrap's ``--die-with-parent`` the zygote to bwrap, so a resident never
 outlives its Corral process; its cgroup group (``r.<owner>.N``) and the group of the init made
 ahead (``w.<owner>.N``) carry the owner as command groups do, so a crashed owner's are swept.

@@ -1,16 +1,17 @@
 """Runs one sandboxed command: spawn, place in its cgroup before it runs, stream, limit, reap.
 
-The host side of a launch (setsid, setpriv, bwrap until it has built the sandbox) runs with
-Corral's fixed environment (``_core.privileged``); the command's own environment and every
-host path travel to bwrap as data on an ``--args`` descriptor (see ``bwrap``).
+The host side of a launch (setsid, the launch helper, bwrap until it has built the sandbox)
+runs with Corral's fixed environment (``_core.privileged``); the command's own environment and
+every host path travel to bwrap as data on an ``--args`` descriptor (see ``bwrap``).
 
-Ordering that makes the limits hold: bwrap is started with ``--block-fd``, so after building the
-namespaces its sandbox init waits; we read the init's pid from ``--info-fd``, move the init
-into the command's cgroup, and only then release it. Nothing the user asked for runs outside
-the cgroup, even for a microsecond: everything it runs descends from that init. bwrap's outer
-process, which only waits for the init (and dies with it, or with us), stays in Corral's
-cgroup: moving a process between v1 cgroups costs ~0.5 ms per hierarchy (an RCU grace period
-each), and placing it too doubled the largest cost of a command (``bench/bench_profile.py``).
+Ordering that makes the limits hold: the launch helper (``launch.c``) joins the command's
+cgroup before it drops to the sandbox's uid and execs bwrap, so bwrap and everything it starts
+are born in the group, and bwrap makes the cgroup namespace there (the command sees the root of
+its own group and none of the host's names). bwrap is started with ``--block-fd``: after
+building the namespaces its sandbox init waits until we have read its pid from ``--info-fd``
+and set its limits. A process moving *itself* into a v1 cgroup takes no global lock; moving
+another one from the host took an RCU grace period (~10 ms here) under the cgroup lock, which
+cost a sandbox's first command that much and serialized a burst of them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import re
 import resource
 import selectors
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +40,7 @@ from .._linux import netns, seccomp
 from .._linux.cgroups import CgroupDriver
 from .._linux.notfound import ExecFailureHead, exec_failure
 from .._linux.process_io import command_stdio
+from .._linux.static_helper import build_static_helper
 from .._linux.supervise import SETUP_TIMEOUT_S as _SETUP_TIMEOUT_S
 from .._linux.supervise import supervise
 from .._linux.template import BaseTemplate
@@ -96,28 +97,25 @@ class Launch:
     tree: Path | None = None
 
 
-# Signals Python itself ignores and subprocess restores in the child anyway.
-_RESTORED = frozenset({signal.SIGPIPE, signal.SIGXFSZ})
-_CHECKED = tuple(s for s in signal.Signals
-                 if s not in _RESTORED and s not in (signal.SIGKILL, signal.SIGSTOP))
+_LAUNCH_SOURCE = Path(__file__).with_name("launch.c")
 
 
-def ignored_signals() -> list[signal.Signals]:
-    """The signals this process ignores (which a child would inherit as ignored)."""
-    return [s for s in _CHECKED if signal.getsignal(s) == signal.SIG_IGN]
+def ensure_launch_helper(parent: Path) -> Path:
+    """The launch helper (``launch.c``), built once under ``parent``."""
+    return build_static_helper(parent, _LAUNCH_SOURCE, "launch",
+                               "the namespace tier's launch helper") / "launch"
 
 
 class CommandLauncher:
     """Starts commands for one backend: the bwrap binary, the cgroup driver, the spawner thread."""
 
-    def __init__(self, bwrap: str, cgroups: CgroupDriver,
+    def __init__(self, bwrap: str, cgroups: CgroupDriver, launch_helper: Path,
                  lean_hides: tuple[Path, ...] = ()) -> None:
         self.bwrap = bwrap
         self.cgroups = cgroups
+        self.launch_helper = str(launch_helper)  # launch.c: see ensure_launch_helper
         self.spawner = netns.Spawner(lean_hides=lean_hides)
         self.setsid = shutil.which("setsid") or "setsid"
-        self.setpriv = shutil.which("setpriv") or "setpriv"
-        self.env = shutil.which("env") or "env"
         # When a kill takes bwrap's outer process before the sandbox's init, the init is
         # re-parented; as a subreaper we get it (and reap it) instead of a host init that may
         # never reap (containers often run one that doesn't).
@@ -207,18 +205,22 @@ class CommandLauncher:
             for fd in (info_r, block_w, *bwrap_fds):
                 os.close(fd)
             raise
-        child_fds = (*bwrap_fds, args_fd)
+        try:
+            join_fds = tuple(os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                             for path in self.cgroups.join_files(group))
+        except OSError as exc:
+            for fd in (info_r, block_w, *bwrap_fds, args_fd):
+                os.close(fd)
+            raise BackendError(f"cannot open the command's cgroup {group}: {exc}") from exc
+        child_fds = (*bwrap_fds, args_fd, *join_fds)
         argv = command_line(self.bwrap, args_fd, command)
-        # setpriv drops to the sandbox's uid and execs bwrap (same pid). Doing it here rather than
-        # with Popen(user=...) lets CPython use vfork: forking a large process (the service) to
-        # change uid costs milliseconds per command. A resident dies with the spawner thread.
-        argv = [self.setpriv, f"--reuid={launch.uid}", f"--regid={launch.uid}",
-                "--clear-groups", *(["--pdeathsig", "KILL"] if pdeathsig else []), "--", *argv]
-        if ignored_signals():
-            # Ignored signals survive exec: a service started in the background (SIGINT and
-            # SIGQUIT ignored) or under nohup would hand that on, and Ctrl-C in a terminal
-            # would then reach nothing. Only then, one more exec resets them all.
-            argv = [self.env, "--default-signal", "--", *argv]
+        # The launch helper joins the command's group (bwrap and its child are born in it),
+        # resets the signals (ignored ones survive exec: a service started under nohup would
+        # hand them on), drops to the sandbox's uid and execs bwrap, same pid. Doing it here
+        # rather than with Popen(user=...) lets CPython use vfork: forking a large process
+        # (the service) costs milliseconds. A resident dies with the spawner thread.
+        argv = [self.launch_helper, str(launch.uid), ",".join(map(str, join_fds)) or "-",
+                "1" if pdeathsig else "0", "--", *argv]
         argv = [*prefix, *argv]  # setsid execs: same pid
 
         def spawn() -> subprocess.Popen[bytes]:
@@ -261,8 +263,8 @@ class CommandLauncher:
                     resource.prlimit(pid, resource.RLIMIT_NOFILE, _NOFILE)
                     resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
             try:
-                # A resident's bwrap lives as long as it does: the sandbox's, in its group.
-                self.cgroups.attach(group, (proc.pid, init_pid) if resident else (init_pid,))
+                # bwrap and the init were born in the group (launch.c): a resident's bwrap
+                # lives as long as it does, the sandbox's, so it is counted there too.
                 os.write(block_w, b"1")
             except (ProcessLookupError, BrokenPipeError):
                 raise BackendError(
