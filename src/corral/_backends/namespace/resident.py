@@ -2,11 +2,13 @@
 kept while the sandbox is in use, which starts each command in fresh namespaces of its own.
 
 A command in the bwrap path costs a bwrap: a new user namespace, the sandbox's mount tree
-built mount by mount, a PID namespace, a cgroup move (an RCU grace period per v1 hierarchy).
+built mount by mount, a PID namespace.
 From the resident, the sandbox's user and mount namespace already exist; what each command
 gets new (PID, mount, IPC, UTS and cgroup namespace, ``/tmp``, ``/dev/shm``, devpts,
 ``/proc``, its cgroup, the capability drop and the seccomp filter) is made by the zygote in a
-command *init* ahead of the command, placed in a cgroup of its own ahead too, so a command
+command *init* ahead of the command, which writes itself into a cgroup of its own (the host
+hands the zygote that group's files, opened for writing, with the request to make it; they
+move only their writer, and the init closes them at once), so a command
 waits only for its request, a fork and its exec (``bench/bench_profile.py``).
 
 Per command the guarantees are the bwrap path's: its init is in the command's cgroup before
@@ -18,10 +20,11 @@ CAP_SYS_ADMIN and CAP_SETPCAP in the sandbox's user namespace (they give nothing
 and is not reachable from a command: not in its PID namespace, no descriptor shared, not
 dumpable. A terminal (PTY) command and an image build's step take the bwrap path.
 
-The launch helper's ``PR_SET_PDEATHSIG`` ties the resident's bwrap to the spawner thread (which lives as
-long as Corral) and bwrap's ``--die-with-parent`` the zygote to bwrap, so a resident never
-outlives its Corral process; its cgroup group (``r.<owner>.N``) and the group of the init made
-ahead (``w.<owner>.N``) carry the owner as command groups do, so a crashed owner's are swept.
+The launch helper's ``PR_SET_PDEATHSIG`` ties the resident's bwrap to the spawner thread
+(which lives as long as Corral) and bwrap's ``--die-with-parent`` the zygote to bwrap, so a
+resident never outlives its Corral process; its cgroup group (``r.<owner>.N``) and the group
+of the init made ahead (``w.<owner>.N``) carry the owner as command groups do, so a crashed
+owner's are swept.
 """
 
 from __future__ import annotations
@@ -287,17 +290,41 @@ class Zygote:
         return self._proc.poll() is None
 
     def _warm(self) -> WarmInit:
-        """Have the zygote make an init; wait until it is set up, and place it."""
-        with self._control_lock:
-            try:
-                self._control.send(b"w")
-                if not _wait_readable(self._control, SETUP_TIMEOUT_S):
-                    raise BackendError("the sandbox's zygote did not answer in "
-                                       f"{SETUP_TIMEOUT_S:.0f} s")
-                reply, ancillary, _, _ = self._control.recvmsg(
-                    _REPLY_MAX, socket.CMSG_SPACE(array.array("i", [0]).itemsize))
-            except OSError as exc:
-                raise BackendError(f"the sandbox's zygote is gone ({exc})") from None
+        """Have the zygote make an init in a group made for it, and wait until it is set up.
+        The init writes itself into the group first thing, before it sets anything up: a
+        process moving itself takes no global cgroup lock, where the host placing it waited
+        for an RCU grace period holding the cgroup lock every other command's rename and
+        removal need."""
+        group = f"{self._sandbox_group}/{WARM_PREFIX}{self._owner}.{next(self._numbers)}"
+        self._cgroups.create_command(group)
+        try:
+            return self._warm_into(group)
+        except BaseException:
+            with contextlib.suppress(BackendError, OSError):
+                self._cgroups.kill(group)
+            with contextlib.suppress(OSError):
+                self._cgroups.remove(group)
+            raise
+
+    def _warm_into(self, group: str) -> WarmInit:
+        join: list[int] = []
+        try:
+            for path in self._cgroups.join_files(group):
+                join.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+            with self._control_lock:
+                try:
+                    self._control.sendmsg([b"w"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                    array.array("i", join))])
+                    if not _wait_readable(self._control, SETUP_TIMEOUT_S):
+                        raise BackendError("the sandbox's zygote did not answer in "
+                                           f"{SETUP_TIMEOUT_S:.0f} s")
+                    reply, ancillary, _, _ = self._control.recvmsg(
+                        _REPLY_MAX, socket.CMSG_SPACE(array.array("i", [0]).itemsize))
+                except OSError as exc:
+                    raise BackendError(f"the sandbox's zygote is gone ({exc})") from None
+        finally:
+            for fd in join:
+                os.close(fd)
         fds = array.array("i")
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -314,14 +341,6 @@ class Zygote:
             # Opened while the init waits for its request (it exits only on one, or on its
             # socket's EOF): the pid is still its own.
             pidfd = os.pidfd_open(pid)
-            group = f"{self._sandbox_group}/{WARM_PREFIX}{self._owner}.{next(self._numbers)}"
-            self._cgroups.create_command(group)
-            try:
-                self._cgroups.attach(group, (pid,))
-            except BaseException:
-                self._cgroups.kill(group)
-                self._cgroups.remove(group)
-                raise
         except BaseException:
             sock.close()
             if pidfd >= 0:

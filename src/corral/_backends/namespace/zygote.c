@@ -10,8 +10,9 @@
  * bwrap sets up per command (a private mount tree, a fresh size-limited /tmp and /dev/shm, its
  * own devpts, a fresh /proc with bwrap's covers and the template's masks) and answers "r" on a
  * socket of its own, whose host end the zygote hands to the host on the control socket. The
- * host reads the init's host pid from that answer's credentials and places the init in a
- * cgroup; the init runs nothing until the request comes.
+ * host reads the init's host pid from that answer's credentials. The "w" carries descriptors
+ * of the group the host made for the init (each v1 hierarchy's "tasks" file, opened by the
+ * host): the init writes itself into it first thing, and runs nothing until the request.
  *
  * A request is "x" with four descriptors: stdin, stdout, stderr and a sealed memfd holding
  * "CWD\0ARGC\0ARGV...\0ENVC\0ENV...\0" (counts in decimal). The init then unshares a cgroup
@@ -190,7 +191,17 @@ static int receive_request(int fd, int fds[4]) {
     return 0;
 }
 
-static void run_init(int fd) {
+#define MAX_JOIN 8
+
+static void run_init(int fd, const int *join, int njoin) {
+    /* First, the init moves itself into the group the host made for it: a process moving
+     * itself takes none of the kernel's global cgroup locks (see launch.c). */
+    for (int i = 0; i < njoin; i++) {
+        ssize_t wrote;
+        while ((wrote = write(join[i], "0", 1)) < 0 && errno == EINTR) {}
+        if (wrote != 1) init_fail(fd, "cgroup");
+        close(join[i]);
+    }
     /* The zygote ignores SIGCHLD (its inits are reaped by the kernel); an init must not. */
     signal(SIGCHLD, SIG_DFL);
     prctl(PR_SET_NAME, "init", 0, 0, 0);  /* what the command's ps shows as PID 1 */
@@ -273,7 +284,7 @@ static void send_fd(int fd, const char *text) {
     while (sendmsg(control_fd, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
 }
 
-static void warm(void) {
+static void warm(const int *join, int njoin) {
     int pair[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0) {
         char line[64];
@@ -290,7 +301,7 @@ static void warm(void) {
     if (pid == 0) {
         close(control_fd);
         close(pair[0]);
-        run_init(pair[1]);
+        run_init(pair[1], join, njoin);
     }
     if (pid < 0) {
         char line[64];
@@ -323,10 +334,34 @@ int main(int argc, char **argv) {
     signal(SIGCHLD, SIG_IGN);  /* inits are reaped by the kernel; the host follows them */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     for (;;) {
+        /* "w", with the descriptors of the files the init writes itself into its group with
+         * (opened by the host; the zygote never writes them). */
         char byte;
-        ssize_t got = recv(control_fd, &byte, 1, 0);
+        char control[CMSG_SPACE(MAX_JOIN * sizeof(int))];
+        struct iovec iov = {&byte, 1};
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        ssize_t got = recvmsg(control_fd, &msg, MSG_CMSG_CLOEXEC);
         if (got < 0 && errno == EINTR) continue;
         if (got <= 0) return 0;  /* the host closed the control socket: stop */
-        if (byte == 'w') warm();
+        int join[MAX_JOIN];
+        int njoin = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            int n = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < n; i++) {
+                int one;
+                memcpy(&one, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                if (njoin < MAX_JOIN) join[njoin++] = one;
+                else close(one);
+            }
+        }
+        if (byte == 'w' && !(msg.msg_flags & MSG_CTRUNC)) warm(join, njoin);
+        else if (byte == 'w') send_fd(-1, "e 7 join");  /* E2BIG: more than MAX_JOIN */
+        for (int i = 0; i < njoin; i++) close(join[i]);
     }
 }
