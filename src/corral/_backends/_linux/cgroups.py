@@ -21,7 +21,7 @@ from typing import Protocol
 from ...errors import BackendError, BackendUnavailable
 from ...models import ResourceTier
 
-__all__ = ["CgroupDriver", "CgroupUsage", "detect_cgroups"]
+__all__ = ["CgroupDriver", "CgroupUsage", "detect_cgroups", "open_join_files"]
 
 _V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "freezer")
 _V2_CONTROLLERS = ("memory", "pids", "cpu")
@@ -67,6 +67,21 @@ class CgroupDriver(Protocol):
     def remove(self, group: str) -> None: ...
     def children(self, group: str) -> list[str]: ...
     def describe(self) -> str: ...
+
+
+def open_join_files(cgroups: CgroupDriver, group: str) -> list[int]:
+    """``group``'s ``join_files``, opened for writing (for a process that moves itself in:
+    the files check the opener's credentials, so a sandbox's uid may write them); all or
+    none."""
+    opened: list[int] = []
+    try:
+        for path in cgroups.join_files(group):
+            opened.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+    except BaseException:
+        for fd in opened:
+            os.close(fd)
+        raise
+    return opened
 
 
 def _keyed(path: Path, name: str) -> int:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import BackendError
-from .._linux.cgroups import CgroupDriver
+from .._linux.cgroups import CgroupDriver, open_join_files
 from .._linux.static_helper import FILTER_NAME, build_static_helper
 from .._linux.supervise import SETUP_TIMEOUT_S
 from .bwrap import HELPER_MOUNT
@@ -307,10 +307,8 @@ class Zygote:
             raise
 
     def _warm_into(self, group: str) -> WarmInit:
-        join: list[int] = []
+        join = open_join_files(self._cgroups, group)
         try:
-            for path in self._cgroups.join_files(group):
-                join.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
             with self._control_lock:
                 try:
                     self._control.sendmsg([b"w"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,

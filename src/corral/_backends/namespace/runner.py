@@ -37,7 +37,7 @@ from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
 from .._linux import netns, seccomp
-from .._linux.cgroups import CgroupDriver
+from .._linux.cgroups import CgroupDriver, open_join_files
 from .._linux.notfound import ExecFailureHead, exec_failure
 from .._linux.process_io import command_stdio
 from .._linux.static_helper import build_static_helper
@@ -206,8 +206,7 @@ class CommandLauncher:
                 os.close(fd)
             raise
         try:
-            join_fds = tuple(os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-                             for path in self.cgroups.join_files(group))
+            join_fds = tuple(open_join_files(self.cgroups, group))
         except OSError as exc:
             for fd in (info_r, block_w, *bwrap_fds, args_fd):
                 os.close(fd)
