@@ -204,10 +204,11 @@ def sealed_file(data: bytes, name: str) -> int:
 
 class GroupRetirer:
     """Removes finished commands' (empty) groups on ``pool``, off the command's path: an
-    rmdir waits for the kernel's cgroup lock, which the next init's placement holds through
-    an RCU grace period, so removing in line cost a command up to ~20 ms at p99. Until it
-    is removed, a retiring group is no command (``pending``); a crash in between leaves it
-    to the sweep, which finds the command's end already in the audit trail."""
+    rmdir in five v1 hierarchies costs ~0.2 ms, and waits for the kernel's cgroup lock
+    behind whatever another sandbox (or tier) is doing with its groups; while the next
+    init was still placed from the host, removing in line cost a command up to ~20 ms at
+    p99. Until it is removed, a retiring group is no command (``pending``); a crash in
+    between leaves it to the sweep, which finds the command's end already in the trail."""
 
     def __init__(self, cgroups: CgroupDriver, pool: ThreadPoolExecutor) -> None:
         self._cgroups = cgroups
