@@ -120,6 +120,36 @@ def test_v1_kill_of_a_sandbox_group_kills_what_runs_in_its_children() -> None:
     assert not (Path("/sys/fs/cgroup/freezer") / driver._prefix).exists()  # type: ignore[union-attr]
 
 
+def test_v1_a_group_left_half_renamed_by_a_crash_is_listed_killed_and_removed() -> None:
+    """A group is renamed one hierarchy at a time: a crash in between leaves its processes
+    under the new name in some hierarchies (the freezer among them) and the old in the rest.
+    Both names are listed, and each is killed and removed without the other."""
+    driver = detect_cgroups(f"corral-test-{secrets.token_hex(3)}")
+    if not isinstance(driver, CgroupV1):
+        pytest.skip("this host runs cgroup v2")
+    driver.create_sandbox("sbx", get_tier("small"))
+    try:
+        driver.create_command("sbx/old")
+        proc, children = _place_and_release(driver, "sbx/old")
+        freezer = driver._path("freezer", "sbx/old")
+        freezer.rename(freezer.with_name("new"))
+        assert driver.children("sbx") == ["new", "old"]
+        driver.kill("sbx/old")  # no freezer group under this name: killed without it
+        _close(proc)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(_alive(p) for p in children)
+        driver.remove("sbx/old")
+        driver.kill("sbx/new")
+        driver.remove("sbx/new")
+        assert driver.children("sbx") == []
+    finally:
+        driver.kill("sbx")
+        driver.remove("")
+    assert not (Path("/sys/fs/cgroup/freezer") / driver._prefix).exists()
+
+
 def test_v2_placement_and_cgroup_kill_without_controllers() -> None:
     root = next((Path(p) for p, t, _ in _mounts() if t == "cgroup2"), None)
     if root is None or not os.access(root / "cgroup.procs", os.W_OK):

@@ -343,7 +343,18 @@ def test_a_finished_commands_group_is_no_command_and_a_sweep_keeps_its_recorded_
     cgroups.create_command(left)
     unfinished = f"cmd_{secrets.token_hex(8)}"
     cgroups.create_command(f"{sandbox.id}/c.1.0.{unfinished}")
+    # A crash between one hierarchy's rmdir and the next leaves the group in the others
+    # only (the one the sweep used to list among those gone).
+    half = f"{sandbox.id}/c.1.0.cmd_{secrets.token_hex(8)}"
+    cgroups.create_command(half)
+    if cgroups.version == 1:
+        for path in cgroups._paths(half)[:3]:
+            path.rmdir()
+    assert half.rsplit("/", 1)[-1] in cgroups.children(sandbox.id)
     swept = manager.recover()
+    assert half.rsplit("/", 1)[-1] not in cgroups.children(sandbox.id)
+    if cgroups.version == 1:
+        assert not any(path.exists() for path in cgroups._paths(half)), swept
     assert any(finished.command_id in item for item in swept), swept
     assert left.rsplit("/", 1)[-1] not in cgroups.children(sandbox.id)
     ends = sandbox.audit.events(types=["command.finished"])

@@ -275,6 +275,9 @@ class CgroupV1:
 
     def _kill(self, group: str) -> None:
         freezer = self._path("freezer", group)
+        if not freezer.is_dir():
+            self._kill_unfrozen(group)
+            return
         if not _procs(freezer):
             # Nothing to kill (or no group). Worth the check: freezing a group whose children
             # were just removed can sit in FREEZING for tens of milliseconds.
@@ -304,6 +307,22 @@ class CgroupV1:
         if not _wait_empty([p / "cgroup.procs" for p in self._paths(group)]):
             raise BackendError(f"processes of cgroup {group} survived SIGKILL")
 
+    def _kill_unfrozen(self, group: str) -> None:
+        """Kill what a group holds in the hierarchies it is still in, without the freezer:
+        what a crash between two hierarchies' renames or removals leaves (its processes,
+        if any are left, are under another name in the freezer)."""
+        for _ in range(100):
+            pids = [pid for path in self._paths(group) for pid in _procs(path)]
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if _wait_empty([g / "cgroup.procs" for p in self._paths(group) for g in _groups(p)],
+                           0.5):
+                return
+        raise BackendError(f"processes of cgroup {group} survived SIGKILL")
+
     def freeze(self, group: str, frozen: bool) -> None:
         state = self._path("freezer", group) / "freezer.state"
         want = "FROZEN" if frozen else "THAWED"
@@ -319,10 +338,17 @@ class CgroupV1:
             _rmdir_tree(path)
 
     def children(self, group: str) -> list[str]:
-        path = self._path("freezer", group)
-        if not path.exists():
-            return []
-        return sorted(p.name for p in path.iterdir() if p.is_dir())
+        # Every hierarchy, not one: a group is made, renamed and removed one hierarchy at a
+        # time, so a process killed in between leaves it in some and not others, and the
+        # sweep must still find it.
+        names: set[str] = set()
+        for path in self._paths(group):
+            try:
+                with os.scandir(path) as entries:
+                    names.update(e.name for e in entries if e.is_dir(follow_symlinks=False))
+            except FileNotFoundError:
+                continue
+        return sorted(names)
 
 
 class CgroupV2:
