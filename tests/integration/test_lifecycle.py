@@ -185,6 +185,22 @@ def test_orphaned_runtime_pieces_are_swept(home: str, settings: Settings, manage
     assert not any(_runtime_pieces(settings, spec.id).values())
 
 
+def test_a_create_whose_workspace_fails_leaves_no_network_namespace_or_cgroup(
+    home: str, settings: Settings, manager: Manager
+) -> None:
+    """The network namespace is made beside the workspace; a workspace that fails still
+    finds it made, and the create's clean-up removes it with the rest."""
+    from corral._core.resources import get_tier
+    from corral.backends import SandboxSpec
+
+    spec = SandboxSpec(id="sbx_failcreate001", uid=settings.uid_start + settings.uid_count - 2,
+                       template="base", tier=get_tier("small"))
+    (settings.home / "sandboxes" / spec.id).mkdir(parents=True)  # a stale directory
+    with pytest.raises(FileExistsError):
+        manager.backend.create(spec)
+    assert not any(_runtime_pieces(settings, spec.id).values())
+
+
 def test_interrupted_create_and_destroy_are_finished_at_start(
     home: str, settings: Settings, manager: Manager
 ) -> None:

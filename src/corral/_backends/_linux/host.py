@@ -205,8 +205,16 @@ class HostBackedBackend:
         try:
             self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
             self._ensured.add(spec.id)
-            netns.create_netns(self._netns_path(spec.id))
-            self._ensure_mounts(spec, self._store.create(spec))
+            # The network namespace is made beside the workspace: neither needs the other.
+            pinned = netns.start_netns(self._netns_path(spec.id))
+            try:
+                workspace = self._store.create(spec)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    pinned()  # finished before the destroy below, which removes it
+                raise
+            pinned()
+            self._ensure_mounts(spec, workspace)
         except BaseException:
             with contextlib.suppress(BackendError, OSError):
                 self.destroy(spec)

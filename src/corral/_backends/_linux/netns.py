@@ -24,7 +24,7 @@ from typing import TypeVar
 from ..._core import linux
 from .storage import unescape_mountinfo
 
-__all__ = ["Spawner", "create_netns", "is_pinned", "remove_netns"]
+__all__ = ["Spawner", "create_netns", "is_pinned", "remove_netns", "start_netns"]
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
@@ -35,7 +35,9 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-def _on_fresh_thread(fn: Callable[[], T]) -> T:
+def _start_on_fresh_thread(fn: Callable[[], T]) -> Callable[[], T]:
+    """Run ``fn`` on a new thread (it may unshare or setns, and dies with what it changed);
+    the returned function waits for it and returns its value or raises its error."""
     box: dict[str, object] = {}
 
     def target() -> None:
@@ -46,10 +48,18 @@ def _on_fresh_thread(fn: Callable[[], T]) -> T:
 
     thread = threading.Thread(target=target, name="corral-netns")
     thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+
+    def result() -> T:
+        thread.join()
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["value"]  # type: ignore[return-value]
+
+    return result
+
+
+def _on_fresh_thread(fn: Callable[[], T]) -> T:
+    return _start_on_fresh_thread(fn)()
 
 
 def _ensure_run_dir(run_dir: Path) -> None:
@@ -64,6 +74,12 @@ def _ensure_run_dir(run_dir: Path) -> None:
 
 def create_netns(path: Path) -> None:
     """Create a network namespace with ``lo`` up and pin it at ``path``."""
+    start_netns(path)()
+
+
+def start_netns(path: Path) -> Callable[[], None]:
+    """``create_netns`` on a thread of its own: the returned function waits for it (and
+    raises what failed), so the caller can do other work meanwhile (~1.5 ms here)."""
     _ensure_run_dir(path.parent)
 
     def work() -> None:
@@ -81,7 +97,7 @@ def create_netns(path: Path) -> None:
             path.unlink(missing_ok=True)
             raise
 
-    _on_fresh_thread(work)
+    return _start_on_fresh_thread(work)
 
 
 def remove_netns(path: Path) -> None:
