@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..._core import linux
-from .storage import unescape_mountinfo
+from .storage import is_mount, unescape_mountinfo
 
 __all__ = ["Spawner", "create_netns", "is_pinned", "remove_netns", "start_netns"]
 
@@ -66,9 +66,10 @@ def _ensure_run_dir(run_dir: Path) -> None:
     # Like `ip netns`: make the directory a shared mount point so a later `ip netns add`
     # (which binds the directory recursively) keeps our pinned namespaces visible.
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open("/proc/self/mountinfo") as f:
-        if any(line.split()[4] == str(run_dir) for line in f):
-            return
+    # The kernel's word (statx), not a read of the mount table: with a sandbox's mounts in
+    # it, that read cost each create in a burst of 100 ~0.3 ms of kernel time.
+    if is_mount(run_dir):
+        return
     linux.mount(str(run_dir), str(run_dir), None, linux.MS_BIND | linux.MS_REC)
 
 
