@@ -19,6 +19,8 @@ from .records import SandboxRecord
 
 __all__ = ["Store"]
 
+_PLACEHOLDERS_KEPT = 4096
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     id TEXT PRIMARY KEY,
@@ -179,6 +181,10 @@ class Store:
                          "WHERE EXISTS (SELECT 1 FROM api_keys)", (time.time(),))
         path.chmod(0o600)
         self._counters = CounterBuffer(self._write_counters)
+        # Placeholders by sandbox; a gone sandbox's are kept until the bound (redacting
+        # strings no sandbox is handed any more is harmless).
+        self._placeholders: dict[str, tuple[str, ...]] = {}
+        self._placeholders_lock = threading.Lock()  # never held across a database call
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -235,9 +241,16 @@ class Store:
                  now, isolation, layer, memory_image, template_version,
                  json.dumps([dict(m) for m in mounts])),
             )
-        info = self.get(sandbox_id)
-        assert info is not None
-        return info
+        self._remember_placeholders(sandbox_id, secrets or {})
+        # The row as written (the insert's own values), not read back: in a burst every
+        # store call waits its turn at the one connection.
+        return SandboxRecord(
+            id=sandbox_id, template=template, resources=resources, state="creating",
+            created_at=now, expires_at=now + ttl_s, uid=uid, labels=dict(labels),
+            network=dict(network or {}), secrets=dict(secrets or {}), tenant=tenant,
+            idle_timeout=idle_timeout, last_active=now, isolation=isolation, layer=layer,
+            memory_image=memory_image, template_version=template_version,
+            mounts=[dict(m) for m in mounts])
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:
@@ -270,6 +283,8 @@ class Store:
 
     def delete(self, sandbox_id: str) -> None:
         """Forget the sandbox, its exposed ports and its hold on volumes, at once."""
+        with self._placeholders_lock:
+            self._placeholders.pop(sandbox_id, None)
         with self._tx() as db:
             db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
             db.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
@@ -428,6 +443,8 @@ class Store:
     def layer_chain(self, top: str | None) -> tuple[str, ...]:
         """``top`` and the layers under it, top first."""
         chain: list[str] = []
+        if top is None:  # most sandboxes: no layer, nothing to read
+            return ()
         with self._lock:
             while top is not None and len(chain) < 10_000:
                 chain.append(top)
@@ -646,9 +663,24 @@ class Store:
         return {(r[0], r[1]): r[2] for r in rows}
 
     def placeholders(self, sandbox_id: str) -> builtins.list[str]:
-        """The secret placeholders handed to a sandbox (none once it is gone)."""
+        """The secret placeholders handed to a sandbox (none for one this process never saw
+        and that is gone). Set once, at the insert, so remembered: every audit event and
+        command asks for them."""
+        with self._placeholders_lock:
+            known = self._placeholders.get(sandbox_id)
+        if known is not None:
+            return list(known)
         info = self.get(sandbox_id)
-        return list(info.secrets.values()) if info is not None else []
+        if info is None:
+            return []
+        self._remember_placeholders(sandbox_id, info.secrets)
+        return list(info.secrets.values())
+
+    def _remember_placeholders(self, sandbox_id: str, secrets: Mapping[str, str]) -> None:
+        with self._placeholders_lock:
+            if len(self._placeholders) >= _PLACEHOLDERS_KEPT:
+                self._placeholders.clear()  # a bound, not a policy: they are read again
+            self._placeholders[sandbox_id] = tuple(secrets.values())
 
     def state_counts(self) -> dict[str, int]:
         """Sandboxes by state; every state appears, at zero when none is in it."""
