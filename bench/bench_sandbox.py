@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             # Against the unprivileged bwrap: the closest bare equivalent of what Corral runs.
             "command_within_2x_bwrap": ratio_unpriv <= 2.0,
             "lifecycle_p50_under_30ms": s["sandbox_lifecycle"]["p50_ms"] < 30.0,
+            # Issue 19's: against bare root bwrap (the reference it was measured with).
+            "command_at_most_half_root_bwrap": ratio_root <= 0.5,
+            "lifecycle_p50_at_most_15ms": s["sandbox_lifecycle"]["p50_ms"] <= 15.0,
         },
         "failures": bench.failures,
         "cleanup": {"ok": not left, "leftovers": left},
