@@ -442,9 +442,9 @@ class Store:
 
     def layer_chain(self, top: str | None) -> tuple[str, ...]:
         """``top`` and the layers under it, top first."""
-        chain: list[str] = []
         if top is None:  # most sandboxes: no layer, nothing to read
             return ()
+        chain: list[str] = []
         with self._lock:
             while top is not None and len(chain) < 10_000:
                 chain.append(top)

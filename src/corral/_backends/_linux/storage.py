@@ -603,21 +603,8 @@ class _SparePool:
 
     def make(self, size: int, target: Path) -> None:
         """A new empty image of ``size`` bytes at ``target`` (which must not exist)."""
-        blank = self._blank(size)
-        source = os.open(blank, os.O_RDONLY | os.O_CLOEXEC)
+        source = self._open_blank(size)
         try:
-            if not self._sound(source, size):
-                # A cache, not data: made again (once; a second bad one is the disk's fault).
-                logger.warning("the blank workspace image %s is damaged; making it again",
-                               blank)
-                os.close(source)
-                blank.unlink(missing_ok=True)
-                blank = self._blank(size)
-                source = os.open(blank, os.O_RDONLY | os.O_CLOEXEC)
-                if not self._sound(source, size):
-                    raise BackendError(
-                        f"the blank workspace image {blank} is damaged just after mkfs made "
-                        "it; check the disk under the data directory")
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 copy_sparse(source, fd)
@@ -629,9 +616,28 @@ class _SparePool:
         finally:
             os.close(source)
 
-    @staticmethod
-    def _sound(fd: int, size: int) -> bool:
-        return os.fstat(fd).st_size == size and os.pread(fd, 2, _EXT4_MAGIC_AT) == _EXT4_MAGIC
+    def _open_blank(self, size: int) -> int:
+        """A descriptor of the blank of ``size``, made first if need be. A damaged one (the
+        wrong size, no ext4 superblock) is a cache, not data: made again, once; a second bad
+        one is the disk's fault."""
+        for attempt in range(2):
+            blank = self._blank(size)
+            source = os.open(blank, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                sound = (os.fstat(source).st_size == size
+                         and os.pread(source, 2, _EXT4_MAGIC_AT) == _EXT4_MAGIC)
+            except BaseException:
+                os.close(source)
+                raise
+            if sound:
+                return source
+            os.close(source)
+            if attempt == 0:
+                logger.warning("the blank workspace image %s is damaged; making it again",
+                               blank)
+                blank.unlink(missing_ok=True)
+        raise BackendError(f"the blank workspace image {blank} is damaged just after mkfs "
+                           "made it; check the disk under the data directory")
 
     def _blank(self, size: int) -> Path:
         blank = self._dir / f"{size}.blank.img"
