@@ -65,3 +65,40 @@ def test_an_image_that_cannot_be_made_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         bad.make(_SIZE, tmp_path / "never.img")
     assert not (tmp_path / "never.img").exists()
+
+
+def test_where_the_filesystem_reports_no_holes_images_are_made_by_mkfs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem without SEEK_HOLE says the whole file is data (the kernel's generic
+    lseek): a copy would write every byte of the size, so the image is formatted instead."""
+    from corral._backends._linux import storage
+
+    pool = _SparePool(tmp_path / ".spare")
+    pool.make(_SIZE, tmp_path / "first.img")
+    monkeypatch.setattr(storage, "data_extents", lambda fd: [(0, os.fstat(fd).st_size)])
+    pool.make(_SIZE, tmp_path / "second.img")
+    second = tmp_path / "second.img"
+    assert second.stat().st_blocks * 512 < 4 * 1024 * 1024, "the whole size was written"
+    assert _fsck(second).returncode == 0
+
+
+def test_data_extents_are_the_files_data_and_not_its_holes(tmp_path: Path) -> None:
+    from corral._backends._linux.storage import data_extents
+
+    path = tmp_path / "sparse"
+    with open(path, "wb") as f:
+        f.truncate(64 * 1024 * 1024)
+        f.seek(1024 * 1024)
+        f.write(b"x" * 4096)
+        f.seek(32 * 1024 * 1024)
+        f.write(b"y" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        extents = data_extents(fd)
+    finally:
+        os.close(fd)
+    # Block-granular: each run covers what was written and starts at or before it.
+    assert len(extents) == 2, extents
+    (a, b), (c, d) = extents
+    assert a <= 1024 * 1024 < 1024 * 1024 + 4096 <= b < 32 * 1024 * 1024
+    assert c <= 32 * 1024 * 1024 < 32 * 1024 * 1024 + 8192 <= d

@@ -540,30 +540,39 @@ def format_image(image: Path, size: int, *, journal: bool = False,
 
 _EXT4_MAGIC_AT = 1024 + 0x38  # s_magic in the superblock, which starts 1 KiB in
 _EXT4_MAGIC = b"\x53\xef"
+_SPARSE_SLACK = 1024 * 1024  # data the extents may show beyond the blocks allocated
 
 
-def copy_sparse(source: int, target: int) -> None:
-    """Copy the file open as ``source`` into the empty file open as ``target``, data extents
-    only: its holes stay holes. An empty ext4 image is a few hundred KiB of metadata in a
-    sparse file of its full size, so this is a fraction of a millisecond."""
-    size = os.fstat(source).st_size
-    os.ftruncate(target, size)
+def data_extents(fd: int) -> list[tuple[int, int]]:
+    """The (start, end) of each run of data in the file open as ``fd``, holes left out."""
+    size = os.fstat(fd).st_size
+    extents: list[tuple[int, int]] = []
     offset = 0
     while offset < size:
         try:
-            data = os.lseek(source, offset, os.SEEK_DATA)
+            data = os.lseek(fd, offset, os.SEEK_DATA)
         except OSError as exc:
             if exc.errno == errno.ENXIO:  # nothing but a hole from here on
-                return
+                break
             raise
-        end = os.lseek(source, data, os.SEEK_HOLE)
-        at = data
+        offset = os.lseek(fd, data, os.SEEK_HOLE)
+        extents.append((data, offset))
+    return extents
+
+
+def copy_sparse(source: int, target: int, extents: list[tuple[int, int]]) -> None:
+    """Copy ``extents`` of the file open as ``source`` into the empty file open as
+    ``target``, at the same offsets and to the same size: the holes stay holes. An empty
+    ext4 image is a few hundred KiB of metadata in a sparse file of its full size, so this is
+    a fraction of a millisecond."""
+    os.ftruncate(target, os.fstat(source).st_size)
+    for start, end in extents:
+        at = start
         while at < end:
             copied = os.copy_file_range(source, target, end - at, at, at)
             if copied == 0:
                 raise BackendError(f"the image being copied shrank at {at} bytes")
             at += copied
-        offset = end
 
 
 class _SparePool:
@@ -605,9 +614,16 @@ class _SparePool:
         """A new empty image of ``size`` bytes at ``target`` (which must not exist)."""
         source = self._open_blank(size)
         try:
+            extents = data_extents(source)
+            if sum(end - start for start, end in extents) > \
+                    os.fstat(source).st_blocks * 512 + _SPARSE_SLACK:
+                # The filesystem reports no holes (everything reads as data): a copy would
+                # write the whole size. mkfs writes only the metadata.
+                format_image(target, size)
+                return
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                copy_sparse(source, fd)
+                copy_sparse(source, fd, extents)
             except BaseException:
                 os.close(fd)
                 target.unlink(missing_ok=True)
