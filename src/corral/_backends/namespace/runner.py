@@ -262,10 +262,10 @@ class CommandLauncher:
                     resource.prlimit(pid, resource.RLIMIT_NOFILE, _NOFILE)
                     resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
             try:
-                # bwrap and the init were born in the group (launch.c): a resident's bwrap
-                # lives as long as it does, the sandbox's, so it is counted there too.
+                # Release the init: it and bwrap were born in the group (launch.c), so a
+                # resident's bwrap, which lives as long as the resident, is counted there too.
                 os.write(block_w, b"1")
-            except (ProcessLookupError, BrokenPipeError):
+            except BrokenPipeError:  # bwrap died before its init was released
                 raise BackendError(
                     "the sandbox could not be set up: " + self._setup_error(proc)
                 ) from None
