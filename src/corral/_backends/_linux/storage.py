@@ -40,6 +40,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..._core import linux
@@ -142,23 +143,58 @@ def _detach_unsynced(point: Path) -> None:
             raise BackendError(f"cannot unmount {point}: {exc}") from exc
     else:
         return  # already expired and now unmounted (synchronously, as before)
-    failed: list[OSError] = []
+    detach_behind([point])
 
-    def detach() -> None:
-        try:
-            linux.umount(str(point), linux.MNT_DETACH)
-        except OSError as exc:
-            failed.append(exc)
 
-    helper = threading.Thread(target=detach, name="corral-overlay-detach", daemon=True)
-    helper.start()
+_DETACHERS = 4
+_detacher_lock = threading.Lock()
+_detacher: ThreadPoolExecutor | None = None
+
+
+def _detach_all(points: list[Path]) -> None:
+    for point in points:
+        linux.umount(str(point), linux.MNT_DETACH)
+
+
+def detach_behind(points: list[Path]) -> None:
+    """Detach the mounts at ``points`` from the tree, in order, on a helper thread, and
+    return once the last is gone from it; the kernel's teardown of what the last one held
+    goes on behind, on that thread.
+
+    A detached mount is finished (its superblock released) on its detaching thread's return
+    from ``umount2``. For a workspace that is the sync of its ext4 disk (which flushes the
+    loop device, which writes the image on the host disk) and the loop device's release:
+    ~2 ms of a ~4 ms destroy on the development VM, and 0.4-1.8 s after a command wrote
+    300 MB. Nothing of it is needed before the mounts are out of every path: no name
+    reaches them, nothing can enter them anew. Give the overlay last: it holds clones of
+    the mounts below it, so theirs are cheap and all the teardown runs at its own.
+
+    Up to ``_DETACHERS`` helpers, so a burst of destroys never queues behind one teardown.
+    """
+    points = [p for p in points if is_mount(p)]
+    if not points:
+        return
+    global _detacher
+    with _detacher_lock:
+        if _detacher is None:
+            _detacher = ThreadPoolExecutor(max_workers=_DETACHERS,
+                                           thread_name_prefix="corral-detach")
+        pool = _detacher
+    try:
+        job = pool.submit(_detach_all, points)
+    except RuntimeError:  # the interpreter is exiting: no new threads
+        _detach_all(points)
+        return
     deadline = time.monotonic() + 10.0
-    while is_mount(point) and helper.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.0002)
-    if failed:
-        raise BackendError(f"cannot unmount {point}: {failed[0]}") from failed[0]
-    if is_mount(point):
-        raise BackendError(f"cannot unmount {point}: still mounted after 10 s")
+    while is_mount(points[-1]) and not job.done() and time.monotonic() < deadline:
+        time.sleep(0.0001)
+    if job.done() and job.exception() is not None:
+        failed = job.exception()
+        what = failed.strerror if isinstance(failed, OSError) else str(failed)
+        raise BackendError(f"cannot unmount: {what}") from failed
+    still = [p for p in points if is_mount(p)]
+    if still:
+        raise BackendError(f"cannot unmount {still[0]}: still mounted after 10 s")
 
 
 def mount_disk(image: Path, point: Path, *, read_only: bool, reuse: bool = False) -> None:
@@ -490,8 +526,15 @@ class WorkspaceStore:
 
     def unmount(self, sandbox_id: str) -> None:
         # Lazy: the sandbox's processes are already dead; detaching can't fail on a stray
-        # host shell sitting in the directory, and the loop device auto-clears.
-        self._unmount_all(sandbox_id, lazy=True)
+        # host shell sitting in the directory, and the loop device auto-clears. Behind:
+        # the sync of the disk and the loop device's release need not hold up a destroy.
+        priv = self._priv(sandbox_id)
+        lowers = sorted(e for e in priv.iterdir() if e.name.startswith("l")) \
+            if priv.is_dir() else []
+        detach_behind([self._disk(sandbox_id), *lowers, self.mount_point(sandbox_id)])
+        for entry in lowers:
+            with contextlib.suppress(OSError):
+                entry.rmdir()
         if self.mounts_dir(sandbox_id).is_dir():
             # Binds only: a volume's own mount and data stay where they are.
             for point in mounts_under(self.mounts_dir(sandbox_id)):
