@@ -91,6 +91,20 @@ def umount(target: str, flags: int = 0) -> None:
     _check(_libc.umount2(target.encode(), flags), f"umount {target}")
 
 
+_RENAME_NOREPLACE = 1
+_libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                            ctypes.c_uint]
+
+
+def rename_noreplace(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """rename(2) that never replaces ``target`` (a plain rename replaces an empty directory
+    in silence): FileExistsError if it exists."""
+    if _libc.renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target),
+                       _RENAME_NOREPLACE) < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fspath(target))
+
+
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 

@@ -33,6 +33,7 @@ from ...models import ResourceTier
 from . import netns
 from .cgroups import CgroupDriver, CgroupNow
 from .ondemand import OnDemand
+from .ready import ReadyWorkspaces
 from .storage import WorkspaceStore
 from .template import BaseTemplate, load_template
 from .uids import lowest_free_uid
@@ -103,6 +104,8 @@ class HostBackedBackend:
         # Command cgroups carry the owner's pid and start time, so a later process can tell a
         # crashed owner's leftovers from a live neighbour's commands.
         self._owner = f"{os.getpid()}.{proc_start_time(os.getpid())}"
+        self._ready_workspaces = ReadyWorkspaces(self._store, self._owner)
+        self._spare_netns = netns.SpareNamespaces()
         self._unmounted_lock = threading.Lock()
 
     # -- hooks --------------------------------------------------------------------------------
@@ -206,9 +209,9 @@ class HostBackedBackend:
             self.cgroups.create_sandbox(spec.id, self._limits(spec.tier))
             self._ensured.add(spec.id)
             # The network namespace is made beside the workspace: neither needs the other.
-            pinned = netns.start_netns(self._netns_path(spec.id))
+            pinned = self._spare_netns.start(self._netns_path(spec.id))
             try:
-                workspace = self._store.create(spec)
+                workspace = self._ready_workspaces.claim(spec) or self._store.create(spec)
             except BaseException:
                 with contextlib.suppress(Exception):
                     pinned()  # finished before the destroy below, which removes it
@@ -415,6 +418,9 @@ class HostBackedBackend:
             if not is_live(sandbox_id):
                 self._store.remove(sandbox_id)
                 removed.append(Leftover("workspace", sandbox_id, sandbox_id))
+        for name in self._ready_workspaces.stale(owner_alive):
+            self._store.remove(name)
+            removed.append(Leftover("spare", "", name))
         run_dir = self._settings.run_dir
         prefix = f"{self._instance}-"
         if run_dir.exists():
@@ -448,9 +454,12 @@ class HostBackedBackend:
         return removed
 
     def close(self) -> None:
-        pass
+        self._ready_workspaces.close()
+        self._spare_netns.close()
 
     def remove_instance(self) -> None:
-        """Remove this data directory's empty top-level cgroups (tests and uninstall)."""
+        """Remove this data directory's spare workspaces and empty top-level cgroups (tests
+        and uninstall)."""
+        self._ready_workspaces.close()
         if self._cgroups is not None and not self._cgroups.children(""):
             self._cgroups.remove("")
