@@ -664,6 +664,7 @@ class MicrovmBackend(HostBackedBackend):
             self._clients.clear()
         for client in clients:
             client.close()
+        super().close()
 
 
 def _refuse_mounts(spec: SandboxSpec) -> None:

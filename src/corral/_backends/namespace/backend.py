@@ -104,11 +104,11 @@ class NamespaceBackend(HostBackedBackend):
             # system directories and the template's.
             tree=tree if request.build_root is None and workspace.is_relative_to(tree) else None,
         )
+        assert self._retirer is not None  # made with the launcher
         if (not self._resident_on or request.pty is not None or request.build_root is not None
                 or template.writable or self._first_command(spec.id)):
-            return launcher.run(launch)
+            return launcher.run(launch, retire=self._retirer.retire)
         holder = self._zygote_for(spec, launch)
-        assert self._retirer is not None  # made with the launcher
         with holder.use() as zygote:
             return launcher.run_resident(zygote, launch, retire=self._retirer.retire)
 

@@ -121,17 +121,25 @@ class CommandLauncher:
         # never reap (containers often run one that doesn't).
         linux.set_child_subreaper()
 
-    def run(self, launch: Launch) -> ExecOutcome:
+    def run(self, launch: Launch, *,
+            retire: Callable[[str], None] | None = None) -> ExecOutcome:
+        """Run ``launch`` in a bwrap of its own. ``retire`` takes the command's group once
+        the command is done and its group empty (``GroupRetirer``); without it, or when the
+        command failed, the group is removed here."""
         self.cgroups.create_command(launch.group)
         try:
-            return self._run_in_group(launch)
+            outcome = self._run_in_group(launch)
         except BaseException:
             # supervise kills the group once the command is done; this is for what failed.
             with contextlib.suppress(BackendError):
                 self.cgroups.kill(launch.group)
-            raise
-        finally:
             self.cgroups.remove(launch.group)
+            raise
+        if retire is None:
+            self.cgroups.remove(launch.group)
+        else:
+            retire(launch.group)  # supervise's kill found it empty
+        return outcome
 
     def _run_in_group(self, launch: Launch) -> ExecOutcome:
         request, group = launch.request, launch.group
