@@ -192,7 +192,8 @@ class Leftover:
     """One runtime piece ``sweep`` removed.
 
     Attributes:
-        kind: ``workspace``, ``netns``, ``cgroup``, ``command`` or a tier's own (``runsc``).
+        kind: ``workspace``, ``netns``, ``cgroup``, ``command``, ``spare`` (a workspace made
+            ahead, its sandbox_id empty) or a tier's own (``runsc``).
         sandbox_id: the sandbox it belonged to.
         name: the piece's own name (a netns pin, ``sandbox/group`` for a command).
         command_id: for ``command``, the interrupted command when it had one.

@@ -516,8 +516,10 @@ def test_refuses_without_runsc_and_never_runs_weaker(
     checks = {c.name: c for c in gvisor.check_host()}
     assert not checks["runsc"].ok and "bookworm-backports" in checks["runsc"].fix
     assert not checks["gvisor sandbox"].ok
-    made = SandboxSpec(id=f"sbx_gv{secrets.token_hex(5)}", uid=settings.uid_start + 1,
-                       template="base", tier=get_tier("small"))
+    # A uid of this module's own: another file's sandbox may still hold uid_start + 1.
+    uid = settings.uid_start + settings.uid_count - next(_taken)
+    made = SandboxSpec(id=f"sbx_gv{secrets.token_hex(5)}", uid=uid, template="base",
+                       tier=get_tier("small"))
     with pytest.raises(BackendUnavailable, match="gVisor") as raised:
         gvisor.create(made)
     assert "corral doctor" in str(raised.value) and "runsc" in str(raised.value)

@@ -292,7 +292,16 @@ def test_a_sigkill_in_the_middle_of_a_burst_leaves_nothing_and_loses_no_result(
     while any(host_procs_of_uid(u) for u in sandboxes.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [host_procs_of_uid(u) for u in sandboxes.values()] == [[]] * len(sandboxes)
+    def theirs() -> list[str]:
+        return [p.name for p in (settings.home / "sandboxes").iterdir()
+                if p.name.startswith((f".ready.{proc.pid}.", f".making.{proc.pid}."))]
+
+    # It had made workspaces ahead of creates (from its second): the sweep takes them too.
+    assert theirs() != []
     manager.recover()
+    assert theirs() == []
+    with open("/proc/self/mountinfo") as f:
+        assert [line for line in f if f".{proc.pid}." in line and "/sandboxes/." in line] == []
     for sandbox_id in sandboxes:
         group = Path("/sys/fs/cgroup/pids", f"corral-{settings.instance}", sandbox_id)
         left = [p.name for p in group.iterdir() if p.is_dir()] if group.exists() else []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import threading
 
 __all__ = [
     "CLONE_FS",
@@ -67,6 +68,15 @@ _PR_SET_CHILD_SUBREAPER = 36
 def set_child_subreaper() -> None:
     """Orphaned descendants become our children (so we can reap them) instead of init's."""
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def yield_cpu_to_others() -> None:
+    """Lower the calling thread's CPU priority (nice 10; Linux's niceness is per thread).
+
+    For work made ahead or left behind (spares, a destroyed workspace's teardown): on a busy
+    host it must not take a core from the creates and commands it is there to speed up.
+    """
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def unshare(flags: int) -> None:

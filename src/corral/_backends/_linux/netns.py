@@ -154,6 +154,7 @@ class SpareNamespaces:
         return lambda: None
 
     def _refill(self) -> None:
+        linux.yield_cpu_to_others()
         try:
             while True:
                 with self._lock:

@@ -104,7 +104,8 @@ class ReadyWorkspaces:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1,
-                                                thread_name_prefix="corral-ready-workspace")
+                                                thread_name_prefix="corral-ready-workspace",
+                                                initializer=linux.yield_cpu_to_others)
                 atexit.register(self.close)
             pool = self._pool
         try:

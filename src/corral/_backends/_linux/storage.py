@@ -178,7 +178,8 @@ def detach_behind(points: list[Path]) -> None:
     with _detacher_lock:
         if _detacher is None:
             _detacher = ThreadPoolExecutor(max_workers=_DETACHERS,
-                                           thread_name_prefix="corral-detach")
+                                           thread_name_prefix="corral-detach",
+                                           initializer=linux.yield_cpu_to_others)
         pool = _detacher
     try:
         job = pool.submit(_detach_all, points)
