@@ -2,7 +2,8 @@
 
 Run as root::
 
-    .venv/bin/python bench/bench_profile.py [--runs N] [--isolation namespace|gvisor] [--out F]
+    .venv/bin/python bench/bench_profile.py [--runs N] [--isolation namespace|gvisor] [--first]
+                                            [--out F]
 
 Prints one JSON document (progress on stderr). The bench wraps the functions a command passes
 through (validation, the audit trail and its ``fdatasync``, the store, the backend, the cgroup
@@ -12,7 +13,10 @@ command. Stages nest (``backend.exec`` holds ``cgroup.*`` and ``launch.*``), so 
 add up; ``unaccounted`` is the API call's time outside ``commands.prepare``, the audit records
 and ``backend.exec``. Bare ``bwrap --unshare-all true`` (root) runs interleaved, as the
 reference. A stage whose function does not exist in this version is skipped (listed under
-``absent``), so the same bench profiles the code before and after a change.
+``absent``), so the same bench profiles the code before and after a change. ``--first``
+profiles a sandbox's first command instead: each run creates a sandbox (untimed), profiles its
+first ``true`` and destroys it (untimed), so the stages show what a first command pays that
+later ones do not (its own bwrap, its sandbox's first cgroup attach).
 
 Wrapping adds ~1-2 us per wrapped call; the stage times are what the wrapped calls took.
 """
@@ -170,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--isolation", default="namespace", choices=("namespace", "gvisor"))
+    parser.add_argument("--first", action="store_true",
+                        help="profile each of --runs fresh sandboxes' first command")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -189,8 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         sandbox = Sandbox.create(home=str(home), isolation=args.isolation)
         for _ in range(5):
             sandbox.commands.run(["true"])
+        if args.first:
+            sandbox.kill()
         probes.install()
         for i in range(args.runs):
+            if args.first:
+                sandbox = Sandbox.create(home=str(home), isolation=args.isolation)
             probes.reset()
             start = time.perf_counter()
             result = sandbox.commands.run(["true"])
@@ -198,13 +208,16 @@ def main(argv: list[str] | None = None) -> int:
             if result.exit_code != 0:
                 raise RuntimeError(f"`true` exited {result.exit_code}: {result.stderr}")
             probes.commit(total)
+            if args.first:
+                sandbox.kill()
             start = time.perf_counter()
             run_checked([bwrap, *BWRAP_ROOT])
             bwrap_samples.append(time.perf_counter() - start)
             if (i + 1) % max(1, args.runs // 5) == 0:
                 print(f"  {i + 1}/{args.runs}", file=sys.stderr)
         probes.uninstall()
-        sandbox.kill()
+        if not args.first:
+            sandbox.kill()
     finally:
         probes.uninstall()
         left = teardown(settings)
@@ -218,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     for label in ("unaccounted", "api.run"):
         stages[label].pop("calls_per_command", None)
     report = {
-        "benchmark": "per-command profile (`true` in an existing sandbox)",
+        "benchmark": ("per-command profile (`true` as a fresh sandbox's first command)"
+                      if args.first else "per-command profile (`true` in an existing sandbox)"),
         "isolation": args.isolation,
         "runs": args.runs,
         "reference_bwrap_true": _summary(bwrap_samples),
