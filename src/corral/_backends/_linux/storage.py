@@ -19,10 +19,15 @@ Host layout (``root`` is ``$CORRAL_HOME/sandboxes``, ``layers_root`` ``$CORRAL_H
     sandboxes/<id>/priv/l<N>          idmapped binds of lower layers written by another uid
     sandboxes/<id>/workspace          the overlay: what the sandbox sees as /workspace
     sandboxes/<id>/mounts/            its volumes and data mounts, bound for it (``volumes``)
+    sandboxes/.ready.<owner>.<size>.<n>   a plain workspace made ahead, root's until a create
+                                      claims it by renaming it to <id> (``ready``); being
+                                      made: .making.<owner>.<size>.<n>
     layers/<layer>/layer.img, owner   a sealed layer image and the uid that wrote it
     layers/<layer>/root               its read-only mount
 
 Mounts survive the Corral process; after a reboot ``ensure_mounted`` rebuilds all of them.
+A destroy returns once the sandbox's mounts are out of the tree (``detach_behind``); the
+kernel's sync of the disk and release of its loop device finish on a helper thread.
 """
 
 from __future__ import annotations
