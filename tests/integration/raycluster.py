@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from corral._backends._linux.storage import mounts_under
 from corral._cluster.gateway import IDENTITY_LABEL, Cluster
 from corral._cluster.node import node_settings
 from corral._settings import Settings
@@ -95,9 +96,29 @@ def embedded_gateway(cluster: Any, base: Settings | None = None) -> Iterator[Clu
         for name, index in indices.items():
             overrides = node_settings(base, index, name)
             if Path(overrides["home"]).exists():
+                # A node whose raylet was removed may outlive it for a moment: its spare
+                # workspaces are swept only once it is gone.
+                _wait_gone(_spare_owners(Path(overrides["home"])))
                 with managed(Settings(**overrides)) as manager:
                     manager.recover()
+        left = mounts_under(base.home)
         shutil.rmtree(base.home, ignore_errors=True)
+        assert left == [], left
+
+
+def _spare_owners(home: Path) -> set[int]:
+    """The pids whose workspaces made ahead (``.ready.<pid>.<start>...``) are in ``home``."""
+    root = home / "sandboxes"
+    if not root.is_dir():
+        return set()
+    return {int(p.name.split(".")[2]) for p in root.iterdir()
+            if p.name.startswith((".ready.", ".making."))}
+
+
+def _wait_gone(pids: set[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 class ServedGateway:
