@@ -73,8 +73,8 @@ def set_child_subreaper() -> None:
 def yield_cpu_to_others() -> None:
     """Lower the calling thread's CPU priority (nice 10; Linux's niceness is per thread).
 
-    For work made ahead or left behind (spares, a destroyed workspace's teardown): on a busy
-    host it must not take a core from the creates and commands it is there to speed up.
+    For work made ahead (spare workspaces and network namespaces): on a busy host it must not
+    take a core from the creates and commands it is there to speed up.
     """
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 

@@ -182,9 +182,10 @@ def detach_behind(points: list[Path]) -> None:
     global _detacher
     with _detacher_lock:
         if _detacher is None:
+            # At the normal priority: the destroy waits for the detach, which is the start of
+            # the same umount2 call whose end is the teardown left behind.
             _detacher = ThreadPoolExecutor(max_workers=_DETACHERS,
-                                           thread_name_prefix="corral-detach",
-                                           initializer=linux.yield_cpu_to_others)
+                                           thread_name_prefix="corral-detach")
         pool = _detacher
     try:
         job = pool.submit(_detach_all, points)
