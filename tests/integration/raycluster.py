@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from corral._backends._linux.ready import spare_owner
 from corral._backends._linux.storage import mounts_under
 from corral._cluster.gateway import IDENTITY_LABEL, Cluster
 from corral._cluster.node import node_settings
@@ -111,8 +112,8 @@ def _spare_owners(home: Path) -> set[int]:
     root = home / "sandboxes"
     if not root.is_dir():
         return set()
-    return {int(p.name.split(".")[2]) for p in root.iterdir()
-            if p.name.startswith((".ready.", ".making."))}
+    owners = (spare_owner(p.name) for p in root.iterdir())
+    return {int(owner.split(".")[0]) for owner in owners if owner is not None}
 
 
 def _wait_gone(pids: set[int], timeout: float = 30) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral._backends._linux.ready import spare_owner
 from corral._control.manager import Manager
 from corral._settings import Settings
 
@@ -292,9 +293,10 @@ def test_a_sigkill_in_the_middle_of_a_burst_leaves_nothing_and_loses_no_result(
     while any(host_procs_of_uid(u) for u in sandboxes.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [host_procs_of_uid(u) for u in sandboxes.values()] == [[]] * len(sandboxes)
+
     def theirs() -> list[str]:
         return [p.name for p in (settings.home / "sandboxes").iterdir()
-                if p.name.startswith((f".ready.{proc.pid}.", f".making.{proc.pid}."))]
+                if (spare_owner(p.name) or "").startswith(f"{proc.pid}.")]
 
     # It had made workspaces ahead of creates (from its second): the sweep takes them too.
     assert theirs() != []

@@ -34,7 +34,7 @@ from ...backends import SandboxSpec
 from ...errors import BackendError
 from .storage import WorkspaceStore, is_mount
 
-__all__ = ["ReadyWorkspaces"]
+__all__ = ["ReadyWorkspaces", "spare_owner"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,16 @@ _READY, _MAKING = ".ready.", ".making."
 # Shared by every pool of the process: two tiers' pools name theirs with the same owner.
 _NUMBERS = itertools.count()
 _MIN_FREE = 64 * 1024 * 1024  # as a create's own check (storage._MIN_FREE)
+
+
+def spare_owner(name: str) -> str | None:
+    """The owner (``pid.start time``) named by a spare's entry in the sandboxes' directory
+    (``.ready.`` or ``.making.``); None for any other entry."""
+    for prefix in (_READY, _MAKING):
+        if name.startswith(prefix):
+            pid, start = (name[len(prefix):].split(".") + ["", ""])[:2]
+            return f"{pid}.{start}"
+    return None
 
 
 class ReadyWorkspaces:
@@ -179,9 +189,9 @@ class ReadyWorkspaces:
             return []
         found = []
         for entry in root.iterdir():
-            for prefix in (_READY, _MAKING):
-                if entry.name.startswith(prefix):
-                    pid, start = (entry.name[len(prefix):].split(".") + ["", ""])[:2]
-                    if f"{pid}.{start}" != self._owner and not alive(pid, start):
-                        found.append(entry.name)
+            owner = spare_owner(entry.name)
+            if owner is not None and owner != self._owner:
+                pid, start = owner.split(".", 1)
+                if not alive(pid, start):
+                    found.append(entry.name)
         return found
