@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from corral._backends._linux.host import owner_alive
 from corral._backends._linux.ready import spare_owner
 from corral._backends._linux.storage import mounts_under
 from corral._cluster.gateway import IDENTITY_LABEL, Cluster
@@ -97,9 +98,7 @@ def embedded_gateway(cluster: Any, base: Settings | None = None) -> Iterator[Clu
         for name, index in indices.items():
             overrides = node_settings(base, index, name)
             if Path(overrides["home"]).exists():
-                # A node whose raylet was removed may outlive it for a moment: its spare
-                # workspaces are swept only once it is gone.
-                _wait_gone(_spare_owners(Path(overrides["home"])))
+                _stop_spare_owners(Path(overrides["home"]))
                 with managed(Settings(**overrides)) as manager:
                     manager.recover()
         left = mounts_under(base.home)
@@ -107,18 +106,23 @@ def embedded_gateway(cluster: Any, base: Settings | None = None) -> Iterator[Clu
         assert left == [], left
 
 
-def _spare_owners(home: Path) -> set[int]:
-    """The pids whose workspaces made ahead (``.ready.<pid>.<start>...``) are in ``home``."""
+def _stop_spare_owners(home: Path, timeout: float = 30) -> None:
+    """Stop the node processes still holding spare workspaces (``.ready.<pid>.<start>...``)
+    in ``home`` once ``close_nodes`` is done: a node whose raylet was removed outlives it,
+    under load for more than 30 s (its Ray worker notices late), and its spares are swept only
+    once it is gone. SIGKILL is the death Ray would deliver; the start time guards against a
+    reused pid."""
     root = home / "sandboxes"
     if not root.is_dir():
-        return set()
-    owners = (spare_owner(p.name) for p in root.iterdir())
-    return {int(owner.split(".")[0]) for owner in owners if owner is not None}
-
-
-def _wait_gone(pids: set[int], timeout: float = 30) -> None:
+        return
+    owners = {owner for owner in (spare_owner(p.name) for p in root.iterdir()) if owner}
+    live = [(pid, start) for pid, start in (o.split(".", 1) for o in owners)
+            if owner_alive(pid, start)]
+    for pid, _ in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
     deadline = time.monotonic() + timeout
-    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+    while any(owner_alive(*owner) for owner in live) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 

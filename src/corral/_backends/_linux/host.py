@@ -53,10 +53,14 @@ def proc_start_time(pid: int) -> str | None:
 
 
 def owner_alive(pid: str, start_time: str) -> bool:
+    """That process exists and has not exited: a zombie waiting for its parent has (and can
+    hold nothing), though its pid and start time read as before until it is reaped."""
     try:
-        return proc_start_time(int(pid)) == start_time
-    except ValueError:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
         return False
+    return len(fields) > 19 and fields[19] == start_time and fields[0] not in ("Z", "X")
 
 
 class TierLauncher(Protocol):

@@ -638,7 +638,7 @@ class MicrovmBackend(HostBackedBackend):
         if name != _VM_GROUP:
             return False
         owner = _read(self._run_path(sandbox_id) / PIDFILE).split(".")
-        return len(owner) >= 2 and _running(owner[0], owner[1])
+        return len(owner) >= 2 and owner_alive(owner[0], owner[1])
 
     def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:
         removed: list[Leftover] = []
@@ -690,25 +690,14 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _running(pid: str, start_time: str) -> bool:
-    """That process exists and has not exited (a zombie waiting for its parent has)."""
-    if not owner_alive(pid, start_time):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _kill_keeper(run: Path) -> None:
     """Kill the keeper recorded in ``run`` (if it is still that process), and so its QEMU."""
     owner = _read(run / PIDFILE).split(".")
-    if len(owner) >= 2 and _running(owner[0], owner[1]):
+    if len(owner) >= 2 and owner_alive(owner[0], owner[1]):
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(owner[0]), signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while _running(owner[0], owner[1]) and time.monotonic() < deadline:
+        while owner_alive(owner[0], owner[1]) and time.monotonic() < deadline:
             time.sleep(0.002)
 
 
