@@ -84,7 +84,7 @@ def open_join_files(cgroups: CgroupDriver, group: str) -> list[int]:
     return opened
 
 
-def _keyed(path: Path, name: str) -> int:
+def _keyed(path: Path | str, name: str) -> int:
     """The value of ``name`` in a ``key value`` per line file (cpu.stat, memory.events)."""
     for line in _read(path).splitlines():
         key, _, value = line.partition(" ")
@@ -101,9 +101,16 @@ def _write(path: Path, value: str) -> None:
         os.close(fd)
 
 
-def _read(path: Path) -> str:
-    with open(path) as f:
-        return f.read()
+def _read(path: Path | str) -> str:
+    # Raw reads: open() with its text layer cost a command's usage read a third of its time.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):  # a seq file may hand a long list out in parts
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode()
 
 
 def _mounts() -> list[tuple[str, str, list[str]]]:
@@ -256,14 +263,15 @@ class CgroupV1:
             cpu_s=int(_read(self._path("cpuacct", group) / "cpuacct.usage")) / 1e9,
             memory_bytes=int(_read(self._path("memory", group) / "memory.usage_in_bytes")))
 
+    def _usage_files(self, group: str) -> tuple[str, str, str]:
+        mem = str(self._path("memory", group))
+        return (f"{self._path('cpuacct', group)}/cpuacct.usage",
+                f"{mem}/memory.max_usage_in_bytes", f"{mem}/memory.oom_control")
+
     def usage(self, group: str) -> CgroupUsage:
-        mem = self._path("memory", group)
-        oom = _keyed(mem / "memory.oom_control", "oom_kill")
-        return CgroupUsage(
-            cpu_s=int(_read(self._path("cpuacct", group) / "cpuacct.usage")) / 1e9,
-            peak_memory_bytes=int(_read(mem / "memory.max_usage_in_bytes")),
-            oom_killed=oom > 0,
-        )
+        cpu, peak, oom = self._usage_files(group)
+        return CgroupUsage(cpu_s=int(_read(cpu)) / 1e9, peak_memory_bytes=int(_read(peak)),
+                           oom_killed=_keyed(oom, "oom_kill") > 0)
 
     def kill(self, group: str) -> None:
         try:

@@ -65,11 +65,14 @@ def supervise(
     proc: subprocess.Popen[bytes], request: ExecRequest, *, cgroups: CgroupDriver, group: str,
     started: float, terminal: int | None, abort: Callable[[], None],
     reap: Callable[[], None] = lambda: None, stderr_head: StreamHead | None = None,
+    emptied: Callable[[], bool] = lambda: False,
 ) -> Supervised:
     """Follow a started command to its end. ``abort`` tears the launch down when a callback or
     the pump raises; ``reap`` collects what the tier's runtime re-parented to us, after the
     group is killed and before usage is read; ``stderr_head`` may rewrite the runtime's own
-    "cannot start the program" line (see ``StreamHead``)."""
+    "cannot start the program" line (see ``StreamHead``); ``emptied`` says, once the command
+    has ended, that the runtime killed and reaped all of its processes itself (the caller then
+    kills the group when it retires it)."""
     if request.on_start is not None and (request.interactive or terminal is not None):
         try:
             request.on_start(ProcessHandle(proc, terminal))
@@ -92,8 +95,10 @@ def supervise(
     wall = time.monotonic() - started
     with tracer.start_as_current_span("corral.process.reap"):
         # Anything the command left behind (it cannot outlive its PID namespace or sandbox,
-        # but belt and braces) dies before usage is read.
-        cgroups.kill(group)
+        # but belt and braces) dies before usage is read; unless the runtime has already
+        # killed and reaped it all, when the caller's retirement of the group kills.
+        if not emptied():
+            cgroups.kill(group)
         reap()
         try:
             usage = cgroups.usage(group)

@@ -126,6 +126,8 @@ class ZygoteProcess:
         self.exec_errno: int | None = None
         #: the init could not set the command up ("chdir: No such file or directory")
         self.setup_error: str | None = None
+        #: the command ended and its init vouches that none of its processes is left
+        self.settled = False
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is not None:
@@ -137,12 +139,17 @@ class ZygoteProcess:
         except OSError:
             reply = b""
         self._sock.close()
-        # An init exits right after its answer, and the kernel empties its PID namespace
-        # before the exit completes: once its pidfd reads, nothing of the command is left to
-        # kill, and the group's emptiness check finds it empty at its first look (sleeping
-        # there cost a command ~0.5 ms). A process stuck in the kernel (D state) bounds this
-        # wait; the group's kill then deals with it.
-        select.select([self._init.pidfd], [], [], _EXIT_WAIT_S)
+        if reply.startswith((b"x ", b"n ")):
+            # The init killed and reaped everything in its PID namespace before it answered
+            # (zygote.c): nothing of the command's is left, only the init, exiting. The
+            # group's kill and removal are left to its retirement (``GroupRetirer``).
+            self.settled = True
+        else:
+            # Set-up failed or the init was killed: once its pidfd reads, the kernel has
+            # emptied its PID namespace, and the group's kill finds it empty at its first
+            # look. A process stuck in the kernel (D state) bounds this wait; the group's
+            # kill then deals with it.
+            select.select([self._init.pidfd], [], [], _EXIT_WAIT_S)
         if reply.startswith(b"x "):
             self.returncode = int(reply[2:])
         elif reply.startswith(b"n "):
@@ -203,7 +210,7 @@ def sealed_file(data: bytes, name: str) -> int:
 
 
 class GroupRetirer:
-    """Removes finished commands' (empty) groups on ``pool``, off the command's path: an
+    """Removes finished commands' groups on ``pool``, off the command's path: an
     rmdir in five v1 hierarchies costs ~0.2 ms, and waits for the kernel's cgroup lock
     behind whatever another sandbox (or tier) is doing with its groups; while the next
     init was still placed from the host, removing in line cost a command up to ~20 ms at
@@ -235,6 +242,9 @@ class GroupRetirer:
 
     def _remove(self, group: str) -> None:
         try:
+            # Empty but for an init still exiting, at most (``ZygoteProcess.settled``); the
+            # kill is the belt and braces the command's path left here.
+            self._cgroups.kill(group)
             self._cgroups.remove(group)
         except (BackendError, OSError) as exc:
             logger.warning("a finished command's cgroup %s was not removed (the sweep "
@@ -364,12 +374,17 @@ class Zygote:
         raise BackendError("a command's init died while setting up")
 
     def take(self) -> WarmInit:
-        """The init made ahead (waiting for it if it is still being made); the next one is
-        started at once."""
+        """The init made ahead (waiting for it if it is still being made). The next one is
+        started once this one has its command (``start_command``): made now, its group's
+        mkdirs and its init's joins would queue the command's rename behind them on the
+        kernel's cgroup lock."""
         with self._lock:
-            if self._closed or self._next is None:
+            if self._closed:
                 raise BackendError("the sandbox's resident helper was stopped")
-            current, self._next = self._next, self._warmer.submit(self._warm)
+            # None: another command took it and has not sent its request yet.
+            current, self._next = self._next, None
+            if current is None:
+                current = self._warmer.submit(self._warm)
         try:
             init = current.result(timeout=2 * SETUP_TIMEOUT_S)
         except BackendError:
@@ -411,7 +426,13 @@ class Zygote:
             raise
         for fd in (in_r, out_w, err_w, request):  # the init holds them now
             os.close(fd)
+        self._make_next()
         return ZygoteProcess(init, in_w, out_r, err_r)
+
+    def _make_next(self) -> None:
+        with self._lock:
+            if not self._closed and self._next is None:
+                self._next = self._warmer.submit(self._warm)
 
     def discard(self, init: WarmInit) -> None:
         """Let an init go unused (its answer socket closed, it exits) and remove its group."""

@@ -304,7 +304,8 @@ class CommandLauncher:
         try:
             seen = supervise(
                 proc, request, cgroups=self.cgroups, group=group,  # type: ignore[arg-type]
-                started=started, terminal=None, abort=lambda: self._abort_resident(proc, group))
+                started=started, terminal=None, abort=lambda: self._abort_resident(proc, group),
+                emptied=lambda: proc.settled)
         except BaseException:
             with contextlib.suppress(BackendError):
                 self.cgroups.kill(group)
@@ -312,7 +313,7 @@ class CommandLauncher:
             self.cgroups.remove(group)
             raise
         proc.close()
-        retire(group)  # supervise's kill found it empty
+        retire(group)  # killed there, in case the init is still exiting
         if proc.setup_error is not None:
             if proc.setup_error.startswith("chdir:"):
                 raise CommandError("cannot enter the working directory: "

@@ -14,14 +14,15 @@
  * of the group the host made for the init (each v1 hierarchy's "tasks" file, opened by the
  * host): the init writes itself into it first thing, and runs nothing until the request.
  *
+ * Before its "r" the init also unshares a cgroup namespace (its group becomes its root), empties
+ * every capability set and the bounding set, sets no_new_privs and installs the namespace
+ * tier's seccomp filter (the same program bwrap installs): it waits as the command will run.
  * A request is "x" with four descriptors: stdin, stdout, stderr and a sealed memfd holding
- * "CWD\0ARGC\0ARGV...\0ENVC\0ENV...\0" (counts in decimal). The init then unshares a cgroup
- * namespace (its group, placed by now, becomes its root), empties every capability set and the
- * bounding set, sets no_new_privs, installs the namespace tier's seccomp filter (the same
- * program bwrap installs), enters CWD and forks the command, which starts a session of its own,
+ * "CWD\0ARGC\0ARGV...\0ENVC\0ENV...\0" (counts in decimal). The init then enters CWD and
+ * forks the command, which starts a session of its own,
  * takes its stdio and the request's environment, and execs. The init reaps until the command
- * exits, answers "x STATUS" (the exit code, or minus the signal), and exits: the kernel kills
- * whatever is left in the PID namespace, so nothing the command started outlives it.
+ * exits, kills and reaps whatever is left in its PID namespace, answers "x STATUS" (the exit
+ * code, or minus the signal), and exits: nothing the command started outlives the answer.
  * Failures answer "e ERRNO WHAT" (set-up: nothing of the user's ran) or "n ERRNO" (execve
  * failed: the program cannot be run).
  *
@@ -211,18 +212,21 @@ static void run_init(int fd, const int *join, int njoin) {
     if (setrlimit(RLIMIT_NOFILE, &nofile) < 0 || setrlimit(RLIMIT_CORE, &core) < 0)
         init_fail(fd, "rlimit");
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);  /* the command cannot ptrace or read its init */
+    /* Its group is placed: it becomes the cgroup namespace's root. The host renames the group
+     * to the command's before the request, which changes its name only, not the group. */
+    if (unshare(CLONE_NEWCGROUP) < 0) init_fail(fd, "unshare-cgroup");
+    /* All that is left is the request's own work, which needs no privilege: the init waits
+     * for it already as the command will run, without capabilities and under the filter. */
+    drop_privileges(fd);
     answer(fd, "r");
 
     int fds[4];
     int got = receive_request(fd, fds);
     if (got == -1) _exit(0);
     if (got < 0) init_fail(fd, "request");
-    /* The host moved this init into the command's cgroup before it sent the request. */
-    if (unshare(CLONE_NEWCGROUP) < 0) init_fail(fd, "unshare-cgroup");
     char *cwd = NULL, **argv = NULL, **env = NULL;
     if (parse_request(fds[3], &cwd, &argv, &env) < 0) init_fail(fd, "request");
     close(fds[3]);
-    drop_privileges(fd);
     if (chdir(cwd) < 0) init_fail(fd, "chdir");
 
     int report[2];
@@ -251,8 +255,20 @@ static void run_init(int fd, const int *join, int njoin) {
     close(report[0]);
     int status = 0;
     for (;;) {
-        pid_t done = wait(&status);
-        if (done == child) break;
+        int any;
+        pid_t done = wait(&any);
+        if (done == child) { status = any; break; }
+        if (done < 0 && errno != EINTR) init_fail(fd, "wait");
+    }
+    /* The command is done: what it left (background jobs, a fork bomb) is killed and reaped
+     * here, before the answer, so once the host has it nothing of the command's is left
+     * (only this init, exiting). Every process of the namespace is a descendant of this init,
+     * orphans included, so ECHILD means it is empty; a kill lost to a concurrent fork is
+     * caught by the next round. */
+    for (;;) {
+        kill(-1, SIGKILL);
+        pid_t done = wait(NULL);
+        if (done < 0 && errno == ECHILD) break;
         if (done < 0 && errno != EINTR) init_fail(fd, "wait");
     }
     char line[64];
