@@ -7,7 +7,9 @@ from __future__ import annotations
 import codecs
 import contextlib
 import fcntl
+import math
 import os
+import select
 import selectors
 import struct
 import subprocess
@@ -195,53 +197,56 @@ def pump(
     assert proc.stdout is not None and proc.stderr is not None
     pending = memoryview(request.stdin or b"")
     timed_out = False
-    with selectors.DefaultSelector() as sel:
-        handlers: dict[int, Callable[[], None]] = {}
+    # poll(2), not an epoll selector: two or three descriptors, and an epoll instance's set-up
+    # and tear-down were six system calls of a short command's path.
+    poller = select.poll()
+    handlers: dict[int, Callable[[], None]] = {}
 
-        def reader(fd: int, stream: OutputStream) -> Callable[[], None]:
-            def handle() -> None:
-                chunk = os.read(fd, READ_CHUNK)
-                if chunk:
-                    stream.feed(chunk)
-                else:
-                    sel.unregister(fd)
-                    del handlers[fd]
-            return handle
-
-        for pipe, stream in ((proc.stdout, out), (proc.stderr, err)):
-            sel.register(pipe.fileno(), selectors.EVENT_READ)
-            handlers[pipe.fileno()] = reader(pipe.fileno(), stream)
-        stdin = proc.stdin
-        if stdin is not None and not request.interactive:
-            stdin_fd = stdin.fileno()
-            os.set_blocking(stdin_fd, False)
-
-            def write_stdin() -> None:
-                nonlocal pending
-                try:
-                    pending = pending[os.write(stdin_fd, pending[:READ_CHUNK]):]
-                except BrokenPipeError:
-                    pending = memoryview(b"")
-                if not pending:
-                    sel.unregister(stdin_fd)
-                    del handlers[stdin_fd]
-                    stdin.close()
-
-            if pending:
-                sel.register(stdin_fd, selectors.EVENT_WRITE)
-                handlers[stdin_fd] = write_stdin
+    def reader(fd: int, stream: OutputStream) -> Callable[[], None]:
+        def handle() -> None:
+            chunk = os.read(fd, READ_CHUNK)
+            if chunk:
+                stream.feed(chunk)
             else:
+                poller.unregister(fd)
+                del handlers[fd]
+        return handle
+
+    for pipe, stream in ((proc.stdout, out), (proc.stderr, err)):
+        poller.register(pipe.fileno(), select.POLLIN)
+        handlers[pipe.fileno()] = reader(pipe.fileno(), stream)
+    stdin = proc.stdin
+    if stdin is not None and not request.interactive:
+        stdin_fd = stdin.fileno()
+        os.set_blocking(stdin_fd, False)
+
+        def write_stdin() -> None:
+            nonlocal pending
+            try:
+                pending = pending[os.write(stdin_fd, pending[:READ_CHUNK]):]
+            except BrokenPipeError:
+                pending = memoryview(b"")
+            if not pending:
+                poller.unregister(stdin_fd)
+                del handlers[stdin_fd]
                 stdin.close()
-        outputs = (proc.stdout.fileno(), proc.stderr.fileno())
-        while any(fd in handlers for fd in outputs):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(remaining):
-                handler = handlers.get(key.fd)
-                if handler is not None:
-                    handler()
+
+        if pending:
+            poller.register(stdin_fd, select.POLLOUT)
+            handlers[stdin_fd] = write_stdin
+        else:
+            stdin.close()
+    outputs = (proc.stdout.fileno(), proc.stderr.fileno())
+    while any(fd in handlers for fd in outputs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        # Rounded up: a zero timeout would spin through the last millisecond.
+        for fd, _ in poller.poll(max(1, math.ceil(remaining * 1000))):
+            handler = handlers.get(fd)
+            if handler is not None:
+                handler()
     for stream_pipe in (proc.stdin, proc.stdout, proc.stderr):
         if stream_pipe is not None and not stream_pipe.closed:
             with contextlib.suppress(OSError):
