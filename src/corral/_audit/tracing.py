@@ -21,6 +21,7 @@ __all__ = ["configure_from_environment", "tracer"]
 
 logger = logging.getLogger(__name__)
 
+
 class _Tracer:
     """``start_as_current_span`` of the OpenTelemetry API, without its cost when nothing
     collects: with no provider set, the API's no-op span still enters and leaves a context,
