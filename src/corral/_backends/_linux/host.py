@@ -44,23 +44,30 @@ __all__ = ["HostBackedBackend", "TierLauncher", "owner_alive", "proc_start_time"
 logger = logging.getLogger(__name__)
 
 
-def proc_start_time(pid: int) -> str | None:
+def _stat_after_name(pid: int) -> list[str] | None:
+    """``/proc/PID/stat``'s fields after the command name (state first, start time at 19);
+    None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return fields if len(fields) > 19 else None
+
+
+def proc_start_time(pid: int) -> str | None:
+    fields = _stat_after_name(pid)
+    return fields[19] if fields is not None else None
 
 
 def owner_alive(pid: str, start_time: str) -> bool:
     """That process exists and has not exited: a zombie waiting for its parent has (and can
     hold nothing), though its pid and start time read as before until it is reaped."""
     try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError, ValueError):
+        fields = _stat_after_name(int(pid))
+    except ValueError:
         return False
-    return len(fields) > 19 and fields[19] == start_time and fields[0] not in ("Z", "X")
+    return fields is not None and fields[19] == start_time and fields[0] not in ("Z", "X")
 
 
 class TierLauncher(Protocol):
