@@ -24,11 +24,11 @@ from typing import Any
 
 import httpx
 
-from corral._backends._linux.host import owner_alive
 from corral._backends._linux.ready import spare_owner
 from corral._backends._linux.storage import mounts_under
 from corral._cluster.gateway import IDENTITY_LABEL, Cluster
 from corral._cluster.node import node_settings
+from corral._core.owner import owner_alive
 from corral._settings import Settings
 
 from ..conftest import managed

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from corral._backends._linux.host import owner_alive, proc_start_time
+from corral._core.owner import owner_alive, proc_start_time
 
 
 def test_a_running_process_is_alive_and_an_exited_unreaped_one_is_not() -> None:

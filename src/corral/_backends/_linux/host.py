@@ -24,6 +24,7 @@ from collections.abc import Callable, Set
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..._core.owner import owner_alive, this_owner
 from ..._settings import Settings
 from ..._templates import catalog
 from ..._workspace.files import WorkspaceFiles
@@ -39,35 +40,9 @@ from .template import BaseTemplate, load_template
 from .uids import lowest_free_uid
 from .volumes import BoundMount, VolumeKit
 
-__all__ = ["HostBackedBackend", "TierLauncher", "owner_alive", "proc_start_time"]
+__all__ = ["HostBackedBackend", "TierLauncher"]
 
 logger = logging.getLogger(__name__)
-
-
-def _stat_after_name(pid: int) -> list[str] | None:
-    """``/proc/PID/stat``'s fields after the command name (state first, start time at 19);
-    None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields if len(fields) > 19 else None
-
-
-def proc_start_time(pid: int) -> str | None:
-    fields = _stat_after_name(pid)
-    return fields[19] if fields is not None else None
-
-
-def owner_alive(pid: str, start_time: str) -> bool:
-    """That process exists and has not exited: a zombie waiting for its parent has (and can
-    hold nothing), though its pid and start time read as before until it is reaped."""
-    try:
-        fields = _stat_after_name(int(pid))
-    except ValueError:
-        return False
-    return fields is not None and fields[19] == start_time and fields[0] not in ("Z", "X")
 
 
 class TierLauncher(Protocol):
@@ -114,7 +89,7 @@ class HostBackedBackend:
         self._ensured: set[str] = set()
         # Command cgroups carry the owner's pid and start time, so a later process can tell a
         # crashed owner's leftovers from a live neighbour's commands.
-        self._owner = f"{os.getpid()}.{proc_start_time(os.getpid())}"
+        self._owner = this_owner()
         self._ready_workspaces = ReadyWorkspaces(self._store, self._owner)
         self._spare_netns = netns.SpareNamespaces()
         self._unmounted_lock = threading.Lock()

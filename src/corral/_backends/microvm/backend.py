@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._core.owner import owner_alive
 from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import (
@@ -65,7 +66,7 @@ from ...errors import BackendError, BackendUnavailable, CommandError
 from ...models import ResourceTier, Usage
 from .._linux import netns
 from .._linux.cgroups import detect_cgroups
-from .._linux.host import HostBackedBackend, owner_alive
+from .._linux.host import HostBackedBackend
 from .._linux.notfound import NOT_FOUND_EXIT_CODE
 from .._linux.process_io import OutputStream
 from .._linux.supervise import TIMEOUT_EXIT_CODE

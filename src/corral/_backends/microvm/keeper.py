@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..._core.owner import this_owner
 from .wire import ProtocolError, b64, encode, read_lines, read_one, unb64
 
 __all__ = ["KeeperConfig", "main"]
@@ -687,13 +688,6 @@ def _prepare_guest(keeper: Keeper, config: KeeperConfig) -> None:
         keeper.call_agent("mount", fresh=config.fresh_disk)
 
 
-def _start_time(pid: int) -> str:
-    # The same field ``_linux.host.proc_start_time`` reads; that module's imports (pydantic
-    # models, the workspace store) would double the keeper's start-up.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[19]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -702,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args[0])
     logging.basicConfig(filename=run_dir / "keeper.log", level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
-    owner = f"{os.getpid()}.{_start_time(os.getpid())}"
+    owner = this_owner()
     (run_dir / PIDFILE).write_text(owner + "\n")
     config = dataclasses.replace(KeeperConfig.load(run_dir / CONFIG), owner=owner)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # QEMU dies with us (pdeathsig)
