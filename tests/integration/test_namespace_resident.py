@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import os
 import secrets
 import signal
@@ -220,6 +221,37 @@ def test_a_sandbox_starts_from_a_mount_namespace_with_its_own_mounts_and_no_othe
         finally:
             sb.kill()
             other.kill()
+
+
+@pytest.mark.parametrize("value_bytes", [16, 40_000, 120_000])
+def test_a_request_reaches_its_command_whole_inline_or_in_a_memfd(
+        sandbox: Sandbox, value_bytes: int) -> None:
+    """A request up to 32 KiB travels in its message, a larger one in a sealed memfd: both
+    reach the command byte for byte (argv, environment, working directory)."""
+    value = (secrets.token_hex(8) * (value_bytes // 16 + 1))[:value_bytes]
+    sandbox.files.make_dir("/workspace/here")
+    result = sandbox.commands.run(
+        ["sh", "-c", 'printf "%s %s %s" "$(pwd)" "$1" "$(printf %s "$BIG" | sha256sum)"',
+         "sh", "first arg"], envs={"BIG": value}, cwd="/workspace/here", timeout=10)
+    digest = hashlib.sha256(value.encode()).hexdigest()
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == f"/workspace/here first arg {digest}  -"
+
+
+def test_exec_failures_and_a_script_without_interpreter_line_keep_execvps_rules(
+        sandbox: Sandbox) -> None:
+    """The command is vforked and exec'd with execvp: a missing program is 127 with a
+    message, a file that is no program 126, and a script without ``#!`` runs under
+    ``/bin/sh`` (execvp's rule), as in a bwrap of its own."""
+    sandbox.files.write("/workspace/plain.sh", "echo from-sh\n")
+    sandbox.files.write("/workspace/data.txt", "not a program\n")
+    sandbox.commands.run(["chmod", "+x", "/workspace/plain.sh"], timeout=10)
+    missing = sandbox.commands.run(["no-such-program-here"], timeout=10)
+    assert missing.exit_code == 127
+    assert "no-such-program-here" in missing.stderr
+    assert sandbox.commands.run(["/workspace/data.txt"], timeout=10).exit_code == 126
+    plain = sandbox.commands.run(["/workspace/plain.sh"], timeout=10)
+    assert (plain.exit_code, plain.stdout) == (0, "from-sh\n")
 
 
 def test_a_killed_resident_is_replaced_by_the_next_command(sandbox: Sandbox) -> None:

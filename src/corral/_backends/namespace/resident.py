@@ -181,15 +181,33 @@ class ZygoteProcess:
         self._init.close()
 
 
-def _request(cwd: str, argv: Sequence[str], env: dict[str, str]) -> int:
-    """A sealed memfd holding the request as ``zygote.c`` parses it."""
+#: the most a request's text travels in its message (zygote.c's MAX_INLINE); a larger one
+#: (a large environment) goes in a sealed memfd
+_MAX_INLINE = 32 << 10
+
+
+_devnull_lock = threading.Lock()
+_devnull_fd: int | None = None
+
+
+def _devnull() -> int:
+    """One ``/dev/null`` for the process, read by every command without stdin (the init
+    dup2s its own copy): kept open, never closed."""
+    global _devnull_fd
+    with _devnull_lock:
+        if _devnull_fd is None:
+            _devnull_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        return _devnull_fd
+
+
+def _request_text(cwd: str, argv: Sequence[str], env: dict[str, str]) -> bytes:
+    """The request as ``zygote.c`` parses it."""
     fields = [cwd, str(len(argv)), *argv, str(len(env)),
               *(f"{name}={value}" for name, value in env.items())]
     for field in fields:
         if "\0" in field:
             raise ValueError("a command's argv or environment contains a NUL byte")
-    return sealed_file(b"".join(os.fsencode(field) + b"\0" for field in fields),
-                       "corral-request")
+    return b"".join(os.fsencode(field) + b"\0" for field in fields)
 
 
 def sealed_file(data: bytes, name: str) -> int:
@@ -405,26 +423,34 @@ class Zygote:
         """Give ``init`` the group ``group`` and the command; it runs from here."""
         self._cgroups.rename_command(init.group, group, (init.pid,))
         init.group = group
-        request = _request(cwd, argv, env)
-        opened: list[int] = [request]
+        text = _request_text(cwd, argv, env)
+        opened: list[int] = []  # ours to close once sent (the init holds its own then)
+        in_w = out_r = err_r = None
         try:
             if stdin:
                 in_r, in_w = os.pipe()
-                opened += [in_r, in_w]
-            else:
-                in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), None
                 opened.append(in_r)
+            else:
+                in_r = _devnull()
             out_r, out_w = os.pipe()
-            opened += [out_r, out_w]
+            opened.append(out_w)
             err_r, err_w = os.pipe()
-            opened += [err_r, err_w]
-            init.sock.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                        array.array("i", [in_r, out_w, err_w, request]))])
+            opened.append(err_w)
+            fds = [in_r, out_w, err_w]
+            if len(text) <= _MAX_INLINE:
+                message = b"x" + text
+            else:
+                message = b"m"
+                fds.append(sealed_file(text, "corral-request"))
+                opened.append(fds[-1])
+            init.sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                           array.array("i", fds))])
         except BaseException:
-            for fd in opened:
-                os.close(fd)
+            for fd in (*opened, in_w, out_r, err_r):
+                if fd is not None:
+                    os.close(fd)
             raise
-        for fd in (in_r, out_w, err_w, request):  # the init holds them now
+        for fd in opened:
             os.close(fd)
         self._make_next()
         return ZygoteProcess(init, in_w, out_r, err_r)

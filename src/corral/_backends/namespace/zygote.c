@@ -17,10 +17,12 @@
  * Before its "r" the init also unshares a cgroup namespace (its group becomes its root), empties
  * every capability set and the bounding set, sets no_new_privs and installs the namespace
  * tier's seccomp filter (the same program bwrap installs): it waits as the command will run.
- * A request is "x" with four descriptors: stdin, stdout, stderr and a sealed memfd holding
- * "CWD\0ARGC\0ARGV...\0ENVC\0ENV...\0" (counts in decimal). The init then enters CWD and
- * forks the command, which starts a session of its own,
- * takes its stdio and the request's environment, and execs. The init reaps until the command
+ * A request is "x" followed by "CWD\0ARGC\0ARGV...\0ENVC\0ENV...\0" (counts in decimal) in
+ * the same message, with three descriptors: stdin, stdout and stderr; a request too large for
+ * one message is "m" with a fourth, a sealed memfd holding that text. The init then enters CWD
+ * and vforks the command (its own address space is not copied: it waits, suspended, until the
+ * child has exec'd), which starts a session of its own, takes its stdio and the request's
+ * environment, and execs. The init reaps until the command
  * exits, kills and reaps whatever is left in its PID namespace, answers "x STATUS" (the exit
  * code, or minus the signal), and exits: nothing the command started outlives the answer.
  * Failures answer "e ERRNO WHAT" (set-up: nothing of the user's ran) or "n ERRNO" (execve
@@ -50,6 +52,9 @@
 
 #define MAX_FILTER (4096 * sizeof(struct sock_filter))
 #define MAX_REQUEST (4 << 20)
+/* The most an inline request holds (the host sends a larger one in a memfd): within a
+ * SEQPACKET message's default limit (the socket's send buffer). */
+#define MAX_INLINE (32 << 10)
 
 static int control_fd;
 static const char *tmp_options;
@@ -120,23 +125,28 @@ static void set_up_mounts(int fd) {
         if (bind_readonly("/dev/null", masked[i]) < 0) init_fail(fd, "mask-proc");
 }
 
-/* The request's memfd, read whole: fills cwd, argv and env from one buffer kept until exec. */
-static int parse_request(int req, char **cwd, char ***argv, char ***env) {
+/* The request's memfd, read whole into a buffer kept until exec. */
+static char *read_request(int req, size_t *size_out) {
     struct stat st;
-    if (fstat(req, &st) < 0) return -1;
-    if (st.st_size <= 0 || st.st_size > MAX_REQUEST) { errno = E2BIG; return -1; }
+    if (fstat(req, &st) < 0) return NULL;
+    if (st.st_size <= 0 || st.st_size > MAX_REQUEST) { errno = E2BIG; return NULL; }
     size_t size = (size_t)st.st_size;
     char *buf = malloc(size + 1);
-    if (buf == NULL) return -1;
+    if (buf == NULL) return NULL;
     size_t have = 0;
     while (have < size) {
         ssize_t got = pread(req, buf + have, size - have, (off_t)have);
         if (got < 0 && errno == EINTR) continue;
-        if (got <= 0) { errno = EIO; return -1; }
+        if (got <= 0) { errno = EIO; return NULL; }
         have += (size_t)got;
     }
-    buf[size] = '\0';
-    if (buf[size - 1] != '\0') { errno = EINVAL; return -1; }
+    *size_out = size;
+    return buf;
+}
+
+/* Fills cwd, argv and env from the request's text, which must outlive them (until exec). */
+static int parse_request(char *buf, size_t size, char **cwd, char ***argv, char ***env) {
+    if (size == 0 || buf[size - 1] != '\0') { errno = EINVAL; return -1; }
     char *at = buf, *end = buf + size;
 #define NEXT() ({ char *field = at; if (at >= end) { errno = EINVAL; return -1; } \
                   at += strlen(at) + 1; field; })
@@ -170,10 +180,12 @@ static void drop_privileges(int fd) {
     if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter) < 0) init_fail(fd, "seccomp");
 }
 
-static int receive_request(int fd, int fds[4]) {
-    char byte;
+/* The request: its stdio in fds[0..2] and its text in *text (*size bytes, NUL-terminated
+ * fields), from the message itself or from the memfd that came with it. */
+static int receive_request(int fd, int fds[3], char **text, size_t *size) {
+    static char inline_text[1 + MAX_INLINE];
     char control[CMSG_SPACE(4 * sizeof(int))];
-    struct iovec iov = {&byte, 1};
+    struct iovec iov = {inline_text, sizeof inline_text};
     struct msghdr msg = {0};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
@@ -183,13 +195,25 @@ static int receive_request(int fd, int fds[4]) {
     while ((got = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC)) < 0 && errno == EINTR) {}
     if (got <= 0) return -1;  /* the host let this init go: nothing ran */
     struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
-    if (byte != 'x' || cmsg == NULL || cmsg->cmsg_type != SCM_RIGHTS
-        || cmsg->cmsg_len != CMSG_LEN(4 * sizeof(int))) {
+    int wanted = inline_text[0] == 'm' ? 4 : 3;
+    if ((inline_text[0] != 'x' && inline_text[0] != 'm') || (msg.msg_flags & MSG_TRUNC)
+        || cmsg == NULL || cmsg->cmsg_type != SCM_RIGHTS
+        || cmsg->cmsg_len != CMSG_LEN(wanted * sizeof(int))) {
         errno = EPROTO;
         return -2;
     }
-    memcpy(fds, CMSG_DATA(cmsg), 4 * sizeof(int));
-    return 0;
+    int received[4];
+    memcpy(received, CMSG_DATA(cmsg), wanted * sizeof(int));
+    memcpy(fds, received, 3 * sizeof(int));
+    if (wanted == 3) {
+        *text = inline_text + 1;
+        *size = (size_t)got - 1;
+        return 0;
+    }
+    if (got != 1) { errno = EPROTO; return -2; }
+    *text = read_request(received[3], size);
+    close(received[3]);
+    return *text == NULL ? -2 : 0;
 }
 
 #define MAX_JOIN 8
@@ -220,18 +244,23 @@ static void run_init(int fd, const int *join, int njoin) {
     drop_privileges(fd);
     answer(fd, "r");
 
-    int fds[4];
-    int got = receive_request(fd, fds);
+    int fds[3];
+    char *text = NULL;
+    size_t size = 0;
+    int got = receive_request(fd, fds, &text, &size);
     if (got == -1) _exit(0);
     if (got < 0) init_fail(fd, "request");
     char *cwd = NULL, **argv = NULL, **env = NULL;
-    if (parse_request(fds[3], &cwd, &argv, &env) < 0) init_fail(fd, "request");
-    close(fds[3]);
+    if (parse_request(text, size, &cwd, &argv, &env) < 0) init_fail(fd, "request");
     if (chdir(cwd) < 0) init_fail(fd, "chdir");
 
-    int report[2];
-    if (pipe2(report, O_CLOEXEC) < 0) init_fail(fd, "pipe");
-    pid_t child = fork();
+    /* vfork: the init's pages are not copied for a child that only sets up and execs; the
+     * init is suspended until then, and reads the exec's failure from the memory they share.
+     * The child changes only what is its own (mask, session, descriptors, signal
+     * dispositions) and the environ pointer, which the init never reads again. */
+    static volatile int exec_errno;
+    exec_errno = 0;
+    pid_t child = vfork();
     if (child < 0) init_fail(fd, "fork");
     if (child == 0) {
         sigset_t none;
@@ -241,18 +270,12 @@ static void run_init(int fd, const int *join, int njoin) {
         for (int i = 0; i < 3; i++)
             if (dup2(fds[i], i) < 0) _exit(125);
         signal(SIGPIPE, SIG_DFL);
-        environ = env;
+        environ = env;  /* execvp searches the command's own PATH */
         execvp(argv[0], argv);
-        int err = errno;
-        while (write(report[1], &err, sizeof err) < 0 && errno == EINTR) {}
+        exec_errno = errno ? errno : ENOEXEC;
         _exit(127);
     }
-    close(report[1]);
     for (int i = 0; i < 3; i++) close(fds[i]);
-    int exec_errno = 0;
-    ssize_t n;
-    while ((n = read(report[0], &exec_errno, sizeof exec_errno)) < 0 && errno == EINTR) {}
-    close(report[0]);
     int status = 0;
     for (;;) {
         int any;
@@ -272,7 +295,7 @@ static void run_init(int fd, const int *join, int njoin) {
         if (done < 0 && errno != EINTR) init_fail(fd, "wait");
     }
     char line[64];
-    if (n == (ssize_t)sizeof exec_errno)
+    if (exec_errno != 0)
         snprintf(line, sizeof line, "n %d", exec_errno);
     else
         snprintf(line, sizeof line, "x %d",
