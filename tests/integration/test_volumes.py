@@ -31,6 +31,7 @@ from corral._control.tenants import TenantDirectory
 from corral._settings import Settings
 
 from ..conftest import managed
+from .hostprocs import host_procs_of_uid, status_field
 from .servers import Server
 
 pytestmark = pytest.mark.needs_root
@@ -181,6 +182,26 @@ def test_a_data_mount_is_read_only_and_its_links_never_reach_the_host(
             mgr.destroy(info.id)
         with pytest.raises(UsageError, match="read-only"):
             mgr.create(data_mounts={"refs": {"path": "/mnt/refs", "read_only": False}})
+
+
+def test_a_data_mount_keeps_the_sandboxs_resident_from_command_to_command(
+        data_home: tuple[Settings, Path]) -> None:
+    """A data mount is a bind of a directory of the host's filesystem, with its parent's
+    device: the check that closes a resident whose mounts went away asks the kernel (statx)
+    whether it is a mount, so the resident is kept, not replaced before every command."""
+    settings, _ = data_home
+    with managed(settings) as mgr:
+        info = mgr.create(data_mounts={"refs": "/mnt/refs"})
+        try:
+            uid = mgr.store.get(info.id).uid
+            zygotes = []
+            for _ in range(4):  # the first takes a bwrap of its own; the rest the resident
+                assert mgr.run(info.id, "cat /mnt/refs/readme.txt").stdout == "shared data\n"
+                zygotes.append({pid for pid, st in host_procs_of_uid(uid)
+                                if status_field(st, "Name") == "zygote"})
+            assert len(zygotes[1]) == 1 and zygotes[1] == zygotes[2] == zygotes[3], zygotes
+        finally:
+            mgr.destroy(info.id)
 
 
 def test_a_volume_is_its_tenants_own(data_home: tuple[Settings, Path]) -> None:

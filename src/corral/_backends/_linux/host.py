@@ -35,7 +35,7 @@ from . import netns
 from .cgroups import CgroupDriver, CgroupNow
 from .ondemand import OnDemand
 from .ready import ReadyWorkspaces
-from .storage import WorkspaceStore
+from .storage import WorkspaceStore, is_mount
 from .template import BaseTemplate, load_template
 from .uids import lowest_free_uid
 from .volumes import BoundMount, VolumeKit
@@ -325,7 +325,9 @@ class HostBackedBackend:
             return
         points = [self._store.mount_point(spec.id),
                   *(m.source for m in self._planned_mounts(spec))]
-        if all(os.path.ismount(point) for point in points):
+        # statx's word, not a device comparison with the parent: a data mount's bind of a
+        # directory of the parent's filesystem has the parent's device.
+        if all(is_mount(point) for point in points):
             return
         # Held while the resident closes: a command beside this one must not mount the image
         # again before the old mount is gone with the resident.
