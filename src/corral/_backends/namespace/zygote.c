@@ -275,7 +275,10 @@ static void run_init(int fd, const int *join, int njoin) {
         exec_errno = errno ? errno : ENOEXEC;
         _exit(127);
     }
-    for (int i = 0; i < 3; i++) close(fds[i]);
+    /* The command's stdout and stderr stay open here until after the answer: the host sees
+     * their end and the answer at once, one wake-up where the end of the output and then the
+     * answer were two. */
+    close(fds[0]);
     int status = 0;
     for (;;) {
         int any;
@@ -301,6 +304,8 @@ static void run_init(int fd, const int *join, int njoin) {
         snprintf(line, sizeof line, "x %d",
                  WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
     answer(fd, line);
+    close(fds[1]);  /* now, not at exit: an init's exit tears its namespaces down first */
+    close(fds[2]);
     _exit(0);
 }
 
