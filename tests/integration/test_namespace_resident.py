@@ -21,9 +21,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -357,7 +356,7 @@ def test_a_sigkill_in_the_middle_of_a_burst_leaves_nothing_and_loses_no_result(
 
 
 def test_a_finished_commands_group_is_no_command_and_a_sweep_keeps_its_recorded_end(
-        sandbox: Sandbox, manager: Manager) -> None:
+        sandbox: Sandbox, manager: Manager, monkeypatch: pytest.MonkeyPatch) -> None:
     """A command's emptied group is removed after its result is returned: until then it
     must not read as a running command, and a crash in between must not have the next
     start's sweep call the finished command interrupted."""
@@ -367,17 +366,13 @@ def test_a_finished_commands_group_is_no_command_and_a_sweep_keeps_its_recorded_
         assert sandbox.commands.run("true").exit_code == 0
         assert not manager.sandboxes.busy(record), "a finished command reads as running"
     backend = manager.backend
-    time.sleep(0.2)  # the next command's init, made ahead, is ready
-    # Every worker of the pool that removes groups waits: the next command's group stays.
-    gate = threading.Event()
-    for _ in range(backend._warmer._max_workers):  # type: ignore[attr-defined]
-        backend._warmer.submit(gate.wait, 10)  # type: ignore[attr-defined]
-    try:
-        assert sandbox.commands.run("true").exit_code == 0
-        assert backend._retirer.pending(), "no group left to remove"  # type: ignore[attr-defined]
-        assert not manager.sandboxes.busy(record), "a retiring group reads as a command"
-    finally:
-        gate.set()
+    retirer = backend._retirer  # type: ignore[attr-defined]
+    # Commands "never pause": the next command's group stays until a batch is full.
+    monkeypatch.setattr(retirer, "_quiet_s", 3600.0)
+    assert sandbox.commands.run("true").exit_code == 0
+    assert retirer.pending(), "no group left to remove"
+    assert not manager.sandboxes.busy(record), "a retiring group reads as a command"
+    monkeypatch.setattr(retirer, "_quiet_s", 0.02)
     finished = sandbox.commands.run("echo done")
     assert finished.command_id is not None
     cgroups = manager.backend.cgroups  # type: ignore[attr-defined]
@@ -407,6 +402,43 @@ def test_a_finished_commands_group_is_no_command_and_a_sweep_keeps_its_recorded_
     # One the trail has no end for is still closed as interrupted.
     theirs = [e for e in ends if e.command == unfinished]
     assert len(theirs) == 1 and theirs[0].data.get("interrupted") is True, theirs
+
+
+def test_finished_commands_groups_go_when_commands_pause_or_a_batch_is_full(
+        sandbox: Sandbox, manager: Manager, settings: Settings,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The emptied groups of finished commands are removed off the commands' path: in one
+    batch once ``batch`` wait, or once commands pause for ``quiet_s``; each is empty, and none
+    is left after the pause. Bounded: a dozen commands, waits of seconds."""
+    retirer = manager.backend._retirer  # type: ignore[attr-defined]
+    group = Path("/sys/fs/cgroup/pids", f"corral-{settings.instance}", sandbox.id)
+
+    def commands_groups() -> set[str]:
+        return {p.name for p in group.iterdir() if p.is_dir() and p.name.startswith("c.")}
+
+    def wait_until(done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 5
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done()
+
+    wait_until(lambda: not commands_groups())  # the fixture's command's, after a pause
+    monkeypatch.setattr(retirer, "_quiet_s", 3600.0)
+    monkeypatch.setattr(retirer, "_batch", 4)
+    ids = [sandbox.commands.run("true").command_id for _ in range(3)]
+    left = commands_groups()
+    assert {name.rsplit(".", 1)[-1] for name in left} == set(ids), left
+    # Empty: each init emptied its namespace before it answered (and exits right after).
+    wait_until(lambda: all((group / name / "pids.current").read_text().strip() == "0"
+                           for name in left))
+    assert len(retirer.pending()) == 3
+    sandbox.commands.run("true")  # the fourth fills the batch
+    wait_until(lambda: not commands_groups() and not retirer.pending())
+    monkeypatch.setattr(retirer, "_batch", 32)
+    monkeypatch.setattr(retirer, "_quiet_s", 0.05)
+    sandbox.commands.run("true")
+    assert len(retirer.pending()) == 1
+    wait_until(lambda: not commands_groups() and not retirer.pending())  # the pause
 
 
 def test_the_launch_helper_drops_to_the_uid_and_refuses_what_it_cannot_do(

@@ -70,7 +70,7 @@ class NamespaceBackend(HostBackedBackend):
             assert bwrap is not None  # checked above
             cgroups = detect_cgroups(self._instance)
             self._attach_cgroups(cgroups)
-            self._retirer = GroupRetirer(cgroups, self._warmer)
+            self._retirer = GroupRetirer(cgroups)
             # Commands start from a mount namespace without the mounts of the sandboxes,
             # layers, volumes and network namespaces below these (each brings its own
             # sandbox's); templates and helpers are directories, not mounts.
@@ -107,10 +107,14 @@ class NamespaceBackend(HostBackedBackend):
         assert self._retirer is not None  # made with the launcher
         if (not self._resident_on or request.pty is not None or request.build_root is not None
                 or template.writable or self._first_command(spec.id)):
-            return launcher.run(launch, retire=self._retirer.retire)
+            return launcher.run(launch, retire=self._retire_soon)
         holder = self._zygote_for(spec, launch)
         with holder.use() as zygote:
             return launcher.run_resident(zygote, launch, retire=self._retirer.retire)
+
+    def _retire_soon(self, group: str) -> None:
+        assert self._retirer is not None
+        self._retirer.retire(group, soon=True)
 
     def _first_command(self, sandbox_id: str) -> bool:
         """True for a sandbox's first command in this process, which takes the bwrap path: a
@@ -182,7 +186,7 @@ class NamespaceBackend(HostBackedBackend):
             holder.close()
         self._warmer.shutdown(wait=False, cancel_futures=True)
         if self._retirer is not None:
-            self._retirer.drain()
+            self._retirer.close()
         super().close()
 
 
