@@ -9,13 +9,13 @@ gets new (PID, mount, IPC, UTS and cgroup namespace, ``/tmp``, ``/dev/shm``, dev
 command *init* ahead of the command, which writes itself into a cgroup of its own (the host
 hands the zygote that group's files, opened for writing, with the request to make it; they
 move only their writer, and the init closes them at once), so a command
-waits only for its request, a fork and its exec (``bench/bench_profile.py``).
+waits only for its request, a vfork and its exec (``bench/bench_profile.py``).
 
 Per command the guarantees are the bwrap path's: its init is in the command's cgroup before
 anything of the user's runs (the init waits for its request, and the host renames the group
 made for it to the command's before sending it); its PID namespace dies with the init, which
 exits when the command does; the filter is the same BPF program, installed by the init on
-itself before it forks the command. What differs, and why it is safe: the zygote keeps
+itself before it vforks the command. What differs, and why it is safe: the zygote keeps
 CAP_SYS_ADMIN and CAP_SETPCAP in the sandbox's user namespace (they give nothing outside it)
 and is not reachable from a command: not in its PID namespace, no descriptor shared, not
 dumpable. A terminal (PTY) command and an image build's step take the bwrap path.
