@@ -1,11 +1,12 @@
 """The microVM guest agent (``agent.py`` + ``run.c``), run for real on the host.
 
-The agent runs as root under ``unshare --mount --pid --net`` (loopback up) over a socketpair, with
-a temporary directory as its workspace and a fresh group under the host's cgroup2 mount as its
-cgroup root; ``run.c`` is compiled with ``gcc -static -Os`` as the root image build does. On this
-host the cgroup2 mount has no controllers, so these tests cover the protocol, streaming, stdin,
-the PTY, signals, timeouts, kills, files, the tunnel and errors; pids/memory limits, peak memory
-and oom are left to the in-VM tests (``tests/integration/test_microvm_agent.py``).
+The agent runs as root under ``unshare --mount --pid --net`` (loopback up, a fresh ``/run``)
+over a socketpair, with a temporary directory as its workspace and a fresh group under the
+host's cgroup2 mount as its cgroup root; ``run.c`` is compiled with ``gcc -static -Os`` as the
+root image build does. On this host the cgroup2 mount has no controllers, so these tests cover
+the protocol, streaming, stdin, the PTY, signals, timeouts, kills, files, the tunnel and
+errors; pids/memory limits, peak memory and oom are left to the in-VM tests
+(``tests/integration/test_microvm_agent.py``).
 """
 
 from __future__ import annotations
@@ -187,7 +188,10 @@ def guest(run_binary: Path) -> Iterator[Guest]:
            "CORRAL_AGENT_CGROUP": str(cgroup_root), "CORRAL_AGENT_RUN": str(run_binary)}
     proc = subprocess.Popen(
         ["unshare", "--mount", "--pid", "--mount-proc", "--net", "--kill-child", "--", "sh", "-c",
-         'ip link set lo up && exec "$0" -I -S "$1"', PYTHON, str(AGENT)],
+         # A /run of its own: the agent writes the guest's /run/corral (its sandbox id, the
+         # filters it compiles), which must not land in the host's.
+         'mount -t tmpfs -o mode=0755 tmpfs /run && ip link set lo up && exec "$0" -I -S "$1"',
+         PYTHON, str(AGENT)],
         env=env, pass_fds=(theirs.fileno(),))
     theirs.close()
     client = Client(ours)
