@@ -441,6 +441,35 @@ def test_finished_commands_groups_go_when_commands_pause_or_a_batch_is_full(
     wait_until(lambda: not commands_groups() and not retirer.pending())  # the pause
 
 
+def test_a_process_that_ends_after_its_commands_leaves_no_group_behind(
+        sandbox: Sandbox, manager: Manager, settings: Settings) -> None:
+    """A process that runs commands and ends without closing anything (`corral exec`, a
+    script) still removes the groups its commands left to the retirer before it is gone, or
+    the next process would read them as running commands (a snapshot or fork refused as
+    busy). Here the retirer waits for a pause that never comes: only the exit removes them."""
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from corral._control.manager import get_manager
+        from corral._settings import Settings
+        mgr = get_manager(Settings(home=Path({str(settings.home)!r}),
+                                   uid_start={settings.uid_start},
+                                   uid_count={settings.uid_count}))
+        assert mgr.run({sandbox.id!r}, "true").exit_code == 0  # a bwrap of its own
+        mgr.backend._retirer._quiet_s = 3600.0
+        for _ in range(3):  # from the resident: left for a pause
+            assert mgr.run({sandbox.id!r}, "true").exit_code == 0
+        assert mgr.backend._retirer.pending()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    group = Path("/sys/fs/cgroup/pids", f"corral-{settings.instance}", sandbox.id)
+    left = [p.name for p in group.iterdir() if p.is_dir() and p.name.startswith("c.")]
+    assert left == [], left
+    record = manager.store.get(sandbox.id)
+    assert record is not None and not manager.sandboxes.busy(record)
+
+
 def test_the_launch_helper_drops_to_the_uid_and_refuses_what_it_cannot_do(
         tmp_path: Path) -> None:
     from corral._backends.namespace.runner import ensure_launch_helper

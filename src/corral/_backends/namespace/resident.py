@@ -30,6 +30,7 @@ owner's are swept.
 from __future__ import annotations
 
 import array
+import atexit
 import contextlib
 import fcntl
 import itertools
@@ -268,6 +269,9 @@ class GroupRetirer:
                     self._thread = threading.Thread(target=self._run, daemon=True,
                                                     name="corral-group-retirer")
                     self._thread.start()
+                    # A process that ends without closing its backend (`corral exec`) still
+                    # removes its groups: another process would read them as commands.
+                    atexit.register(self.close)
                 elif soon or self._idle or len(self._waiting) == self._batch:
                     self._cond.notify()
                 return
@@ -283,6 +287,7 @@ class GroupRetirer:
             self._closed = True
             thread = self._thread
             self._cond.notify()
+        atexit.unregister(self.close)
         if thread is not None:
             thread.join(timeout=10)
         with self._cond:
