@@ -1,8 +1,8 @@
 """A process's identity as leftovers name their owner: its pid and its start time.
 
-Pieces a process makes for itself (command groups, spare workspaces, a microVM's keeper, the
-audit trail's commit journal) carry ``PID.START`` in their names, so a later process can tell
-a crashed owner's leftovers from a live neighbour's: a pid alone may have been reused.
+Pieces a process makes for itself (command groups, spare workspaces, a microVM's keeper)
+carry ``PID.START`` in their names, so a later process can tell a crashed owner's leftovers
+from a live neighbour's: a pid alone may have been reused.
 """
 
 from __future__ import annotations
