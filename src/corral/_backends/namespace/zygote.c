@@ -131,7 +131,7 @@ static char *read_request(int req, size_t *size_out) {
     if (fstat(req, &st) < 0) return NULL;
     if (st.st_size <= 0 || st.st_size > MAX_REQUEST) { errno = E2BIG; return NULL; }
     size_t size = (size_t)st.st_size;
-    char *buf = malloc(size + 1);
+    char *buf = malloc(size);  /* its fields end in NUL themselves (parse_request checks) */
     if (buf == NULL) return NULL;
     size_t have = 0;
     while (have < size) {
@@ -202,17 +202,17 @@ static int receive_request(int fd, int fds[3], char **text, size_t *size) {
         errno = EPROTO;
         return -2;
     }
-    int received[4];
-    memcpy(received, CMSG_DATA(cmsg), wanted * sizeof(int));
-    memcpy(fds, received, 3 * sizeof(int));
+    memcpy(fds, CMSG_DATA(cmsg), 3 * sizeof(int));
     if (wanted == 3) {
         *text = inline_text + 1;
         *size = (size_t)got - 1;
         return 0;
     }
-    if (got != 1) { errno = EPROTO; return -2; }
-    *text = read_request(received[3], size);
-    close(received[3]);
+    int memfd;
+    memcpy(&memfd, CMSG_DATA(cmsg) + 3 * sizeof(int), sizeof(int));
+    if (got != 1) { close(memfd); errno = EPROTO; return -2; }
+    *text = read_request(memfd, size);
+    close(memfd);
     return *text == NULL ? -2 : 0;
 }
 
