@@ -211,6 +211,7 @@ def test_files_ls_prints_one_line_per_entry_whatever_the_names(  # type: ignore[
 def test_tree_removal_holds_few_descriptors_and_never_follows_links(tmp_path: Path) -> None:
     """Below a descriptor limit far under the tree's depth, the tree still goes; what its links
     point at (outside the tree) stays."""
+    import gc
     import resource
 
     from corral._workspace.removal import MAX_OPEN, remove_tree
@@ -234,7 +235,10 @@ def test_tree_removal_holds_few_descriptors_and_never_follows_links(tmp_path: Pa
         code = 1
         try:
             # Only what this test opens counts: the suite's own descriptors (inherited, often
-            # numbered past the limit) would leave no free number under it.
+            # numbered past the limit) would leave no free number under it. The suite's objects
+            # that owned them live on in this copy: a garbage collection here would have one
+            # close its old number, by then one of the tree's (EBADF, seen once in CI).
+            gc.disable()
             os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
             resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN + 40, MAX_OPEN + 40))
             fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
