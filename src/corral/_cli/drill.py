@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from .._drill.model import CATEGORIES
 from .common import EXIT_FAILED, emit_json, handle_errors, home_of, json_option
 
 __all__ = ["drill"]
@@ -50,8 +51,7 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
 @click.option("--case", "case_ids", multiple=True, metavar="ID",
               help="Only these cases (an id, or a prefix such as net or net.ip-literal).")
 @click.option("--category", "categories", multiple=True,
-              type=click.Choice(["network", "credentials", "filesystem", "privilege",
-                                 "resources", "control", "caller", "e2b"]),
+              type=click.Choice(CATEGORIES),
               help="Only these categories.")
 @click.option("--list", "list_only", is_flag=True, help="List the cases and exit.")
 @json_option

@@ -12,10 +12,10 @@ if TYPE_CHECKING:
 
 Verdict = Literal["held", "breached", "error", "skipped"]
 Category = Literal["network", "credentials", "filesystem", "privilege", "resources", "control",
-                   "caller", "e2b"]
+                   "caller", "e2b", "previews", "relays", "cookies", "audit"]
 CATEGORIES: tuple[Category, ...] = (
     "network", "credentials", "filesystem", "privilege", "resources", "control", "caller",
-    "e2b")
+    "e2b", "previews", "relays", "cookies", "audit")
 
 
 @dataclass(frozen=True, slots=True)

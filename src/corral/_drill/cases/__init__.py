@@ -9,10 +9,24 @@ __all__ = ["all_cases"]
 
 
 def all_cases() -> list[Case]:
-    from . import caller, control, credentials, e2b, filesystem, network, privilege, resources
+    from . import (
+        audit,
+        caller,
+        control,
+        cookies,
+        credentials,
+        e2b,
+        filesystem,
+        network,
+        previews,
+        privilege,
+        relays,
+        resources,
+    )
 
     cases = [*network.CASES, *credentials.CASES, *filesystem.CASES, *privilege.CASES,
-             *resources.CASES, *control.CASES, *caller.CASES, *e2b.CASES]
+             *resources.CASES, *control.CASES, *caller.CASES, *e2b.CASES, *previews.CASES,
+             *relays.CASES, *cookies.CASES, *audit.CASES]
     ids = [c.id for c in cases]
     duplicated = {i for i in ids if ids.count(i) > 1}
     assert not duplicated, f"duplicate drill case ids: {duplicated}"
