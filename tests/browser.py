@@ -21,7 +21,7 @@ import ipaddress
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -43,19 +43,30 @@ CHROMIUM_ARGS = [
     "--no-sandbox",
     # No proxy from the environment or the system settings: loopback pages are fetched directly.
     "--no-proxy-server",
-    # Belt to the route handler's braces: nothing resolves but localhost and loopback literals
-    # (the rules apply to IP literals too), so not even a DNS query leaves the machine, the
-    # browser's own background requests included, which no page route sees.
-    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.*, EXCLUDE ::1",
 ]
 
 
-def is_loopback_url(url: str) -> bool:
-    """Whether ``url`` names a host on this machine: localhost or a loopback address."""
+def _resolver_rules(loopback_domains: Sequence[str]) -> str:
+    """Belt to the route handler's braces: nothing resolves but localhost (and its
+    subdomains, which browsers keep on loopback themselves), loopback literals and the test's
+    own domains, mapped to 127.0.0.1 (the rules apply to IP literals too), so not even a DNS
+    query leaves the machine, the browser's own background requests included, which no page
+    route sees."""
+    mapped = [rule for domain in loopback_domains
+              for rule in (f"MAP {domain} 127.0.0.1", f"MAP *.{domain} 127.0.0.1")]
+    return "--host-resolver-rules=" + ", ".join(
+        [*mapped, "MAP * ~NOTFOUND", "EXCLUDE localhost", "EXCLUDE *.localhost",
+         "EXCLUDE 127.*", "EXCLUDE ::1"])
+
+
+def is_loopback_url(url: str, loopback_domains: Sequence[str] = ()) -> bool:
+    """Whether ``url`` names a host on this machine: localhost, one of ``loopback_domains``
+    (which the browser maps to 127.0.0.1), a name under either, or a loopback address."""
     host = urlsplit(url).hostname
     if host is None:
         return False
-    if host == "localhost":
+    if host in ("localhost", *loopback_domains) or host.endswith(
+            (".localhost", *(f".{domain}" for domain in loopback_domains))):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -81,9 +92,11 @@ def save_screenshot(page: Page, name: str, *, full_page: bool = True) -> Path:
 
 
 @contextlib.contextmanager
-def chromium_page(*, blocked: list[str] | None = None) -> Iterator[Page]:
+def chromium_page(*, blocked: list[str] | None = None,
+                  loopback_domains: Sequence[str] = ()) -> Iterator[Page]:
     """A fresh page in a headless Chromium that can reach loopback only. The browser is closed
-    however the block ends. ``blocked``, if given, collects the URLs the guard refused."""
+    however the block ends. ``blocked``, if given, collects the URLs the guard refused;
+    every name under ``loopback_domains`` resolves to 127.0.0.1 (a test's wildcard DNS)."""
     executable = shutil.which("chromium")
     if executable is None:
         pytest.skip("no chromium on PATH (Debian package chromium; scripts/bootstrap --test)")
@@ -104,12 +117,13 @@ def chromium_page(*, blocked: list[str] | None = None) -> Iterator[Page]:
         ws.close(code=1008, reason="off-machine traffic is refused in tests")
 
     def off_machine(url: str) -> bool:
-        return not is_loopback_url(url)
+        return not is_loopback_url(url, loopback_domains)
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(
             executable_path=executable, headless=True, chromium_sandbox=False,
-            args=CHROMIUM_ARGS, timeout=LAUNCH_TIMEOUT_MS,
+            args=[*CHROMIUM_ARGS, _resolver_rules(loopback_domains)],
+            timeout=LAUNCH_TIMEOUT_MS,
         )
         try:
             # Service workers would fetch around the context's routes: blocked.

@@ -308,6 +308,21 @@ def test_a_session_is_the_browsers_alone_and_its_tenants_alone(service: Service)
         evil = client.post("/v1/sandboxes", json={}, headers={**ui,
                                                               "Origin": "http://evil.example"})
         assert evil.status_code == 403
+        # A page of this site but not this origin (a preview on another port or a sibling
+        # host: SameSite lets the cookie go with it), as its browser says: refused.
+        for site in ("same-site", "cross-site"):
+            sent = client.get("/v1/sandboxes", headers={**ui, "Sec-Fetch-Site": site})
+            assert sent.status_code == 401 and site in sent.text, sent.text
+        assert client.get("/v1/sandboxes", headers={
+            **ui, "Sec-Fetch-Site": "same-origin"}).status_code == 200
+        # A second session cookie beside this one (tossed by another host of the site):
+        # neither is trusted.
+        other = _signed_in(service, "beta")
+        tossed = other.cookies.get("corral_session")
+        other.close()
+        doubled = httpx.get(f"{url}/v1/sandboxes", headers={
+            **ui, "Cookie": f"corral_session={tossed}; corral_session={cookie}"})
+        assert doubled.status_code == 401 and "more than one" in doubled.text
         page = client.get("/ui/api/sandboxes", params={"limit": 5}, headers=ui).json()
         assert page["total"] == 0 and page["items"] == []
         # A long trail's end, without the rest (the timeline asks for it this way).

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -30,12 +29,9 @@ from corral._settings import Settings
 from corral.errors import QuotaExceeded
 from corral.models import PortInfo, SandboxInfo
 
-from ..browser import save_screenshot
+from ..browser import chromium_page, save_screenshot
 from ..conftest import managed
 from .servers import Server
-
-if TYPE_CHECKING:
-    from playwright.sync_api import Page
 
 pytestmark = pytest.mark.needs_root
 
@@ -402,16 +398,20 @@ def test_another_sandbox_cannot_reach_the_port(
 
 
 def test_a_browser_opens_a_signed_link_and_its_page_talks_over_a_websocket(
-        service: Service, running: tuple[SandboxInfo, PortInfo], browser_page: Page) -> None:
+        service: Service, running: tuple[SandboxInfo, PortInfo]) -> None:
     _, port = running
-    assert port.signed_url is not None and port.url is not None
-    browser_page.goto(port.signed_url)
-    # The link was traded for a cookie: the address bar holds the plain URL.
-    assert browser_page.url == port.url
-    browser_page.wait_for_function(
-        "document.getElementById('state').textContent.startsWith('echo:')", timeout=15_000)
-    assert browser_page.text_content("#state") == "echo: ping from the page"
-    save_screenshot(browser_page, "port-signed-link")
-    cookies = browser_page.context.cookies()
-    assert any(c["name"].startswith("corral_port_") and c["httpOnly"] for c in cookies)
-
+    assert port.signed_url is not None and port.host_url is not None
+    with chromium_page(loopback_domains=[DOMAIN]) as page:
+        page.goto(port.signed_url)
+        # A browser is sent to the port's own origin (the path form is the service's), and
+        # the link was traded for a cookie there: the address bar holds the plain host URL.
+        assert page.url == port.host_url
+        page.wait_for_function(
+            "document.getElementById('state').textContent.startsWith('echo:')",
+            timeout=120_000)
+        assert page.text_content("#state") == "echo: ping from the page"
+        save_screenshot(page, "port-signed-link")
+        cookies = page.context.cookies()
+    mine = [c for c in cookies if c["name"].startswith("corral_port_")]
+    assert len(mine) == 1 and mine[0]["httpOnly"], cookies
+    assert mine[0]["domain"] == port.host_url.split("//")[1].split(":")[0]  # host-only

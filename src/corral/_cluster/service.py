@@ -48,7 +48,15 @@ from .._server.guard import (
     ServiceNames,
     scope_tenant,
 )
-from .._server.relay import HOP_HEADERS, HttpRelay, Refusal, WebSocketRelay, send_json
+from .._server.relay import (
+    HOP_HEADERS,
+    HttpRelay,
+    Refusal,
+    WebSocketRelay,
+    framing_refusal,
+    send_json,
+    send_status,
+)
 from .._ui.routes import install_pages
 from .._ui.session import UISessions
 from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound, UsageError
@@ -550,8 +558,8 @@ def create_cluster_app(cluster: Cluster, store: Store, *, listen_host: str = "12
     async def refused(request: Request, exc: CorralError) -> JSONResponse:
         return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status)
 
-    app: ASGIApp = _Gateway(cluster, tenants, pages)
-    app = OriginGuard(app, names=names)
+    gateway = _Gateway(cluster, tenants, pages)
+    app: ASGIApp = OriginGuard(gateway, names=names)
 
     async def session(cookie: str) -> Tenant:
         return await run_in_threadpool(sessions.tenant, cookie)
@@ -560,5 +568,34 @@ def create_cluster_app(cluster: Cluster, store: Store, *, listen_host: str = "12
         store, tenants, loopback=is_loopback(listen_host), allow_keyless=allow_keyless),
         session=session)
     app = BodyLimit(app, limits=BODY_LIMITS)
-    return HostGuard(app, names=names)
+    return _PortsFirst(HostGuard(app, names=names), gateway, names)
+
+
+class _PortsFirst:
+    """An exposed port's requests go to the node that holds the sandbox before the gateway's
+    own guards (body limits, keys, Origin), which judge the service's requests, not an app's
+    (as ``_server.portproxy.PortRouting`` on one host): the node's port proxy admits them and
+    keeps Corral's credentials from the app. Only the Host is judged here (DNS rebinding),
+    and the framing (the relay rebuilds it)."""
+
+    def __init__(self, app: ASGIApp, gateway: _Gateway, names: ServiceNames) -> None:
+        self._app, self._gateway, self._names = app, gateway, names
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or not _PORT.fullmatch(scope["path"]):
+            await self._app(scope, receive, send)
+            return
+        host = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"),
+                    "")
+        server = scope.get("server")
+        refusal = None if self._names.allows(host, server[1] if server else None) else Refusal(
+            421, "host_refused", "this Host is not a name of the service")
+        if refusal is None and scope["type"] == "http":
+            refusal = framing_refusal(scope)
+        if refusal is None:
+            await self._gateway(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": refusal.message})
+        else:
+            await send_status(send, refusal, accept="", prefix="http.response")
 

@@ -251,7 +251,9 @@ class E2BApp:
         (public ports, port tokens, signed links): private unless its owner exposes it."""
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string", b"")
-        target = Target(corral_id, port, "", raw + (b"?" + query if query else b""))
+        # Routed by E2b-Sandbox-* headers, every sandbox answers on this listener's origin.
+        target = Target(corral_id, port, "", raw + (b"?" + query if query else b""),
+                        shared_origin=not self._own_origin(scope, e2b_id, port))
         if not (self.tokens.check_traffic(corral_id, _header(
                 scope, b"e2b-traffic-access-token")) or self.tokens.check_envd(
                 corral_id, _header(scope, b"x-access-token"))):
@@ -269,9 +271,15 @@ class E2BApp:
             return status, {"sandboxId": e2b_id, "port": port, "code": status,
                             "message": message}
 
-        await self.ports.serve(scope, receive, send, target, record, Who("e2b"),
-                               strip=(b"e2b-traffic-access-token", b"x-access-token"),
-                               render=render)
+        await self.ports.serve(scope, receive, send, target, record, Who("e2b"), render=render)
+
+    def _own_origin(self, scope: Scope, e2b_id: str, port: int) -> bool:
+        """Whether the request came to the port's own host name (domain mode)."""
+        if self._sandbox_host is None:
+            return False
+        host = (_header(scope, b"host") or "").lower()
+        match = self._sandbox_host.fullmatch(host.rsplit(":", 1)[0])
+        return match is not None and (match.group(2), int(match.group(1))) == (e2b_id, port)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

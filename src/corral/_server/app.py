@@ -57,10 +57,15 @@ from .routes import (
 from .schemas import _ERRORS
 
 # The body limits are part of the service's contract; importable from here, as before.
-__all__ = ["BODY_LIMITS", "MAX_COMMAND_BODY", "MAX_FILE_BODY", "MAX_JSON_BODY", "create_app"]
+__all__ = ["BODY_LIMITS", "LOOPBACK_PORTS_DOMAIN", "MAX_COMMAND_BODY", "MAX_FILE_BODY",
+           "MAX_JSON_BODY", "create_app"]
 
 
 logger = logging.getLogger(__name__)
+
+
+#: The ports domain of a service only browsers on this machine reach, when it names none.
+LOOPBACK_PORTS_DOMAIN = "localhost"
 
 
 def is_loopback(host: str) -> bool:
@@ -146,6 +151,11 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     app.add_middleware(BodyLimit, limits=BODY_LIMITS)
     app.add_middleware(HostGuard, names=names)
     # Outermost: an exposed port's requests are the sandbox's app's, not the service's.
+    if ports_domain is None and own_keys and manager.ports.urls.domain is None and \
+            is_loopback(listen_host) and not any(n.strip() for n in host_names):
+        # Browsers keep every name under localhost on loopback: a page a sandbox serves gets
+        # an origin of its own there, never the service's (docs/ports-and-volumes.md).
+        ports_domain = LOOPBACK_PORTS_DOMAIN
     if ports_domain is not None:
         manager.ports.configure(PortURLs(base=manager.ports.urls.base, domain=ports_domain))
     app.add_middleware(PortRouting, proxy=PortProxy(manager, tenants), names=names)

@@ -287,11 +287,11 @@ class Authenticate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and self.protected(scope["path"]):
             header = _header(scope, b"authorization")
-            cookie = session_cookie(scope) if header is None and self.session else None
+            cookies = session_cookies(scope) if header is None and self.session else []
             try:
-                if cookie is not None and self.session is not None:
-                    _check_browser(scope)
-                    tenant = await self.session(cookie)
+                if cookies and self.session is not None:
+                    _check_browser(scope, cookies)
+                    tenant = await self.session(cookies[0])
                 else:
                     tenant = await self.authenticate(header)
             except AuthError as exc:
@@ -303,25 +303,52 @@ class Authenticate:
 
 #: The dashboard's session cookie, and the header its requests carry (``_ui.session``).
 SESSION_COOKIE = "corral_session"
+#: Its name over https: a ``__Host-`` cookie is Secure, host-only and for ``/``, so no page of
+#: another host of the site (a preview on a sibling domain) can set one the service would read.
+SECURE_SESSION_COOKIE = "__Host-corral_session"
 UI_HEADER = b"x-corral-ui"
+# Where a request may come from to be signed in by the session (the Fetch Metadata a browser
+# sends): the service's own pages, or the person typing the address. Not "same-site": a
+# preview on another port or a sibling host name is same-site, and SameSite=Strict lets the
+# cookie go with its requests.
+_OWN_FETCH_SITES = frozenset({"same-origin", "none"})
 
 
-def session_cookie(scope: Scope) -> str | None:
+def session_cookie_name(scope: Scope) -> str:
+    secure = scope.get("scheme") in ("https", "wss")
+    return SECURE_SESSION_COOKIE if secure else SESSION_COOKIE
+
+
+def session_cookies(scope: Scope) -> list[str]:
+    """The values of every session cookie the request carries (a browser sends two when a
+    page of another host of the site tossed one beside the service's own)."""
     raw = _header(scope, b"cookie")
     if raw is None:
-        return None
+        return []
+    want = session_cookie_name(scope)
+    found = []
     for part in raw.split(";"):
         name, _, value = part.strip().partition("=")
-        if name == SESSION_COOKIE and value:
-            return value
-    return None
+        if name == want and value:
+            found.append(value)
+    return found
 
 
-def _check_browser(scope: Scope) -> None:
+def _check_browser(scope: Scope, cookies: list[str]) -> None:
     """A session cookie is a browser's credential, and a browser can be driven by another
     site's page: its requests must show they come from the dashboard's own script (a header
-    no form, image or cross-origin script can add), its WebSockets from the service's own
-    Origin (judged by ``OriginGuard``; here only its presence)."""
+    no form, image or cross-origin script can add, and a Fetch Metadata site that is the
+    service's own), its WebSockets from the service's own Origin (judged by ``OriginGuard``;
+    here only its presence). Two session cookies mean one was planted: neither is trusted."""
+    if len(cookies) > 1:
+        raise AuthError("this request carries more than one dashboard session cookie (a page "
+                        "of another host of this site may have set one): sign out, clear this "
+                        "site's cookies and sign in again")
+    site = _header(scope, b"sec-fetch-site")
+    if site is not None and site not in _OWN_FETCH_SITES:
+        raise AuthError(f"a dashboard session is accepted only from the dashboard's own pages "
+                        f"(this request's Sec-Fetch-Site is {site[:_QUOTE]!r}); programs send "
+                        "`Authorization: Bearer ck_...` instead")
     if scope["type"] == "websocket":
         if _header(scope, b"origin") is None:
             raise AuthError("a WebSocket signed in with a dashboard session must come from a "

@@ -5,7 +5,10 @@ so no host port is bound per sandbox and the sandbox never reaches the service.
 URLs: ``/ports/<sandbox>/<port>/...`` (the path form; the app sees ``X-Forwarded-Prefix``) and
 ``<port>-<sandbox>.<domain>`` (the host form, E2B's ``get_host``). Who may pass, what the
 tier is asked for and what is recorded are the control plane's (``_control.ports``); this
-module only speaks the protocols.
+module only speaks the protocols. What of a request reaches the app and what of its answer
+reaches the client is ``preview``'s: no Corral credential up, no Corral cookie down, and the
+path form's pages sandboxed in an opaque origin (it is the service's own origin); a browser
+that navigates to a path URL is sent to the port's host URL when there is one.
 
 The protocols themselves (HTTP/1.1 streaming both ways, WebSockets message by message) are
 ``relay``'s, shared with the cluster gateway.
@@ -19,7 +22,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
 from typing import Any
@@ -29,32 +32,37 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._control.manager import Manager
-from .._control.ports import Who
+from .._control.ports import PortURLs, Who
 from .._control.records import SandboxRecord
 from .._control.tenants import TenantDirectory
 from .._e2b.ids import from_e2b
 from ..errors import AuthError, CorralError, SandboxBusy, SandboxNotFound
 from .guard import ServiceNames
-from .relay import HOP_HEADERS, HttpRelay, Refusal, WebSocketRelay, send_status
+from .preview import answer_headers, is_corral_credential, request_headers
+from .relay import HOP_HEADERS, HttpRelay, Refusal, WebSocketRelay, framing_refusal, send_status
 
 __all__ = ["PortProxy", "PortRouting", "Render", "Target"]
 
 logger = logging.getLogger(__name__)
 
 _PATH = re.compile(r"/ports/(sbx_[a-z0-9]{1,50})/(\d{1,5})(/.*)?")
-_OURS = frozenset({b"x-corral-port-token", b"x-forwarded-for", b"x-forwarded-host",
-                   b"x-forwarded-proto", b"x-forwarded-prefix", b"forwarded"})
-
+# Set by the proxy itself: a client's own are never passed on.
+_OURS = frozenset({b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto",
+                   b"x-forwarded-prefix", b"forwarded"})
+_NOT_PASSED = HOP_HEADERS | _OURS
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """The sandbox port a request names, and the path prefix the URL put before the app's."""
+    """The sandbox port a request names, and the path prefix the URL put before the app's.
+    ``shared_origin``: the URL's origin is not the port's own (the path form, E2B's URL mode),
+    so the answer is sandboxed (``preview.answer_headers``)."""
 
     sandbox_id: str
     port: int
     prefix: str  # "" for the host form
     path: bytes  # what the app sees, with the query string
+    shared_origin: bool = False
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -113,12 +121,31 @@ class PortProxy:
         prefix = f"/ports/{found.group(1)}/{found.group(2)}"
         rest = raw_path[len(prefix):] or b"/"
         return Target(found.group(1), int(found.group(2)), prefix,
-                      rest + (b"?" + query if query else b""))
+                      rest + (b"?" + query if query else b""), shared_origin=True)
+
+    def host_url(self, scope: Scope, target: Target) -> str | None:
+        """Where a browser should open ``target``: its host URL (the port's own origin), or
+        None when the service has no ports domain."""
+        urls = self._manager.ports.urls
+        if urls.domain is None or not self._host_form:
+            return None
+        base = urls.base or _request_base(scope)
+        url = PortURLs(base=base, domain=urls.domain).host_url(target.sandbox_id, target.port)
+        return None if url is None else url + target.path.decode("latin-1").lstrip("/")
 
     # -- ASGI ---------------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send,
                        target: Target) -> None:
+        refusal = framing_refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await _refuse(scope, receive, send, refusal)
+            return
+        if target.prefix and _navigation(scope):
+            moved = self.host_url(scope, target)
+            if moved is not None:  # a browser's page gets an origin of its own
+                await _redirect(send, moved)
+                return
         # One trip to a worker thread admits the request and connects to the port: a trip
         # costs a few tenths of a millisecond, the work itself a few hundredths.
         link = self._link(scope) if scope["type"] == "http" else None
@@ -127,25 +154,26 @@ class PortProxy:
         if isinstance(checked, Refusal):
             await _refuse(scope, receive, send, checked)
             return
-        _, who, strip_authorization = checked
+        _, who = checked
         if link is not None:
             await self._redeem_link(scope, send, target, link)
             return
         assert opened is not None
-        await self._relay(scope, receive, send, target, who, opened,
-                          strip=(b"authorization",) if strip_authorization else (), render=None)
+        await self._relay(scope, receive, send, target, who, opened, render=None)
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, target: Target,
-                    record: SandboxRecord, who: Who, *, strip: Sequence[bytes] = (),
-                    render: Render | None = None) -> None:
+                    record: SandboxRecord, who: Who, *, render: Render | None = None) -> None:
         """Relay one admitted request or WebSocket to the sandbox's port and record it.
-        ``strip``: more request headers that are the caller's credentials for Corral (never
-        passed on); ``render``: another surface's shape for the refusals (E2B's)."""
+        ``render``: another surface's shape for the refusals (E2B's)."""
+        refusal = framing_refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await _refuse(scope, receive, send, refusal, render)
+            return
         opened = await run_in_threadpool(self._open, record, target.port)
-        await self._relay(scope, receive, send, target, who, opened, strip=strip, render=render)
+        await self._relay(scope, receive, send, target, who, opened, render=render)
 
     def _admit_and_open(self, scope: Scope, target: Target, connect: bool
-                        ) -> tuple[tuple[SandboxRecord, Who, bool] | Refusal, _Opened | None]:
+                        ) -> tuple[tuple[SandboxRecord, Who] | Refusal, _Opened | None]:
         checked = self._admit(scope, target)
         if isinstance(checked, Refusal) or not connect:
             return checked, None
@@ -160,8 +188,7 @@ class PortProxy:
             return started, exc
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send, target: Target,
-                     who: Who, opened: _Opened, *, strip: Sequence[bytes],
-                     render: Render | None) -> None:
+                     who: Who, opened: _Opened, *, render: Render | None) -> None:
         started, sock = opened
         if isinstance(sock, SandboxBusy):
             await _refuse(scope, receive, send, Refusal(503, "sandbox_paused", sock.message),
@@ -171,15 +198,18 @@ class PortProxy:
             await _refuse(scope, receive, send, Refusal(sock.status, sock.code, sock.message),
                           render)
             return
-        headers = self._upstream_headers(scope, target, strip)
+        headers = self._upstream_headers(scope, target)
         websocket = scope["type"] == "websocket"
         async def broken(exc: BaseException) -> Refusal:
             return Refusal(502, "bad_upstream", f"the server on port {target.port} in sandbox "
                            f"{target.sandbox_id} broke off or answered what is not HTTP/1.1 "
                            f"({exc.__class__.__name__})")
 
+        def answer(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+            return answer_headers(headers, shared_origin=target.shared_origin)
+
         relay = WebSocketRelay(scope, receive, send, broken=broken) if websocket else \
-            HttpRelay(scope, receive, send, broken=broken)
+            HttpRelay(scope, receive, send, broken=broken, answer=answer)
         try:
             await relay.run(sock, target.path, headers)
         finally:
@@ -193,9 +223,8 @@ class PortProxy:
 
     # -- who may pass -------------------------------------------------------------------------
 
-    def _admit(self, scope: Scope, target: Target) -> tuple[SandboxRecord, Who, bool] | Refusal:
-        """The sandbox, who the request is for and whether its Authorization header was ours
-        (then it is not passed on): or why it may not pass."""
+    def _admit(self, scope: Scope, target: Target) -> tuple[SandboxRecord, Who] | Refusal:
+        """The sandbox and who the request is for, or why it may not pass."""
         gone = Refusal(404, "sandbox_not_found", f"sandbox {target.sandbox_id} does not exist: "
                         "it was destroyed, expired, or never made")
         try:
@@ -213,32 +242,33 @@ class PortProxy:
         query = _query(scope)
         if "corral_sig" in query:
             if ports.check_link(exposure, query.get("corral_expires"), query.get("corral_sig")):
-                return record, Who("link"), False
+                return record, Who("link")
             return Refusal(401, "link_invalid", "this signed link is expired or not valid for "
                             "this port; ask the sandbox's owner for a new one")
         if exposure["public"]:
-            return record, Who("public"), False
+            return record, Who("public")
         if ports.check_token(exposure, _header(scope, b"x-corral-port-token")):
-            return record, Who("token"), False
+            return record, Who("token")
         cookie = SimpleCookie()
         with contextlib.suppress(Exception):
             cookie.load(_header(scope, b"cookie") or "")
         held = cookie.get(_cookie_name(target))
         if held is not None and ports.check_token(exposure, held.value):
-            return record, Who("link"), False
+            return record, Who("link")
         authorization = _header(scope, b"authorization")
         if authorization and authorization.lower().startswith("bearer "):
             credential = authorization[7:].strip()
             if ports.check_token(exposure, credential):
-                return record, Who("token"), True
-            if credential.startswith("ck_"):
+                return record, Who("token")
+            # An API key, or on a cluster node the gateway's signed caller in its place.
+            if is_corral_credential(credential):
                 try:
                     tenant = self._tenants.authenticate(authorization, auth_required=True)
                 except AuthError as exc:
                     return Refusal(401, exc.code, exc.message)
                 if tenant.name != "local" and tenant.name != record.tenant:
                     return gone  # another tenant's sandbox does not exist for this one
-                return record, Who("key", tenant.name), True
+                return record, Who("key", tenant.name)
         return Refusal(401, "unauthorized", f"port {target.port} of sandbox {record.id} is "
                         "private: send its token (X-Corral-Port-Token, or Authorization: "
                         "Bearer), the owner's API key, or open its signed link")
@@ -267,24 +297,10 @@ class PortProxy:
             (b"cache-control", b"no-store"), (b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
-    def _upstream_headers(self, scope: Scope, target: Target,
-                          strip: Sequence[bytes]) -> list[tuple[bytes, bytes]]:
+    def _upstream_headers(self, scope: Scope, target: Target) -> list[tuple[bytes, bytes]]:
         """The client's headers minus hop-by-hop ones and Corral's credentials, plus the
         ``X-Forwarded-*`` a framework needs to build its own links."""
-        cookie_prefix = f"{_cookie_name(target)}=".encode()
-        headers: list[tuple[bytes, bytes]] = []
-        for key, value in scope.get("headers", ()):
-            if key in HOP_HEADERS or key in _OURS:
-                continue
-            if key in strip:
-                continue
-            if key == b"cookie":
-                kept = [part for part in (p.strip() for p in value.split(b";"))
-                        if part and not part.startswith(cookie_prefix)]
-                if not kept:
-                    continue
-                value = b"; ".join(kept)
-            headers.append((key, value))
+        headers = request_headers(scope.get("headers", ()), _NOT_PASSED)
         client = scope.get("client")
         scheme = str(scope.get("scheme", "http"))
         forwarded_proto = {"ws": "http", "wss": "https"}.get(scheme, scheme)
@@ -297,6 +313,25 @@ class PortProxy:
         if target.prefix:
             headers.append((b"x-forwarded-prefix", target.prefix.encode()))
         return headers
+
+
+def _navigation(scope: Scope) -> bool:
+    """A browser loading a page (every current browser sends ``Sec-Fetch-Mode``)."""
+    return scope["type"] == "http" and _header(scope, b"sec-fetch-mode") == "navigate"
+
+
+def _request_base(scope: Scope) -> str:
+    """``scheme://host[:port]`` as the client reached the service."""
+    scheme = str(scope.get("scheme", "http"))
+    scheme = {"ws": "http", "wss": "https"}.get(scheme, scheme)
+    return f"{scheme}://{_header(scope, b'host') or 'localhost'}"
+
+
+async def _redirect(send: Send, location: str) -> None:
+    await send({"type": "http.response.start", "status": 307, "headers": [
+        (b"location", location.encode("latin-1")), (b"cache-control", b"no-store"),
+        (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
 
 
 async def _no_body() -> Message:

@@ -15,7 +15,7 @@ from .._control.recovery import Reaper
 from ..errors import ConfigError
 from .app import create_app, is_loopback
 
-__all__ = ["E2BListener", "Reaper", "serve"]
+__all__ = ["E2BListener", "Reaper", "preview_problems", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,37 @@ def _e2b_config(manager: Manager, listener: E2BListener, host: str,
                           ssl_certfile=listener.tls_cert, ssl_keyfile=listener.tls_key)
 
 
+def preview_problems(domain: str | None, host: str, host_names: Sequence[str]) -> list[str]:
+    """What the operator should know about where browsers open exposed ports."""
+    names = [n.strip().lower().rpartition(":")[0] or n.strip().lower()
+             for n in host_names if n.strip()]
+    if domain is None:
+        if is_loopback(host) and not names:
+            return []
+        return ["no --ports-domain: browsers open exposed ports in the path form, on this "
+                "service's own origin, where their pages are sandboxed (no cookies or storage "
+                "of their own, and a private port's page loads without its assets); give the "
+                "service a wildcard DNS domain of its own with --ports-domain "
+                "(docs/ports-and-volumes.md, Origins)"]
+    problems = []
+    for name in names:
+        if _same_site(name, domain.lower()):
+            problems.append(
+                f"--ports-domain {domain} and the service's name {name} are one site: a page "
+                "a sandbox serves there can set cookies the dashboard's browser sends here. "
+                "Over https the dashboard's session is a __Host- cookie none of them can set; "
+                "over http, give previews a domain of their own (a different registrable "
+                "domain, as githubusercontent.com is to github.com)")
+    return problems
+
+
+def _same_site(name: str, domain: str) -> bool:
+    """Whether two DNS names share a registrable domain, approximately (the last two labels;
+    the public suffix list would say exactly)."""
+    tail = ".".join(name.split(".")[-2:])
+    return "." in tail and (domain == tail or domain.endswith("." + tail))
+
+
 async def _serve_both(native: uvicorn.Server, e2b: uvicorn.Server) -> None:
     sibling = asyncio.create_task(e2b.serve())
     try:
@@ -87,6 +118,8 @@ def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] =
     if allow_keyless and manager.store.live_key_count() == 0 and manager.store.keys_have_existed():
         logger.warning("serving keyless although API keys existed (--allow-keyless): any local "
                        "process may run code here")
+    for problem in preview_problems(manager.ports.urls.domain, host, host_names):
+        logger.warning("%s", problem)
     e2b_config = None if e2b is None else _e2b_config(manager, e2b, host, host_names)
     manager.recover()
     reaper = Reaper(manager.recover)

@@ -45,7 +45,7 @@ from ..errors import (
     UsageError,
 )
 from ..models import SandboxInfo
-from .session import COOKIE, SESSION_S, UISessions
+from .session import SESSION_S, UISessions, session_cookie_name
 
 __all__ = ["PAGE_MAX", "STATIC", "SandboxPage", "install", "install_pages", "sandbox_page"]
 
@@ -132,14 +132,16 @@ def _page_router(sessions: UISessions | None) -> APIRouter:
             raise UsageError("this service has no dashboard sessions (a cluster node)")
         cookie, tenant = sessions.sign_in(body.key)
         answer = JSONResponse({"tenant": tenant.name})
-        answer.set_cookie(COOKIE, cookie, max_age=SESSION_S, path="/", httponly=True,
+        answer.set_cookie(session_cookie_name(request.scope), cookie, max_age=SESSION_S,
+                          path="/", httponly=True,
                           samesite="strict", secure=request.url.scheme == "https")
         return answer
 
     @router.delete("/ui/session", status_code=204)
-    def sign_out() -> Response:
+    def sign_out(request: Request) -> Response:
         answer = Response(status_code=204)
-        answer.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        answer.delete_cookie(session_cookie_name(request.scope), path="/", httponly=True,
+                             samesite="strict", secure=request.url.scheme == "https")
         return answer
 
     @router.get("/ui/api/me")

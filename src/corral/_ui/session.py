@@ -8,10 +8,13 @@ cookie checks the signature, the expiry and that the key is still live: revoking
 its sessions at once.
 
 The cookie is ``HttpOnly`` (no script reads it), ``SameSite=Strict`` (no other site's page
-sends it) and ``Secure`` over https. Requests it authenticates must also carry
-``X-Corral-UI: 1`` (a header no cross-site form or image can add, and no cross-origin script
-either without a CORS preflight this service never grants); WebSockets, which cannot carry
-it, must come from the service's own Origin (``guard.OriginGuard``).
+sends it), and over https ``Secure`` and named ``__Host-corral_session`` (no other host of the
+site can set it). Requests it authenticates must also carry ``X-Corral-UI: 1`` (a header no
+cross-site form or image can add, and no cross-origin script either without a CORS preflight
+this service never grants) and, from a browser that says, ``Sec-Fetch-Site: same-origin``
+(``guard._check_browser``: SameSite treats another port or a sibling host as the same site,
+where previews live); WebSockets, which cannot carry the header, must come from the
+service's own Origin (``guard.OriginGuard``).
 """
 
 from __future__ import annotations
@@ -28,12 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._control.tenants import Tenant, TenantDirectory
-from .._server.guard import SESSION_COOKIE
+from .._server.guard import session_cookie_name
 from ..errors import AuthError
 
-__all__ = ["COOKIE", "SESSION_S", "UISessions"]
+__all__ = ["SESSION_S", "UISessions", "session_cookie_name"]
 
-COOKIE = SESSION_COOKIE
 SESSION_S = 12 * 3600
 _PREFIX = "us1"
 
