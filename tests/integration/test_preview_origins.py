@@ -314,3 +314,44 @@ def test_a_request_framed_two_ways_is_refused_not_held(world: World, framing: by
     mgr.ports.configure(PortURLs())
     status = answer.split(b"\r\n", 1)[0]
     assert status.split(b" ")[1] in (b"400", b"501"), answer[:300]
+
+
+@pytest.mark.parametrize("mode", ["url", "domain"])
+def test_the_e2b_relay_passes_no_credential_and_sets_no_corral_cookie(
+        world: World, mode: str) -> None:
+    """E2B's port traffic: by E2b-Sandbox-* headers on the listener's own origin (URL mode,
+    shared by every sandbox) or by ``<port>-<id>.<domain>`` (domain mode, the port's own)."""
+    from corral._e2b.app import E2BConfig, create_e2b_app
+
+    mgr = world.manager
+    e2b_domain = "e2b.corral.test"
+    app = create_e2b_app(mgr, E2BConfig.build(domain=e2b_domain if mode == "domain" else None))
+    e2b_id = to_e2b(world.attacker.id)
+    traffic = app.tokens.traffic(world.attacker.id)
+    planted = {"Authorization": f"Bearer {world.keys['alpha']}",
+               "Cookie": "corral_session=us1.a.b; theirs=kept",
+               "X-API-Key": world.keys["alpha"], "X-Access-Token": app.tokens.envd(
+                   world.attacker.id), "E2b-Traffic-Access-Token": traffic}
+    with Server(mgr, app) as srv:
+        # (URL mode routes by headers only the paths E2B's envd has: the app answers any.)
+        if mode == "url":
+            routing = {"E2b-Sandbox-Id": e2b_id, "E2b-Sandbox-Port": str(PORT)}
+        else:
+            routing = {"Host": f"{PORT}-{e2b_id}.{e2b_domain}"}
+        before = len(app_log(world))
+        answer = httpx.get(f"{srv.url}/health", headers={**planted, **routing}, timeout=60)
+        app.e2b.close()
+    assert answer.status_code == 200, answer.text
+    assert not any("corral" in c.lower() for c in answer.headers.get_list("set-cookie"))
+    assert "clear-site-data" not in answer.headers
+    if mode == "url":  # one origin for every sandbox: sandboxed, no cookies at all
+        assert answer.headers.get_list("set-cookie") == []
+        assert answer.headers["content-security-policy"].startswith("sandbox")
+    else:
+        assert answer.headers.get_list("set-cookie") == ["app_cookie=1; Path=/"]
+    entries = app_log(world)[before:]
+    assert len(entries) == 1
+    assert corral_credentials_in(entries, [traffic, world.keys["alpha"]]) == []
+    headers = {k.lower(): v for k, v in entries[0]["headers"]}
+    assert headers["cookie"] == "theirs=kept"
+    assert not {"x-access-token", "e2b-traffic-access-token", "x-api-key"} & set(headers)
