@@ -41,6 +41,16 @@ from corral.errors import AuthError, CeilingExceeded, SandboxLost
 
 from ..browser import chromium_page, save_screenshot
 from ..e2b.tlsca import free_loopback_443, make_pki
+from .hostile import (
+    APP,
+    PORT,
+    attack,
+    corral_credentials_in,
+    parse_log,
+    session_cookies,
+    sign_in,
+    whoami,
+)
 from .raycluster import ServedGateway, ray_cluster, served_gateway
 
 pytestmark = pytest.mark.needs_root
@@ -290,6 +300,58 @@ def test_the_dashboard_through_the_gateway(
         for sb in made:
             sb.kill()
     assert blocked == [], f"the page tried to reach off the machine: {blocked}"
+
+
+def test_a_hostile_preview_through_the_gateway_can_do_nothing(
+        served: tuple[ServedGateway, Cluster, dict[str, str]]) -> None:
+    """As on one host (test_preview_origins): beta's public page, opened by alpha signed in to
+    the gateway's dashboard, on the gateway's own origin (the path form, the only one a
+    gateway serves), reads and changes nothing, and no Corral credential reaches the app."""
+    gateway, _, keys = served
+    made: list[Sandbox] = []
+    try:
+        victim, doomed = (Sandbox.create(**sdk(served, "alpha")) for _ in range(2))
+        attacker = Sandbox.create(**sdk(served, "beta"))
+        made = [victim, doomed, attacker]
+        attacker.files.write("hostileapp.py", APP)
+        attacker.files.write("config.json", json.dumps({
+            "service": gateway.url, "victim": victim.id, "doomed": doomed.id,
+            "attacker_key": keys["beta"], "cookie_domain": "127.0.0.1"}))
+        attacker.processes.start(f"python3 hostileapp.py {PORT}")
+        port = attacker.ports.expose(PORT, public=True)
+        assert port.url is not None and port.url.startswith(gateway.url), port.url
+        deadline = time.monotonic() + 120
+        while (answer := httpx.get(port.url)).status_code != 200:
+            assert answer.status_code == 502 and time.monotonic() < deadline, answer.text
+            time.sleep(0.2)
+        # A program's request with every kind of Corral credential: none reaches the app.
+        direct = httpx.get(port.url, headers={
+            "Authorization": f"Bearer {keys['alpha']}", "X-API-Key": keys["alpha-e2b"],
+            "Cookie": "corral_session=us1.a.b; theirs=kept"})
+        assert direct.status_code == 200
+        assert direct.headers.get_list("set-cookie") == []
+        assert direct.headers["content-security-policy"].startswith("sandbox")
+        with chromium_page() as page:
+            tenant = sign_in(page, gateway.url, keys["alpha"])
+            genuine = [c["value"] for c in session_cookies(page, gateway.url)]
+            results = attack(page, port.url)
+            after = whoami(page, gateway.url)
+            cookies_after = session_cookies(page, gateway.url)
+        assert results["origin"] == "null", results["origin"]  # sandboxed: opaque
+        for name, outcome in results["attempts"].items():
+            assert outcome.get("status", 0) in (0, 401, 403), (name, outcome)
+            assert victim.id not in outcome.get("body", ""), (name, outcome)
+        assert doomed.get_info().state == "running"
+        assert not {e.name for e in victim.files.list()} & {"pwned", "pwned-simple"}
+        assert [e.type for e in victim.audit.events(types=["command.*"])] == []
+        assert after[0] == 200 and json.loads(after[1])["tenant"] == tenant, after
+        assert [c["value"] for c in cookies_after] == genuine
+        entries = parse_log(attacker.files.read("requests.log", format="bytes"))
+        assert len(entries) >= 3
+        assert corral_credentials_in(entries, [*genuine, keys["alpha"]]) == []
+    finally:
+        for sb in made:
+            sb.kill()
 
 
 def test_the_nodes_services_serve_gateways_only_and_sandboxes_cannot_reach_them(

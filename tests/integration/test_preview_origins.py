@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import pytest
@@ -38,21 +38,22 @@ from corral.models import SandboxInfo
 
 from ..browser import chromium_page
 from ..conftest import managed
+from .hostile import (
+    APP,
+    PORT,
+    attack,
+    corral_credentials_in,
+    parse_log,
+    session_cookies,
+    sign_in,
+    whoami,
+)
 from .servers import Server
-
-if TYPE_CHECKING:
-    from playwright.sync_api import Page
 
 pytestmark = pytest.mark.needs_root
 
-APP = (Path(__file__).parent / "hostileapp.py").read_bytes()
-PORT = 8000
 DOMAIN = "ports.corral.test"
 SERVICE_NAME = "corral.test"
-# How Corral's credentials begin (tests/unit/test_preview.py holds the makers to it).
-CREDENTIAL_PREFIXES = ("ck_", "e2b_", "cpt_", "cp1.", "us1.")
-# A page's attack is a dozen fetches on loopback; a loaded CI host may take long over them.
-ATTACK_TIMEOUT_MS = 120_000
 
 
 @dataclass
@@ -137,58 +138,12 @@ def wait_serving(url: str, service: str) -> None:
         time.sleep(0.2)
 
 
-def sign_in(page: Page, service: str, key: str) -> str:
-    """Sign in to the dashboard as a person would (its page, then its own sign-in request);
-    returns the tenant the session is for."""
-    page.goto(f"{service}/ui/")
-    answer = page.evaluate("""async (key) => {
-        const r = await fetch("/ui/session", {method: "POST", headers: {"X-Corral-UI": "1",
-            "Content-Type": "application/json"}, body: JSON.stringify({key})});
-        return [r.status, await r.text()];
-    }""", key)
-    assert answer[0] == 200, answer
-    return str(json.loads(answer[1])["tenant"])
-
-
-def whoami(page: Page, service: str) -> tuple[int, str]:
-    page.goto(f"{service}/ui/")
-    status, text = page.evaluate("""async () => {
-        const r = await fetch("/ui/api/me", {headers: {"X-Corral-UI": "1"}});
-        return [r.status, await r.text()];
-    }""")
-    return int(status), str(text)
-
-
-def session_cookies(page: Page, service: str) -> list[dict[str, Any]]:
-    return [c for c in page.context.cookies(service) if "corral_session" in c["name"]]
-
-
-def attack(page: Page, url: str) -> dict[str, Any]:
-    page.goto(url)
-    page.wait_for_function("document.title === 'done'", timeout=ATTACK_TIMEOUT_MS)
-    results = page.evaluate("window.results")
-    assert isinstance(results, dict)
-    return results
-
-
 def app_log(world: World) -> list[dict[str, Any]]:
     try:
         raw = world.manager.files(world.attacker.id).read("requests.log")
     except Exception:
         return []
-    return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
-
-
-def corral_credentials_in(entries: list[dict[str, Any]], genuine: list[str]) -> list[str]:
-    """Every header value in the app's log that holds one of Corral's credentials."""
-    found = []
-    for entry in entries:
-        for name, value in entry["headers"]:
-            text = f"{name}: {value}"
-            if any(g in value for g in genuine) or "corral_" in value.lower() or any(
-                    prefix in value for prefix in CREDENTIAL_PREFIXES):
-                found.append(text)
-    return found
+    return parse_log(raw)
 
 
 @pytest.mark.parametrize("viewer", ["operator", "alpha"])
