@@ -319,6 +319,16 @@ def test_an_exposed_port_of_a_microvm_through_the_proxy(vm: Vm, manager: Manager
                 time.sleep(0.3)
             assert page.status_code == 200 and b"hello from the sandbox" in page.content
             assert httpx.get(url).status_code == 401
+            # Through the keeper too, no Corral credential reaches the guest's app.
+            planted = {"Cookie": "corral_session=us1.a.b; theirs=kept",
+                       "Authorization": "Bearer ck_0123456789ab_" + "s" * 32,
+                       "X-Api-Key": "e2b_" + "0" * 48, "X-Corral-Ui": "1"}
+            seen = httpx.get(url + "headers", headers={**auth, **planted},
+                             timeout=IO_TIMEOUT_S).json()["headers"]
+            seen = {k.lower(): v for k, v in seen.items()}
+            assert seen.get("cookie") == "theirs=kept", seen
+            assert not {"authorization", "x-api-key", "x-corral-ui",
+                        "x-corral-port-token"} & set(seen), seen
             big = httpx.get(url + f"big?n={BIG}", headers=auth, timeout=IO_TIMEOUT_S)
             assert len(big.content) == BIG
             with ws_connect(url.replace("http://", "ws://") + "ws", additional_headers=auth,
