@@ -194,6 +194,27 @@ def test_watchers_hear_output_and_exit_and_can_stop() -> None:
     other.close_input()
 
 
+def test_a_tap_sees_every_chunk_past_the_window_then_the_exit() -> None:
+    table = ProcessTable(_Runner())
+    process = table.start("sbx_000000000001", "cat")
+    chunks: list[tuple[str, str]] = []
+    ended = threading.Event()
+    process.tap(lambda stream, text: chunks.append((stream, text)), ended.set)
+    assert chunks == [("stdout", "ready\n")]  # what was kept before the tap, first
+    block = "y" * (1 << 20)
+    for _ in range(6):  # past the 4 MiB window: the window drops, the tap does not
+        process.send(block.encode())
+    assert [t for _, t in chunks[1:]] == [block] * 6
+    assert next(process.output(0))[1] == "notice"
+    assert not ended.is_set()
+    process.close_input()
+    process.wait(5)
+    assert ended.is_set()
+    late: list[str] = []
+    process.tap(lambda stream, text: late.append(stream), lambda: late.append("exit"))
+    assert late[0] == "notice" and late[-1] == "exit"  # tapped after the window moved on
+
+
 def test_pty_goes_to_the_runner_and_resize_to_the_terminal() -> None:
     runner = _Terminal()
     table = ProcessTable(runner)

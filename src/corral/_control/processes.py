@@ -59,6 +59,14 @@ class CommandRunner(Protocol):
     def kill(self, sandbox_id: str, command_id: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Tap:
+    """A reader of every chunk (``BackgroundProcess.tap``)."""
+
+    on_chunk: Callable[[str, str], None]  # (stream, text)
+    on_exit: Callable[[], None]
+
+
 @dataclass
 class BackgroundProcess:
     id: str
@@ -85,6 +93,7 @@ class BackgroundProcess:
     _io: ProcessIO | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _watchers: list[Callable[[], None]] = field(default_factory=list)
+    _taps: list[Tap] = field(default_factory=list)
     _deadline: threading.Timer | None = None
 
     def info(self) -> ProcessInfo:
@@ -126,6 +135,24 @@ class BackgroundProcess:
 
         return unwatch
 
+    def tap(self, on_chunk: Callable[[str, str], None], on_exit: Callable[[], None]) -> None:
+        """Give ``on_chunk(stream, text)`` every chunk of output, the kept ones first, then
+        each as it comes, and ``on_exit()`` once at the end; both are called under this
+        process's lock (from the thread that feeds it: quick, never raising). For a reader that
+        must see every byte, a kernel's protocol: one that follows ``output`` from a thread
+        of its own loses what the window drops while it is not scheduled. Output the window
+        dropped before the tap comes as one ``notice`` chunk."""
+        with self._cond:
+            if self._kept_from:
+                on_chunk("notice", f"[corral: {self._kept_from} bytes of earlier output are "
+                         "no longer kept]\n")
+            for _start, stream, text in self._chunks:
+                on_chunk(stream, text)
+            if self.state == "exited":
+                on_exit()
+            else:
+                self._taps.append(Tap(on_chunk, on_exit))
+
     def _notify(self) -> None:
         # Under self._cond: every waiter, blocking or not, learns at once.
         self._cond.notify_all()
@@ -135,6 +162,9 @@ class BackgroundProcess:
 
     def _feed(self, stream: str, text: str) -> None:
         with self._cond:
+            for tap in self._taps:
+                with contextlib.suppress(Exception):  # a reader's bug never stops the output
+                    tap.on_chunk(stream, text)
             self._chunks.append((self._end, stream, text))
             self._end += len(text)
             while self._chunks and self._end - self._chunks[0][0] > _KEEP_BYTES:
@@ -153,6 +183,10 @@ class BackgroundProcess:
         with self._cond:
             self.result, self.error, self.failure, self.state = result, error, failure, "exited"
             self._io = None
+            taps, self._taps = self._taps, []
+            for tap in taps:
+                with contextlib.suppress(Exception):
+                    tap.on_exit()
             timer, self._deadline = self._deadline, None
             self._notify()
         if timer is not None:
