@@ -30,6 +30,7 @@ from corral import (
     SandboxNotFound,
     UsageError,
 )
+from corral._control.interpreter import MAX_MESSAGE_CHARS
 from corral._control.tenants import TenantDirectory
 from corral._settings import Settings
 
@@ -177,6 +178,46 @@ def test_a_kernel_outlives_the_tiers_output_limit(home: str) -> None:
             run = sb.run_code("print('x' * (1 << 20))")
             assert run.error is None and len("".join(run.logs.stdout)) == (1 << 20) + 1
         assert sb.run_code("'alive'").text == "'alive'"
+
+
+# Code in the kernel can write to the driver's own protocol descriptor (a global of its module).
+LONG_LINE_CELL = """
+import os, sys
+fd = type(sys.stdout).write.__globals__["_PROTO"].fileno()
+block = b"x" * (1 << 20)
+for _ in range(256):
+    view = memoryview(block)
+    while view:
+        view = view[os.write(fd, view):]
+print("written")
+"""
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def test_a_long_line_on_the_protocol_stream_is_dropped_with_an_error(home: str) -> None:
+    # 256 MiB without a newline, straight to the protocol descriptor: the service (this
+    # process, embedded) holds at most the limit of it, the cell says what happened, its own
+    # output after it is not lost, and the next cell works.
+    with Sandbox.create(home=home) as sb:
+        # The largest message worth sending still comes whole: a 24 MiB figure.
+        big = sb.run_code("from IPython.display import display\n"
+                          "display({'image/png': 'A' * (24 << 20)}, raw=True)")
+        assert big.error is None, big.error
+        assert [len(r.png or "") for r in big.results] == [24 << 20]
+        del big
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS starts again from here
+        before = _status_kib("VmRSS")
+        run = sb.run_code(LONG_LINE_CELL, timeout=60)
+        grown_mib = (_status_kib("VmHWM") - before) / 1024
+        assert run.error is not None and run.error.name == "OutputTooLarge", run.error
+        assert "".join(run.logs.stdout) == "written\n"
+        assert grown_mib < MAX_MESSAGE_CHARS / 2**20 + 64, grown_mib
+        assert sb.run_code("6 * 7").text == "42"
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ python3 runs it as the sandbox would (``python3 -I -u -c <source> <cwd> <languag
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +33,9 @@ class Driver:
 
     def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        line = "\n"
+        while line == "\n":  # the blank line the driver writes before each message
+            line = self.proc.stdout.readline()
         assert line, f"the driver exited: {self.proc.stderr.read() if self.proc.stderr else ''}"
         message: dict[str, Any] = json.loads(line)
         return message
@@ -104,13 +107,61 @@ def test_child_and_fd_level_output_cannot_forge_protocol_lines(ipython: Driver) 
 
 
 @needs_ipython
-@needs_ipython
 def test_output_is_coalesced_by_line_in_the_order_written(ipython: Driver) -> None:
     events = ipython.run("import sys, os\nprint('a', 'b')\nsys.stdout.write('part')\n"
                          "print('e', file=sys.stderr)\nos.system('echo c')\nprint('d')")
     streamed = [(e["ev"], e["text"]) for e in events if e["ev"] in ("stdout", "stderr")]
     assert streamed == [("stdout", "a b\n"), ("stdout", "part"), ("stderr", "e\n"),
                         ("stdout", "c\n"), ("stdout", "d\n")]
+
+
+@pytest.fixture
+def plain() -> Iterator[Driver]:
+    driver = Driver("python", "-S")  # the plain kernel: the same streams, no IPython needed
+    yield driver
+    driver.close()
+
+
+# How a cell reaches the driver's own protocol descriptor (a global of the driver's module).
+PROTO_FD = 'type(sys.stdout).write.__globals__["_PROTO"].fileno()'
+
+
+def test_long_output_goes_in_pieces_each_far_under_the_hosts_limit(plain: Driver) -> None:
+    piece = 1024 * 1024
+    events = plain.run("import sys\nprint('x' * (3 * 1024 * 1024 + 5))\n"
+                       "for _ in range(300000): sys.stdout.write('ab')\nprint()")
+    texts = [e["text"] for e in events if e["ev"] == "stdout"]
+    assert "".join(texts) == "x" * (3 * 1024 * 1024 + 5) + "\n" + "ab" * 300000 + "\n"
+    assert max(map(len, texts)) <= piece and len(texts) >= 4
+
+
+def test_a_result_over_the_limit_is_refused_with_an_error(plain: Driver) -> None:
+    # The limit lowered for the test: the host's is 32 MiB.
+    plain.run('import sys\ntype(sys.stdout).write.__globals__["_MAX_LINE"] = 4000')
+    events = plain.run("'y' * 5000")
+    assert [e["ev"] for e in events] == ["count", "error", "end"]
+    assert events[1]["name"] == "OutputTooLarge" and "4000" in events[1]["value"]
+    assert plain.run("'y' * 50")[1]["data"]["text/plain"] == repr("y" * 50)
+
+
+def test_bytes_written_to_the_protocol_descriptor_swallow_no_message(plain: Driver) -> None:
+    assert plain.proc.stdout is not None
+    plain.send({"op": "exec", "id": 1, "code": f"import os, sys\nos.write({PROTO_FD}, "
+                "b'garbage without a newline')\nprint('after')"})
+    lines: list[str] = []
+    while not lines or not lines[-1].startswith('{"ev": "end"'):
+        lines.append(plain.proc.stdout.readline().rstrip("\n"))
+    messages = [json.loads(line) for line in lines if line.startswith("{")]
+    assert "garbage without a newline" in lines
+    assert [m["ev"] for m in messages] == ["count", "stdout", "end"]
+    assert messages[1]["text"] == "after\n"
+
+
+def test_the_drivers_limit_is_the_hosts() -> None:
+    from corral._control.interpreter import MAX_MESSAGE_CHARS
+
+    found = re.search(r"^_MAX_LINE = (.+?)  #", driver_source(), re.MULTILINE)
+    assert found is not None and eval(found.group(1)) == MAX_MESSAGE_CHARS
 
 
 @needs_ipython

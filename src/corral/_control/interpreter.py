@@ -4,13 +4,20 @@ their output streamed and their rich results returned.
 A kernel is the in-sandbox driver (``corral._interpreter``) run as a *declared background
 process* of the sandbox: admitted like any process, under all of the sandbox's limits, listed,
 killed at its TTL. Host and driver speak JSON lines over the process's stdin and stdout (the
-driver keeps a private dup of its stdout for them, so the user's output cannot corrupt the
-protocol); the tier's output cap cuts the process's result, never this stream
+driver keeps a private dup of its stdout for them, so what the user's code prints cannot
+corrupt the protocol); the tier's output cap cuts the process's result, never this stream
 (``stream_past_limit``). A kernel that dies (crash, OOM, ``os._exit``) ends its cell with an
 error that says so, and the next cell starts a fresh one.
 
 Each cell is audited in the sandbox's trail as ``code.started`` / ``code.finished`` under the
 kernel's command id, next to the kernel's own ``command.*`` events.
+
+The protocol stream is still the tenant's to write: code in the kernel can reach the driver's
+descriptor. So the host reads it as untrusted: in time linear in what is written, holding at
+most ``MAX_MESSAGE_CHARS`` of a line (``lines.LineSplitter``). A longer line is dropped up to
+its next newline and the cell it came during gets an ``OutputTooLarge`` error; the driver
+starts every message on a line of its own, so no message of its is lost with the dropped line,
+and keeps its own messages under the limit (long output in pieces, an oversized result refused).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from ..errors import (
 )
 from ..models import CodeContext, Execution, ExecutionError, Logs, Result
 from . import validate
+from .lines import LineSplitter, Overflow
 from .processes import BackgroundProcess, ProcessTable
 from .records import SandboxRecord
 from .sandboxes import Sandboxes
@@ -43,6 +51,7 @@ from .tenants import Tenant
 
 __all__ = [
     "LANGUAGES",
+    "MAX_MESSAGE_CHARS",
     "CodeEvent",
     "CountEvent",
     "EndEvent",
@@ -61,6 +70,10 @@ _START_TIMEOUT_S = 30.0
 _INTERRUPT_GRACE_S = 2.0
 _AUDIT_CODE_CHARS = 16 * 1024
 _MAX_CODE_BYTES = 1024 * 1024
+#: The longest line the host takes from a kernel (the driver's ``_MAX_LINE`` is the same): room
+#: for the largest display result worth sending, a PNG figure in base64 (a 4K figure is a few
+#: MiB), with the rest of its bundle. The reader holds at most this much of an unfinished line.
+MAX_MESSAGE_CHARS = 32 * 1024 * 1024
 # Kept out of the workspace: IPython's and matplotlib's per-user state goes to /tmp.
 _KERNEL_ENV = {"IPYTHONDIR": "/tmp/.corral-ipython", "MPLCONFIGDIR": "/tmp/.corral-mpl",
                "PYTHONUNBUFFERED": "1"}
@@ -135,37 +148,54 @@ class _Exited:
     """Put on a kernel's queue when its process has ended."""
 
 
+def _message(line: str | Overflow, cell: Any) -> dict[str, Any] | None:
+    """One line of the protocol stream as a message: a dropped line is an ``overflow`` of
+    ``cell``; a line that is not a JSON object (the blank line before each of the driver's
+    messages, bytes code wrote there) is none."""
+    if isinstance(line, Overflow):
+        return {"ev": "overflow", "id": cell, "limit": line.limit}
+    if not line:
+        return None
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) else None
+
+
 class _Kernel:
-    """One running driver: its process, and a reader thread turning its stdout into messages."""
+    """One running driver: its process, and its stdout turned into messages as it comes."""
 
     def __init__(self, process: BackgroundProcess) -> None:
         self.process = process
         self.messages: queue.Queue[dict[str, Any] | _Exited] = queue.Queue()
         self.diagnostics: list[str] = []  # the driver's stderr before it redirected fd 2
         self.alive = True
-        threading.Thread(target=self._read, name=f"corral-kernel-{process.id}",
-                         daemon=True).start()
+        self._lines = LineSplitter(MAX_MESSAGE_CHARS)
+        # The cell the driver last spoke for: a dropped line is that cell's (code writes to
+        # the protocol descriptor after its cell's first message, ``count``).
+        self._cell: Any = None
+        # Read in the thread that feeds the process, not a thread of our own: a reader that
+        # falls behind loses what the process's window drops, messages with it.
+        process.tap(self._take, self._exited)
 
-    def _read(self) -> None:
-        pending = ""
-        try:
-            for _offset, stream, text in self.process.output(0, follow=True):
-                if stream != "stdout":
-                    if len(self.diagnostics) < 64:
-                        self.diagnostics.append(text)
-                    continue
-                pending += text
-                *lines, pending = pending.split("\n")
-                for line in lines:
-                    try:
-                        message = json.loads(line)
-                    except ValueError:
-                        continue  # never from the driver; nothing else writes here
-                    if isinstance(message, dict):
-                        self.messages.put(message)
-        finally:
-            self.alive = False
-            self.messages.put(_Exited())
+    def _take(self, stream: str, text: str) -> None:
+        if stream == "notice":  # output dropped before the tap (never, at a kernel's start)
+            self._lines.gap()
+            self.messages.put({"ev": "lost", "id": self._cell, "text": text.strip()})
+        elif stream != "stdout":
+            if len(self.diagnostics) < 64:
+                self.diagnostics.append(text)
+        else:
+            for line in self._lines.feed(text):
+                message = _message(line, self._cell)
+                if message is not None:
+                    self._cell = message.get("id", self._cell)
+                    self.messages.put(message)
+
+    def _exited(self) -> None:
+        self.alive = False
+        self.messages.put(_Exited())
 
     def send(self, message: dict[str, Any]) -> None:
         self.process.send((json.dumps(message) + "\n").encode())
@@ -493,6 +523,14 @@ class _Collector:
                 name, value = "TimeoutError", f"the cell ran past its {limit:g} s timeout " \
                                               "and was interrupted (the kernel's state is kept)"
             self.error(ErrorEvent(name, value, str(message.get("traceback", ""))))
+        elif kind == "overflow":
+            self.error(ErrorEvent(
+                "OutputTooLarge", f"the kernel sent a line of more than {message.get('limit')} "
+                "characters, over the limit of one message; it was dropped (code writing to "
+                "the kernel's protocol stream?)", ""))
+        elif kind == "lost":
+            self.error(ErrorEvent("OutputLost", "some of the kernel's output was lost before "
+                                  f"it was read: {message.get('text')}", ""))
         elif kind == "end":
             self.end()
             return False

@@ -7,6 +7,12 @@ Protocol, JSON lines. In (stdin): ``{"op": "exec", "id": N, "code": ..., "envs":
 its children print can reach it): ``ready`` (kernel, language), then per cell ``count``,
 ``stdout``/``stderr`` (text), ``result`` (MIME bundle, ``main``), ``error`` (name, value,
 traceback) and ``end``. fd 1 and 2 point at pipes this driver forwards as stdout/stderr events.
+
+Code in the kernel can still write to the protocol descriptor itself, so every message starts
+on a line of its own (a newline before it ends whatever was written there), and no message is
+longer than ``_MAX_LINE`` characters, the host's limit (its ``MAX_MESSAGE_CHARS``; a longer
+line is dropped there): output goes in pieces, and a result or error too large to send is
+replaced by an ``OutputTooLarge`` error.
 """
 
 # This file runs under the sandbox's python3 (3.9+ and no third-party packages guaranteed):
@@ -25,6 +31,10 @@ import threading
 import traceback
 import types
 
+_MAX_LINE = 32 * 1024 * 1024  # the host's MAX_MESSAGE_CHARS (corral._control.interpreter)
+# Output goes in events of at most this many characters: even escaped (six characters for one
+# control character) a piece stays far under _MAX_LINE.
+_PIECE = 1024 * 1024
 _PROTO = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
 _PROTO_LOCK = threading.Lock()
 _CURRENT = {"id": None}
@@ -43,6 +53,11 @@ def _flush_streams(but=None):
 
 
 def emit(event, **fields):
+    if event in ("stdout", "stderr") and len(fields["text"]) > _PIECE:
+        text = fields.pop("text")
+        for start in range(0, len(text), _PIECE):
+            emit(event, text=text[start:start + _PIECE], **fields)
+        return
     fields["ev"] = event
     if "id" not in fields:
         fields["id"] = _CURRENT["id"]
@@ -50,8 +65,14 @@ def emit(event, **fields):
         _flush_streams()
         _FORWARDER[0].drain()  # child output written before this event goes first
     line = json.dumps(fields, ensure_ascii=False)
+    if len(line) > _MAX_LINE:
+        line = json.dumps({"ev": "error", "id": fields["id"], "name": "OutputTooLarge",
+                           "value": f"a {event} of {len(line)} characters is over the "
+                                    f"{_MAX_LINE}-character limit of one message and was not "
+                                    "sent; write it to a file instead", "traceback": ""})
     with _PROTO_LOCK:
-        _PROTO.write(line + "\n")
+        # The newline first: bytes the user's code wrote here without one end before this.
+        _PROTO.write("\n" + line + "\n")
         _PROTO.flush()
 
 
@@ -100,7 +121,8 @@ class _Stream:
     def __init__(self, name, forwarder):
         self.name = name
         self._forwarder = forwarder
-        self._pending = ""
+        self._pending = []  # the partial line, in pieces: joined once, when it goes out
+        self._size = 0
         self.encoding = "utf-8"
         self.errors = "replace"
         _STREAMS.append(self)
@@ -112,16 +134,23 @@ class _Stream:
             with _OUT_LOCK:
                 _flush_streams(but=self)  # the other stream's partial line was first
                 self._forwarder.drain()  # and so was child output
-                self._pending += text
-                cut = self._pending.rfind("\n") + 1
-                if cut:
-                    emit(self.name, text=self._pending[:cut])
-                    self._pending = self._pending[cut:]
+                # Only the new text is searched: many small writes cost linear time.
+                cut = text.rfind("\n") + 1
+                self._hold(text[:cut] if cut else text)
+                if cut or self._size >= _PIECE:  # a long partial line goes in pieces
+                    self._flush()
+                if 0 < cut < len(text):
+                    self._hold(text[cut:])
         return len(text)
+
+    def _hold(self, text):
+        self._pending.append(text)
+        self._size += len(text)
 
     def _flush(self):
         if self._pending:
-            text, self._pending = self._pending, ""
+            text = "".join(self._pending)
+            self._pending, self._size = [], 0
             emit(self.name, text=text)
 
     def writelines(self, lines):
