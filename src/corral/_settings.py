@@ -38,6 +38,27 @@ class Settings(BaseSettings):
         run_dir: where network namespaces are pinned (``ip netns`` sees them).
         audit: write the audit trail (``CORRAL_AUDIT=0`` turns it off; only for measuring).
         audit_output_bytes: command output kept in the audit trail, per stream and command.
+        audit_aggregate_window_s: the interval repeated events are aggregated over: per
+            sandbox and refusal rule (egress) or exposed port (public connections), the first
+            ``audit_aggregate_burst`` of an interval are written in full, the rest counted and
+            written as one summary event when the interval ends (``docs/audit.md``).
+            ``CORRAL_AUDIT_AGGREGATE_WINDOW_S``.
+        audit_aggregate_burst: how many repeated events per interval and key are written in
+            full before the rest are only counted. ``CORRAL_AUDIT_AGGREGATE_BURST``.
+        audit_sandbox_max_bytes: the audit byte budget of one sandbox: at it the sandbox is
+            paused with the reason in its trail, and resuming it is refused while it is over
+            (0: no budget). A tenant's own (``corral tenants set --audit-sandbox-max-bytes``)
+            replaces it. ``CORRAL_AUDIT_SANDBOX_MAX_BYTES``.
+        audit_tenant_max_bytes: the audit byte budget of one tenant: what the trails of its
+            live sandboxes add up to; past it, each of its sandboxes that writes is paused
+            (0: no budget). ``corral tenants set --audit-max-bytes`` replaces it per tenant.
+            ``CORRAL_AUDIT_TENANT_MAX_BYTES``.
+        audit_retention_s: trails of destroyed sandboxes older than this (since their last
+            write) are removed by ``corral audit prune`` and the reaper (0: kept whatever
+            their age). ``CORRAL_AUDIT_RETENTION_S``.
+        audit_retention_max_bytes: the most the trails of destroyed sandboxes may add up to;
+            the oldest are removed first beyond it (0: no bound).
+            ``CORRAL_AUDIT_RETENTION_MAX_BYTES``.
         egress_allow_cidrs: operator-only: comma-separated CIDRs the gateway may connect to even
             though they are private/loopback/link-local (internal package mirrors, for example).
             Never settable through a sandbox's own policy. Empty by default.
@@ -143,6 +164,12 @@ class Settings(BaseSettings):
     run_dir: Path = Path("/run/netns")
     audit: bool = True
     audit_output_bytes: int = Field(default=256 * 1024, ge=0, le=64 * 1024 * 1024)
+    audit_aggregate_window_s: float = Field(default=30.0, ge=0.1, le=3600)
+    audit_aggregate_burst: int = Field(default=5, ge=1, le=1000)
+    audit_sandbox_max_bytes: int = Field(default=256 * 2**20, ge=0)
+    audit_tenant_max_bytes: int = Field(default=4 * 2**30, ge=0)
+    audit_retention_s: float = Field(default=30 * 24 * 3600.0, ge=0)
+    audit_retention_max_bytes: int = Field(default=8 * 2**30, ge=0)
     egress_allow_cidrs: str = ""
     egress_hosts: dict[str, list[str]] = Field(default_factory=dict)
     egress_upstream_ca: Path | None = None

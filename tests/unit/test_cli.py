@@ -68,7 +68,7 @@ def test_help_lists_every_command_with_its_help_line() -> None:
     expected = {"run", "create", "exec", "ls", "info", "pause", "resume", "rm", "files",
                 "replay", "network", "egress", "metrics", "serve", "reap", "doctor", "demo",
                 "mcp", "tenants", "keys", "secrets", "templates", "drill", "snapshot", "fork",
-                "restore", "snapshots", "code", "ports", "volumes"}
+                "restore", "snapshots", "code", "ports", "volumes", "audit"}
     assert names == expected
     for line in listing.splitlines():
         if line.strip():

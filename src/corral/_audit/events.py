@@ -38,13 +38,16 @@ EventType = Literal[
     "file.download",
     "file.refused",
     "egress.decision",
+    "egress.summary",
     "snapshot.created",
     "snapshot.restored",
     "snapshot.deleted",
     "port.exposed",
     "port.unexposed",
     "port.connection",
+    "port.summary",
     "audit.recovered",
+    "audit.budget_exceeded",
 ]
 EVENT_TYPES: tuple[str, ...] = EventType.__args__  # type: ignore[attr-defined]
 

@@ -75,9 +75,13 @@ def _last_line(fd: int, size: int) -> tuple[bytes, int]:
 class AuditLog:
     """Appends events to one sandbox's log. Thread-safe; safe across processes."""
 
-    def __init__(self, path: Path, sandbox_id: str) -> None:
+    def __init__(self, path: Path, sandbox_id: str,
+                 on_write: Callable[[int], None] | None = None) -> None:
+        """``on_write`` hears the file's size after each append (the budget watch): it runs
+        on the writer's thread, so it must only take note."""
         self.path = path
         self.sandbox_id = sandbox_id
+        self._on_write = on_write
         self._lock = threading.Lock()
         self._fd: int | None = None
         # Group commit: writes are numbered; _synced is the last number an fdatasync covered.
@@ -140,11 +144,14 @@ class AuditLog:
                 view = memoryview(payload)
                 while view:
                     view = view[os.write(fd, view):]
-                self._known = (os.fstat(fd).st_size, seq)
+                size = os.fstat(fd).st_size
+                self._known = (size, seq)
                 self._written += 1
                 ticket = self._written
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
+        if self._on_write is not None:
+            self._on_write(size)
         if sync:
             self._sync_through(ticket)
         return seq

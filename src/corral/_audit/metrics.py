@@ -49,6 +49,13 @@ _COUNTERS = {
     "corral_egress_decisions": ("Egress gateway decisions, by verdict.", ("verdict",)),
     "corral_reaper_actions": ("Clean-up actions (expired sandboxes, crash leftovers).",
                               ("action",)),
+    "corral_audit_aggregated_events": ("Repeated events counted into a summary event instead "
+                                       "of written one by one, by event type.", ("type",)),
+    "corral_audit_budget_stops": ("Sandboxes stopped at an audit byte budget, by budget "
+                                  "(sandbox or tenant) and action (pause or destroy).",
+                                  ("scope", "action")),
+    "corral_audit_pruned_trails": ("Trails of destroyed sandboxes removed by retention, by "
+                                   "reason (age or size).", ("reason",)),
 }
 _HISTOGRAMS = {
     "corral_command_duration_seconds": ("Wall time of commands.", DURATION_BUCKETS),

@@ -68,10 +68,45 @@ def _ceiling_fields(hosts: tuple[str, ...], no_network: bool, templates: tuple[s
     return fields
 
 
+def _audit_options(fn: Any) -> Any:
+    options = [
+        click.option("--audit-max-bytes", "audit_max", metavar="SIZE",
+                     help="Audit budget of all its live sandboxes' trails together (500M, "
+                          "4G; 0: none). Default: CORRAL_AUDIT_TENANT_MAX_BYTES."),
+        click.option("--audit-sandbox-max-bytes", "audit_sandbox_max", metavar="SIZE",
+                     help="Audit budget of each of its sandboxes' trails (64M; 0: none). "
+                          "Default: CORRAL_AUDIT_SANDBOX_MAX_BYTES."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _bytes(value: str | None, option: str) -> int | None:
+    if value is None:
+        return None
+    from .._control.volumes import parse_size
+
+    try:
+        return parse_size(value)
+    except errors.UsageError:
+        raise errors.UsageError(f"{option} takes a size like 64M or 4G (0: no budget), not "
+                                f"{value!r}") from None
+
+
 def _tenant_json(tenant: Tenant) -> dict[str, Any]:
     return {"name": tenant.name, "max_sandboxes": tenant.max_sandboxes,
             "tiers": list(tenant.tiers), "commands_per_minute": tenant.commands_per_minute,
-            "ceiling": tenant.ceiling.to_json()}
+            "ceiling": tenant.ceiling.to_json(), "audit_max_bytes": tenant.audit_max_bytes,
+            "audit_sandbox_max_bytes": tenant.audit_sandbox_max_bytes}
+
+
+def _audit_text(tenant: Tenant) -> str:
+    def shown(value: int | None) -> str:
+        return "default" if value is None else ("none" if value == 0 else str(value))
+
+    return (f"audit {shown(tenant.audit_max_bytes)} total, "
+            f"{shown(tenant.audit_sandbox_max_bytes)} per sandbox")
 
 
 def _ceiling_text(ceiling: Ceiling) -> str:
@@ -86,7 +121,8 @@ def _show(tenant: Tenant, as_json: bool) -> None:
     else:
         click.echo(f"tenant {tenant.name}: {tenant.max_sandboxes} sandboxes, tiers "
                    f"{','.join(tenant.tiers)}, {tenant.commands_per_minute} commands/min, "
-                   f"ceiling {_ceiling_text(tenant.ceiling)}", err=True)
+                   f"ceiling {_ceiling_text(tenant.ceiling)}, {_audit_text(tenant)}",
+                   err=True)
 
 
 @tenants.command(name="add")
@@ -96,6 +132,7 @@ def _show(tenant: Tenant, as_json: bool) -> None:
 @click.option("--commands-per-minute", default=600, show_default=True, type=int,
               help="Starts of code per minute: commands, background processes, terminals.")
 @_ceiling_options
+@_audit_options
 @json_option
 @click.pass_context
 @handle_errors
@@ -103,15 +140,19 @@ def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[
                 commands_per_minute: int, hosts: tuple[str, ...], no_network: bool,
                 templates: tuple[str, ...], isolation: tuple[str, ...],
                 resources: tuple[str, ...], secrets: tuple[str, ...],
-                max_lifetime: int | None, as_json: bool) -> None:
-    """Add (or replace) a tenant; ceiling options not given set no bound of its own."""
+                max_lifetime: int | None, audit_max: str | None,
+                audit_sandbox_max: str | None, as_json: bool) -> None:
+    """Add (or replace) a tenant; ceiling options not given set no bound of its own, audit
+    budgets not given follow the server's default."""
     from .._control.manager import get_manager
 
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
                              max_lifetime)
     tenant = TenantDirectory(get_manager(ctx.obj["settings"]).store).add_tenant(
         name, max_sandboxes=max_sandboxes, tiers=list(tiers) or None,
-        commands_per_minute=commands_per_minute, ceiling=Ceiling.build(**fields))
+        commands_per_minute=commands_per_minute, ceiling=Ceiling.build(**fields),
+        audit_max_bytes=_bytes(audit_max, "--audit-max-bytes"),
+        audit_sandbox_max_bytes=_bytes(audit_sandbox_max, "--audit-sandbox-max-bytes"))
     _show(tenant, as_json)
 
 
@@ -123,6 +164,9 @@ def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[
 @_ceiling_options
 @click.option("--clear-ceiling", is_flag=True,
               help="Drop the tenant's own ceiling first (the server default applies).")
+@_audit_options
+@click.option("--clear-audit-budgets", "clear_audit", is_flag=True,
+              help="Drop the tenant's own audit budgets first (the server default applies).")
 @json_option
 @click.pass_context
 @handle_errors
@@ -131,8 +175,11 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
                 hosts: tuple[str, ...], no_network: bool, templates: tuple[str, ...],
                 isolation: tuple[str, ...], resources: tuple[str, ...],
                 secrets: tuple[str, ...], max_lifetime: int | None, clear_ceiling: bool,
+                audit_max: str | None, audit_sandbox_max: str | None, clear_audit: bool,
                 as_json: bool) -> None:
-    """Change a tenant: only what is given changes (each ceiling option replaces that field)."""
+    """Change a tenant: only what is given changes (each ceiling option replaces that field).
+
+    A sandbox paused at its audit budget may be resumed once the budget is raised here."""
     from .._control.manager import get_manager
 
     directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
@@ -141,10 +188,16 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
     if clear_ceiling:
         old = directory.get(name)
         directory.add_tenant(name, max_sandboxes=old.max_sandboxes, tiers=list(old.tiers),
-                             commands_per_minute=old.commands_per_minute)
+                             commands_per_minute=old.commands_per_minute,
+                             audit_max_bytes=old.audit_max_bytes,
+                             audit_sandbox_max_bytes=old.audit_sandbox_max_bytes)
     tenant = directory.set_tenant(name, max_sandboxes=max_sandboxes, tiers=list(tiers) or None,
                                   commands_per_minute=commands_per_minute,
-                                  ceiling=Ceiling.build(**fields).to_json())
+                                  ceiling=Ceiling.build(**fields).to_json(),
+                                  audit_max_bytes=_bytes(audit_max, "--audit-max-bytes"),
+                                  audit_sandbox_max_bytes=_bytes(
+                                      audit_sandbox_max, "--audit-sandbox-max-bytes"),
+                                  clear_audit=clear_audit)
     _show(tenant, as_json)
 
 
@@ -155,9 +208,10 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
 def tenants_ls(ctx: click.Context, as_json: bool) -> None:
     """List tenants: name, sandboxes, tiers, commands/min and ceiling ("-" = none of its own).
 
-    --json: a list of {name, max_sandboxes, tiers, commands_per_minute, ceiling}, where ceiling
-    holds only the fields it bounds (hosts, templates, isolation, resources, secrets: lists;
-    max_lifetime_s: seconds)."""
+    --json: a list of {name, max_sandboxes, tiers, commands_per_minute, ceiling,
+    audit_max_bytes, audit_sandbox_max_bytes}, where ceiling holds only the fields it bounds
+    (hosts, templates, isolation, resources, secrets: lists; max_lifetime_s: seconds) and an
+    audit budget is null where the server default applies (0: none)."""
     from .._control.manager import get_manager
 
     found = TenantDirectory(get_manager(ctx.obj["settings"]).store).tenants()
@@ -166,7 +220,8 @@ def tenants_ls(ctx: click.Context, as_json: bool) -> None:
         return
     for t in found:
         click.echo(f"{t.name}\t{t.max_sandboxes}\t{','.join(t.tiers)}\t"
-                   f"{t.commands_per_minute}/min\t{_ceiling_text(t.ceiling)}")
+                   f"{t.commands_per_minute}/min\t{_ceiling_text(t.ceiling)}\t"
+                   f"{_audit_text(t)}")
 
 
 @tenants.command(name="rm")

@@ -38,6 +38,7 @@ COMMANDS: Mapping[str, str] = {
     "files": "corral._cli.files:files",
     "replay": "corral._cli.audit:replay",
     "egress": "corral._cli.audit:egress",
+    "audit": "corral._cli.audit:audit",
     "metrics": "corral._cli.host:metrics",
     "reap": "corral._cli.host:reap",
     "doctor": "corral._cli.host:doctor",

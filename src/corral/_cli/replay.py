@@ -131,6 +131,17 @@ def render_event(console: Console, event: AuditEvent, started: float) -> None:
                   f"{escape(str(d.get('host')))}:{d.get('port')} [dim]{escape(str(d.get('rule')))}"
                   f" {d.get('mode') or ''} up {d.get('bytes_up', 0)} B down "
                   f"{d.get('bytes_down', 0)} B[/dim]")
+    elif kind in ("egress.summary", "port.summary"):
+        # Repeated events counted in one interval, beyond those written in full.
+        key = " ".join(f"{k}={v}" for k, v in (d.get("key") or {}).items())
+        seen = "; ".join(f"{name}: {', '.join(str(v) for v in values)}"
+                         for name, values in (d.get("distinct") or {}).items())
+        span = float(d.get("last_ts") or 0) - float(d.get("first_ts") or 0)
+        detail = (f"[yellow]{d.get('count')} more {escape(str(d.get('of')))} {escape(key)} "
+                  f"in {span:.1f} s[/yellow] [dim]{escape(seen[:300])}[/dim]")
+    elif kind == "audit.budget_exceeded":
+        detail = (f"[red]{d.get('scope')} audit budget exceeded: {d.get('used_bytes')} of "
+                  f"{d.get('budget_bytes')} bytes; {d.get('action')}[/red]")
     elif kind == "file.refused":
         reason = d.get("reason") or {}
         detail = (f"[red]{escape(str(d.get('op')))} {escape(str(d.get('path')))} refused: "

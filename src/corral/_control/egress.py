@@ -114,8 +114,19 @@ class EgressBroker:
         return EgressContext(policy=NetworkPolicy.from_json(info.network), secrets=tuple(bound))
 
     def _report(self, decision: Decision) -> None:
-        self._auditor.event(decision.sandbox_id, "egress.decision", decision.to_dict(),
-                            command=decision.command_id)
+        # On the gateway's loop: a write, never a wait. A refusal is repeated at will by the
+        # sandbox, so refusals are aggregated per command and rule: neither is the sandbox's
+        # to choose (a command id is the control plane's, a rule is the gateway's own reason
+        # or the policy's), never the host asked for. Each command's first refusals of a rule
+        # stay in full, as the drill and replay read them. What was allowed is always
+        # written in full.
+        if decision.verdict == "allowed":
+            self._auditor.event(decision.sandbox_id, "egress.decision", decision.to_dict(),
+                                command=decision.command_id)
+        else:
+            self._auditor.repeated(decision.sandbox_id, "egress.decision",
+                                   {"rule": decision.rule, "command": decision.command_id},
+                                   decision.to_dict(), command=decision.command_id)
         self._auditor.count("corral_egress_decisions", verdict=decision.verdict)
 
     def gateway(self) -> Gateway:

@@ -25,6 +25,7 @@ from .._settings import Settings
 from ..backends import IsolationBackend, OutputCallback, ProcessIO, SandboxSpec
 from ..errors import SandboxNotFound
 from ..models import CommandResult, SandboxInfo, SnapshotInfo
+from .auditbudget import AuditBudgets
 from .commands import Commands
 from .egress import EgressBroker, NetworkSpec
 from .files import AuditedFiles, Files
@@ -62,7 +63,11 @@ class Manager:
         self.auditor = Auditor(directory=settings.home / "audit", secrets=self.secrets,
                                placeholders=self.store, counters=self.store,
                                enabled=settings.audit,
-                               output_limit_bytes=settings.audit_output_bytes)
+                               output_limit_bytes=settings.audit_output_bytes,
+                               aggregate_window_s=settings.audit_aggregate_window_s,
+                               aggregate_burst=settings.audit_aggregate_burst)
+        self.audit_budgets = AuditBudgets(settings=settings, store=self.store,
+                                          auditor=self.auditor)
         self.egress = EgressBroker(settings, self.store, self.secrets, self.auditor)
         self.backend: IsolationBackend = self._registry.default  # the default tier
         self.admission = Admission(Ceiling.from_settings(settings))
@@ -72,7 +77,9 @@ class Manager:
         self.sandboxes = Sandboxes(settings=settings, store=self.store,
                                    backends=self._registry, auditor=self.auditor,
                                    egress=self.egress, admission=self.admission,
-                                   layers=layers, locks=locks, ready=self._ensure_recovered)
+                                   layers=layers, locks=locks, ready=self._ensure_recovered,
+                                   budgets=self.audit_budgets)
+        self.auditor.watch_budgets(self.audit_budgets, self.sandboxes.stop_over_budget)
         self.commands = Commands(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor, egress=self.egress,
                                  admission=self.admission, locks=locks,
@@ -83,7 +90,7 @@ class Manager:
                                    auditor=self.auditor, admission=self.admission)
         self.recovery = Recovery(store=self.store, sandboxes=self.sandboxes,
                                  processes=self.processes, backends=self._registry,
-                                 layers=layers, auditor=self.auditor)
+                                 layers=layers, auditor=self.auditor, settings=settings)
         self.file_access = Files(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor)
         self.interpreter = Interpreter(sandboxes=self.sandboxes, processes=self.processes,

@@ -201,7 +201,12 @@ class Ports:
             data["method"] = method
         if path:
             data["path"] = path[:200]
-        self._auditor.event(sandbox_id, "port.connection", data)
+        if who.how == "public":
+            # Anyone may send these as fast as they like: aggregated per port (the key is
+            # the port, never the path asked for); authenticated ones are written in full.
+            self._auditor.repeated(sandbox_id, "port.connection", {"port": port}, data)
+        else:
+            self._auditor.event(sandbox_id, "port.connection", data)
         self._auditor.metrics.inc("corral_port_connections", labels={"kind": kind})
 
     # -- credentials --------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Crash recovery and the reaper: finish interrupted destroys, destroy what outlived its
-lifetime or idle timeout, and sweep what a crash left behind (runtime pieces, layers)."""
+lifetime or idle timeout, sweep what a crash left behind (runtime pieces, layers), and apply
+the retention of destroyed sandboxes' audit trails (by age and total size)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from collections.abc import Callable
 
 from .._audit.auditor import Auditor
+from .._audit.retention import PruneReport, prune
+from .._settings import Settings
 from ..backends import IsolationBackend, Leftover
 from ..errors import BackendUnavailable, SandboxNotFound
 from .layers import Layers
@@ -24,12 +27,18 @@ __all__ = ["Reaper", "Recovery"]
 
 logger = logging.getLogger(__name__)
 
+# The reaper applies the audit retention at most this often (a pass reads the directory).
+_PRUNE_EVERY_S = 60.0
+
 
 class Recovery:
     """Runs once before the first use of a control plane, and then on every reaper pass."""
 
     def __init__(self, *, store: Store, sandboxes: Sandboxes, processes: ProcessTable,
-                 backends: BackendRegistry, layers: Layers, auditor: Auditor) -> None:
+                 backends: BackendRegistry, layers: Layers, auditor: Auditor,
+                 settings: Settings | None = None) -> None:
+        self._settings = settings
+        self._pruned_at: float | None = None
         self._store = store
         self._sandboxes = sandboxes
         self._processes = processes
@@ -42,14 +51,45 @@ class Recovery:
         self._lock = threading.Lock()
 
     def ensure(self) -> None:
-        """Recover, unless this control plane already has."""
+        """Recover, unless this control plane already has (retention is the reaper's)."""
         if not self._done:
             with self._lock:
                 if not self._done:
-                    self.recover()
+                    self._recover()
 
     def recover(self) -> list[str]:
-        """Finish interrupted destroys, reap expired sandboxes and sweep crash leftovers."""
+        """Finish interrupted destroys, reap expired sandboxes, sweep crash leftovers, and
+        (at most once a minute) prune the trails of destroyed sandboxes past retention."""
+        removed = self._recover()
+        now = time.monotonic()
+        if self._settings is not None and (
+                self._pruned_at is None or now - self._pruned_at >= _PRUNE_EVERY_S):
+            self._pruned_at = now
+            report = self.prune_trails()
+            removed += [f"audit trail {p.sandbox_id} ({p.reason})" for p in report.removed]
+        return removed
+
+    def prune_trails(self, *, max_age_s: float | None = None,
+                     max_total_bytes: int | None = None,
+                     dry_run: bool = False) -> PruneReport:
+        """Apply the audit retention (the operator's settings unless given) to the trails of
+        destroyed sandboxes; never to a live sandbox's."""
+        settings = self._settings
+        age = max_age_s if max_age_s is not None else (
+            settings.audit_retention_s if settings is not None else 0.0)
+        total = max_total_bytes if max_total_bytes is not None else (
+            settings.audit_retention_max_bytes if settings is not None else 0)
+        report = prune(self._auditor.directory,
+                       is_live=lambda sandbox_id: self._store.get(sandbox_id) is not None,
+                       max_age_s=age, max_total_bytes=total, dry_run=dry_run)
+        if not dry_run:
+            for pruned in report.removed:
+                self._auditor.count("corral_audit_pruned_trails", reason=pruned.reason)
+                logger.info("pruned the audit trail of destroyed sandbox %s (%s, %d bytes)",
+                            pruned.sandbox_id, pruned.reason, pruned.bytes)
+        return report
+
+    def _recover(self) -> list[str]:
         removed: list[str] = []
         now = time.time()
         for info in self._store.list():

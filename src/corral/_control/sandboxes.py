@@ -17,12 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._audit.auditor import Auditor
+from .._audit.budget import Overrun
 from .._backends._linux.template import template_version
 from .._core.resources import get_tier
 from .._images.pull import pull_image
 from .._settings import Settings
 from ..backends import IsolationBackend, Mount, SandboxSpec
 from ..errors import (
+    CorralError,
     QuotaExceeded,
     SandboxBusy,
     SandboxExpired,
@@ -32,6 +34,7 @@ from ..errors import (
 )
 from ..models import SnapshotInfo
 from . import validate
+from .auditbudget import AuditBudgets
 from .egress import EgressBroker, NetworkSpec
 from .layers import Layers
 from .locks import WorkspaceLocks
@@ -72,8 +75,10 @@ class Sandboxes:
 
     def __init__(self, *, settings: Settings, store: Store, backends: BackendRegistry,
                  auditor: Auditor, egress: EgressBroker, admission: Admission, layers: Layers,
-                 locks: WorkspaceLocks, ready: Callable[[], None]) -> None:
+                 locks: WorkspaceLocks, ready: Callable[[], None],
+                 budgets: AuditBudgets | None = None) -> None:
         self._settings = settings
+        self._budgets = budgets
         self.templates_dir = settings.home / "templates"
         self._store = store
         self._backends = backends
@@ -265,23 +270,60 @@ class Sandboxes:
         self._auditor.event(sandbox_id, "sandbox.policy_changed", {"network": policy.to_json()})
         return self.get(sandbox_id)
 
-    def pause(self, sandbox_id: str) -> SandboxRecord:
+    def pause(self, sandbox_id: str, *, reason: str | None = None) -> SandboxRecord:
+        """Freeze the sandbox's processes; ``reason`` (the control plane's own pauses) is
+        recorded in its ``sandbox.paused`` event."""
         info = self.get(sandbox_id)
         if info.state == "paused":
             return info
         self.backend(info).pause(self.spec(info), True)
         self._store.set_state(sandbox_id, "paused")
-        self._auditor.event(sandbox_id, "sandbox.paused", {})
+        self._auditor.event(sandbox_id, "sandbox.paused",
+                            {"reason": reason} if reason is not None else {})
         return self.get(sandbox_id)
 
     def resume(self, sandbox_id: str) -> SandboxRecord:
+        """Thaw a paused sandbox; refused (``QuotaExceeded``) while its trail is over its
+        audit budget: its processes would only write on."""
         info = self.get(sandbox_id)
         if info.state != "paused":
             return info
+        if self._budgets is not None:
+            self._budgets.check_resume(info)
         self.backend(info).pause(self.spec(info), False)
         self._store.set_state(sandbox_id, "running")
+        self._auditor.budgets.forget(sandbox_id)  # a raised budget is looked up afresh
         self._auditor.event(sandbox_id, "sandbox.resumed", {})
         return self.get(sandbox_id)
+
+    def stop_over_budget(self, overrun: Overrun) -> None:
+        """The audit budget's stop (on a thread of the audit layer's): record why, then pause
+        the sandbox; a tier that cannot pause it has it destroyed instead. Only a running
+        sandbox is stopped: one already paused writes nothing of its own any more."""
+        info = self._store.get(overrun.sandbox_id)
+        if info is None or info.state != "running":
+            return
+        self._auditor.event(info.id, "audit.budget_exceeded",
+                            {**overrun.to_dict(), "action": "pause"}, sync=True)
+        reason = f"audit budget exceeded ({overrun.scope})"
+        try:
+            self.pause(info.id, reason=reason)
+            action = "pause"
+        except SandboxNotFound:
+            return  # destroyed or expired meanwhile: nothing left to stop
+        except SandboxBusy:
+            # Briefly busy (a destroy under way elsewhere): looked at again at its next write.
+            self._auditor.budgets.forget(info.id)
+            return
+        except CorralError as exc:
+            logger.warning("sandbox %s is over its audit budget and could not be paused "
+                           "(%s); destroying it", info.id, exc)
+            self.destroy(info, reason="audit-budget")
+            action = "destroy"
+        self._auditor.count("corral_audit_budget_stops", scope=overrun.scope, action=action)
+        logger.warning("sandbox %s stopped (%s) at its %s audit budget: %d of %d bytes",
+                       info.id, action, overrun.scope, overrun.used_bytes,
+                       overrun.budget_bytes)
 
     def expire(self, info: SandboxRecord) -> None:
         self._auditor.event(info.id, "sandbox.expired", {"expires_at": info.expires_at})

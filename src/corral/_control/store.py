@@ -69,7 +69,9 @@ CREATE TABLE IF NOT EXISTS tenants (
     tiers TEXT NOT NULL,
     commands_per_minute INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    ceiling TEXT NOT NULL DEFAULT '{}'
+    ceiling TEXT NOT NULL DEFAULT '{}',
+    audit_max_bytes INTEGER,
+    audit_sandbox_max_bytes INTEGER
 );
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
@@ -176,6 +178,10 @@ class Store:
         if "ceiling" not in {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}:
             # A store made before ceilings: its tenants keep today's rules (no ceiling).
             self._db.execute("ALTER TABLE tenants ADD COLUMN ceiling TEXT NOT NULL DEFAULT '{}'")
+        tenant_columns = {r[1] for r in self._db.execute("PRAGMA table_info(tenants)")}
+        for column in ("audit_max_bytes", "audit_sandbox_max_bytes"):
+            if column not in tenant_columns:  # a store made before audit budgets: the default
+                self._db.execute(f"ALTER TABLE tenants ADD COLUMN {column} INTEGER")
         # A store whose keys predate the flag: they existed, so the flag is set.
         self._db.execute("INSERT OR IGNORE INTO flags SELECT 'keys_have_existed', ? "
                          "WHERE EXISTS (SELECT 1 FROM api_keys)", (time.time(),))
@@ -584,19 +590,26 @@ class Store:
     # -- tenants and API keys ---------------------------------------------------------------
 
     def add_tenant(self, name: str, *, max_sandboxes: int, tiers: Sequence[str],
-                   commands_per_minute: int, ceiling: Mapping[str, Any] | None = None) -> None:
+                   commands_per_minute: int, ceiling: Mapping[str, Any] | None = None,
+                   audit_max_bytes: int | None = None,
+                   audit_sandbox_max_bytes: int | None = None) -> None:
+        """Add or replace a tenant; audit budgets left None follow the server's default."""
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO tenants (name, max_sandboxes, tiers, "
-                       "commands_per_minute, created_at, ceiling) VALUES (?, ?, ?, ?, ?, ?)",
+                       "commands_per_minute, created_at, ceiling, audit_max_bytes, "
+                       "audit_sandbox_max_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                        (name, max_sandboxes, json.dumps(list(tiers)), commands_per_minute,
-                        time.time(), json.dumps(dict(ceiling or {}))))
+                        time.time(), json.dumps(dict(ceiling or {})), audit_max_bytes,
+                        audit_sandbox_max_bytes))
 
     def tenants(self) -> builtins.list[dict[str, Any]]:
         with self._lock:
             rows = self._db.execute("SELECT * FROM tenants ORDER BY name").fetchall()
         return [{"name": r["name"], "max_sandboxes": r["max_sandboxes"],
                  "tiers": json.loads(r["tiers"]), "commands_per_minute": r["commands_per_minute"],
-                 "created_at": r["created_at"], "ceiling": json.loads(r["ceiling"])}
+                 "created_at": r["created_at"], "ceiling": json.loads(r["ceiling"]),
+                 "audit_max_bytes": r["audit_max_bytes"],
+                 "audit_sandbox_max_bytes": r["audit_sandbox_max_bytes"]}
                 for r in rows]
 
     def tenant(self, name: str) -> dict[str, Any] | None:

@@ -126,13 +126,17 @@ class Ceiling:
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """A caller: its sandbox and command quotas, its tiers and its ceiling."""
+    """A caller: its sandbox and command quotas, its tiers, its ceiling and its audit byte
+    budgets (None: the server's default, ``CORRAL_AUDIT_TENANT_MAX_BYTES`` and
+    ``CORRAL_AUDIT_SANDBOX_MAX_BYTES``; 0: none)."""
 
     name: str
     max_sandboxes: int
     tiers: tuple[str, ...]
     commands_per_minute: int
     ceiling: Ceiling = field(default_factory=Ceiling)
+    audit_max_bytes: int | None = None  # all its live sandboxes' trails together
+    audit_sandbox_max_bytes: int | None = None  # each sandbox's trail
 
     @property
     def is_local(self) -> bool:
@@ -246,7 +250,17 @@ def new_key(*, e2b: bool = False) -> tuple[str, str, str]:
 
 def _tenant_of(row: Mapping[str, Any]) -> Tenant:
     return Tenant(row["name"], row["max_sandboxes"], tuple(row["tiers"]),
-                  row["commands_per_minute"], Ceiling.from_json(row.get("ceiling")))
+                  row["commands_per_minute"], Ceiling.from_json(row.get("ceiling")),
+                  audit_max_bytes=row.get("audit_max_bytes"),
+                  audit_sandbox_max_bytes=row.get("audit_sandbox_max_bytes"))
+
+
+def _audit_bytes(what: str, value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 0):
+        raise UsageError(f"the {what} audit budget is a number of bytes (0: none), not "
+                         f"{value!r}")
+    return value
 
 
 class TenantDirectory:
@@ -258,8 +272,11 @@ class TenantDirectory:
     # -- administration (CLI) -----------------------------------------------------------------
 
     def add_tenant(self, name: str, *, max_sandboxes: int = 10, tiers: list[str] | None = None,
-                   commands_per_minute: int = 600, ceiling: Ceiling | None = None) -> Tenant:
-        """Add or replace a tenant (its keys stay valid)."""
+                   commands_per_minute: int = 600, ceiling: Ceiling | None = None,
+                   audit_max_bytes: int | None = None,
+                   audit_sandbox_max_bytes: int | None = None) -> Tenant:
+        """Add or replace a tenant (its keys stay valid). Audit budgets left None follow the
+        server's default."""
         if not _NAME_RE.match(name or "") or name == LOCAL_TENANT:
             raise UsageError(f"invalid tenant name {name!r}: lower-case letters, digits, - and _"
                              f" (and not {LOCAL_TENANT!r}, which is reserved)")
@@ -270,10 +287,15 @@ class TenantDirectory:
         if max_sandboxes < 1 or commands_per_minute < 1:
             raise UsageError("quotas must be at least 1")
         ceiling = ceiling or Ceiling()
+        _audit_bytes("tenant", audit_max_bytes)
+        _audit_bytes("per-sandbox", audit_sandbox_max_bytes)
         self._store.add_tenant(name, max_sandboxes=max_sandboxes, tiers=chosen,
                                commands_per_minute=commands_per_minute,
-                               ceiling=ceiling.to_json())
-        return Tenant(name, max_sandboxes, tuple(chosen), commands_per_minute, ceiling)
+                               ceiling=ceiling.to_json(), audit_max_bytes=audit_max_bytes,
+                               audit_sandbox_max_bytes=audit_sandbox_max_bytes)
+        return Tenant(name, max_sandboxes, tuple(chosen), commands_per_minute, ceiling,
+                      audit_max_bytes=audit_max_bytes,
+                      audit_sandbox_max_bytes=audit_sandbox_max_bytes)
 
     def get(self, name: str) -> Tenant:
         row = self._store.tenant(name)
@@ -283,16 +305,25 @@ class TenantDirectory:
 
     def set_tenant(self, name: str, *, max_sandboxes: int | None = None,
                    tiers: list[str] | None = None, commands_per_minute: int | None = None,
-                   ceiling: Mapping[str, Any] | None = None) -> Tenant:
-        """Change some of a tenant's settings; ``ceiling`` holds only the fields to change."""
+                   ceiling: Mapping[str, Any] | None = None,
+                   audit_max_bytes: int | None = None,
+                   audit_sandbox_max_bytes: int | None = None,
+                   clear_audit: bool = False) -> Tenant:
+        """Change some of a tenant's settings; ``ceiling`` holds only the fields to change.
+        ``clear_audit`` returns its audit budgets to the server's default first."""
         old = self.get(name)
         merged = dataclasses.replace(old.ceiling, **dict(ceiling or {}))
+        kept_total = None if clear_audit else old.audit_max_bytes
+        kept_each = None if clear_audit else old.audit_sandbox_max_bytes
         return self.add_tenant(
             name, max_sandboxes=old.max_sandboxes if max_sandboxes is None else max_sandboxes,
             tiers=list(old.tiers) if tiers is None else tiers,
             commands_per_minute=(old.commands_per_minute if commands_per_minute is None
                                  else commands_per_minute),
-            ceiling=Ceiling.from_json(merged.to_json()))
+            ceiling=Ceiling.from_json(merged.to_json()),
+            audit_max_bytes=kept_total if audit_max_bytes is None else audit_max_bytes,
+            audit_sandbox_max_bytes=(kept_each if audit_sandbox_max_bytes is None
+                                     else audit_sandbox_max_bytes))
 
     def tenants(self) -> list[Tenant]:
         return [_tenant_of(row) for row in self._store.tenants()]
