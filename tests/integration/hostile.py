@@ -1,6 +1,6 @@
 """A hostile tenant's preview, for the tests of where previews meet the service: the app
-(``hostileapp.py``), signing a browser in to the dashboard, running the page's attack, and
-reading what the app was sent."""
+(``corral/_drill/hostileapp.py``, the drill's too), signing a browser in to the dashboard,
+running the page's attack, and reading what the app was sent."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import corral._drill
+
 if TYPE_CHECKING:
     from playwright.sync_api import Page
 
 __all__ = ["APP", "CREDENTIAL_PREFIXES", "PORT", "attack", "corral_credentials_in",
            "parse_log", "session_cookies", "sign_in", "whoami"]
 
-APP = (Path(__file__).parent / "hostileapp.py").read_bytes()
+APP = (Path(corral._drill.__file__).parent / "hostileapp.py").read_bytes()
 PORT = 8000
 # How Corral's credentials begin (tests/unit/test_preview.py holds the makers to it).
 CREDENTIAL_PREFIXES = ("ck_", "e2b_", "cpt_", "cp1.", "us1.")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import sys
+from typing import get_args
 
 import click
 
 from .._drill.model import CATEGORIES
+from ..backends import BackendName
 from .common import EXIT_FAILED, emit_json, handle_errors, home_of, json_option
 
 __all__ = ["drill"]
@@ -16,7 +18,7 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
 
 
 @click.command()
-@click.option("--isolation", type=click.Choice(["namespace", "gvisor"]), default=None,
+@click.option("--isolation", type=click.Choice(get_args(BackendName)), default=None,
               help="Isolation tier of the drill's sandboxes (default: the configured one).")
 @click.option("--template", default=None, help="Template of the drill's sandboxes.")
 @click.option("--resources", "-r", default="small", show_default=True,

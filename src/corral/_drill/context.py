@@ -16,6 +16,7 @@ from .target import DrillSandbox, DrillTarget, ServiceAccess
 
 if TYPE_CHECKING:
     from .cases.e2b import E2BPlant
+    from .preview import PreviewPlant
 
 __all__ = ["BAIT_RULES", "DrillContext", "POISONED_DOCUMENT", "bait_rules"]
 
@@ -57,6 +58,7 @@ class DrillContext:
     service: ServiceAccess | None = None  # an HTTP control plane to probe
     service_sandbox: str | None = None  # a sandbox of the service's first tenant
     e2b: E2BPlant | None = None  # the service's E2B surface and the sandboxes made on it
+    preview: PreviewPlant | None = None  # the second tenant's hostile app on a public port
     scratch: list[DrillSandbox] = field(default_factory=list)
 
     # -- running -------------------------------------------------------------------------------

@@ -102,9 +102,17 @@ def _planted(target: DrillTarget, allow: Sequence[str]) -> Iterator[DrillContext
                     from .cases.e2b import E2BPlant
 
                     ctx.e2b = E2BPlant(access)
+                if access.api_key is not None and access.other_api_key is not None:
+                    from .preview import PreviewPlant
+
+                    isolation = target.describe().get("isolation")
+                    ctx.preview = PreviewPlant(
+                        access, None if isolation in (None, "default") else str(isolation))
             try:
                 yield ctx
             finally:
+                if ctx.preview is not None:
+                    ctx.preview.close()
                 if ctx.e2b is not None:
                     ctx.e2b.close()
                 if access is not None and ctx.service_sandbox is not None:
@@ -123,6 +131,8 @@ def _planted(target: DrillTarget, allow: Sequence[str]) -> Iterator[DrillContext
 
 # What a skipped case's missing need is, and how to give it.
 _NEEDS = {
+    "preview": "a service and two tenants' keys (with --url, --api-key and --other-api-key)",
+    "browser": "a browser to open pages in (Playwright and the host's Chromium)",
     "e2b": "an E2B surface (`corral serve --e2b-port`; with --url, CORRAL_DRILL_E2B_URL and "
            "CORRAL_DRILL_E2B_API_KEY)",
     "e2b-other": "a second tenant's e2b_ key (CORRAL_DRILL_E2B_OTHER_API_KEY)",
@@ -174,6 +184,12 @@ def run_drill(target: DrillTarget, *, cases: Sequence[Case] | None = None,
                     capabilities |= {"e2b-ceiling"}
                 if ctx.service.e2b_domain:
                     capabilities |= {"e2b-domain"}
+            if ctx.preview is not None:
+                capabilities |= {"preview"}
+        from .browser import missing
+
+        if missing() is None:
+            capabilities |= {"browser"}
         for index, case in enumerate(chosen, 1):
             result = _run_case(case, ctx, capabilities)
             report.results.append(result)

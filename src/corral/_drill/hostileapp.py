@@ -1,14 +1,16 @@
-"""A hostile tenant's web app, run inside a sandbox by the origin tests (stdlib only).
+"""A hostile tenant's web app, run inside a sandbox by the drill's preview cases and the
+origin tests (stdlib only: it runs on the sandbox's python3, never imported by Corral).
 
     python3 hostileapp.py PORT
 
 Every request it gets is logged whole (method, path, headers) to ``requests.log``, one JSON
-object a line: what a real app could keep and replay. Its page (any GET but ``/report``) is an
-attack on whoever opens it: its script tries, with the browser's credentials, to read and
-change Corral through the service named in ``config.json`` (the ids it targets too), to read
-and replace Corral's cookies, and posts what it got back to ``/report`` (kept in
-``report.json``) and into the page (``window.results``, title ``done``). Its answers also try
-to set and clear Corral's cookies (``Set-Cookie``, ``Clear-Site-Data``).
+object a line: what a real app could keep and replay; ``GET /echo`` (or any GET with
+``X-Drill-Echo``) answers the request's headers as JSON. Its page (any other GET) is an attack
+on whoever opens it: its script tries, with the browser's credentials, to read and change
+Corral through the service named in ``config.json`` (the ids it targets too), to read and
+replace Corral's cookies, and posts what it got back to ``/report`` (kept in ``report.json``)
+and into the page (``window.results``, title ``done``). Every answer also tries to set and
+clear Corral's cookies (``Set-Cookie``, ``Clear-Site-Data``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._log(b"")
+        if self.path.split("?")[0].endswith("/echo") or self.headers.get("X-Drill-Echo"):
+            seen = json.dumps([[k, v] for k, v in self.headers.items()]).encode()
+            self._send(200, "application/json", seen)
+            return
         with open("config.json") as f:
             config = f.read()
         page = ("<!doctype html><meta charset=utf-8><title>loading</title>"
