@@ -310,3 +310,37 @@ def test_the_e2b_relay_passes_no_credential_and_sets_no_corral_cookie(
     headers = {k.lower(): v for k, v in entries[0]["headers"]}
     assert headers["cookie"] == "theirs=kept"
     assert not {"x-access-token", "e2b-traffic-access-token", "x-api-key"} & set(headers)
+
+
+def test_a_preview_on_a_sibling_host_cannot_plant_a_session_the_dashboard_trusts(
+        world: World) -> None:
+    """The weaker arrangement the docs warn of: previews under the service's own site
+    (``corral.example.com`` and ``8000-….ports.example.com``, over http). The page can set a
+    cookie for ``example.com`` that the browser then sends to the service beside the real
+    session: the service trusts neither (sign in again), and acts for the page in nothing."""
+    mgr = world.manager
+    service_name, domain = "corral.example.com", "ports.example.com"
+    mgr.ports.configure(PortURLs())
+    app = create_app(mgr, host_names=[service_name], ports_domain=domain)
+    with Server(mgr, app) as srv:
+        service = f"http://{service_name}:{srv.port}"
+        wait_serving(f"{srv.url}/ports/{world.attacker.id}/{PORT}/", service)
+        mgr.files(world.attacker.id).write("config.json", json.dumps({
+            "service": service, "victim": world.victim.id, "doomed": world.doomed.id,
+            "attacker_key": world.keys["beta"], "cookie_domain": "example.com"}).encode())
+        with chromium_page(loopback_domains=["example.com"]) as page:
+            sign_in(page, service, world.keys["alpha"])
+            genuine = [c["value"] for c in session_cookies(page, service)]
+            results = attack(page, f"http://{PORT}-{to_e2b(world.attacker.id)}.{domain}:"
+                                   f"{srv.port}/")
+            after = whoami(page, service)
+            jar = session_cookies(page, service)
+    mgr.ports.configure(PortURLs())
+    for name, outcome in results["attempts"].items():
+        assert outcome.get("status", 0) in (0, 401, 403), (name, outcome)
+    assert mgr.get(world.doomed.id).state == "running"
+    assert mgr.auditor.trail(world.victim.id, types=["command.*"]).events == []
+    # The planted cookie went to the service beside the real one: both refused, loudly.
+    planted = [c for c in jar if c["value"] not in genuine]
+    assert [c["value"] for c in planted] == ["tossed-by-script"], jar
+    assert after[0] == 401 and "more than one" in after[1], after
