@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -331,6 +332,13 @@ def test_a_hostile_preview_through_the_gateway_can_do_nothing(
         assert direct.status_code == 200
         assert direct.headers.get_list("set-cookie") == []
         assert direct.headers["content-security-policy"].startswith("sandbox")
+        # A request framed two ways is refused at the gateway (it rebuilds the framing too).
+        gateway_port = int(gateway.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", gateway_port), timeout=60) as raw:
+            raw.sendall(f"POST /ports/{attacker.id}/{PORT}/report HTTP/1.1\r\nHost: "
+                        f"127.0.0.1:{gateway_port}\r\nContent-Length: 5\r\nTransfer-Encoding: "
+                        "chunked\r\n\r\n0\r\n\r\n".encode())
+            assert raw.recv(65536).split(b"\r\n", 1)[0].endswith(b"400 Bad Request")
         with chromium_page() as page:
             tenant = sign_in(page, gateway.url, keys["alpha"])
             genuine = [c["value"] for c in session_cookies(page, gateway.url)]
