@@ -125,3 +125,30 @@ def test_drain_takes_one_sandbox_only() -> None:
     assert [s.sandbox_id for s in agg.drain(SBX)] == [SBX]
     assert agg.pending() == 2
     assert [s.sandbox_id for s in agg.drain()] == [other]
+
+
+def test_what_is_written_has_a_size_bound_whatever_the_sandbox_sent() -> None:
+    from corral._audit.aggregate import FULL_MAX_BYTES, SUMMARY_MAX_BYTES, bounded
+
+    def size(data: dict[str, object]) -> int:
+        return len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode())
+
+    ugly = "\x01\u202e" * 200  # escaped in JSON to 6 bytes a character, bidi overrides too
+    decision = {"method": ugly[:40], "host": ugly, "port": 80, "verdict": "denied",
+                "rule": "bad-host", "reason": ugly, "mode": "", "address": "",
+                "bytes_up": 0, "bytes_down": 0, "secrets_substituted": [ugly] * 4}
+    assert size(decision) > FULL_MAX_BYTES
+    cut = bounded(decision, FULL_MAX_BYTES)
+    assert size(cut) <= FULL_MAX_BYTES and cut["clipped"] is True
+    assert cut["rule"] == "bad-host" and cut["port"] == 80
+    assert bounded({"host": "a.test"}, FULL_MAX_BYTES) == {"host": "a.test"}
+
+    clock = Clock()
+    agg = _aggregator(clock, burst=1)
+    for i in range(50):
+        agg.offer(SBX, "egress.decision", {"rule": "bad-host", "command": "cmd_a"},
+                  {**decision, "host": f"{i}{ugly}", "method": f"{i}{ugly}"}, "cmd_a")
+    [summary] = agg.drain()
+    assert size(summary.data) > SUMMARY_MAX_BYTES
+    data = bounded(summary.data, SUMMARY_MAX_BYTES)
+    assert size(data) <= SUMMARY_MAX_BYTES and data["count"] == 49

@@ -209,3 +209,25 @@ def test_a_trail_whose_sandbox_appears_meanwhile_is_kept(tmp_path: Path) -> None
 
     report = prune(tmp_path, is_live=is_live, max_age_s=1, max_total_bytes=0)
     assert report.removed == [] and (tmp_path / "sbx_00000000old1.jsonl").exists()
+
+
+def test_past_a_tenant_budget_the_biggest_writers_are_reported_first(tmp_path: Path) -> None:
+    now = [0.0]
+    watch = BudgetWatch(path_of=lambda s: tmp_path / f"{s}.jsonl", clock=lambda: now[0])
+    watch.attach(_Source({SBX: Budget(0, "t1", 3000), OTHER: Budget(0, "t1", 3000)}))
+    (tmp_path / f"{SBX}.jsonl").write_bytes(b"x" * 1000)
+    (tmp_path / f"{OTHER}.jsonl").write_bytes(b"x" * 1000)
+    now[0] = 5.0
+    watch.wrote(SBX, 1000)
+    watch.wrote(OTHER, 1000)
+    assert watch.check() == []  # 2000 of 3000: their sizes are noted
+    (tmp_path / f"{SBX}.jsonl").write_bytes(b"x" * 1050)  # a little
+    (tmp_path / f"{OTHER}.jsonl").write_bytes(b"x" * 3500)  # a flood
+    now[0] = 10.0
+    watch.wrote(SBX, 1050)
+    watch.wrote(OTHER, 3500)
+    assert [(o.sandbox_id, o.used_bytes) for o in watch.check()] == [(OTHER, 4550)]
+    # Still over: whoever writes next is reported too.
+    now[0] = 12.0
+    watch.wrote(SBX, 1100)
+    assert [o.sandbox_id for o in watch.check()] == [SBX]

@@ -28,7 +28,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SHAPES", "Aggregator", "Shape", "Summary"]
+__all__ = ["FULL_MAX_BYTES", "SHAPES", "SUMMARY_MAX_BYTES", "Aggregator", "Shape", "Summary",
+           "bounded"]
+
+# The most a repeated event written in full, and a summary, may hold as JSON (their data,
+# after redaction): the flood bound in docs/audit.md is computed from these. A longer one has
+# its strings cut (``bounded``); the caller's own fields rarely come near.
+FULL_MAX_BYTES = 3 * 1024
+SUMMARY_MAX_BYTES = 8 * 1024
+# What is left of a summary whose strings, cut short, still do not fit.
+_SUMMARY_CORE = ("of", "key", "count", "written_in_full", "window_s", "first_ts", "last_ts")
 
 # What a summary lists of the distinct values of a field: at most this many, each this long.
 _DISTINCT_KEPT = 8
@@ -245,3 +254,31 @@ class Aggregator:
 
 def _key_name(key: Mapping[str, Any]) -> str:
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def _size(data: Any) -> int:
+    return len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _cut(value: Any, chars: int) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= chars else f"{value[:chars]}...({len(value)} chars)"
+    if isinstance(value, dict):
+        return {k: _cut(v, chars) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_cut(v, chars) for v in value]
+    return value
+
+
+def bounded(data: dict[str, Any], limit: int) -> dict[str, Any]:
+    """``data`` as it is if its JSON fits in ``limit`` bytes; else with every string cut
+    shorter and shorter (saying so), and as a last resort only a summary's counts."""
+    if _size(data) <= limit:
+        return data
+    for chars in (256, 64, 16):
+        cut = _cut(data, chars)
+        if _size(cut) <= limit:
+            return {**cut, "clipped": True}
+    core = {k: data[k] for k in _SUMMARY_CORE if k in data}
+    core["key"] = _cut(core.get("key"), 16)
+    return {**core, "clipped": True}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CorralError, SandboxNotFound
-from .aggregate import Aggregator, Summary
+from .aggregate import FULL_MAX_BYTES, SUMMARY_MAX_BYTES, Aggregator, Summary, bounded
 from .budget import BudgetSource, BudgetWatch, Overrun
 from .log import AuditLog, AuditTrail, Record, read_trail
 from .metrics import CounterSink, Metrics
@@ -136,12 +136,17 @@ class Auditor:
     # -- writing ------------------------------------------------------------------------------
 
     def event(self, sandbox_id: str, type_: str, data: dict[str, Any], *,
-              command: str | None = None, sync: bool = False) -> None:
+              command: str | None = None, sync: bool = False,
+              max_bytes: int | None = None) -> None:
+        """Write one event (redacted); with ``max_bytes``, its data (as redacted) is cut to
+        fit (``aggregate.bounded``): repeated events and summaries have a size bound."""
         if self.enabled:
             if type_ in _FLUSH_BEFORE:
                 self.flush(sandbox_id)
-            self._log(sandbox_id).append(
-                [Record(type_, self.redactor(sandbox_id).data(data), command)], sync=sync)
+            redacted = self.redactor(sandbox_id).data(data)
+            if max_bytes is not None:
+                redacted = bounded(redacted, max_bytes)
+            self._log(sandbox_id).append([Record(type_, redacted, command)], sync=sync)
             for listener in tuple(self._listeners):
                 listener(sandbox_id, type_)
 
@@ -157,7 +162,7 @@ class Auditor:
         full, ended = self.aggregator.offer(sandbox_id, type_, key, data, command)
         self._write_summaries(ended)
         if full:
-            self.event(sandbox_id, type_, data, command=command)
+            self.event(sandbox_id, type_, data, command=command, max_bytes=FULL_MAX_BYTES)
         elif not self._worker.running:
             self._worker.wake()  # the window's end must be written even if nothing follows
 
@@ -171,7 +176,7 @@ class Auditor:
         for summary in [*retry, *summaries]:
             try:
                 self.event(summary.sandbox_id, summary.type, summary.data,
-                           command=summary.command)
+                           command=summary.command, max_bytes=SUMMARY_MAX_BYTES)
             except OSError as exc:  # a full or failing disk: keep the counts, say so
                 with self._lock:
                     kept = len(self._unwritten) < _UNWRITTEN_KEPT

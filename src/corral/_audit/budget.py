@@ -7,6 +7,10 @@ budget source (the control plane) for each written sandbox's budget and its tena
 a tenant's live trails, and returns the overruns, which the worker hands to the handler (the
 control plane pauses the sandbox) on a thread of their own.
 
+A tenant's trails are added up at most every ``tenant_every_s`` (a store read and a stat per
+live sandbox of the tenant): past its budget, the sandboxes that wrote most since the last look,
+as many as make up the excess, are reported (then every further writer, while it stays over).
+
 A sandbox is reported once; the report is forgotten after ``recheck_s``, so a budget raised in
 another process, or a sandbox resumed there, is seen again (the handler is idempotent: it acts
 only on a running sandbox).
@@ -72,7 +76,7 @@ class BudgetWatch:
     """Notices trails past their budgets; see the module docstring."""
 
     def __init__(self, *, path_of: Callable[[str], Path], recheck_s: float = 5.0,
-                 tenant_every_s: float = 2.0,
+                 tenant_every_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._path_of = path_of
         self._recheck_s = recheck_s
@@ -84,6 +88,7 @@ class BudgetWatch:
         self._tenant_dirty: set[str] = set()  # written since the last tenant check
         self._limits: dict[str, tuple[int, float]] = {}  # sandbox -> (bytes, when looked up)
         self._reported: dict[str, float] = {}  # sandbox -> when
+        self._seen: dict[str, int] = {}  # sandbox -> trail size at the last tenant check
         self._tenant_checked = 0.0
 
     def attach(self, source: BudgetSource) -> None:
@@ -108,6 +113,7 @@ class BudgetWatch:
         with self._lock:
             self._limits.pop(sandbox_id, None)
             self._reported.pop(sandbox_id, None)
+            self._seen.pop(sandbox_id, None)
             self._dirty.pop(sandbox_id, None)
             self._tenant_dirty.discard(sandbox_id)
 
@@ -151,10 +157,23 @@ class BudgetWatch:
                 by_tenant.setdefault((budget.tenant, budget.tenant_bytes), []).append(sandbox_id)
         flagged = {o.sandbox_id for o in overruns}
         for (tenant, limit), writers in by_tenant.items():
-            used = sum(trail_size(self._path_of(s)) for s in source.tenant_sandboxes(tenant))
-            if used > limit:
-                overruns += [Overrun(s, "tenant", tenant, used, limit)
-                             for s in sorted(writers) if s not in flagged]
+            sizes = {s: trail_size(self._path_of(s)) for s in source.tenant_sandboxes(tenant)}
+            used = sum(sizes.values())
+            with self._lock:
+                before = {s: self._seen.get(s, 0) for s in writers}
+                self._seen.update(sizes)
+            if used <= limit:
+                continue
+            # The writers that grew most since the last look, as many as make up the excess:
+            # a sandbox that wrote a little beside the one that flooded keeps running.
+            excess = used - limit
+            for grown, sandbox_id in sorted(((sizes.get(s, 0) - before[s], s)
+                                             for s in writers), reverse=True):
+                if excess <= 0:
+                    break
+                if sandbox_id not in flagged:
+                    overruns.append(Overrun(sandbox_id, "tenant", tenant, used, limit))
+                excess -= max(grown, 0)
         with self._lock:
             fresh = [o for o in overruns if o.sandbox_id not in self._reported]
             for overrun in fresh:
