@@ -384,3 +384,8 @@ def test_a_cell_on_each_tier(isolation: str, home: str) -> None:
         assert run.error is None, run.error
         assert run.text == "42" and "".join(run.logs.stdout) == "/workspace\n"
         assert "".join(sb.run_code("echo $((2 + 2))", language="bash").logs.stdout) == "4\n"
+        # A kernel that stops itself costs its cell's timeout and its state, never a hang.
+        stopped = sb.run_code("import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)",
+                              timeout=2)
+        assert stopped.error is not None and stopped.error.name == "TimeoutError", stopped
+        assert sb.run_code("6 * 7").text == "42"

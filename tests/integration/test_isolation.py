@@ -532,6 +532,37 @@ def test_cannot_signal_host_processes(sandbox: Sandbox, isolation: str) -> None:
     assert _host_procs_of_commands(uid, isolation) == []
 
 
+def test_a_command_cannot_stop_or_kill_its_init(sandbox: Sandbox) -> None:
+    # pid 1 reaps the command and reports its end. Linux drops a signal sent to a namespace's
+    # init from inside it; gVisor does not, and its init's real uid is not the command's so
+    # that the signal is refused there (EPERM), as on the microVM tier (a root init). A
+    # stopped init reaped nothing: the command hung until its timeout.
+    stop = sandbox.commands.run("kill -STOP 1; echo after", timeout=60)
+    assert (stop.exit_code, stop.stdout, stop.timed_out) == (0, "after\n", False), stop
+    kill = sandbox.commands.run("kill -KILL 1; echo after", timeout=60)
+    assert (kill.exit_code, kill.stdout, kill.timed_out) == (0, "after\n", False), kill
+    # Stopped again and again, from a process that outlives the command's main one.
+    again = sandbox.commands.run("(for i in $(seq 20000); do kill -STOP 1; done 2>/dev/null) & "
+                                 "for i in 1 2 3 4 5; do kill -STOP 1 2>/dev/null; sleep 0.1; "
+                                 "done; echo after", timeout=60)
+    assert (again.exit_code, again.stdout, again.timed_out) == (0, "after\n", False), again
+    assert sandbox.commands.run("echo next", timeout=60).stdout == "next\n"
+
+
+def test_a_command_that_stops_itself_ends_at_its_timeout(sandbox: Sandbox) -> None:
+    # Its own process group, then a background process: what Corral waits on ends at the
+    # timeout or the kill, stopped or not.
+    stopped = sandbox.commands.run("kill -STOP 0; echo never", timeout=2)
+    assert stopped.timed_out and stopped.exit_code == 124 and stopped.stdout == "", stopped
+    process = sandbox.processes.start(["sh", "-c", "(sleep 0.2; echo up) & kill -STOP $$"])
+    for _, _, text in process.output(0, follow=True, wait_s=60):
+        if "up" in text:  # said after the stop
+            break
+    process.kill()
+    assert process.wait(timeout=60)["state"] == "exited"
+    assert sandbox.commands.run("echo next", timeout=60).stdout == "next\n"
+
+
 _COUNT_MARKED = """
 import os, sys
 n = 0

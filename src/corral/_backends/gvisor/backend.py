@@ -26,8 +26,10 @@ processes as the sandbox's own runtime uid outside.
 * Per command the helper spawns the static launcher with ``posix_spawn`` (a fork of the
   Python helper costs 20-45 ms in gVisor's systrap, ``posix_spawn`` ~12 ms): own mount and
   PID namespace, a fresh size-limited ``/tmp`` and ``/dev/shm`` (the namespace tier's
-  semantics, kept), a namespace init that reaps and whose exit kills the rest of the tree,
-  and the command as 1000:1000 with no capabilities, ``no_new_privs``, its rlimits and the
+  semantics, kept), a namespace init that reaps and whose exit kills the rest of the tree
+  (its real uid 0, without a capability, so that the command cannot stop or kill it: gVisor
+  does not shield a namespace's init from its own namespace as Linux does), and the command
+  as 1000:1000 with no capabilities, ``no_new_privs``, its rlimits and the
   namespace tier's own BPF filter (``_linux.seccomp``) installed as the last step before exec.
   The helper holds KILL, SETGID, SETUID, SETPCAP and SYS_ADMIN in gVisor's kernel only. The
   helper sets up the next command's launcher while nothing runs, so a command waits only for

@@ -284,9 +284,9 @@ def main() -> None:
                         sel.unregister(cmd["in_fd"])
                     os.close(cmd["in_fd"])
                 reap(cmd["pid"], cmd.get("init"))
-                # No report from an init that was up: it was SIGKILLed (by us, or by the
-                # command itself: it is the command's uid, and gVisor does not shield a
-                # namespace's init from signals from inside), and the tree died with it.
+                # No report from an init that was up: it was SIGKILLed (by us, or by gVisor's
+                # OOM handling; never by the command, whose signals to it fail with EPERM:
+                # see run.c), and the tree died with it.
                 result = cmd["exit"] or (
                     {"code": 137, "cpu_s": 0.0, "peak_rss_bytes": 0, "killed": True}
                     if cmd.get("killed") or cmd.get("init")

@@ -11,12 +11,20 @@
  * Python fork costs 20-45 ms in gVisor's systrap, this whole launcher ~30 ms). It unshares a
  * mount and a PID namespace, mounts a fresh size-limited /tmp and /dev/shm, and forks the
  * namespace's init as the helper's child and exits. init mounts /proc and becomes what the
- * command will be: 1000:1000, no capabilities (bounding set emptied, every set dropped by
- * setresuid away from 0), non-dumpable, RLIMIT_NPROC/CORE, no_new_privs and the namespace
- * tier's seccomp filter; then (pooled: once the request comes) it vforks the command, which
- * only takes its cwd and execs, and reaps until the command exits. init's exit makes gVisor's
- * kernel kill whatever is left in the namespace, so the command's tree is gone when the helper
- * has reaped init.
+ * command will be, but for its real and saved uid: group 1000, effective uid 1000, no
+ * capabilities (bounding set emptied, every set cleared), non-dumpable, RLIMIT_NPROC/CORE,
+ * no_new_privs and the namespace tier's seccomp filter; then (pooled: once the request comes)
+ * it vforks the command, which takes uid 1000 whole and its cwd and execs, and reaps until the
+ * command exits. init's exit makes gVisor's kernel kill whatever is left in the namespace, so
+ * the command's tree is gone when the helper has reaped init.
+ *
+ * Why init keeps real and saved uid 0: gVisor does not shield a PID namespace's init from
+ * signals sent inside it, as Linux does (a signal without a handler is dropped there), and
+ * lets a process signal any other whose real or saved uid is its own. An init of uid 1000
+ * could be stopped by its command (`kill -STOP 1`: nobody reaps, the command hangs until its
+ * timeout) or killed (its answer lost). With real and saved uid 0, and no capability to use
+ * them, the command's kill(1, ...) fails with EPERM, however often it tries, as on the microVM
+ * tier, whose init is root.
  *
  * Status lines on fd 3: "init PID" (the helper kills it to kill the command), then one of
  * "exit CODE CPU_US MAXRSS_KB", "error ERRNO WHAT" (set-up failed: nothing ran) or "exec ERRNO
@@ -40,6 +48,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include <grp.h>
+#include <linux/capability.h>
 
 #define STATUS_FD 3
 #define REQUEST_FD 4
@@ -53,6 +62,15 @@ static void report_error(const char *what) {
 static void fail(const char *what) {
     report_error(what);
     _exit(125);
+}
+
+/* Empty every capability set. Leaving uid 0 for good (setresuid to all non-zero) would do it;
+ * init keeps real and saved uid 0, so the permitted set must be emptied explicitly. */
+static int drop_capabilities(void) {
+    struct __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
+    memset(data, 0, sizeof data);
+    return (int)syscall(SYS_capset, &header, data);
 }
 
 static int code_of(int status) {
@@ -150,16 +168,22 @@ int main(int argc, char **argv) {
             fail("mount /proc");
         /* init becomes what the command will be before the command exists (pooled: while
          * nothing runs), so a command pays for none of it: a new process is all that is left.
-         * It stays non-dumpable, so the command (the same uid) can neither trace nor read it;
-         * from inside its namespace no signal without a handler reaches it. */
+         * It stays non-dumpable, so the command can neither trace nor read it, and its real
+         * uid is not the command's, so the command cannot signal it. */
         for (int cap = 0; cap <= 63; cap++)
             if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) && errno != EINVAL) fail("capbset");
         gid_t none[1];
         if (setgroups(0, none)) fail("setgroups");
         if (setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)) fail("setresgid");
-        if (setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)) fail("setresuid");
+        /* Real and saved uid 0 keep the command's signals off init (see the top). */
+        if (setresuid(0, SANDBOX_ID, 0)) fail("setresuid");
+        if (drop_capabilities()) fail("capset");
         if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) fail("dumpable");
-        struct rlimit procs = {nproc, nproc}, core = {0, 0};
+        /* gVisor charges a process, for its whole life, to the real uid of the process that
+         * made it: the command's first process to init's (0), the rest of its tree to 1000.
+         * One fewer for the rest keeps the tree within NPROC processes. */
+        rlim_t tree = nproc > 1 ? nproc - 1 : nproc;
+        struct rlimit procs = {tree, tree}, core = {0, 0};
         if (nproc && setrlimit(RLIMIT_NPROC, &procs)) fail("rlimit nproc");
         if (setrlimit(RLIMIT_CORE, &core)) fail("rlimit core");
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("no_new_privs");
@@ -171,6 +195,9 @@ int main(int argc, char **argv) {
         if (child == 0) {
             /* Only async-signal-safe calls here (vfork shares init's memory until execve). */
             setsid();
+            /* Allowed without a capability: 1000 is init's effective uid. A raw system call:
+             * libc's setresuid may signal the threads of a process, and this one shares init's. */
+            if (syscall(SYS_setresuid, SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)) fail("setresuid");
             if (chdir(cwd)) fail("chdir");
             /* Closed by a successful execve only: a failed one is reported on it. */
             if (fcntl(STATUS_FD, F_SETFD, FD_CLOEXEC)) fail("cloexec");
