@@ -213,6 +213,33 @@ def _linger(ctx: DrillContext, sb: DrillSandbox) -> Outcome:
                    "started was killed", tuple(evidence))
 
 
+# Stops the command's init once, then from a loop that outlives the command's main process
+# (at most 20000 tries: it ends by itself where nothing kills it).
+STOP_INIT = ("kill -STOP 1; (for i in $(seq 20000); do kill -STOP 1; done 2>/dev/null) & "
+             "sleep 0.3; echo after")
+
+
+def _stop_init(ctx: DrillContext, sb: DrillSandbox) -> Outcome:
+    # pid 1 reaps the command and reports its end: stopped, it reports nothing, and the
+    # command would hang until its timeout (gVisor, unlike Linux, lets a namespace's init be
+    # signalled from inside it).
+    started = time.monotonic()
+    result = ctx.run(STOP_INIT, sandbox=sb, timeout=10)
+    took = time.monotonic() - started
+    evidence = ctx.evidence(result, sb)
+    if result.timed_out or result.stdout != "after\n" or result.exit_code != 0:
+        return Outcome("breached", f"the command hung after stopping its init: exit "
+                       f"{result.exit_code}{', timed out' if result.timed_out else ''} after "
+                       f"{took:.1f} s", tuple(evidence))
+    broken = _after_ok(ctx, sb, evidence)
+    if broken:
+        return Outcome("breached", f"stopping the init broke the sandbox: {broken}",
+                       tuple(evidence))
+    said = result.stderr.strip().splitlines()[:1]
+    return Outcome("held", f"the command ended at once ({took:.1f} s, exit 0); the stop: "
+                   f"{said[0] if said else 'ignored'}", tuple(evidence))
+
+
 CASES = [
     Case("res.fork-bomb", "resources", "fork up to 2000 processes", "the pids limit stops it "
          "and the sandbox works afterwards", _counted(FORK_BOMB, 2000, "the fork bomb"), PY),
@@ -233,4 +260,8 @@ CASES = [
          "reported", _in_fresh(_flood)),
     Case("res.lingering", "resources", "leave background processes (&, nohup, setsid) running "
          "after the command returns", "all killed when the command ends", _in_fresh(_linger)),
+    Case("res.stop-init", "resources", "SIGSTOP the command's own init (kill -STOP 1), once "
+         "and from a loop that outlives the command", "the stop is refused or ignored: the "
+         "command ends at once with its own exit code, not at its timeout",
+         _in_fresh(_stop_init)),
 ]
