@@ -30,7 +30,7 @@ from corral import (
     SandboxNotFound,
     UsageError,
 )
-from corral._control.interpreter import MAX_MESSAGE_CHARS
+from corral._control.interpreter import MAX_CELL_OUTPUT_CHARS, MAX_MESSAGE_CHARS
 from corral._control.tenants import TenantDirectory
 from corral._settings import Settings
 
@@ -218,6 +218,26 @@ def test_a_long_line_on_the_protocol_stream_is_dropped_with_an_error(home: str) 
         assert "".join(run.logs.stdout) == "written\n"
         assert grown_mib < MAX_MESSAGE_CHARS / 2**20 + 64, grown_mib
         assert sb.run_code("6 * 7").text == "42"
+
+
+def test_a_cells_output_past_its_budget_is_dropped_with_an_error(home: str) -> None:
+    # 200 MiB of output in one cell: the service keeps at most the cell's budget of it (it
+    # kept all, growing as fast as the cell printed), says where it cut, and the next works.
+    with Sandbox.create(home=home) as sb:
+        assert sb.run_code("1").text == "1"
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_kib("VmRSS")
+        run = sb.run_code("import sys\nfor _ in range(200): sys.stdout.write('x' * (1 << 20) "
+                          "+ '\\n')\ndone = True", timeout=60)
+        grown_mib = (_status_kib("VmHWM") - before) / 1024
+        assert run.error is not None and run.error.name == "OutputTooLarge", run.error
+        kept = sum(map(len, run.logs.stdout))
+        assert MAX_CELL_OUTPUT_CHARS // 2 < kept <= MAX_CELL_OUTPUT_CHARS, kept
+        assert "the rest was dropped" in "".join(run.logs.stderr)
+        assert grown_mib < 2 * MAX_CELL_OUTPUT_CHARS / 2**20 + 64, grown_mib
+        del run
+        assert sb.run_code("print(done)").logs.stdout == ["True\n"]  # it ran to its end
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,16 @@ def test_a_gap_drops_the_broken_line_without_a_report() -> None:
     assert list(splitter.feed('xt": "lost"}\n{"ev": "end"}\n')) == ['{"ev": "end"}']
 
 
+def test_a_reader_that_stops_mid_chunk_leaves_nothing_of_the_line_behind() -> None:
+    splitter = LineSplitter(LIMIT)
+    lines = splitter.feed("par")
+    assert list(lines) == []
+    first = splitter.feed("t one\nlost\n")
+    assert next(first) == "part one"
+    del first  # abandoned (the reader raised): "lost" is gone, nothing of it is held
+    assert list(splitter.feed("two\n")) == ["two"]
+
+
 class CountingText(str):
     """A chunk that counts the characters ``find`` looks at."""
 

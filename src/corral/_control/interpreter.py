@@ -18,6 +18,8 @@ most ``MAX_MESSAGE_CHARS`` of a line (``lines.LineSplitter``). A longer line is 
 its next newline and the cell it came during gets an ``OutputTooLarge`` error; the driver
 starts every message on a line of its own, so no message of its is lost with the dropped line,
 and keeps its own messages under the limit (long output in pieces, an oversized result refused).
+What a cell sends of output and results is counted as it arrives, before any buffer: past
+``MAX_CELL_OUTPUT_CHARS`` the rest is dropped, said in its stderr and as its error.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .tenants import Tenant
 
 __all__ = [
     "LANGUAGES",
+    "MAX_CELL_OUTPUT_CHARS",
     "MAX_MESSAGE_CHARS",
     "CodeEvent",
     "CountEvent",
@@ -74,6 +77,11 @@ _MAX_CODE_BYTES = 1024 * 1024
 #: for the largest display result worth sending, a PNG figure in base64 (a 4K figure is a few
 #: MiB), with the rest of its bundle. The reader holds at most this much of an unfinished line.
 MAX_MESSAGE_CHARS = 32 * 1024 * 1024
+#: What one cell may send of output and results (their lines' characters): past it they are
+#: dropped and the cell gets an ``OutputTooLarge`` error. A cell printing without end for its
+#: timeout otherwise filled the service (1.7 GiB in 10 s here), each buffer on the way holding
+#: all of it (the kernel's queue, the cell's ``Execution``, a surface's stream).
+MAX_CELL_OUTPUT_CHARS = 64 * 1024 * 1024
 # Kept out of the workspace: IPython's and matplotlib's per-user state goes to /tmp.
 _KERNEL_ENV = {"IPYTHONDIR": "/tmp/.corral-ipython", "MPLCONFIGDIR": "/tmp/.corral-mpl",
                "PYTHONUNBUFFERED": "1"}
@@ -158,9 +166,35 @@ def _message(line: str | Overflow, cell: Any) -> dict[str, Any] | None:
         return None
     try:
         message = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         return None
     return message if isinstance(message, dict) else None
+
+
+class _Budget:
+    """``MAX_CELL_OUTPUT_CHARS`` per cell, counted as its messages arrive (before any buffer),
+    so that what a cell sends past it is dropped, with one ``cut`` message in its place."""
+
+    _CELLS = 8  # remembered: an interrupted cell's late output still counts against its own
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._spent: dict[int | None, int] = {}
+
+    def admit(self, message: dict[str, Any], size: int) -> dict[str, Any] | None:
+        """``message`` if it is within its cell's budget, the ``cut`` at the first one past
+        it, else None."""
+        if message.get("ev") not in ("stdout", "stderr", "result"):
+            return message
+        cell = message.get("id")
+        key = cell if isinstance(cell, int) else None  # ids come from the tenant's stream
+        if key not in self._spent and len(self._spent) >= self._CELLS:
+            del self._spent[next(iter(self._spent))]  # the oldest
+        before = self._spent.get(key, 0)
+        self._spent[key] = before + size
+        if before + size <= self.limit:
+            return message
+        return {"ev": "cut", "id": cell, "limit": self.limit} if before <= self.limit else None
 
 
 class _Kernel:
@@ -172,6 +206,7 @@ class _Kernel:
         self.diagnostics: list[str] = []  # the driver's stderr before it redirected fd 2
         self.alive = True
         self._lines = LineSplitter(MAX_MESSAGE_CHARS)
+        self._budget = _Budget(MAX_CELL_OUTPUT_CHARS)
         # The cell the driver last spoke for: a dropped line is that cell's (code writes to
         # the protocol descriptor after its cell's first message, ``count``).
         self._cell: Any = None
@@ -191,6 +226,9 @@ class _Kernel:
                 message = _message(line, self._cell)
                 if message is not None:
                     self._cell = message.get("id", self._cell)
+                    size = len(line) if isinstance(line, str) else 0
+                    message = self._budget.admit(message, size)
+                if message is not None:
                     self.messages.put(message)
 
     def _exited(self) -> None:
@@ -503,7 +541,8 @@ class _Collector:
         """Handle one message; False once the cell has ended."""
         kind = message.get("ev")
         if kind == "count":
-            self._count = int(message.get("n") or 0)
+            n = message.get("n")
+            self._count = n if isinstance(n, int) else 0
             self._emit(CountEvent(self._count))
         elif kind in ("stdout", "stderr"):
             text = str(message.get("text", ""))
@@ -528,6 +567,14 @@ class _Collector:
                 "OutputTooLarge", f"the kernel sent a line of more than {message.get('limit')} "
                 "characters, over the limit of one message; it was dropped (code writing to "
                 "the kernel's protocol stream?)", ""))
+        elif kind == "cut":
+            # In the output too, where it stops: a later error of the cell's (its timeout)
+            # takes the error's place.
+            said = (f"the cell's output and results passed {message.get('limit')} characters; "
+                    "the rest was dropped (write large output to a file)")
+            self._stderr.append(f"[corral: {said}]\n")
+            self._emit(OutputEvent("stderr", self._stderr[-1], time.time()))
+            self.error(ErrorEvent("OutputTooLarge", said, ""))
         elif kind == "lost":
             self.error(ErrorEvent("OutputLost", "some of the kernel's output was lost before "
                                   f"it was read: {message.get('text')}", ""))

@@ -52,16 +52,21 @@ class LineSplitter:
         self._dropping = True
 
     def _finish(self, tail: str) -> Iterator[str | Overflow]:
+        # The state is reset before the line goes out: a caller that stops iterating (or
+        # raises) mid-chunk leaves no piece of this line to prefix the next one.
+        line: str | Overflow | None = None
         if self._dropping:
             self._dropping = False  # its newline: the next line starts clean
         elif self._size + len(tail) > self.limit:
-            yield Overflow(self.limit)
+            line = Overflow(self.limit)
         elif self._parts:
             self._parts.append(tail)
-            yield "".join(self._parts)
+            line = "".join(self._parts)
         else:
-            yield tail
+            line = tail
         self._reset()
+        if line is not None:
+            yield line
 
     def _hold(self, piece: str) -> Iterator[Overflow]:
         if self._dropping or not piece:
