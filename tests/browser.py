@@ -35,7 +35,9 @@ __all__ = ["artefacts_dir", "chromium_page", "is_loopback_url", "save_screenshot
 
 # Bounds on every wait, so a wedged browser fails the test instead of hanging the run.
 LAUNCH_TIMEOUT_MS = 90_000  # CI runs three sessions on 2 cores: a launch took over 30 s once
-ACTION_TIMEOUT_MS = 10_000
+# Every wait is for an event (an element, a load): a generous bound costs a passing test
+# nothing, and CI's three sessions on 2 cores once took over 10 s for a dashboard's command.
+ACTION_TIMEOUT_MS = 90_000
 
 CHROMIUM_ARGS = [
     # Chromium's own sandbox cannot run as root (it refuses to start without this), and the
