@@ -231,3 +231,46 @@ def test_past_a_tenant_budget_the_biggest_writers_are_reported_first(tmp_path: P
     now[0] = 12.0
     watch.wrote(SBX, 1100)
     assert [o.sandbox_id for o in watch.check()] == [SBX]
+
+
+def test_the_control_plane_pauses_at_the_budget_and_refuses_to_resume(tmp_path: Path) -> None:
+    from corral.errors import QuotaExceeded
+    from corral.testing import memory_manager
+
+    mgr = memory_manager(tmp_path, audit_sandbox_max_bytes=8192)
+    try:
+        info = mgr.create()
+        for i in range(200):  # what a chatty sandbox makes the control plane write
+            mgr.auditor.event(info.id, "file.read", {"path": f"/workspace/{i}" + "x" * 200})
+            if mgr.get(info.id).state == "paused":
+                break
+        _wait(lambda: mgr.get(info.id).state == "paused")
+        types = [e["type"] for e in _events(tmp_path / "audit", info.id)]
+        assert types.index("audit.budget_exceeded") < types.index("sandbox.paused")
+        with pytest.raises(QuotaExceeded, match="over its budget of 8.0 KiB"):
+            mgr.resume(info.id)
+        mgr.destroy(info.id)
+        assert _events(tmp_path / "audit", info.id)[-1]["type"] == "sandbox.destroyed"
+    finally:
+        mgr.close()
+
+
+def test_a_tier_that_cannot_pause_has_the_sandbox_destroyed(tmp_path: Path) -> None:
+    from corral.errors import BackendError
+    from corral.testing import memory_manager
+
+    mgr = memory_manager(tmp_path)
+    try:
+        info = mgr.create()
+
+        def refuse(spec: object, paused: bool) -> None:
+            raise BackendError("this tier cannot pause")
+
+        mgr.backend.pause = refuse  # type: ignore[method-assign]
+        mgr.sandboxes.stop_over_budget(Overrun(info.id, "sandbox", "local", 9000, 8192))
+        events = _events(tmp_path / "audit", info.id)
+        assert [e["type"] for e in events][-2:] == ["audit.budget_exceeded", "sandbox.destroyed"]
+        assert events[-1]["data"]["reason"] == "audit-budget"
+        assert mgr.store.get(info.id) is None
+    finally:
+        mgr.close()
