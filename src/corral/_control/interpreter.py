@@ -172,33 +172,43 @@ def _message(line: str | Overflow, cell: Any) -> dict[str, Any] | None:
 
 
 class _Budget:
-    """``MAX_CELL_OUTPUT_CHARS`` per cell, counted as its messages arrive (before any buffer),
-    so that what a cell sends past it is dropped, with one ``cut`` message in its place."""
-
-    _CELLS = 8  # remembered: an interrupted cell's late output still counts against its own
+    """``MAX_CELL_OUTPUT_CHARS`` of messages from one cell's start to the next, counted as they
+    arrive (before any buffer) whatever ids they carry, which the tenant can write: past it
+    only the running cell's ``end`` passes, and one ``cut`` says so. Between cells (nobody
+    reads the queue then) what a kernel's threads send is held to the rest of the last one."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._spent: dict[int | None, int] = {}
+        self._cell: int | None = None
+        self._spent = 0
+
+    @property
+    def cell(self) -> int | None:
+        """The running cell (None between cells)."""
+        return self._cell
+
+    def start(self, cell: int) -> None:
+        self._cell, self._spent = cell, 0
+
+    def stop(self) -> None:
+        self._cell = None
 
     def admit(self, message: dict[str, Any], size: int) -> dict[str, Any] | None:
-        """``message`` if it is within its cell's budget, the ``cut`` at the first one past
-        it, else None."""
-        if message.get("ev") not in ("stdout", "stderr", "result"):
+        """``message`` while within the budget (and the running cell's ``end`` always), the
+        ``cut`` at the first one past it, else None."""
+        before, self._spent = self._spent, self._spent + size
+        if self._spent <= self.limit:
             return message
-        cell = message.get("id")
-        key = cell if isinstance(cell, int) else None  # ids come from the tenant's stream
-        if key not in self._spent and len(self._spent) >= self._CELLS:
-            del self._spent[next(iter(self._spent))]  # the oldest
-        before = self._spent.get(key, 0)
-        self._spent[key] = before + size
-        if before + size <= self.limit:
+        if (self._cell is not None and message.get("ev") == "end"
+                and message.get("id") == self._cell):
             return message
-        return {"ev": "cut", "id": cell, "limit": self.limit} if before <= self.limit else None
+        return {"ev": "cut", "id": self._cell, "limit": self.limit} \
+            if before <= self.limit else None
 
 
 class _Kernel:
-    """One running driver: its process, and its stdout turned into messages as it comes."""
+    """One running driver: its process, its stdout turned into messages as it comes, and
+    the budget those are held to (``budget``: started with each cell, stopped at its end)."""
 
     def __init__(self, process: BackgroundProcess) -> None:
         self.process = process
@@ -206,10 +216,7 @@ class _Kernel:
         self.diagnostics: list[str] = []  # the driver's stderr before it redirected fd 2
         self.alive = True
         self._lines = LineSplitter(MAX_MESSAGE_CHARS)
-        self._budget = _Budget(MAX_CELL_OUTPUT_CHARS)
-        # The cell the driver last spoke for: a dropped line is that cell's (code writes to
-        # the protocol descriptor after its cell's first message, ``count``).
-        self._cell: Any = None
+        self.budget = _Budget(MAX_CELL_OUTPUT_CHARS)
         # Read in the thread that feeds the process, not a thread of our own: a reader that
         # falls behind loses what the process's window drops, messages with it.
         process.tap(self._take, self._exited)
@@ -217,17 +224,18 @@ class _Kernel:
     def _take(self, stream: str, text: str) -> None:
         if stream == "notice":  # output dropped before the tap (never, at a kernel's start)
             self._lines.gap()
-            self.messages.put({"ev": "lost", "id": self._cell, "text": text.strip()})
+            self.messages.put({"ev": "lost", "id": self.budget.cell, "text": text.strip()})
         elif stream != "stdout":
             if len(self.diagnostics) < 64:
                 self.diagnostics.append(text)
         else:
             for line in self._lines.feed(text):
-                message = _message(line, self._cell)
+                # A dropped line is the running cell's (not the last id seen: ids in the
+                # stream are the tenant's to write).
+                message = _message(line, self.budget.cell)
                 if message is not None:
-                    self._cell = message.get("id", self._cell)
                     size = len(line) if isinstance(line, str) else 0
-                    message = self._budget.admit(message, size)
+                    message = self.budget.admit(message, size)
                 if message is not None:
                     self.messages.put(message)
 
@@ -455,6 +463,7 @@ class Interpreter:
             "kernel": context.kernel_name, "code": code[:_AUDIT_CODE_CHARS],
             "code_chars": len(code)}, command)
         execution = _Collector(context.id, on_event)
+        kernel.budget.start(cell)
         kernel.send({"op": "exec", "id": cell, "code": code, "envs": env})
         deadline = started + limit
         interrupted_at: float | None = None
@@ -490,6 +499,7 @@ class Interpreter:
                 if interrupted_at is not None:
                     outcome = "timeout"
                 break
+        kernel.budget.stop()  # its end came: what follows is no cell's until the next
         if not execution.ended:
             execution.end()  # the kernel went before it could say so: the cell ends anyway
         result = execution.finish(time.monotonic() - started)
