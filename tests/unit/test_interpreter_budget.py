@@ -21,7 +21,9 @@ def test_messages_within_the_budget_pass_then_one_cut_then_the_end_only() -> Non
     assert budget.admit(out(1, "result"), 40) == out(1, "result")  # exactly the budget
     assert budget.admit(out(1, "stderr"), 1) == {"ev": "cut", "id": 1, "limit": 100}
     assert budget.admit(out(1), 1) is None
-    assert budget.admit({"ev": "error", "id": 1}, 1) is None
+    error = {"ev": "error", "id": 1, "name": "KeyboardInterrupt"}
+    assert budget.admit(error, 1) == error  # how the cell ended, once
+    assert budget.admit(error, 1) is None
     assert budget.admit({"ev": "end", "id": 2}, 1) is None  # not the running cell's
     assert budget.admit({"ev": "end", "id": 1}, 10) == {"ev": "end", "id": 1}
     budget.start(2)  # the next cell has a budget of its own

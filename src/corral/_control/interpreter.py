@@ -174,13 +174,15 @@ def _message(line: str | Overflow, cell: Any) -> dict[str, Any] | None:
 class _Budget:
     """``MAX_CELL_OUTPUT_CHARS`` of messages from one cell's start to the next, counted as they
     arrive (before any buffer) whatever ids they carry, which the tenant can write: past it
-    only the running cell's ``end`` passes, and one ``cut`` says so. Between cells (nobody
-    reads the queue then) what a kernel's threads send is held to the rest of the last one."""
+    only the running cell's ``end`` and its first ``error`` (how it ended: a timeout's
+    interrupt, a traceback) pass, and one ``cut`` says so. Between cells (nobody reads the
+    queue then) what a kernel's threads send is held to the rest of the last one."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._cell: int | None = None
         self._spent = 0
+        self._error_passed = False
 
     @property
     def cell(self) -> int | None:
@@ -188,22 +190,28 @@ class _Budget:
         return self._cell
 
     def start(self, cell: int) -> None:
-        self._cell, self._spent = cell, 0
+        self._cell, self._spent, self._error_passed = cell, 0, False
 
     def stop(self) -> None:
         self._cell = None
 
     def admit(self, message: dict[str, Any], size: int) -> dict[str, Any] | None:
-        """``message`` while within the budget (and the running cell's ``end`` always), the
-        ``cut`` at the first one past it, else None."""
+        """``message`` while within the budget (and the running cell's end and first error
+        past it), the ``cut`` at the first one past it, else None."""
         before, self._spent = self._spent, self._spent + size
-        if self._spent <= self.limit:
-            return message
-        if (self._cell is not None and message.get("ev") == "end"
-                and message.get("id") == self._cell):
+        if self._spent <= self.limit or self._outcome(message):
             return message
         return {"ev": "cut", "id": self._cell, "limit": self.limit} \
             if before <= self.limit else None
+
+    def _outcome(self, message: dict[str, Any]) -> bool:
+        if self._cell is None or message.get("id") != self._cell:
+            return False
+        kind = message.get("ev")
+        if kind == "error" and not self._error_passed:
+            self._error_passed = True
+            return True
+        return kind == "end"
 
 
 class _Kernel:
