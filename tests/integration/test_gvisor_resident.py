@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from corral._backends.gvisor import GvisorBackend
+from corral._backends.gvisor import resident as resident_mod
 from corral._backends.gvisor.bundle import build_config, runtime_uid
 from corral._backends.gvisor.launcher import reap_orphans
 from corral._backends.gvisor.resident import OnDemand, Resident, ensure_launcher
@@ -239,6 +240,32 @@ def test_a_dead_sentry_fails_its_commands_within_a_deadline(
         with pytest.raises(BackendError, match="died"):
             pending.result(timeout=30)
     assert time.monotonic() - started < 15
+
+
+# A helper gone hostile (what code that took it over could send): ready, then at the first
+# request LINE, then nothing more until it is killed.
+_HOSTILE_HELPER = """
+import sys, time
+out = sys.stdout.buffer
+out.write(b'{"ready": true}\\n'); out.flush()
+sys.stdin.buffer.readline()
+out.write(LINE); out.flush()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("line", ["b'x' * (4 << 20)", "b'[1]\\n'", "b'{\"id\": [1]}\\n'"],
+                         ids=["too-long", "not-an-object", "bad-id"])
+def test_a_helper_that_breaks_its_protocol_ends_its_resident(
+        pieces: Pieces, monkeypatch: pytest.MonkeyPatch, line: str) -> None:
+    # The helper runs in the sandbox: what it sends is bounded and checked. A line past the
+    # limit (4 MiB without a newline), or one that is not its protocol, stops the resident at
+    # once (the host holds at most 1 MiB of it): its command fails then, not at its timeout.
+    monkeypatch.setattr(resident_mod, "_HELPER_SOURCE", _HOSTILE_HELPER.replace("LINE", line))
+    sandbox = pieces.start()
+    with pytest.raises(BackendError, match="broke the protocol"):
+        sandbox.run(["true"], env=_ENV, timeout=50)
+    assert not sandbox.alive
 
 
 def test_on_demand_stops_when_idle_and_restarts(pieces: Pieces) -> None:

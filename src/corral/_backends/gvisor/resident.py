@@ -44,6 +44,10 @@ _LAUNCHER_SOURCE = Path(__file__).with_name("run.c")
 # command its own mount and PID namespace and to drop to 1000 (SETPCAP: to empty the bounding set).
 _HELPER_CAPS = ["CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_SYS_ADMIN"]
 _START_TIMEOUT_S = 20.0
+# The longest line the helper may send: its longest is a 64 KiB output chunk in base64
+# (~87 KiB). The helper lives in the sandbox: a longer line, or one that is not its protocol,
+# ends the resident rather than fill the host's memory or stop the reader.
+_MAX_LINE = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +164,7 @@ class Resident:
         self._ready = threading.Event()
         self._closed = False
         self._up = False
+        self._broken: str | None = None  # how the helper broke its protocol, if it did
         self._reader = threading.Thread(target=self._read, name="corral-resident", daemon=True)
         self._reader.start()
         if not self._ready.wait(_START_TIMEOUT_S) or not self._up:
@@ -177,27 +182,38 @@ class Resident:
             self._stdin.flush()
 
     def _read(self) -> None:
-        for line in self._stdout:
-            message = json.loads(line)
-            if message.get("ready"):
-                self._up = True
-                self._ready.set()
-                continue
-            pending = self._pending.get(message.get("id", -1))
-            if pending is None:
-                continue
-            if "out" in message:
-                data = base64.b64decode(message["data"])
-                if pending.on_output is not None:
-                    pending.on_output(message["out"], data)
-                else:
-                    target = pending.stdout if message["out"] == "stdout" else pending.stderr
-                    target += data
-            else:
-                pending.reply = message
-                pending.done.set()
+        try:
+            # Bounded: a line is read whole only up to _MAX_LINE bytes.
+            while line := self._stdout.readline(_MAX_LINE + 1):
+                if len(line) > _MAX_LINE:
+                    raise ValueError(f"a line longer than {_MAX_LINE} bytes")
+                self._dispatch(json.loads(line))
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            self._broken = f"its helper broke the protocol ({exc!s:.200})"
+            logger.warning("resident gVisor sandbox %s: %s; stopping it", self._container_id,
+                           self._broken)
+            self._proc.kill()  # the Sentry goes with runsc
         self._ready.set()  # runsc exited: a start still waiting fails now, not at its deadline
         for pending in list(self._pending.values()):  # the sandbox died: nobody will answer
+            pending.done.set()
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        if message.get("ready"):
+            self._up = True
+            self._ready.set()
+            return
+        pending = self._pending.get(message.get("id", -1))
+        if pending is None:
+            return
+        if "out" in message:
+            data = base64.b64decode(message["data"])
+            if pending.on_output is not None:
+                pending.on_output(message["out"], data)
+            else:
+                target = pending.stdout if message["out"] == "stdout" else pending.stderr
+                target += data
+        else:
+            pending.reply = message
             pending.done.set()
 
     @property
@@ -267,9 +283,8 @@ class Resident:
         finally:
             del self._pending[command_id]
         if reply is None:
-            raise ResidentDied("the resident gVisor sandbox died: "
-                               f"{self._runsc.error_of(self._bundle) or 'no reason logged'}",
-                               self.group)
+            why = self._broken or self._runsc.error_of(self._bundle) or "no reason logged"
+            raise ResidentDied(f"the resident gVisor sandbox died: {why}", self.group)
         if "error" in reply:
             raise BackendError(f"the command could not start: {reply['error']['error']}")
         result = reply["exit"]
