@@ -37,6 +37,7 @@ from ..._core.privileged import privileged_env
 from ...errors import BackendError, BackendUnavailable, UsageError
 from .accel import Accel
 from .qmp import Qmp
+from .wire import MAX_LINE
 
 __all__ = ["QEMU", "Vm", "VmConfig", "VmState", "WarmFiles", "kernel_cmdline", "tsc_khz"]
 
@@ -510,8 +511,15 @@ class Vm:
 
     def read_line(self, sock: socket.socket, buffer: bytearray, deadline: float,
                   waiting_for: str) -> dict[str, Any]:
-        """The next JSON line from the agent, watching the guest while waiting."""
-        while b"\n" not in buffer:
+        """The next JSON line from the agent, watching the guest while waiting. The guest is
+        untrusted: only new bytes are searched for the newline, and a line is at most
+        ``wire.MAX_LINE`` bytes."""
+        searched = 0
+        while (end := buffer.find(b"\n", searched)) < 0:
+            if len(buffer) > MAX_LINE:
+                raise self._error(f"the agent sent a line longer than {MAX_LINE} bytes while "
+                                  f"waiting for {waiting_for}")
+            searched = len(buffer)
             self._check(deadline, waiting_for)
             sock.settimeout(0.05)
             try:
@@ -521,8 +529,8 @@ class Vm:
             if not chunk:
                 raise self._error(f"the agent channel closed while waiting for {waiting_for}")
             buffer += chunk
-        line, _, rest = bytes(buffer).partition(b"\n")
-        buffer[:] = rest
+        line = bytes(buffer[:end])
+        del buffer[:end + 1]
         try:
             message: dict[str, Any] = json.loads(line)
         except ValueError as exc:

@@ -45,6 +45,7 @@ def unb64(text: object) -> bytes:
 def read_lines(sock: socket.socket) -> Iterator[dict[str, Any]]:
     """The messages ``sock`` sends until it closes (then the iterator ends)."""
     buffer = bytearray()
+    searched = 0  # the bytes of an unfinished line already searched for its newline
     while True:
         try:
             chunk = sock.recv(_CHUNK)
@@ -54,13 +55,15 @@ def read_lines(sock: socket.socket) -> Iterator[dict[str, Any]]:
             return
         buffer += chunk
         while True:
-            end = buffer.find(b"\n")
+            end = buffer.find(b"\n", searched)
             if end < 0:
                 if len(buffer) > MAX_LINE:
                     raise ProtocolError(f"a line longer than {MAX_LINE} bytes")
+                searched = len(buffer)
                 break
             line = bytes(buffer[:end])
             del buffer[:end + 1]
+            searched = 0
             if not line.strip():
                 continue
             yield _decode(line)
