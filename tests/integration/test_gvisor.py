@@ -36,6 +36,7 @@ from corral._backends.gvisor import backend as backend_mod
 from corral._backends.gvisor import hostcheck as hostcheck_mod
 from corral._backends.gvisor.bundle import runtime_uid
 from corral._control.manager import Manager
+from corral._control.validate import MAX_STDIN_BYTES
 from corral._core.resources import get_tier
 from corral._settings import Settings
 from corral.backends import ExecOutcome, ExecRequest, ProcessIO, SandboxSpec
@@ -157,6 +158,11 @@ def test_stdin_cwd_and_large_input(backend: GvisorBackend, spec: SandboxSpec) ->
     data = b"x" * (5 * 1024 * 1024)
     out = run(backend, spec, "pwd; wc -c", stdin=data, cwd="/workspace/a/b")
     assert out.stdout.split() == ["/workspace/a/b", str(len(data))], out
+    # The most a command may be given: one 85 MiB line of base64 to the helper, which read it
+    # in quadratic time (32 MiB took 14 s here; now ~1 s).
+    data = b"y" * MAX_STDIN_BYTES
+    out = run(backend, spec, "wc -c", stdin=data, timeout=60)
+    assert out.stdout.split() == [str(len(data))], out
 
 
 def test_output_is_capped_and_counted(backend: GvisorBackend, spec: SandboxSpec) -> None:
