@@ -220,16 +220,24 @@ def test_a_long_line_on_the_protocol_stream_is_dropped_with_an_error(home: str) 
         assert sb.run_code("6 * 7").text == "42"
 
 
-def test_a_cells_output_past_its_budget_is_dropped_with_an_error(home: str) -> None:
-    # 200 MiB of output in one cell: the service keeps at most the cell's budget of it (it
-    # kept all, growing as fast as the cell printed), says where it cut, and the next works.
+# 200 MiB in lines of 1 MiB from Python; 256 MiB without a newline to fd 1 (forwarded).
+FLOODS = {
+    "print": "import sys\nfor _ in range(200): sys.stdout.write('x' * (1 << 20) + '\\n')",
+    "fd1": LONG_LINE_CELL.replace('type(sys.stdout).write.__globals__["_PROTO"].fileno()', "1"),
+}
+
+
+@pytest.mark.parametrize("flood", sorted(FLOODS))
+def test_a_cells_output_past_its_budget_is_dropped_with_an_error(home: str,
+                                                                 flood: str) -> None:
+    # The service keeps at most the cell's budget of it (it kept all, growing as fast as the
+    # cell printed), says where it cut, and the next cell works.
     with Sandbox.create(home=home) as sb:
         assert sb.run_code("1").text == "1"
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         before = _status_kib("VmRSS")
-        run = sb.run_code("import sys\nfor _ in range(200): sys.stdout.write('x' * (1 << 20) "
-                          "+ '\\n')\ndone = True", timeout=60)
+        run = sb.run_code(FLOODS[flood] + "\ndone = True", timeout=60)
         grown_mib = (_status_kib("VmHWM") - before) / 1024
         assert run.error is not None and run.error.name == "OutputTooLarge", run.error
         kept = sum(map(len, run.logs.stdout))
