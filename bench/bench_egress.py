@@ -10,7 +10,9 @@ round: directly on the host against 127.0.0.1, and inside a sandbox through the 
 the operator allows to reach 127.0.0.1 for this bench (``CORRAL_EGRESS_ALLOW_CIDRS``). Three
 paths: plain HTTP (forwarded), HTTPS tunnelled (CONNECT, opaque), HTTPS intercepted (CONNECT to a
 host a secret is bound to: TLS terminated with the deployment CA, placeholder swapped, TLS again
-to the upstream). Prints one JSON document.
+to the upstream). A fourth, gateway-only path: refused requests (a host the policy does not
+allow), their latency and the audit trail's growth per refusal (refusals are aggregated:
+docs/audit.md). Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -124,6 +126,30 @@ CLIENT = textwrap.dedent("""
 """)
 
 
+# Refused requests through the proxy, one connection each: their latencies.
+REFUSER = textwrap.dedent("""
+    import json, os, socket, sys, time
+    n = int(sys.argv[1])
+    proxy = os.environ["HTTP_PROXY"].rstrip("/").rsplit(":", 1)
+    latencies = []
+    for i in range(n):
+        t = time.perf_counter()
+        s = socket.create_connection(("127.0.0.1", int(proxy[1])), timeout=30)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(b"GET http://denied.test/ HTTP/1.1\\r\\nHost: denied.test\\r\\n\\r\\n")
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        s.close()
+        assert data.startswith(b"HTTP/1.1 403"), data[:200]
+        latencies.append(time.perf_counter() - t)
+    print(json.dumps({"latencies": latencies}))
+""")
+
+
 def _bench_certs(directory: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
@@ -198,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
                                                f"bench.test:{https_port}",
                                                f"secret.test:{https_port}"]})
         sb.files.write("client.py", CLIENT)
+        sb.files.write("refuser.py", REFUSER)
         sb.files.write("ca.pem", bundle.read_bytes())
+        trail = settings.home / "audit" / f"{sb.id}.jsonl"
+        refused: list[float] = []
+        refused_growth = 0
         paths = {
             "http": ("http", "bench.test", http_port, "/workspace/ca.pem"),
             "https_tunnel": ("https", "bench.test", https_port, "/workspace/ca.pem"),
@@ -226,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
                     data = json.loads(out)
                     samples[name][side] += data["latencies"]
                     samples[name][f"{side}_rate"] += data["rates"]
+            before = trail.stat().st_size
+            refusing = sb.commands.run(["python3", "refuser.py", str(per_round)], timeout=600)
+            assert refusing.exit_code == 0, refusing.stderr
+            refused += json.loads(refusing.stdout)["latencies"]
+            # Less the command's own start, output and end (a short command's ~1 KB).
+            own = sum(len(e.model_dump_json()) + 1 for e in sb.audit.events(
+                command=refusing.command_id) if e.type.startswith("command."))
+            refused_growth += trail.stat().st_size - before - own
             log(f"round {round_no + 1}/{args.rounds}")
         decisions = sb.audit.events(types=["egress.decision"])
         intercepted = sum(1 for e in decisions if e.data.get("mode") == "intercept"
@@ -258,12 +296,19 @@ def main(argv: list[str] | None = None) -> int:
                 "gateway": round(statistics.fmean(s["gateway_rate"]) / 1e6, 1),
             },
         }
+    if refused:
+        results["http_refused"] = {
+            "gateway": _stats(refused),
+            "refusals_per_s": round(len(refused) / sum(refused), 1),
+            "trail_bytes_per_refusal": round(refused_growth / len(refused), 1),
+        }
     report = {
         "benchmark": "egress gateway vs direct, loopback upstream, one connection per request",
         "requests_per_path_and_side": args.requests, "results": results,
         "targets": {
             "tunnel_added_p50_le_2ms": results["https_tunnel"]["added_p50_ms"] <= 2.0,
-            "all_p99_within_2x_direct": all(r["p99_ratio"] <= 2.0 for r in results.values()),
+            "all_p99_within_2x_direct": all(r["p99_ratio"] <= 2.0 for r in results.values()
+                                            if "p99_ratio" in r),
         },
         "intercepted_requests_with_secret_swapped": intercepted,
         "machine": machine_info("bwrap", cgroups, load_start),

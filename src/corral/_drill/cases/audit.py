@@ -73,7 +73,8 @@ def _limits() -> tuple[float, int]:
 def _bound(seconds: float) -> tuple[int, int, int]:
     """(intervals, most events, most bytes) a flood of ``seconds`` may leave under one key."""
     interval, burst = _limits()
-    intervals = int(seconds // interval) + 1
+    # (+1 s: the service records an event a moment after the client has its answer)
+    intervals = int((seconds + 1) // interval) + 1
     return intervals, intervals * (burst + 1), intervals * (burst * FULL_LINE + SUMMARY_LINE)
 
 
