@@ -274,3 +274,34 @@ def test_a_tier_that_cannot_pause_has_the_sandbox_destroyed(tmp_path: Path) -> N
         assert mgr.store.get(info.id) is None
     finally:
         mgr.close()
+
+
+def test_a_tenants_audit_budgets_are_kept_changed_and_cleared(tmp_path: Path) -> None:
+    import sqlite3
+
+    from corral._control.store import Store
+    from corral._control.tenants import TenantDirectory
+    from corral.errors import UsageError
+
+    # A store made before audit budgets: its tenants get the columns, at the default (None).
+    with sqlite3.connect(tmp_path / "old.db") as db:
+        db.execute("CREATE TABLE tenants (name TEXT PRIMARY KEY, max_sandboxes INTEGER NOT "
+                   "NULL, tiers TEXT NOT NULL, commands_per_minute INTEGER NOT NULL, "
+                   "created_at REAL NOT NULL, ceiling TEXT NOT NULL DEFAULT '{}')")
+        db.execute("INSERT INTO tenants VALUES ('old', 3, '[\"small\"]', 60, 0, '{}')")
+    store = Store(tmp_path / "old.db")
+    try:
+        directory = TenantDirectory(store)
+        assert directory.get("old").audit_max_bytes is None
+        made = directory.add_tenant("acme", audit_max_bytes=2**30, audit_sandbox_max_bytes=0)
+        assert (made.audit_max_bytes, made.audit_sandbox_max_bytes) == (2**30, 0)
+        kept = directory.set_tenant("acme", max_sandboxes=4)  # other changes keep them
+        assert (kept.audit_max_bytes, kept.audit_sandbox_max_bytes) == (2**30, 0)
+        changed = directory.set_tenant("acme", audit_sandbox_max_bytes=2**20)
+        assert changed.audit_sandbox_max_bytes == 2**20 and changed.audit_max_bytes == 2**30
+        cleared = directory.set_tenant("acme", clear_audit=True)
+        assert (cleared.audit_max_bytes, cleared.audit_sandbox_max_bytes) == (None, None)
+        with pytest.raises(UsageError, match="number of bytes"):
+            directory.set_tenant("acme", audit_max_bytes=-1)
+    finally:
+        store.close()
