@@ -89,6 +89,23 @@ def settings() -> Iterator[Settings]:
     shutil.rmtree(home, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def private_settings(prefix: str, **overrides: object) -> Iterator[Settings]:
+    """Settings for a module's own service: a data directory (0711, removed after) and 1000 uids
+    no other module of any session running beside this one draws (each session of scripts/test
+    takes its own slot, as ``settings`` does; within a session, modules run one at a time)."""
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    home.chmod(0o711)
+    slot = _UID_SLOTS.get(os.environ.get("CORRAL_TEST_PARTITION", ""), 0)
+    # Below 2**31 - 1000: the gVisor tier runs a sandbox's kernel as its uid + 2**31.
+    start = 2_115_000_000 + (secrets.randbelow(500) * 4 + slot) * 1000
+    try:
+        yield Settings.model_validate({"home": home, "uid_start": start, "uid_count": 1000,
+                                       **overrides})
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 class PrivateIds(IdGenerator):
     """Span and trace ids for a test's TracerProvider, from ``secrets``.
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,9 +26,9 @@ from corral import QuotaExceeded
 from corral._audit.aggregate import FULL_MAX_BYTES, SUMMARY_MAX_BYTES
 from corral._control.manager import Manager
 from corral._control.tenants import TenantDirectory
-from corral._settings import Settings
+from corral._drill.cases.audit import FLOOD
 
-from ..conftest import managed
+from ..conftest import managed, private_settings
 from .servers import Server
 
 pytestmark = pytest.mark.needs_root
@@ -40,36 +37,6 @@ pytestmark = pytest.mark.needs_root
 ENVELOPE = 256
 FULL_LINE = FULL_MAX_BYTES + ENVELOPE
 SUMMARY_LINE = SUMMARY_MAX_BYTES + ENVELOPE
-
-# A client that sends refused requests through its gateway for DURATION seconds (at most CAP
-# of them), one connection each, and writes how many were refused and what else it saw.
-FLOOD = r"""
-import os, socket, sys, time
-duration, cap = float(sys.argv[1]), int(sys.argv[2])
-proxy = os.environ["HTTP_PROXY"].rstrip("/").rsplit("//", 1)[1]
-host, port = proxy.rsplit(":", 1)
-refused = other = 0
-first = time.time()
-end = time.monotonic() + duration
-while time.monotonic() < end and refused + other < cap:
-    target = f"h{(refused + other) % 20}.denied.test"
-    s = socket.create_connection((host, int(port)), timeout=30)
-    s.sendall(f"GET http://{target}/ HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
-    data = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    s.close()
-    if data.startswith(b"HTTP/1.1 403") and b"rule=no-match" in data:
-        refused += 1
-    else:
-        other += 1
-with open("/workspace/flood.tmp", "w") as f:
-    f.write(f"{refused} {other} {first} {time.time()}\n")
-os.rename("/workspace/flood.tmp", "/workspace/flood.out")
-"""
 
 # Output as fast as a shell can print it, for a minute at most: 1000-byte lines.
 PRINTER = ("end=$(( $(date +%s) + 60 )); i=0; "
@@ -98,15 +65,8 @@ def _size(mgr: Manager, sandbox_id: str) -> int:
 
 @contextlib.contextmanager
 def _home(prefix: str, **settings: Any) -> Iterator[Manager]:
-    home = Path(tempfile.mkdtemp(prefix=prefix))
-    home.chmod(0o711)
-    config = Settings(home=home, uid_start=2_130_000_000 + secrets.randbelow(100) * 1000,
-                      uid_count=1000, **settings)
-    try:
-        with managed(config) as mgr:
-            yield mgr
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+    with private_settings(prefix, **settings) as config, managed(config) as mgr:
+        yield mgr
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +87,13 @@ def quick() -> Iterator[Manager]:
 def _flood(mgr: Manager, sandbox_id: str, seconds: float, cap: int,
            ) -> tuple[int, int, float, str]:
     """Run the flood as a background process; (refused, other, seconds, its command id)."""
-    files = mgr.files(sandbox_id)
-    files.write("flood.py", FLOOD.encode())
-    process = mgr.processes.start(sandbox_id, ["python3", "/workspace/flood.py",
-                                               str(seconds), str(cap)])
+    # The drill's client (one connection a request, refused by rule no-match), as a
+    # background process: its one line of output is the count it saw.
+    process = mgr.processes.start(sandbox_id, ["python3", "-c", FLOOD, str(seconds), str(cap)])
     _wait(lambda: process.state == "exited", seconds + 120, "the flood to end")
     assert process.result is not None and process.result.exit_code == 0, process.result
-    refused, other, first, last = files.read("flood.out").decode().split()
+    printed = "".join(text for _, stream, text in process.output(0) if stream == "stdout")
+    refused, other, first, last = printed.split()
     return int(refused), int(other), float(last) - float(first), process.command_id
 
 
@@ -194,7 +154,8 @@ def test_refusal_counts_are_exact_and_the_intervals_end_is_written_unprompted(
         data = summary["data"]
         assert summary["command"] == command and data["of"] == "egress.decision"
         assert data["sample"]["verdict"] == "denied" and data["sample"]["rule"] == "no-match"
-        assert set(data["distinct"]["host"]) <= {f"h{i}.denied.test" for i in range(20)}
+        assert set(data["distinct"]["host"]) <= {f"flood{i}.refused.drill.invalid"
+                                                 for i in range(50)}
         assert data["first_ts"] <= data["last_ts"] and data["written_in_full"] == 3
         # A single refusal of another command is in full, with its command id, as ever.
         one = mgr.run(info.id, "curl -sS -m 10 http://once.denied.test/ -o /dev/null -w "

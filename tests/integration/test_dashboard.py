@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import shutil
 import tempfile
 import threading
@@ -34,7 +33,7 @@ from ..browser import chromium_page, save_screenshot
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
-from ..conftest import managed
+from ..conftest import managed, private_settings
 from .servers import Server
 
 pytestmark = pytest.mark.needs_root
@@ -50,11 +49,7 @@ class Service:
 
 @pytest.fixture(scope="module")
 def service() -> Iterator[Service]:
-    home = Path(tempfile.mkdtemp(prefix="corral-test-ui-"))
-    home.chmod(0o711)
-    settings = Settings(home=home, uid_start=2_130_000_000 + secrets.randbelow(100) * 1000,
-                        uid_count=1000)
-    with managed(settings) as mgr:
+    with private_settings("corral-test-ui-") as settings, managed(settings) as mgr:
         directory = TenantDirectory(mgr.store)
         for name in ("alpha", "beta"):
             directory.add_tenant(name, max_sandboxes=10, tiers=["small"],
@@ -62,7 +57,6 @@ def service() -> Iterator[Service]:
         keys = {name: directory.create_key(name)[1] for name in ("alpha", "beta")}
         with Server(mgr, create_app(mgr)) as srv:
             yield Service(srv, mgr, keys, directory)
-    shutil.rmtree(home, ignore_errors=True)
 
 
 def _signed_in(service: Service, tenant: str) -> httpx.Client:

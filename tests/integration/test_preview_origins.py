@@ -15,14 +15,10 @@ side (its request log).
 from __future__ import annotations
 
 import json
-import secrets
-import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,11 +29,10 @@ from corral._control.ports import PortURLs
 from corral._control.tenants import Tenant, TenantDirectory
 from corral._e2b.ids import to_e2b
 from corral._server.app import create_app
-from corral._settings import Settings
 from corral.models import SandboxInfo
 
 from ..browser import chromium_page
-from ..conftest import managed
+from ..conftest import managed, private_settings
 from .hostile import (
     APP,
     PORT,
@@ -68,11 +63,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
-    home = Path(tempfile.mkdtemp(prefix="corral-test-origins-"))
-    home.chmod(0o711)
-    settings = Settings(home=home, uid_start=2_130_000_000 + secrets.randbelow(100) * 1000,
-                        uid_count=1000)
-    with managed(settings) as mgr:
+    with private_settings("corral-test-origins-") as settings, managed(settings) as mgr:
         directory = TenantDirectory(mgr.store)
         for name in ("alpha", "beta"):
             directory.add_tenant(name, max_sandboxes=5, tiers=["small"],
@@ -88,7 +79,6 @@ def world() -> Iterator[World]:
         mgr.processes.start(attacker.id, ["python3", "hostileapp.py", str(PORT)])
         mgr.ports.expose(attacker.id, PORT, public=True, tenant="beta")
         yield World(mgr, keys, tenants, victim, doomed, attacker)
-    shutil.rmtree(home, ignore_errors=True)
 
 
 @dataclass

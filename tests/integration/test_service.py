@@ -34,7 +34,7 @@ from corral._server.app import create_app
 from corral._server.auth import TenantDirectory
 from corral._settings import Settings
 
-from ..conftest import managed
+from ..conftest import managed, private_settings
 from .hostprocs import host_procs_of_uid
 from .servers import Server as _Server
 from .servers import free_port as _free_port
@@ -127,10 +127,7 @@ def test_errors_are_json_with_fitting_status(server: _Server) -> None:
 
 @pytest.fixture(scope="module")
 def tenant_service() -> Iterator[tuple[_Server, dict[str, str], Manager]]:
-    home = Path(tempfile.mkdtemp(prefix="corral-test-tenants-"))
-    settings = Settings(home=home, uid_start=2_130_000_000 + secrets.randbelow(100) * 1000,
-                        uid_count=1000)
-    with managed(settings) as mgr:
+    with private_settings("corral-test-tenants-") as settings, managed(settings) as mgr:
         directory = TenantDirectory(mgr.store)
         directory.add_tenant("alpha", max_sandboxes=2, tiers=["small"], commands_per_minute=5)
         directory.add_tenant("beta", max_sandboxes=5, tiers=["small", "large"],
@@ -141,7 +138,6 @@ def tenant_service() -> Iterator[tuple[_Server, dict[str, str], Manager]]:
         keys["revoked"] = revoked
         with _Server(mgr) as srv:
             yield srv, keys, mgr
-    shutil.rmtree(home, ignore_errors=True)
 
 
 def test_every_endpoint_requires_a_valid_key_once_keys_exist(
