@@ -19,7 +19,7 @@ import httpx
 
 from .target import ServiceAccess
 
-__all__ = ["APP_PORT", "PreviewPlant"]
+__all__ = ["APP_PORT", "PreviewPlant", "plant_of"]
 
 APP_PORT = 8000
 _APP = Path(__file__).with_name("hostileapp.py")
@@ -148,3 +148,10 @@ class PreviewPlant:
                 with contextlib.suppress(httpx.HTTPError), self.client(key) as api:
                     api.delete(f"/v1/sandboxes/{sandbox}")
         self._port = self._app_sandbox = self._doomed = None
+
+
+def plant_of(preview: PreviewPlant | None) -> PreviewPlant:
+    """The context's plant; a case that needs one where there is none cannot run."""
+    if preview is None:
+        raise RuntimeError("this target has no service with two tenants")
+    return preview

@@ -15,21 +15,15 @@ import httpx
 
 from ..context import DrillContext
 from ..model import Case, Evidence, Outcome
-from ..preview import PreviewPlant
+from ..preview import plant_of
 
 Run = Callable[[DrillContext], Outcome]
 NEEDS = frozenset({"preview", "python3"})
 
 
-def _plant(ctx: DrillContext) -> PreviewPlant:
-    if ctx.preview is None:
-        raise RuntimeError("this target has no service with two tenants")
-    return ctx.preview
-
-
 def _answer_cookies(form: str) -> Run:
     def run(ctx: DrillContext) -> Outcome:
-        plant = _plant(ctx)
+        plant = plant_of(ctx.preview)
         if form == "path":
             base, headers = plant.port()["url"], {}
         else:
@@ -59,7 +53,7 @@ def _answer_cookies(form: str) -> Run:
 def _tossed_session(ctx: DrillContext) -> Outcome:
     """The dashboard's session beside another tenant's, as a browser sends both when a page of
     another host of the site set one for their common parent."""
-    plant = _plant(ctx)
+    plant = plant_of(ctx.preview)
     name, own = plant.session(plant.own_key)
     _, tossed = plant.session(plant.other_key)
     with httpx.Client(base_url=plant.access.url, timeout=60) as web:

@@ -20,17 +20,11 @@ import httpx
 
 from ..context import DrillContext
 from ..model import Case, Evidence, Outcome
-from ..preview import PreviewPlant
+from ..preview import plant_of
 
 Run = Callable[[DrillContext], Outcome]
 NEEDS = frozenset({"preview", "python3"})
 _ATTACK_TIMEOUT_MS = 120_000
-
-
-def _plant(ctx: DrillContext) -> PreviewPlant:
-    if ctx.preview is None:
-        raise RuntimeError("this target has no service with two tenants")
-    return ctx.preview
 
 
 def _origin(url: str) -> str:
@@ -52,7 +46,7 @@ def _path_form_is_sandboxed(ctx: DrillContext) -> Outcome:
     """A browser opening the path URL either lands on another origin (the port's host URL) or
     gets a page sandboxed in an opaque origin; a page's subresource (no navigation) is
     sandboxed too."""
-    plant = _plant(ctx)
+    plant = plant_of(ctx.preview)
     url = plant.port()["url"]
     evidence: list[Evidence] = []
     with httpx.Client(timeout=60) as web:
@@ -78,7 +72,7 @@ def _path_form_is_sandboxed(ctx: DrillContext) -> Outcome:
 def _session_from_another_site(ctx: DrillContext) -> Outcome:
     """The dashboard's own header and cookie, sent as a page of the same site but not the
     service's origin would send them (a preview on another port or a sibling host)."""
-    plant = _plant(ctx)
+    plant = plant_of(ctx.preview)
     name, value = plant.session(plant.own_key)
     tried = []
     with httpx.Client(base_url=plant.access.url, timeout=60) as web:
@@ -100,7 +94,7 @@ def _in_a_browser(ctx: DrillContext) -> Outcome:
     browser and opens the second tenant's public page (its path URL, as shared)."""
     from ..browser import browser_page
 
-    plant = _plant(ctx)
+    plant = plant_of(ctx.preview)
     port = plant.port()
     victim = ctx.service_sandbox
     if victim is None:

@@ -17,7 +17,7 @@ import httpx
 from ..._e2b.ids import to_e2b
 from ..context import DrillContext
 from ..model import Case, Evidence, Outcome
-from ..preview import APP_PORT, PreviewPlant
+from ..preview import APP_PORT, PreviewPlant, plant_of
 
 Run = Callable[[DrillContext], Outcome]
 NEEDS = frozenset({"preview", "python3"})
@@ -49,9 +49,7 @@ def _secrets(planted: dict[str, str]) -> list[str]:
 
 def _relay(route: Route, what: str) -> Run:
     def run(ctx: DrillContext) -> Outcome:
-        plant = ctx.preview
-        if plant is None:
-            raise RuntimeError("this target has no service with two tenants")
+        plant = plant_of(ctx.preview)
         where = route(ctx, plant)
         if where is None:
             return Outcome("skipped", f"this target has no {what}")
