@@ -157,6 +157,12 @@ def test_refusal_counts_are_exact_and_the_intervals_end_is_written_unprompted(
         assert set(data["distinct"]["host"]) <= {f"flood{i}.refused.drill.invalid"
                                                  for i in range(50)}
         assert data["first_ts"] <= data["last_ts"] and data["written_in_full"] == 3
+        # The dashboard's egress view counts the flood whole, its summaries included.
+        with Server(mgr) as server:
+            groups = httpx.get(f"{server.url}/ui/api/egress", params={"limit": 200},
+                               timeout=60).json()["groups"]
+        assert sum(g["count"] for g in groups if g["rule"] == "no-match"
+                   and "refused.drill.invalid" in g["host"]) == refused, groups
         # A single refusal of another command is in full, with its command id, as ever.
         one = mgr.run(info.id, "curl -sS -m 10 http://once.denied.test/ -o /dev/null -w "
                                "'%{http_code}'", timeout=60)

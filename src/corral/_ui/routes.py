@@ -185,13 +185,18 @@ def _ui_router() -> APIRouter:
         verdict, refused first: where a prompt-injected agent shows itself."""
         groups: dict[tuple[str, str, str], dict[str, Any]] = {}
         for info in manager.list(tenant=None if who.is_local else who.name):
-            for event in manager.auditor.trail(info.id, types=["egress.decision"]).events:
-                d = event.data
+            trail = manager.auditor.trail(info.id, types=["egress.decision", "egress.summary"])
+            for event in trail.events:
+                d, count = event.data, 1
+                if event.type == "egress.summary":  # a flood's count past its first few
+                    hosts = (d.get("distinct") or {}).get("host") or []
+                    d, count = {**(d.get("sample") or {}), "host": ", ".join(hosts)}, \
+                        int(d.get("count", 0))
                 key = (str(d.get("host", "")), str(d.get("rule", "")), str(d.get("verdict", "")))
                 group = groups.setdefault(key, {"host": key[0], "rule": key[1],
                                                 "verdict": key[2], "count": 0,
                                                 "sandboxes": set(), "last": 0.0})
-                group["count"] += 1
+                group["count"] += count
                 group["sandboxes"].add(info.id)
                 group["last"] = max(group["last"], event.ts)
         ranked = sorted(groups.values(), key=lambda g: (g["verdict"] == "allowed", -g["count"],

@@ -464,6 +464,17 @@ function render(event, commands) {
         " ", pill(d.verdict || "?", refused ? "bad" : "ok"), " ",
         el("span", { class: "muted", text: summary(d, ["rule", "reason", "method", "status"]) }))];
     }
+    case "egress.summary":
+    case "port.summary": {
+      // A flood, aggregated (docs/audit.md): the interval's count past the few written in full.
+      const sample = d.sample || {};
+      const what = event.type === "egress.summary"
+        ? `${sample.verdict || "?"} · rule ${sample.rule || "?"}` : `port ${sample.port ?? "?"}`;
+      const seen = Object.entries(d.distinct || {}).map(([k, v]) => `${k} ${v.join(", ")}`).join(" · ");
+      return [item(event.type, event.type === "egress.summary" ? "refused" : "",
+        el("strong", { text: `${d.count ?? "?"} more` }), " ",
+        el("span", { class: "muted", text: `${what} in ${d.window_s ?? "?"} s${seen ? ` · ${seen}` : ""}` }))];
+    }
     default: {
       const [group] = event.type.split(".");
       const cls = event.type === "file.refused" ? "refused" : group === "file" ? "file" : "";
