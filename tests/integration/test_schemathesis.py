@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from schemathesis.specs.openapi import checks
 
 from corral._control.manager import Manager
+from corral._control.ports import PortURLs
 from corral._server import app as app_module
 from corral._server.app import create_app
 from corral._settings import Settings
@@ -54,7 +55,10 @@ NO_SANDBOX = "sbx_000000000000"  # well-formed, never created
 # operation at collection time; `test_the_served_document_is_the_fuzzed_one` checks that uvicorn
 # serves exactly this. (`schemathesis.pytest.from_fixture`, which would load it from the running
 # server, fails on pytest 9.2: it sets `Function._nodeid`, which pytest 9.2 no longer has.)
-OPENAPI = create_app(SimpleNamespace(store=None)).openapi()  # type: ignore[arg-type]
+# (Its ports: a service on loopback sets its own ports domain as it is built.)
+_NO_PLANE = SimpleNamespace(store=None, ports=SimpleNamespace(
+    urls=PortURLs(domain="ports.test"), configure=lambda urls: None))
+OPENAPI = create_app(_NO_PLANE).openapi()  # type: ignore[arg-type]
 schema = schemathesis.openapi.from_dict(OPENAPI)
 
 
