@@ -4,6 +4,7 @@ cut."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -15,23 +16,33 @@ from corral._backends.microvm.vm import Vm
 from corral._backends.microvm.wire import MAX_LINE, ProtocolError, read_lines
 from corral.errors import BackendError
 
+_senders: list[threading.Thread] = []
+
 
 @pytest.fixture
 def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     ours, theirs = socket.socketpair()
     yield ours, theirs
+    # The reader's end first: a sender still writing (a test stopped reading on purpose) gets
+    # EPIPE and ends; only then is its socket closed, so it never writes to a number reused.
     ours.close()
+    while _senders:
+        _senders.pop().join(timeout=60)
     theirs.close()
 
 
 def send_cut(sock: socket.socket, data: bytes, size: int) -> None:
-    """``data`` in pieces of ``size`` bytes, from another thread (a pipe's buffer is small)."""
+    """``data`` in pieces of ``size`` bytes, from another thread (a pipe's buffer is small);
+    it stops when the reader's end is closed."""
     def run() -> None:
-        for start in range(0, len(data), size):
-            sock.sendall(data[start:start + size])
-        sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for start in range(0, len(data), size):
+                sock.sendall(data[start:start + size])
+            sock.shutdown(socket.SHUT_WR)
 
-    threading.Thread(target=run, daemon=True).start()
+    sender = threading.Thread(target=run, daemon=True)
+    _senders.append(sender)
+    sender.start()
 
 
 def test_read_lines_are_whole_however_cut(pair: tuple[socket.socket, socket.socket]) -> None:
