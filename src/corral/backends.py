@@ -453,8 +453,17 @@ class IsolationBackend(Protocol):
         fresh writable layer on top (snapshots, forks). Nothing of the sandbox may be running."""
         ...
 
+    def recover_seal(self, spec: SandboxSpec, layer_id: str) -> SealResult | None:
+        """Finish or undo a ``seal_workspace(spec, layer_id)`` a crash cut short (``spec``:
+        the sandbox as before the seal). The result when layer ``layer_id`` holds the sealed
+        workspace (the sandbox then has a fresh writable layer on it), None when the seal was
+        undone (the writable layer as before, the layer gone). Idempotent; nothing of the
+        sandbox runs (the control plane's recovery calls it before any use)."""
+        ...
+
     def reset_workspace(self, spec: SandboxSpec) -> None:
-        """Drop the writable layer and start a fresh one on ``spec.layers`` (restore)."""
+        """Drop the writable layer and start a fresh one on ``spec.layers`` (restore).
+        Idempotent: after a crash in the middle, running it again finishes it."""
         ...
 
     def remove_layer(self, layer_id: str) -> None:

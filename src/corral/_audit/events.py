@@ -47,6 +47,8 @@ EventType = Literal[
     "port.connection",
     "port.summary",
     "audit.recovered",
+    "recovery.rolled_forward",
+    "recovery.rolled_back",
     "audit.budget_exceeded",
 ]
 EVENT_TYPES: tuple[str, ...] = EventType.__args__  # type: ignore[attr-defined]

@@ -75,7 +75,9 @@ class Layers:
                     if image not in known_images:
                         backend.remove_memory_image(image)
                         removed.append(f"memory image {image}")
-        known = self._store.layer_ids()
+        # A layer an open intent names is being made (or its maker's crash is not resolved
+        # yet): never a leftover, whatever its age.
+        known = self._store.layer_ids() | self._store.intent_layers()
         for layer in self._backend.layer_ids():
             # A seal in another process records its layer a moment after making it.
             if layer not in known and _age(self._directory / layer) > 60:

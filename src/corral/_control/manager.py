@@ -4,8 +4,8 @@ layers, recovery, tenants) and keeps the public methods every surface calls, eac
 delegation. The services depend one way, in this order:
 
     validate, tenants, registry, locks, layers
-      <- sandboxes <- commands <- processes <- snapshots <- recovery;  files, ports,
-      volumes <- sandboxes
+      <- sandboxes <- intents, commands <- processes <- snapshots <- recovery;  files,
+      ports, volumes <- sandboxes
 
 and nothing below holds the Manager. The one call that goes up is recovery before first use
 (sandboxes and commands are handed it as a plain ``ready`` callable), because recovery itself
@@ -29,6 +29,7 @@ from .auditbudget import AuditBudgets
 from .commands import Commands
 from .egress import EgressBroker, NetworkSpec
 from .files import AuditedFiles, Files
+from .intents import Intents
 from .interpreter import Interpreter
 from .layers import Layers
 from .locks import WorkspaceLocks
@@ -85,12 +86,16 @@ class Manager:
                                  admission=self.admission, locks=locks,
                                  ready=self._ensure_recovered)
         self.processes = ProcessTable(self.commands)
+        self.intents = Intents(store=self.store, sandboxes=self.sandboxes,
+                               auditor=self.auditor)
         self.snapshots = Snapshots(store=self.store, sandboxes=self.sandboxes,
                                    processes=self.processes, layers=layers, locks=locks,
-                                   auditor=self.auditor, admission=self.admission)
+                                   auditor=self.auditor, admission=self.admission,
+                                   intents=self.intents)
         self.recovery = Recovery(store=self.store, sandboxes=self.sandboxes,
                                  processes=self.processes, backends=self._registry,
-                                 layers=layers, auditor=self.auditor, settings=settings)
+                                 layers=layers, auditor=self.auditor, settings=settings,
+                                 intents=self.intents)
         self.file_access = Files(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor)
         self.interpreter = Interpreter(sandboxes=self.sandboxes, processes=self.processes,

@@ -15,6 +15,7 @@ from .._audit.retention import PruneReport, prune
 from .._settings import Settings
 from ..backends import IsolationBackend, Leftover
 from ..errors import BackendUnavailable, SandboxNotFound
+from .intents import Intents
 from .layers import Layers
 from .processes import ProcessTable
 from .records import SandboxRecord
@@ -36,8 +37,9 @@ class Recovery:
 
     def __init__(self, *, store: Store, sandboxes: Sandboxes, processes: ProcessTable,
                  backends: BackendRegistry, layers: Layers, auditor: Auditor,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, intents: Intents | None = None) -> None:
         self._settings = settings
+        self._intents = intents
         self._pruned_at: float | None = None
         self._store = store
         self._sandboxes = sandboxes
@@ -55,12 +57,12 @@ class Recovery:
         if not self._done:
             with self._lock:
                 if not self._done:
-                    self._recover()
+                    self._recover(every_tier=False)
 
     def recover(self) -> list[str]:
         """Finish interrupted destroys, reap expired sandboxes, sweep crash leftovers, and
         (at most once a minute) prune the trails of destroyed sandboxes past retention."""
-        removed = self._recover()
+        removed = self._recover(every_tier=True)
         now = time.monotonic()
         if self._settings is not None and (
                 self._pruned_at is None or now - self._pruned_at >= _PRUNE_EVERY_S):
@@ -89,8 +91,9 @@ class Recovery:
                             pruned.sandbox_id, pruned.reason, pruned.bytes)
         return report
 
-    def _recover(self) -> list[str]:
-        removed: list[str] = []
+    def _recover(self, *, every_tier: bool) -> list[str]:
+        # First, before anything reads or sweeps the data: operations a crash cut short.
+        removed: list[str] = [] if self._intents is None else self._intents.resolve_abandoned()
         now = time.time()
         for info in self._store.list():
             # A create takes milliseconds; one still "creating" after a minute was interrupted.
@@ -109,7 +112,13 @@ class Recovery:
             removed.append(f"sandbox {info.id}")
         # Every tier that has sandboxes sweeps its own leftovers; pieces shared by the tiers
         # (workspaces, cgroups, netns) are only removed for ids the store does not know.
-        for name in {info.isolation for info in self._store.list()} - set(self._backends.loaded):
+        # Before first use only the tiers loaded by now sweep (the default one, and any a
+        # sandbox above needed): its sweep covers the shared pieces of every tier, and
+        # loading another costs its host check and imports in every CLI process. The rest of
+        # another tier's own leftovers (runsc state, microVM keepers and disks) is the
+        # reaper's and `corral reap`'s.
+        stored = {info.isolation for info in self._store.list()} if every_tier else set()
+        for name in stored - set(self._backends.loaded):
             with contextlib.suppress(BackendUnavailable):
                 self._backends.get(name)
         swept: list[Leftover] = []

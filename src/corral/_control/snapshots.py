@@ -11,15 +11,18 @@ import builtins
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Iterator
 
 from .._audit.auditor import Auditor
+from .._core.failpoints import failpoint
 from ..errors import SandboxBusy, SnapshotInUse, SnapshotNotFound, UsageError
 from ..models import SnapshotInfo
 from . import validate
 from .egress import network_spec, policy_from
+from .intents import Intents
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .memimages import capable, check_resumable
@@ -31,6 +34,8 @@ from .tenants import Admission, Tenant
 
 __all__ = ["Snapshots", "is_running"]
 
+logger = logging.getLogger(__name__)
+
 
 def is_running(sandboxes: Sandboxes, processes: ProcessTable, info: SandboxRecord) -> bool:
     """True while a background process or any command (from any process) runs in it."""
@@ -40,8 +45,9 @@ def is_running(sandboxes: Sandboxes, processes: ProcessTable, info: SandboxRecor
 class Snapshots:
     def __init__(self, *, store: Store, sandboxes: Sandboxes, processes: ProcessTable,
                  layers: Layers, locks: WorkspaceLocks, auditor: Auditor,
-                 admission: Admission) -> None:
+                 admission: Admission, intents: Intents) -> None:
         self._store = store
+        self._intents = intents
         self._sandboxes = sandboxes
         self._processes = processes
         self._layers = layers
@@ -70,20 +76,42 @@ class Snapshots:
                     f"for them (or kill them) before {doing}")
             yield fresh
 
-    def _seal(self, info: SandboxRecord) -> str:
-        """Seal the sandbox's writable layer into a new read-only layer; return its id."""
+    def _seal(self, info: SandboxRecord, operation: str) -> str:
+        """Seal the sandbox's writable layer into a new read-only layer; return its id. Under
+        an intent record (``intents``): a crash at any step leaves the layer recorded and the
+        sandbox on it, or the sandbox as it was, never its files in an unrecorded layer."""
         if info.state == "paused":
             raise SandboxBusy(f"sandbox {info.id} is paused; resume() it first")
         backend = self._sandboxes.backend(info)
         with self._quiet(info, "taking a snapshot") as fresh:
             layer = new_id("lyr")
-            result = backend.seal_workspace(self._sandboxes.spec(fresh), layer)
+            intent = self._intents.begin("seal", info.id, layer=layer, operation=operation)
+            with self._settled_on_error(intent):
+                result = backend.seal_workspace(self._sandboxes.spec(fresh), layer)
             parent = result.layers[1] if len(result.layers) > 1 else None
-            self._store.add_layer(layer, parent=parent, bytes_used=result.bytes_used)
-            self._store.set_layer(info.id, layer)
+            self._store.seal_done(info.id, layer, parent=parent, bytes_used=result.bytes_used,
+                                  intent=intent)
+            failpoint("seal.recorded")
         if result.squashed:
             self._layers.collect()
         return layer
+
+    @contextlib.contextmanager
+    def _settled_on_error(self, intent: str) -> Iterator[None]:
+        """An intent whose change failed here is finished or undone here too (the tier undoes
+        what it can of a failed step; this makes the store agree). If even that fails, the
+        record stays for the next start's recovery."""
+        try:
+            yield
+        except BaseException:
+            record = next((i for i in self._store.intents() if i["id"] == intent), None)
+            if record is not None:
+                try:
+                    self._intents.resolve(record)
+                except Exception:
+                    logger.exception("an interrupted %s (%s) is left to recovery",
+                                     record["kind"], intent)
+            raise
 
     def _seal_memory(self, info: SandboxRecord) -> tuple[str, str]:
         """Seal the writable layer and save the running sandbox's memory as a memory image,
@@ -99,16 +127,19 @@ class Snapshots:
             layer, image = new_id("lyr"), new_id("mem")
             self._store.add_memory_image(image, layer=layer, isolation=info.isolation,
                                          resources=info.resources, template=info.template)
+            intent = self._intents.begin("seal", info.id, layer=layer,
+                                         operation="memory snapshot")
             try:
-                result = backend.snapshot_memory(self._sandboxes.spec(info), layer, image)
+                with self._settled_on_error(intent):
+                    result = backend.snapshot_memory(self._sandboxes.spec(info), layer, image)
             except BaseException:
                 with contextlib.suppress(Exception):
                     backend.remove_memory_image(image)  # whatever a failed save left
                 self._store.delete_memory_image(image)
                 raise
             parent = result.layers[1] if len(result.layers) > 1 else None
-            self._store.add_layer(layer, parent=parent, bytes_used=result.bytes_used)
-            self._store.set_layer(info.id, layer)
+            self._store.seal_done(info.id, layer, parent=parent, bytes_used=result.bytes_used,
+                                  intent=intent)
         if result.squashed:
             self._layers.collect()
         return layer, image
@@ -125,7 +156,8 @@ class Snapshots:
         if memory:
             layer, image = self._seal_memory(info)
         else:
-            layer = self._seal(info)
+            layer = self._seal(info, "snapshot")
+        failpoint("snapshot.sealed")
         try:
             snap = self._store.add_snapshot(new_id("snap"), name=name, tenant=info.tenant,
                                             layer=layer, template=info.template,
@@ -161,13 +193,14 @@ class Snapshots:
         if memory:
             layer, image = self._seal_memory(info)
         else:
-            layer = self._seal(info)
+            layer = self._seal(info, "fork")
+        failpoint("fork.sealed")
         origin: dict[str, object] = {"forked_from": info.id, "layer": layer}
         if image is not None:
             origin["memory_image"] = image
 
         def child() -> SandboxRecord:
-            return self._sandboxes.create(
+            made = self._sandboxes.create(
                 template=info.template, resources=info.resources, timeout=None,
                 labels=info.labels, network=network_spec(info.network),
                 secrets=sorted(info.secrets), tenant=info.tenant,
@@ -176,6 +209,8 @@ class Snapshots:
                 parent_layer=layer, origin=origin, memory_image=image,
                 # A volume has one writer: children get the read-only mounts only.
                 mounts=[m for m in info.mounts if m["read_only"]])
+            failpoint("fork.child-made")
+            return made
 
         try:
             # The children start side by side, a few at a time: a microVM child's start is
@@ -225,8 +260,13 @@ class Snapshots:
                             resources=info.resources, isolation=info.isolation)
         with self._quiet(info, "restoring") as fresh:
             info = dataclasses.replace(fresh, layer=layer, memory_image=image)
-            backend.reset_workspace(self._sandboxes.spec(info))
-            self._store.set_layer(info.id, layer, memory_image=image)
+            # Begun, a restore has dropped the writable layer: a crash's only way on is forward.
+            intent = self._intents.begin("restore", info.id, layer=layer, memory_image=image,
+                                         operation="restore")
+            with self._settled_on_error(intent):
+                backend.reset_workspace(self._sandboxes.spec(info))
+                failpoint("restore.reset")
+            self._store.restore_done(info.id, layer, memory_image=image, intent=intent)
         self._layers.collect()
         self._auditor.event(info.id, "snapshot.restored", {
             "snapshot": snap.id, "name": snap.name, "layer": layer, "memory": image is not None,

@@ -106,6 +106,14 @@ CREATE TABLE IF NOT EXISTS volume_mounts (
     read_only INTEGER NOT NULL,
     PRIMARY KEY (volume_id, sandbox_id)
 );
+CREATE TABLE IF NOT EXISTS intents (
+    id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    data TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT NOT NULL,
     labels TEXT NOT NULL,
@@ -438,13 +446,61 @@ class Store:
     def add_layer(self, layer_id: str, *, parent: str | None, bytes_used: int) -> int:
         """Record a sealed layer on top of ``parent``; return its depth (1 = no parent)."""
         with self._tx() as db:
-            depth = 1
-            if parent is not None:
-                row = db.execute("SELECT depth FROM layers WHERE id = ?", (parent,)).fetchone()
-                depth = (row[0] if row else 0) + 1
-            db.execute("INSERT INTO layers (id, parent, depth, bytes, created_at) "
-                       "VALUES (?, ?, ?, ?, ?)", (layer_id, parent, depth, bytes_used, time.time()))
+            return self._add_layer(db, layer_id, parent=parent, bytes_used=bytes_used)
+
+    @staticmethod
+    def _add_layer(db: sqlite3.Connection, layer_id: str, *, parent: str | None,
+                   bytes_used: int) -> int:
+        depth = 1
+        if parent is not None:
+            row = db.execute("SELECT depth FROM layers WHERE id = ?", (parent,)).fetchone()
+            depth = (row[0] if row else 0) + 1
+        db.execute("INSERT OR IGNORE INTO layers (id, parent, depth, bytes, created_at) "
+                   "VALUES (?, ?, ?, ?, ?)", (layer_id, parent, depth, bytes_used, time.time()))
         return depth
+
+    def seal_done(self, sandbox_id: str, layer_id: str, *, parent: str | None,
+                  bytes_used: int, intent: str | None = None) -> None:
+        """Record a sealed layer and put the sandbox on it, and (one transaction) close the
+        seal's intent: there is no moment the layer is the sandbox's but unrecorded, or
+        recorded but not the sandbox's."""
+        with self._tx() as db:
+            self._add_layer(db, layer_id, parent=parent, bytes_used=bytes_used)
+            db.execute("UPDATE sandboxes SET layer = ?, memory_image = NULL WHERE id = ?",
+                       (layer_id, sandbox_id))
+            if intent is not None:
+                db.execute("DELETE FROM intents WHERE id = ?", (intent,))
+
+    def restore_done(self, sandbox_id: str, layer: str | None, *, memory_image: str | None,
+                     intent: str) -> None:
+        """``set_layer`` and the restore's intent closed, in one transaction."""
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET layer = ?, memory_image = ? WHERE id = ?",
+                       (layer, memory_image, sandbox_id))
+            db.execute("DELETE FROM intents WHERE id = ?", (intent,))
+
+    # -- intents ----------------------------------------------------------------------------
+
+    def add_intent(self, intent_id: str, *, kind: str, sandbox_id: str,
+                   data: Mapping[str, Any], owner: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO intents (id, kind, sandbox_id, data, owner, created_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?)", (intent_id, kind, sandbox_id,
+                                                     json.dumps(dict(data)), owner, time.time()))
+
+    def intents(self) -> builtins.list[dict[str, Any]]:
+        """Every open intent, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM intents ORDER BY created_at").fetchall()
+        return [{**dict(row), "data": json.loads(row["data"])} for row in rows]
+
+    def delete_intent(self, intent_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM intents WHERE id = ?", (intent_id,))
+
+    def intent_layers(self) -> set[str]:
+        """The layers open intents name: garbage collection leaves them alone."""
+        return {str(i["data"]["layer"]) for i in self.intents() if i["data"].get("layer")}
 
     def layer_chain(self, top: str | None) -> tuple[str, ...]:
         """``top`` and the layers under it, top first."""
@@ -471,7 +527,9 @@ class Store:
                     "SELECT id FROM layers WHERE id NOT IN (SELECT layer FROM sandboxes WHERE "
                     "layer IS NOT NULL) AND id NOT IN (SELECT layer FROM snapshots) AND id NOT "
                     "IN (SELECT parent FROM layers WHERE parent IS NOT NULL) AND id NOT IN "
-                    "(SELECT layer FROM memory_images)")]
+                    "(SELECT layer FROM memory_images) AND id NOT IN (SELECT "
+                    "json_extract(data, '$.layer') FROM intents WHERE json_extract(data, "
+                    "'$.layer') IS NOT NULL)")]
                 if not rows:
                     return removed
                 db.executemany("DELETE FROM layers WHERE id = ?", [(r,) for r in rows])

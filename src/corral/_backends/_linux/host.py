@@ -127,8 +127,13 @@ class HostBackedBackend:
 
     def _keep_group(self, sandbox_id: str, name: str) -> bool:
         """True for a child group of a live sandbox that is the tier's own and still in use
-        (not a command of a dead owner), so the sweep leaves it."""
-        return False
+        (not a command of a dead owner), so the sweep leaves it.
+
+        Any tier's sweep walks every sandbox's groups (they share one tree), and a group not
+        named after its owner process (``<kind>.<pid>.<start>...``) belongs to a tier that
+        tells for itself: the microVM tier's ``vm`` holds QEMU, which a namespace process's
+        sweep once killed. Only that tier's sweep decides about it (its override)."""
+        return len(name.split(".")) < 3
 
     # -- shared pieces ------------------------------------------------------------------------
 
@@ -308,6 +313,11 @@ class HostBackedBackend:
         self._close_resident(spec.id)  # nothing runs (the caller's promise); its mount goes
         return self._store.seal(spec, layer_id)
 
+    def recover_seal(self, spec: SandboxSpec, layer_id: str) -> SealResult | None:
+        self._ready()
+        self._close_resident(spec.id)
+        return self._store.recover_seal(spec, layer_id)
+
     def reset_workspace(self, spec: SandboxSpec) -> None:
         self._ready()
         self._close_resident(spec.id)
@@ -380,12 +390,14 @@ class HostBackedBackend:
 
     def destroy(self, spec: SandboxSpec) -> None:
         self._ready()
-        # First: a resident still starting is waited for and stopped, so it never makes its
+        # Thawed first: a frozen process cannot die, so a paused sandbox's resident would
+        # not stop (its close waited out every kill's deadline) and its destroy stuck.
+        with contextlib.suppress(BackendError, OSError):
+            self.cgroups.freeze(spec.id, False)
+        # Then a resident still starting is waited for and stopped, so it never makes its
         # group inside a cgroup being removed.
         self._close_resident(spec.id, forget=True)
         self._ensured.discard(spec.id)
-        with contextlib.suppress(BackendError, OSError):
-            self.cgroups.freeze(spec.id, False)  # a frozen process cannot die
         self.cgroups.kill(spec.id)
         self.cgroups.remove(spec.id)
         self._destroy_extra(spec)

@@ -36,6 +36,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import logging
 import os
 import platform
@@ -49,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..._core import linux
+from ..._core.failpoints import failpoint
 from ..._core.idmap import bind_idmapped
 from ..._core.privileged import privileged_env
 from ...backends import SandboxSpec, SealResult
@@ -414,7 +416,11 @@ class WorkspaceStore:
         """Turn the writable layer into read-only layer ``layer_id`` and start a fresh one on
         top. The caller makes sure nothing runs in the sandbox. O(1) in the workspace's size,
         except when the chain is at ``MAX_LAYERS``: then the whole workspace is copied into one
-        squashed layer (O(size), once every ``MAX_LAYERS`` seals)."""
+        squashed layer (O(size), once every ``MAX_LAYERS`` seals).
+
+        Each step leaves a state ``recover_seal`` can finish or undo after a crash: the layer
+        is whole once its image is in place (moved: a rename) and, for a squash, once its
+        ``sealed`` mark is written (before the old image goes)."""
         with flock(self.sandbox_dir(spec.id) / ".lock"):
             if not self.is_mounted(spec.id):
                 self._mount(spec)
@@ -422,17 +428,23 @@ class WorkspaceStore:
             self.layers_root.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.layers_root, 0o700)
             layer.mkdir(mode=0o700)
+            failpoint("seal.layer-made")
+            old = os.stat(self._image(spec.id)).st_ino
             try:
                 if len(spec.layers) + 1 > MAX_LAYERS:
                     used = self._squash_into(spec, layer)
                     result = SealResult(layers=(layer_id,), bytes_used=used, squashed=True)
+                    self._mark_sealed(spec, layer, old, used)
                     self._unmount_all(spec.id, lazy=False)
                     self._image(spec.id).unlink()
+                    failpoint("seal.moved")
                 else:
                     used = self._move_upper_into(spec, layer)
+                    failpoint("seal.moved")
                     result = SealResult(layers=(layer_id, *spec.layers), bytes_used=used,
                                         squashed=False)
-                (layer / "owner").write_text(str(spec.uid))
+                    self._mark_sealed(spec, layer, old, used)
+                failpoint("seal.marked")
             except BaseException:
                 # Never lose the sandbox's changes: put its image back before dropping the layer.
                 with contextlib.suppress(OSError, BackendError):
@@ -443,8 +455,46 @@ class WorkspaceStore:
                 shutil.rmtree(layer, ignore_errors=True)
                 raise
             self._new_upper(spec)
+            failpoint("seal.new-upper")
             self._mount(_with_layers(spec, result.layers))
         return result
+
+    @staticmethod
+    def _mark_sealed(spec: SandboxSpec, layer: Path, old_image: int, used: int) -> None:
+        """The layer is whole: its writer's uid, and a mark naming the writable image it was
+        made from (its inode) and its size, so ``recover_seal`` can tell that image from the
+        fresh one that follows it."""
+        (layer / "owner").write_text(str(spec.uid))
+        (layer / "sealed").write_text(json.dumps({"image": old_image, "bytes": used}))
+
+    def recover_seal(self, spec: SandboxSpec, layer_id: str) -> SealResult | None:
+        """Finish or undo a ``seal`` of ``spec`` (its layers before the seal) that a crash cut
+        short; idempotent. A whole layer (its image moved in, or a squash's mark written) is
+        kept and the sandbox gets a fresh writable layer on it: the result says so. Otherwise
+        the layer goes and the writable image, never moved, stays as it was: None. Either way
+        every mount the seal had made is taken down; the next use mounts the workspace as the
+        store then says it is."""
+        layer = self._layer_dir(layer_id)
+        image = self._image(spec.id)
+        squash = len(spec.layers) + 1 > MAX_LAYERS
+        with flock(self.sandbox_dir(spec.id) / ".lock"):
+            self._unmount_all(spec.id, lazy=True)
+            _umount(layer / "root", lazy=True)
+            mark = _read_mark(layer / "sealed")
+            whole = mark is not None if squash else (layer / "layer.img").exists()
+            if not whole:
+                shutil.rmtree(layer, ignore_errors=True)
+                return None
+            if mark is None:  # moved, but not marked yet
+                self._mark_sealed(spec, layer, -1, _used(layer / "layer.img"))
+                mark = _read_mark(layer / "sealed")
+                assert mark is not None
+            if image.exists() and image.stat().st_ino == mark["image"]:
+                image.unlink()  # the squashed image, copied whole into the layer already
+            if not image.exists():
+                self._new_upper(spec)
+        layers = (layer_id,) if squash else (layer_id, *spec.layers)
+        return SealResult(layers=layers, bytes_used=int(mark["bytes"]), squashed=squash)
 
     def _move_upper_into(self, spec: SandboxSpec, layer: Path) -> int:
         disk = self._disk(spec.id)
@@ -502,11 +552,13 @@ class WorkspaceStore:
         return used
 
     def reset(self, spec: SandboxSpec) -> None:
-        """Discard the writable layer and start a fresh one on ``spec.layers`` (restore)."""
+        """Discard the writable layer and start a fresh one on ``spec.layers`` (restore).
+        Idempotent: run again after a crash, it finishes what it began."""
         with flock(self.sandbox_dir(spec.id) / ".lock"):
             # Lazy: the layer is being thrown away, so there is nothing to write back first.
             self._unmount_all(spec.id, lazy=True)
             self._image(spec.id).unlink(missing_ok=True)
+            failpoint("restore.upper-dropped")
             self._new_upper(spec)
             self._mount(spec)
 
@@ -762,3 +814,20 @@ def _with_layers(spec: SandboxSpec, layers: tuple[str, ...]) -> SandboxSpec:
     import dataclasses
 
     return dataclasses.replace(spec, layers=layers)
+
+
+def _read_mark(path: Path) -> dict[str, int] | None:
+    """A layer's ``sealed`` mark, or None when it is not (wholly) written."""
+    try:
+        mark = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return mark if isinstance(mark, dict) and {"image", "bytes"} <= set(mark) else None
+
+
+def _used(image: Path) -> int:
+    """The bytes an image's blocks hold (a sealed layer's size, when its mark was not written)."""
+    try:
+        return os.stat(image).st_blocks * 512
+    except OSError:
+        return 0

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._core.fsafe import read_regular, remove_tree
 from ..._core.owner import owner_alive
 from ..._core.privileged import privileged_env
 from ..._settings import Settings
@@ -142,15 +143,18 @@ class MicrovmBackend(HostBackedBackend):
     # -- set-up ----------------------------------------------------------------------------
 
     def check_host(self) -> list[HostCheck]:
-        from .hostcheck import check_host
+        from .hostcheck import host_checks
 
-        return check_host(self._settings)
+        return host_checks(self._settings).fresh()
 
     def _ready(self) -> _Spawner:
         if self._launcher is None:
             with self._lock:
                 if self._launcher is None:
-                    failed = [c for c in self.check_host() if not c.ok]
+                    from .hostcheck import host_checks
+
+                    # Remembered for this boot (see hostcache): each CLI call is a process.
+                    failed = [c for c in host_checks(self._settings).cached() if not c.ok]
                     if failed:
                         lines = "; ".join(f"{c.name}: {c.detail} (fix: {c.fix})"
                                           for c in failed)
@@ -283,7 +287,7 @@ class MicrovmBackend(HostBackedBackend):
         self._stop_keeper(spec.id)
         self.cgroups.remove(spec.id)
         netns.remove_netns(self._netns_path(spec.id))
-        shutil.rmtree(self._disk_dir(spec.id), ignore_errors=True)
+        remove_tree(self._disk_dir(spec.id))
 
     def _stop_keeper(self, sandbox_id: str) -> None:
         run = self._run_path(sandbox_id)
@@ -292,7 +296,7 @@ class MicrovmBackend(HostBackedBackend):
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
-        shutil.rmtree(run, ignore_errors=True)
+        remove_tree(run)
 
     def _stop_vm(self, spec: SandboxSpec) -> None:
         """Stop the VM cleanly (the agent unmounts the workspace first)."""
@@ -563,6 +567,23 @@ class MicrovmBackend(HostBackedBackend):
         return SealResult(layers=(layer_id, *spec.layers), bytes_used=layer.stat().st_size,
                           squashed=False)
 
+    def recover_seal(self, spec: SandboxSpec, layer_id: str) -> SealResult | None:
+        from . import disk
+
+        self._ready()
+        self._stop_vm(spec)
+        layer = self._layer_path(layer_id)
+        layer.with_name(f".{layer.name}.tmp").unlink(missing_ok=True)  # a squash's, unpublished
+        if not layer.exists():  # neither the rename nor a squash's publish happened
+            return None
+        sealed = (layer_id, *spec.layers)
+        top = self._top(spec.id)
+        backing = disk.chain(top)[1:2] if top.exists() else []
+        if not backing or backing[0].get("filename") != str(layer):
+            # The top was renamed into the layer, or a squash copied it there: a fresh top.
+            self._new_top(dataclasses.replace(spec, layers=sealed))
+        return SealResult(layers=sealed, bytes_used=layer.stat().st_size, squashed=False)
+
     def reset_workspace(self, spec: SandboxSpec) -> None:
         _refuse_mounts(spec)
         self._ready()
@@ -649,13 +670,13 @@ class MicrovmBackend(HostBackedBackend):
                 sandbox_id = run.name[len(prefix):]
                 if run.name.startswith(prefix) and not is_live(sandbox_id):
                     _kill_keeper(run)
-                    shutil.rmtree(run, ignore_errors=True)
+                    remove_tree(run)
                     removed.append(Leftover("microvm", sandbox_id, run.name))
         disks = self._dir / "sandboxes"
         if disks.is_dir():
             for entry in disks.iterdir():
                 if not is_live(entry.name):
-                    shutil.rmtree(entry, ignore_errors=True)
+                    remove_tree(entry)
                     removed.append(Leftover("disk", entry.name, entry.name))
         return removed
 
@@ -685,10 +706,9 @@ def _seccomp_program() -> str:
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace").strip()
-    except OSError:
-        return ""
+    # Never a blocking open: a sweep reads the pid file of every run directory it finds.
+    data = read_regular(path)
+    return "" if data is None else data.decode(errors="replace").strip()
 
 
 def _kill_keeper(run: Path) -> None:
