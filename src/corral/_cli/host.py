@@ -165,9 +165,14 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
     Exits 0 when the default tier (``CORRAL_BACKEND``) can run; the other tiers are reported,
     with their reasons, either way. ``--json``: ``{ok, default, checks, tiers: {name:
-    {supported, checks}}}``, where ``checks`` are the default tier's.
+    {supported, remembered, checks}}}``, where ``checks`` are the default tier's.
+
+    Every check runs now. Other commands reuse a tier's passing checks for the rest of this
+    boot, until a program they vetted or Corral changes (``remembered``); this run replaces
+    what was remembered, or forgets it when a check fails.
     """
     from .._backends import BACKENDS, load_backend
+    from .._backends._linux.hostcheck import checks_path
     from ..backends import HostCheck
     from ..errors import CorralError
 
@@ -179,6 +184,7 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
         except CorralError as exc:  # a tier that cannot even load is reported, not fatal
             tiers[tier] = [HostCheck(tier, False, exc.message, "see the message")]
     supported = {name: all(c.ok for c in checks) for name, checks in tiers.items()}
+    remembered = {name: checks_path(settings, name).is_file() for name in tiers}
     ok = supported[settings.backend]
 
     def lines(checks: list[HostCheck]) -> list[dict[str, Any]]:
@@ -186,7 +192,8 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
     if as_json:
         emit_json({"ok": ok, "default": settings.backend, "checks": lines(tiers[settings.backend]),
-                   "tiers": {name: {"supported": supported[name], "checks": lines(checks)}
+                   "tiers": {name: {"supported": supported[name],
+                                    "remembered": remembered[name], "checks": lines(checks)}
                              for name, checks in tiers.items()}})
     else:
         for name, checks in tiers.items():
@@ -204,6 +211,11 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
                    if usable else
                    "this host cannot run Corral sandboxes safely; fix the FAIL lines above",
                    err=True)
+        kept = [name for name, good in remembered.items() if good]
+        if kept:
+            click.echo(f"checks remembered for this boot ({', '.join(kept)}): other commands "
+                       "skip them until a program they vetted, the kernel or Corral changes; "
+                       "`corral doctor` always checks again", err=True)
     sys.exit(0 if ok else EXIT_UNAVAILABLE)
 
 

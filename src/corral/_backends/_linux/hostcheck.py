@@ -1,4 +1,8 @@
-"""Host checks for the namespace tier: each says what is missing and how to fix it."""
+"""Host checks for the namespace tier: each says what is missing and how to fix it.
+
+``check_host`` runs them now (``corral doctor``); ``host_checks`` remembers a pass for this
+boot (``hostcache``), which is what a tier asks before its first sandbox in a process.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,17 @@ from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import HostCheck
 from ...errors import BackendUnavailable
+from .hostcache import HostKey, TierChecks, which
 
-__all__ = ["check_host"]
+__all__ = ["CHECKS_VERSION", "USERNS_SYSCTLS", "check_host", "checks_path", "host_checks",
+           "host_key", "sysctl_values"]
+
+# Bump when a check changes what it accepts (edits of this file change every key anyway).
+CHECKS_VERSION = "1"
+# Programs the checks vet; a change of any makes the tier check again.
+_PROGRAMS = ("bwrap", "mkfs.ext4", "mount", "setpriv", "setsid", "unshare")
+USERNS_SYSCTLS = ("/proc/sys/user/max_user_namespaces",
+                  "/proc/sys/kernel/apparmor_restrict_unprivileged_userns")
 
 _APT = "apt-get install -y bubblewrap libseccomp2 e2fsprogs mount"
 
@@ -181,3 +194,31 @@ def check_host(settings: Settings) -> list[HostCheck]:
         _check_tool("setsid", "util-linux"),
         _check_tool("unshare", "util-linux"),
     ]
+
+
+def checks_path(settings: Settings, tier: str) -> Path:
+    """Where a tier's passing checks are recorded: per data directory, as some checks look at
+    it (idmapped mounts on its filesystem, its cgroups)."""
+    return settings.home / "hostchecks" / f"{tier}.json"
+
+
+def sysctl_values(paths: tuple[str, ...] = USERNS_SYSCTLS) -> dict[str, str]:
+    """The current values of ``paths`` (cheap to read; a sysctl can change within a boot)."""
+    values = {}
+    for path in paths:
+        try:
+            values[path] = Path(path).read_text().strip()
+        except OSError:
+            values[path] = "absent"
+    return values
+
+
+def host_key(settings: Settings) -> HostKey:
+    return HostKey(tier="namespace", version=CHECKS_VERSION, programs=which(*_PROGRAMS),
+                   values=sysctl_values())
+
+
+def host_checks(settings: Settings) -> TierChecks:
+    """The namespace tier's checks, remembered for this boot (see ``hostcache``)."""
+    return TierChecks(checks_path(settings, "namespace"), key=lambda: host_key(settings),
+                      run=lambda: check_host(settings))

@@ -121,7 +121,7 @@ from .._linux.process_io import OutputStream
 from .._linux.supervise import TIMEOUT_EXIT_CODE
 from .._linux.template import BaseTemplate, template_python
 from .bundle import build_config, ensure_rootfs, runtime_uid
-from .hostcheck import check_host, gvisor_dir
+from .hostcheck import gvisor_dir, host_checks
 from .launcher import _SHIM, GvisorLauncher, Launch, reap_orphans
 from .resident import OnDemand, Resident, ResidentDied, ensure_launcher
 from .runsc import Runsc, find_runsc
@@ -188,14 +188,16 @@ class GvisorBackend(HostBackedBackend):
     # -- set-up ----------------------------------------------------------------------------
 
     def check_host(self) -> list[HostCheck]:
-        return check_host(self._settings)
+        return host_checks(self._settings).fresh()
 
     def _ready(self) -> GvisorLauncher:
         if self._launcher is not None:
             return self._launcher
         with self._lock:
             if self._launcher is None:
-                failed = [c for c in self.check_host() if not c.ok]
+                # Remembered for this boot and this runsc: the probe sandbox takes a second,
+                # and every CLI call is a new process (see hostcache).
+                failed = [c for c in host_checks(self._settings).cached() if not c.ok]
                 if failed:
                     lines = "; ".join(f"{c.name}: {c.detail} (fix: {c.fix})" for c in failed)
                     raise BackendUnavailable(
@@ -205,7 +207,10 @@ class GvisorBackend(HostBackedBackend):
                     )
                 _check_traversable(self._settings.home)
                 path = find_runsc()
-                assert path is not None  # checked above
+                if path is None:  # removed since the checks (or their key) looked
+                    raise BackendUnavailable(
+                        "runsc (gVisor) is not installed any more: install it with "
+                        f"{Runsc.install_hint}, then run `corral doctor`")
                 self._runsc = Runsc(path, self._dir / "state")
                 self._runsc.prepare()
                 self._bundles.mkdir(parents=True, exist_ok=True, mode=0o700)

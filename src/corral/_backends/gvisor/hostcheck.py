@@ -1,5 +1,9 @@
 """Host checks for the gVisor tier: runsc, its platform, a real sandbox start, and the pieces
-it shares with the namespace tier (cgroups, network namespaces, workspaces)."""
+it shares with the namespace tier (cgroups, network namespaces, workspaces).
+
+The sandbox start costs about a second, so a pass is remembered for this boot and this runsc
+(``host_checks``, see ``_linux.hostcache``); ``check_host`` runs everything now.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +19,20 @@ from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import HostCheck
 from .._linux import hostcheck as linux_hostcheck
+from .._linux.hostcache import HostKey, TierChecks
 from .._linux.template import load_template
 from .bundle import build_config, ensure_rootfs, runtime_uid, write_config
 from .launcher import reap_orphans
 from .runsc import MIN_VERSION, Runsc, find_runsc, runsc_version
 
-__all__ = ["check_host", "gvisor_dir", "probe_sandbox"]
+__all__ = ["CHECKS_VERSION", "check_host", "gvisor_dir", "host_checks", "host_key",
+           "probe_sandbox"]
+
+# Bump when a check changes what it accepts (edits of the files in _SOURCES change every key).
+CHECKS_VERSION = "1"
+# The probe starts a sandbox from the tier's own spec: a change of it must probe again.
+_SOURCES = tuple(Path(__file__).with_name(name) for name in
+                 ("hostcheck.py", "bundle.py", "runsc.py", "launcher.py"))
 
 # The namespace tier's checks that do not apply here: commands run in gVisor, not bwrap, and the
 # seccomp filter is enforced by gVisor from the OCI spec (no libseccomp needed).
@@ -60,13 +72,14 @@ def _check_platform() -> HostCheck:
     return HostCheck("gvisor platform", True, f"systrap (system calls trapped by seccomp; {kvm})")
 
 
-def probe_sandbox(runsc_path: str) -> str | None:
+def probe_sandbox(runsc_path: str, templates_dir: Path) -> str | None:
     """Start one real gVisor sandbox running ``true`` with the tier's flags and spec; None when
     it worked, else what went wrong.
 
-    Everything lives in a temporary directory (state, bundle, root skeleton, a curated ``/etc``),
-    removed afterwards, so a host check writes nothing into the data directory. It must be
-    traversable: the gofer runs as an unprivileged uid.
+    Its root is the ``base`` template of ``templates_dir``, the one sandboxes get (its curated
+    ``/etc`` is made once, not copied again per probe). State, bundle and root skeleton live in
+    a temporary directory removed afterwards. Both must be traversable: the gofer runs as an
+    unprivileged uid.
     """
     work = Path(tempfile.mkdtemp(prefix="corral-gvisor-probe-"))
     runsc = Runsc(runsc_path, work / "state")
@@ -75,7 +88,9 @@ def probe_sandbox(runsc_path: str) -> str | None:
     try:
         os.chmod(work, 0o711)
         runsc.prepare()
-        template = load_template("base", work / "templates")
+        ca = templates_dir.parent / "egress" / "ca.pem"  # as sandboxes get it: one /etc
+        template = load_template("base", templates_dir,
+                                 extra_ca=ca.read_bytes() if ca.exists() else None)
         config = build_config(
             rootfs=ensure_rootfs(work, template), template=template, workspace=None,
             netns=None, uid=_PROBE_UID, argv=["/usr/bin/true"], cwd="/", env={"PATH": "/usr/bin"},
@@ -98,15 +113,36 @@ def probe_sandbox(runsc_path: str) -> str | None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _check_sandbox(settings: Settings, runsc_path: str | None) -> HostCheck:
+def _check_home(settings: Settings) -> HostCheck:
+    """The gofer runs as the sandbox's runtime uid, with no rights on the host beyond
+    "other": it must be able to walk to the templates and workspaces in the data directory."""
+    home = settings.home
+    for path in (home, *home.parents):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue  # not made yet: it is made traversable (0711) when it is
+        if not mode & 0o001:
+            return HostCheck(
+                "data directory", False,
+                f"{path} is not traversable by other users (mode {mode & 0o777:o}), so "
+                f"gVisor sandboxes cannot reach {home}",
+                f"`chmod o+x {path}` or choose another CORRAL_HOME")
+    return HostCheck("data directory", True, f"{home} is reachable by sandbox uids")
+
+
+def _check_sandbox(settings: Settings, runsc_path: str | None, home: HostCheck) -> HostCheck:
     if runsc_path is None:
         return HostCheck("gvisor sandbox", False, "not tried: runsc is missing or too old",
                          "fix the runsc line first")
     if os.geteuid() != 0:
         return HostCheck("gvisor sandbox", False, "not tried: not running as root",
                          "run Corral as root")
+    if not home.ok:
+        return HostCheck("gvisor sandbox", False, "not tried: the data directory is not "
+                         "reachable by sandbox uids", "fix the data directory line first")
     started = time.monotonic()
-    problem = probe_sandbox(runsc_path)
+    problem = probe_sandbox(runsc_path, settings.home / "templates")
     if problem is not None:
         return HostCheck(
             "gvisor sandbox", False, f"runsc could not start a sandbox: {problem}",
@@ -120,10 +156,26 @@ def check_host(settings: Settings) -> list[HostCheck]:
     """Every check, in the order a fix is best applied. Never raises."""
     runsc_line, runsc_path = _check_runsc()
     shared = [c for c in linux_hostcheck.check_host(settings) if c.name not in _NOT_NEEDED]
+    home = _check_home(settings)
     return [
         *shared[:1],  # root first, as in the namespace tier
         runsc_line,
         _check_platform(),
         *shared[1:],
-        _check_sandbox(settings, runsc_path),
+        home,
+        _check_sandbox(settings, runsc_path, home),
     ]
+
+
+def host_key(settings: Settings) -> HostKey:
+    shared = linux_hostcheck.host_key(settings)
+    programs = {name: path for name, path in shared.programs.items() if name not in _NOT_NEEDED}
+    programs["runsc"] = find_runsc()
+    return HostKey(tier="gvisor", version=CHECKS_VERSION, programs=programs, files=_SOURCES,
+                   values=shared.values)
+
+
+def host_checks(settings: Settings) -> TierChecks:
+    """The gVisor tier's checks, remembered for this boot and this runsc (see hostcache)."""
+    return TierChecks(linux_hostcheck.checks_path(settings, "gvisor"),
+                      key=lambda: host_key(settings), run=lambda: check_host(settings))

@@ -1,20 +1,33 @@
 """Host checks for the microVM tier: the accelerator (hardware KVM, or TCG only under the test
 setting), QEMU with the features the tier relies on, the guest kernel, and the host pieces it
-shares with the other tiers (root, bwrap around QEMU, cgroups, network namespaces)."""
+shares with the other tiers (root, bwrap around QEMU, cgroups, network namespaces).
+
+A pass is remembered for this boot, this QEMU, this accelerator and this guest kernel
+(``host_checks``, see ``_linux.hostcache``); ``check_host`` runs everything now.
+"""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import HostCheck
 from .._linux import hostcheck as linux_hostcheck
+from .._linux.hostcache import HostKey, TierChecks, which
 from .accel import kvm_kind
 
-__all__ = ["MIN_QEMU", "check_host", "qemu_version"]
+__all__ = ["CHECKS_VERSION", "MIN_QEMU", "check_host", "host_checks", "host_key",
+           "qemu_version"]
+
+# Bump when a check changes what it accepts (edits of the files in _SOURCES change every key).
+CHECKS_VERSION = "1"
+_SOURCES = tuple(Path(__file__).with_name(name) for name in
+                 ("hostcheck.py", "accel.py", "kernel.py", "guest.config"))
+_PROGRAMS = ("qemu-system-x86_64", "qemu-img", "gcc", "dpkg-query")
 
 # 8.2: memory-backend-file readonly=on,rom=off (private writable mapping of a read-only RAM
 # file, so warm-restored VMs share pages and cannot write the shared file) and file: migration.
@@ -84,3 +97,23 @@ def check_host(settings: Settings) -> list[HostCheck]:
     shared = [c for c in linux_hostcheck.check_host(settings) if c.name in _KEEP]
     return [*shared, _check_accel(settings), _check_qemu(), _check_kernel(settings),
             linux_hostcheck._check_tool("gcc", "gcc libc6-dev")]
+
+
+def host_key(settings: Settings) -> HostKey:
+    from .kernel import SOURCE_TARBALL, kernels_dir
+
+    shared = linux_hostcheck.host_key(settings)
+    programs = {name: path for name, path in shared.programs.items() if name in _KEEP}
+    return HostKey(
+        tier="microvm", version=CHECKS_VERSION, programs={**programs, **which(*_PROGRAMS)},
+        # The guest kernel: its source package, and the cache a build lands in.
+        files=(*_SOURCES, SOURCE_TARBALL, kernels_dir(settings.microvm_cache)),
+        values={**shared.values, "kvm": kvm_kind(),
+                "allow_tcg": str(settings.microvm_allow_tcg),
+                "microvm_cache": str(settings.microvm_cache)})
+
+
+def host_checks(settings: Settings) -> TierChecks:
+    """The microVM tier's checks, remembered for this boot (see hostcache)."""
+    return TierChecks(linux_hostcheck.checks_path(settings, "microvm"),
+                      key=lambda: host_key(settings), run=lambda: check_host(settings))

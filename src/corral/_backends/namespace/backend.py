@@ -26,7 +26,7 @@ from ...backends import BackendName, ExecOutcome, ExecRequest, HostCheck, Sandbo
 from ...errors import BackendUnavailable
 from .._linux.cgroups import detect_cgroups
 from .._linux.host import HostBackedBackend
-from .._linux.hostcheck import check_host
+from .._linux.hostcheck import host_checks
 from .._linux.ondemand import OnDemand
 from .._linux.template import build_root_template
 from .resident import RESIDENT_PREFIX, WARM_PREFIX, GroupRetirer, Zygote, ensure_zygote
@@ -55,11 +55,12 @@ class NamespaceBackend(HostBackedBackend):
         self._retirer: GroupRetirer | None = None  # with the cgroup driver, in _ready
 
     def check_host(self) -> list[HostCheck]:
-        return check_host(self._settings)
+        return host_checks(self._settings).fresh()
 
     def _ready(self) -> CommandLauncher:
         if self._launcher is None:
-            failed = [c for c in self.check_host() if not c.ok]
+            # Remembered for this boot: every CLI call is a new process (see hostcache).
+            failed = [c for c in host_checks(self._settings).cached() if not c.ok]
             if failed:
                 lines = "; ".join(f"{c.name}: {c.detail} (fix: {c.fix})" for c in failed)
                 raise BackendUnavailable(
