@@ -12,7 +12,9 @@ we made, so it holds nothing of the host's) minus password hashes and keys.
 Both get Corral's ``passwd``, ``group``, ``hosts``, ``hostname`` and ``resolv.conf``, and the
 egress gateway's CA appended to the system bundle. A curated ``/etc`` lives in a directory named
 after what went into it, so a new CA makes a new directory instead of rewriting one that running
-sandboxes have bound.
+sandboxes have bound. For ``base`` that includes the host's own ``/etc`` as it is now
+(``_host_etc_state``: a few dozen ``lstat`` calls, no copy): a package upgrade or an edit there
+makes a new copy at the next load, and otherwise every process reuses the one made.
 """
 
 from __future__ import annotations
@@ -161,13 +163,45 @@ def _add_corral_files(tmp: Path, extra_ca: bytes | None) -> None:
             os.chmod(path, 0o755 if executable else 0o644)
 
 
-def _curated_etc(parent: Path, fill: Callable[[Path], None], extra_ca: bytes | None) -> Path:
-    """``parent/etc.<digest>``, made once by ``fill`` plus Corral's files.
+def _lstat_key(path: str) -> list[int]:
+    st = os.lstat(path)
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode]
+
+
+def _host_etc_state(etc: str = "/etc") -> str:
+    """What changes when the allowlisted part of the host's ``/etc`` does, cheaply: every
+    top-level entry (a file edited in place changes its own mtime) and every directory below
+    them (a file added, removed or replaced by rename, as dpkg and ldconfig do, changes its
+    directory's). A file deep in a directory edited in place is missed until something else
+    changes; base's copies are small and a stale one only lags, it never leaks more."""
+    state: list[object] = []
+    for name in _ETC_ALLOW:
+        top = os.path.join(etc, name)
+        try:
+            state.append([name, *_lstat_key(top)])
+        except OSError:
+            continue
+        pending = [top] if os.path.isdir(top) and not os.path.islink(top) else []
+        while pending:
+            directory = pending.pop()
+            with contextlib.suppress(OSError), os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        state.append([entry.path, *_lstat_key(entry.path)])
+                        pending.append(entry.path)
+    return hashlib.sha256(repr(state).encode()).hexdigest()
+
+
+def _curated_etc(parent: Path, fill: Callable[[Path], None], extra_ca: bytes | None, *,
+                 source_state: str = "") -> Path:
+    """``parent/etc.<digest>``, made once by ``fill`` plus Corral's files; ``source_state``
+    names the state of what ``fill`` copies when that can change (the host's ``/etc``).
 
     Made in a private directory and renamed into place, so concurrent first uses (a CLI and a
     server) cannot see or break each other's half-made copy; the loser discards its own.
     """
     stamp = _VERSION + (f":{hashlib.sha256(extra_ca).hexdigest()}" if extra_ca else "")
+    stamp += f":{source_state}" if source_state else ""
     dest = parent / f"etc.{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
     if dest.is_dir():
         return dest
@@ -245,7 +279,8 @@ def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = No
     masked = tuple(p for p in _MASKED_PROC if os.path.exists(p))
     if name == "base":
         (templates_dir / "base").mkdir(parents=True, exist_ok=True, mode=0o755)
-        etc = _curated_etc(templates_dir / "base", _copy_host_etc, extra_ca)
+        etc = _curated_etc(templates_dir / "base", _copy_host_etc, extra_ca,
+                           source_state=_host_etc_state())
         return BaseTemplate(etc=etc, system=_system_of(Path("/"), _SYSTEM_DIRS),
                             masked_proc=masked)
     build = _current(name, templates_dir)
