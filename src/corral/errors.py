@@ -26,6 +26,7 @@ The tree::
     │   └── FileNotFound
     ├── BackendError           the isolation backend failed
     │   └── BackendUnavailable a kernel feature or host tool is missing
+    ├── DiskFullError          the data directory's disk is full (HTTP 507); nothing was changed
     ├── ImageError             an image could not be pulled or is refused as unsafe
     ├── PortError              an exposed port could not be served
     │   ├── PortNotExposed     the sandbox's owner has not exposed that port
@@ -58,6 +59,7 @@ __all__ = [
     "ContextNotFound",
     "CorralError",
     "FileError",
+    "DiskFullError",
     "FileNotFound",
     "HostRefused",
     "ImageError",
@@ -196,6 +198,15 @@ class BackendError(CorralError):
 class BackendUnavailable(BackendError):
     code = "backend_unavailable"
     status = 503
+
+
+class DiskFullError(CorralError):
+    """The disk that holds the data directory is full. The operation changed nothing (or was
+    undone); freeing space (destroying sandboxes, deleting snapshots or volumes, ``corral audit
+    prune``), which works on a full disk, lets it succeed."""
+
+    code = "insufficient_storage"
+    status = 507
 
 
 class ImageError(CorralError):

@@ -26,6 +26,8 @@ PUBLIC = [
     "PortClosed", "VolumeError", "VolumeNotFound", "VolumeInUse",
     # issue 17: fan-out over a cluster (or one host), and a sandbox lost with its node
     "AsyncFanOut", "FanOut", "Rollout", "SandboxLost",
+    # issue 36: a full data disk, refused the same way on every surface (HTTP 507)
+    "DiskFullError",
 ]
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._core.diskfull import disk_full_as_error
 from .events import SCHEMA_VERSION, AuditEvent
 
 __all__ = ["AuditLog", "AuditTrail", "Record", "follow", "read_trail"]
@@ -127,7 +128,7 @@ class AuditLog:
         """Write ``records`` with the next sequence numbers; return the last one written."""
         if not records:
             return 0
-        with self._lock:
+        with self._lock, disk_full_as_error(self.path.parent):
             fd = self._open()
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:

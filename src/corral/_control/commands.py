@@ -20,6 +20,7 @@ from typing import Any
 
 from .._audit.auditor import Auditor, new_command_id
 from .._audit.tracing import tracer
+from .._core.diskfull import disk_full_as_error
 from .._core.resources import get_tier
 from .._images.config import ImageConfig
 from .._templates import catalog
@@ -103,7 +104,10 @@ class Commands:
             spec = self._sandboxes.spec(info)
             backend = self._sandboxes.backend(info)
             try:
-                with self._locks.hold(sandbox_id, exclusive=False), \
+                # A tier that writes to the data directory to start (gVisor's bundle, a VM's
+                # disk) refuses a full disk as DiskFullError, not an OSError.
+                with disk_full_as_error(self._store.path.parent), \
+                        self._locks.hold(sandbox_id, exclusive=False), \
                         self._egress.for_command(backend, spec, network=info.network,
                                                  placeholders=info.secrets,
                                                  command_id=command_id) as egress_env:

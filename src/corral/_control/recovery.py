@@ -76,6 +76,7 @@ class Recovery:
                      dry_run: bool = False) -> PruneReport:
         """Apply the audit retention (the operator's settings unless given) to the trails of
         destroyed sandboxes; never to a live sandbox's."""
+        self._store.reserve.ensure()  # given up to a delete on a full disk: back, if there is room
         settings = self._settings
         age = max_age_s if max_age_s is not None else (
             settings.audit_retention_s if settings is not None else 0.0)

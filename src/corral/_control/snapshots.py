@@ -17,8 +17,15 @@ import time
 from collections.abc import Iterator
 
 from .._audit.auditor import Auditor
+from .._core.diskfull import insufficient, is_disk_full
 from .._core.failpoints import failpoint
-from ..errors import SandboxBusy, SnapshotInUse, SnapshotNotFound, UsageError
+from ..errors import (
+    DiskFullError,
+    SandboxBusy,
+    SnapshotInUse,
+    SnapshotNotFound,
+    UsageError,
+)
 from ..models import SnapshotInfo
 from . import validate
 from .egress import network_spec, policy_from
@@ -103,7 +110,7 @@ class Snapshots:
         record stays for the next start's recovery."""
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             record = next((i for i in self._store.intents() if i["id"] == intent), None)
             if record is not None:
                 try:
@@ -111,6 +118,8 @@ class Snapshots:
                 except Exception:
                     logger.exception("an interrupted %s (%s) is left to recovery",
                                      record["kind"], intent)
+            if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+                raise insufficient(self._store.path.parent, str(exc)[:200]) from exc
             raise
 
     def _seal_memory(self, info: SandboxRecord) -> tuple[str, str]:

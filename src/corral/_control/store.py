@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import sqlite3
 import threading
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .._core.diskfull import DiskReserve, disk_full_as_error
 from ..errors import QuotaExceeded, UsageError, VolumeInUse, VolumeNotFound
 from ..models import SnapshotInfo
 from .counters import CounterBuffer
@@ -149,6 +151,8 @@ class Store:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o711)
+        self._path = path
+        self.reserve = DiskReserve(path.parent)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None,
                                    check_same_thread=False)
@@ -194,20 +198,31 @@ class Store:
         self._db.execute("INSERT OR IGNORE INTO flags SELECT 'keys_have_existed', ? "
                          "WHERE EXISTS (SELECT 1 FROM api_keys)", (time.time(),))
         path.chmod(0o600)
+        self.reserve.ensure()
         self._counters = CounterBuffer(self._write_counters)
         # Placeholders by sandbox; a gone sandbox's are kept until the bound (redacting
         # strings no sandbox is handed any more is harmless).
         self._placeholders: dict[str, tuple[str, ...]] = {}
         self._placeholders_lock = threading.Lock()  # never held across a database call
 
+    @property
+    def path(self) -> Path:
+        return self._path
+
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+    def _tx(self, *, freeing: bool = False) -> Iterator[sqlite3.Connection]:
+        """One write transaction. A full disk refuses it as DiskFullError, having
+        changed nothing; one that begins freeing space (``freeing``: a destroy, a delete) is
+        given the disk's reserve first when it is nearly full, so it has room to."""
+        if freeing:
+            self.reserve.release_if_short()
+        with self._lock, disk_full_as_error(self._path):
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.OperationalError):  # already rolled back
+                    self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
 
@@ -277,7 +292,7 @@ class Store:
         return [_row_to_info(r) for r in rows]
 
     def set_state(self, sandbox_id: str, state: str) -> None:
-        with self._tx() as db:
+        with self._tx(freeing=state == "destroying") as db:
             db.execute("UPDATE sandboxes SET state = ? WHERE id = ?", (state, sandbox_id))
 
     def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
@@ -299,7 +314,7 @@ class Store:
         """Forget the sandbox, its exposed ports and its hold on volumes, at once."""
         with self._placeholders_lock:
             self._placeholders.pop(sandbox_id, None)
-        with self._tx() as db:
+        with self._tx(freeing=True) as db:
             db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
             db.execute("DELETE FROM ports WHERE sandbox_id = ?", (sandbox_id,))
             db.execute("DELETE FROM volume_mounts WHERE sandbox_id = ?", (sandbox_id,))
@@ -395,7 +410,7 @@ class Store:
     def delete_volume(self, volume_id: str) -> None:
         """Forget a volume; refused while a sandbox mounts it (checked in the same
         transaction, so a create cannot claim it in between)."""
-        with self._tx() as db:
+        with self._tx(freeing=True) as db:
             holders = self._holders(db, volume_id)
             if holders:
                 raise VolumeInUse(
@@ -642,7 +657,7 @@ class Store:
         return row[0] if row else None
 
     def delete_snapshot(self, snapshot_id: str) -> None:
-        with self._tx() as db:
+        with self._tx(freeing=True) as db:
             db.execute("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
 
     # -- tenants and API keys ---------------------------------------------------------------

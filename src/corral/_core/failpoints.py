@@ -42,7 +42,7 @@ def _parse(text: str) -> dict[str, str]:
 
 
 def arm(name: str, action: str = "kill") -> None:
-    """Make failpoint ``name`` act (in this process) the next times it is reached."""
+    """Make failpoint ``name`` act (in this process) the next time it is reached."""
     if name not in _ALL:
         raise ValueError(f"no failpoint {name!r}; they are {sorted(_ALL)}")
     if action not in _ACTIONS:
@@ -58,7 +58,7 @@ def failpoint(name: str) -> None:
     """Act as armed at ``name``; nothing when it is not armed (the usual case)."""
     if not _armed:
         return
-    action = _armed.get(name)
+    action = _armed.pop(name, None)  # once: what runs after it (a recovery) runs as usual
     if action is None:
         return
     if action == "kill":

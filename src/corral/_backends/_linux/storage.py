@@ -50,11 +50,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..._core import linux
+from ..._core.diskfull import disk_full_as_error, free_bytes, insufficient
 from ..._core.failpoints import failpoint
 from ..._core.idmap import bind_idmapped
 from ..._core.privileged import privileged_env
 from ...backends import SandboxSpec, SealResult
-from ...errors import BackendError, BackendUnavailable, QuotaExceeded, SandboxBusy
+from ...errors import BackendError, BackendUnavailable, SandboxBusy
 from . import loop
 
 __all__ = ["MAX_LAYERS", "SealResult", "WorkspaceStore"]
@@ -299,15 +300,26 @@ class WorkspaceStore:
         return self.ensure_mounted(spec)
 
     def _new_upper(self, spec: SandboxSpec) -> None:
-        image = self._image(spec.id)
-        free = shutil.disk_usage(self.root).free
+        self._prepare_upper(spec, self._image(spec.id))
+
+    def _prepare_upper(self, spec: SandboxSpec, target: Path) -> None:
+        """A fresh, empty writable image at ``target`` (claimed from the spares, or made); one
+        already there (a seal or restore cut short made it, and nothing ever mounted it) is
+        kept. Refused before anything changes when the disk is full."""
+        if target.exists():
+            return
+        free = free_bytes(self.root)
         if free < _MIN_FREE:
-            raise QuotaExceeded(
-                f"only {free // (1024 * 1024)} MiB free under {self.root}; free disk space "
-                "before creating more sandboxes")
-        if not self._spares.claim(spec.tier.disk_bytes, image):
-            self._spares.make(spec.tier.disk_bytes, image)
+            raise insufficient(self.root, f"{free // (1024 * 1024)} MiB free, a workspace "
+                               f"needs {_MIN_FREE // (1024 * 1024)} MiB")
+        with disk_full_as_error(self.root):
+            if not self._spares.claim(spec.tier.disk_bytes, target):
+                self._spares.make(spec.tier.disk_bytes, target)
         self._spares.refill(spec.tier.disk_bytes)
+
+    def _next(self, sandbox_id: str) -> Path:
+        """The writable image a seal or restore makes before it drops the current one."""
+        return self.root / sandbox_id / "upper.next.img"
 
     def is_mounted(self, sandbox_id: str) -> bool:
         return is_mount(self.mount_point(sandbox_id))
@@ -431,6 +443,9 @@ class WorkspaceStore:
             failpoint("seal.layer-made")
             old = os.stat(self._image(spec.id)).st_ino
             try:
+                # The fresh writable image first: a full disk refuses the seal here, before
+                # the workspace's own image has moved.
+                self._prepare_upper(spec, self._next(spec.id))
                 if len(spec.layers) + 1 > MAX_LAYERS:
                     used = self._squash_into(spec, layer)
                     result = SealResult(layers=(layer_id,), bytes_used=used, squashed=True)
@@ -454,7 +469,7 @@ class WorkspaceStore:
                     os.rename(sealed, self._image(spec.id))
                 shutil.rmtree(layer, ignore_errors=True)
                 raise
-            self._new_upper(spec)
+            os.rename(self._next(spec.id), self._image(spec.id))
             failpoint("seal.new-upper")
             self._mount(_with_layers(spec, result.layers))
         return result
@@ -484,6 +499,7 @@ class WorkspaceStore:
             whole = mark is not None if squash else (layer / "layer.img").exists()
             if not whole:
                 shutil.rmtree(layer, ignore_errors=True)
+                self._next(spec.id).unlink(missing_ok=True)
                 return None
             if mark is None:  # moved, but not marked yet
                 self._mark_sealed(spec, layer, -1, _used(layer / "layer.img"))
@@ -492,7 +508,8 @@ class WorkspaceStore:
             if image.exists() and image.stat().st_ino == mark["image"]:
                 image.unlink()  # the squashed image, copied whole into the layer already
             if not image.exists():
-                self._new_upper(spec)
+                self._prepare_upper(spec, self._next(spec.id))  # made before, unless cut short
+                os.rename(self._next(spec.id), image)
         layers = (layer_id,) if squash else (layer_id, *spec.layers)
         return SealResult(layers=layers, bytes_used=int(mark["bytes"]), squashed=squash)
 
@@ -555,11 +572,13 @@ class WorkspaceStore:
         """Discard the writable layer and start a fresh one on ``spec.layers`` (restore).
         Idempotent: run again after a crash, it finishes what it began."""
         with flock(self.sandbox_dir(spec.id) / ".lock"):
+            # The fresh image first: a full disk refuses the restore with nothing dropped.
+            self._prepare_upper(spec, self._next(spec.id))
             # Lazy: the layer is being thrown away, so there is nothing to write back first.
             self._unmount_all(spec.id, lazy=True)
             self._image(spec.id).unlink(missing_ok=True)
             failpoint("restore.upper-dropped")
-            self._new_upper(spec)
+            os.rename(self._next(spec.id), self._image(spec.id))
             self._mount(spec)
 
     def remove_layer(self, layer_id: str) -> None:
