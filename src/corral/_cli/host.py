@@ -142,8 +142,11 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
 def reap(ctx: click.Context, as_json: bool) -> None:
     """Destroy expired sandboxes and clean what crashed processes left behind.
 
-    Every command does this on start; run it from cron or a systemd timer so expired sandboxes
-    are removed even when nothing else runs.
+    Every command does this on start for the sandboxes and pieces it can reach without loading
+    another tier (processes, cgroups, network namespaces and workspaces of every tier); this
+    also sweeps each tier's own leftovers (gVisor's runsc state, microVM keepers and disks), as
+    the service's reaper does. Run it from cron or a systemd timer so expired sandboxes are
+    removed even when nothing else runs.
     """
     from .._control.manager import get_manager
 
