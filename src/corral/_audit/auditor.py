@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from .._core.owner import this_owner
 from ..errors import CorralError, SandboxNotFound
 from .aggregate import FULL_MAX_BYTES, SUMMARY_MAX_BYTES, Aggregator, Summary, bounded
 from .budget import BudgetSource, BudgetWatch, Overrun
+from .inflight import InFlight
 from .log import AuditLog, AuditTrail, Record, read_trail
 from .metrics import CounterSink, Metrics
 from .recorder import CommandRecorder, new_command_id
@@ -103,6 +105,8 @@ class Auditor:
         self._on_overrun: Callable[[Overrun], None] | None = None
         self._unwritten: list[Summary] = []
         self._worker = Worker(self._work)
+        #: this process's commands started and not finished (see ``inflight``)
+        self.inflight = InFlight(directory, this_owner())
         # A CLI process never closes its auditor: its pending counts are written at exit.
         ref = weakref.ref(self)
         self._exit_hook: Callable[[], None] = lambda: _flush_ref(ref)
@@ -243,7 +247,8 @@ class Auditor:
             return None
         return CommandRecorder(self._log(sandbox_id), self.redactor(sandbox_id),
                                command_id=command_id or new_command_id(),
-                               output_limit_bytes=self.output_limit_bytes)
+                               output_limit_bytes=self.output_limit_bytes,
+                               inflight=self.inflight)
 
     def file_event(self, sandbox_id: str, op: str, path: str,
                    data: bytes | None = None, **extra: Any) -> None:

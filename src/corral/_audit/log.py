@@ -22,12 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._core import flocks
 from .._core.diskfull import disk_full_as_error
 from .events import SCHEMA_VERSION, AuditEvent
 
 __all__ = ["AuditLog", "AuditTrail", "Record", "follow", "read_trail"]
 
 _TAIL_BLOCK = 64 * 1024
+# A writer holds a trail's lock for one append: far less than this, unless it is stopped.
+_LOCK_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +133,11 @@ class AuditLog:
             return 0
         with self._lock, disk_full_as_error(self.path.parent):
             fd = self._open()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            flocks.acquire(fd, timeout_s=_LOCK_WAIT_S, busy=(
+                f"the audit trail of sandbox {self.sandbox_id} ({self.path}) has been locked "
+                f"by another process for {_LOCK_WAIT_S:.0f} s: a Corral process holding it is "
+                f"stopped or stuck (find it with `fuser {self.path}`, then resume or kill it); "
+                "retry afterwards"))
             try:
                 seq, recovered = self._last_seq(fd)
                 now = time.time()

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..models import CommandResult
+from .inflight import InFlight
 from .log import AuditLog, Record
 from .redact import Redactor
 
@@ -62,10 +63,13 @@ class CommandRecorder:
     """Records one command. ``output`` is called from the command's pump as text arrives."""
 
     def __init__(self, log: AuditLog, redactor: Redactor, *, command_id: str,
-                 output_limit_bytes: int) -> None:
+                 output_limit_bytes: int, inflight: InFlight | None = None) -> None:
+        """``inflight``: where the command is marked as started and not finished, so that
+        the next recovery can close its story if this process dies first."""
         self.log = log
         self.redactor = redactor
         self.command_id = command_id
+        self._inflight = inflight
         self._streams = {
             "stdout": _StreamBuffer("stdout", output_limit_bytes),
             "stderr": _StreamBuffer("stderr", output_limit_bytes),
@@ -88,6 +92,8 @@ class CommandRecorder:
             if len(text) > _MAX_CONTEXT_CHARS:
                 clean = {"truncated": text[:_MAX_CONTEXT_CHARS] + "..."}
             data["context"] = clean
+        if self._inflight is not None:
+            self._inflight.add(self.log.sandbox_id, self.command_id)
         self.log.append([self._record("command.started", data)])
 
     def output(self, stream: str, text: str) -> None:
@@ -127,3 +133,5 @@ class CommandRecorder:
                 "exit_code": None, "error": self.redactor.text(error or "unknown error"),
             }))
         self.log.append(records, sync=True)
+        if self._inflight is not None:  # its end is on disk: nothing is left to close
+            self._inflight.remove(self.log.sandbox_id, self.command_id)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .._core.fsafe import remove_special
 from .log import _last_line
 
 __all__ = ["PruneReport", "Pruned", "prune"]
@@ -107,6 +109,12 @@ def prune(directory: Path, *, is_live: Callable[[str], bool], max_age_s: float,
         try:
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            # No trail (a trail is a regular file), and never opened: a FIFO's open would
+            # wait for a writer, and the reaper with it. A special file is removed.
+            if not dry_run:
+                remove_special(entry.path)
             continue
         trail = _Trail(found.group(1), Path(entry.path), st.st_size, st.st_mtime)
         if is_live(trail.sandbox_id):

@@ -9,9 +9,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from .._core import flocks
 from ..errors import SandboxBusy
 
 __all__ = ["WorkspaceLocks"]
+
+_SHARED_WAIT_S = 120.0
 
 
 class WorkspaceLocks:
@@ -45,7 +48,11 @@ class WorkspaceLocks:
         fd = os.open(self._directory / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             if not exclusive:
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                # A snapshot or restore holds it exclusively for moments (a squashing seal
+                # copies the workspace once: seconds); a command waits that out, not more.
+                flocks.acquire(fd, shared=True, timeout_s=_SHARED_WAIT_S, busy=(
+                    f"a snapshot or restore of sandbox {name} has held its workspace for "
+                    f"{_SHARED_WAIT_S:.0f} s; retry when it is done"))
             else:
                 deadline = time.monotonic() + 1.0
                 while True:

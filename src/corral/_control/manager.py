@@ -47,6 +47,9 @@ from .volumes import Volumes
 
 __all__ = ["Manager", "get_manager"]
 
+# How long a fixture's clean-up waits for a destroy (a test's, a drill's).
+_CLEANUP_WAIT_S = 120.0
+
 
 class Manager:
     """Owns the store, the backends and the services of one data directory."""
@@ -208,13 +211,18 @@ class Manager:
         return None if now is None else {"cpu_s": round(now.cpu_s, 3),
                                          "memory_bytes": now.memory_bytes}
 
-    def destroy(self, sandbox_id: str) -> None:
-        self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
+    def destroy(self, sandbox_id: str) -> bool:
+        """Destroy the sandbox: True once it is gone, False when its destroy is still under
+        way after ``DESTROY_WAIT_S`` (accepted: it finishes in the background, and the
+        sandbox is gone for every caller already)."""
+        done = self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
         self.interpreter.forget_sandbox(sandbox_id)  # its kernels died with it
+        return done
 
     def _destroy(self, record: SandboxRecord, *, reason: str) -> None:
-        # For the test and drill fixtures that clean up store rows in whatever state.
-        self.sandboxes.destroy(record, reason=reason)
+        # For the test and drill fixtures that clean up store rows in whatever state: they
+        # remove the data directory next, so they wait for the destroy to finish.
+        self.sandboxes.destroy(record, reason=reason, wait_s=_CLEANUP_WAIT_S)
 
     def _spec(self, info: SandboxInfo | SandboxRecord) -> SandboxSpec:
         record = self.store.get(info.id)
@@ -314,6 +322,7 @@ class Manager:
         return self.file_access.download(sandbox_id, path, gzip=gzip)
 
     def close(self) -> None:
+        self.sandboxes.close()  # destroys under way finish before what they use closes
         self.egress.close()
         self.auditor.close()
         self._registry.close()

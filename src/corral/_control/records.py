@@ -38,6 +38,9 @@ class SandboxRecord:
     template_version: str | None = None
     # Volumes and data mounts: ``backends.Mount`` fields, as JSON objects.
     mounts: list[dict[str, Any]] = field(default_factory=list)
+    # ``PID.START`` of the process that created it: while it is ``creating``, recovery
+    # cleans it up at once if that process is gone (a crash cut the create short).
+    creator: str | None = None
 
     def public(self) -> SandboxInfo:
         return SandboxInfo(

@@ -11,16 +11,19 @@ import time
 from collections.abc import Callable
 
 from .._audit.auditor import Auditor
+from .._audit.inflight import abandoned
 from .._audit.retention import PruneReport, prune
+from .._core.owner import owner_alive
 from .._settings import Settings
 from ..backends import IsolationBackend, Leftover
 from ..errors import BackendUnavailable, SandboxNotFound
+from .destroyer import DestroyJob
 from .intents import Intents
 from .layers import Layers
 from .processes import ProcessTable
 from .records import SandboxRecord
 from .registry import BackendRegistry
-from .sandboxes import Sandboxes
+from .sandboxes import Sandboxes, wait_all
 from .snapshots import is_running
 from .store import Store
 
@@ -30,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 # The reaper applies the audit retention at most this often (a pass reads the directory).
 _PRUNE_EVERY_S = 60.0
+# A reaper pass starts this many destroys at once, and waits for each batch at most this long
+# (a destroy takes well under a second; on a loaded host, seconds).
+_REAP_BATCH = 8
+_REAP_WAIT_S = 10.0
 
 
 class Recovery:
@@ -69,6 +76,7 @@ class Recovery:
             self._pruned_at = now
             report = self.prune_trails()
             removed += [f"audit trail {p.sandbox_id} ({p.reason})" for p in report.removed]
+        self._store.reserve.ensure()  # given up to a delete on a full disk: back, if there is room
         return removed
 
     def prune_trails(self, *, max_age_s: float | None = None,
@@ -76,7 +84,6 @@ class Recovery:
                      dry_run: bool = False) -> PruneReport:
         """Apply the audit retention (the operator's settings unless given) to the trails of
         destroyed sandboxes; never to a live sandbox's."""
-        self._store.reserve.ensure()  # given up to a delete on a full disk: back, if there is room
         settings = self._settings
         age = max_age_s if max_age_s is not None else (
             settings.audit_retention_s if settings is not None else 0.0)
@@ -95,22 +102,8 @@ class Recovery:
     def _recover(self, *, every_tier: bool) -> list[str]:
         # First, before anything reads or sweeps the data: operations a crash cut short.
         removed: list[str] = [] if self._intents is None else self._intents.resolve_abandoned()
-        now = time.time()
-        for info in self._store.list():
-            # A create takes milliseconds; one still "creating" after a minute was interrupted.
-            stale_create = info.state == "creating" and info.created_at < now - 60
-            if info.expires_at <= now and info.state in ("running", "paused"):
-                self._sandboxes.expire(info)
-            elif self._idle(info, now):
-                self._auditor.event(info.id, "sandbox.expired", {
-                    "idle_timeout": info.idle_timeout, "last_active": info.last_active})
-                self._sandboxes.destroy(info, reason="idle")
-            elif info.state == "destroying" or stale_create:
-                self._sandboxes.destroy(info, reason="interrupted")
-            else:
-                continue
-            self._auditor.count("corral_reaper_actions", action="destroy_sandbox")
-            removed.append(f"sandbox {info.id}")
+        removed += self._close_abandoned_commands()  # before a reap ends their trails
+        removed += self._reap()
         # Every tier that has sandboxes sweeps its own leftovers; pieces shared by the tiers
         # (workspaces, cgroups, netns) are only removed for ids the store does not know.
         # Before first use only the tiers loaded by now sweep (the default one, and any a
@@ -140,6 +133,76 @@ class Recovery:
                 }, command=item.command_id, sync=True)
         self._done = True
         return removed + [str(item) for item in swept]
+
+    def _reap(self) -> list[str]:
+        """Destroy what is due, a few at a time, each batch waited for at most
+        ``_REAP_WAIT_S``: a destroy still under way then goes on in the background and is
+        never waited for again (the next passes skip it), so a stuck sandbox costs the
+        reaper one wait, once, and never stops it."""
+        now = time.time()
+        due = [(info, reason) for info in self._store.list()
+               if self._sandboxes.destroy_due(info.id)
+               and (reason := self._due(info, now)) is not None]
+        removed: list[str] = []
+        for start in range(0, len(due), _REAP_BATCH):
+            batch = [(info, self._begin(info, reason))
+                     for info, reason in due[start:start + _REAP_BATCH]]
+            still = wait_all([job for _, job in batch], _REAP_WAIT_S)
+            for info, job in batch:
+                if job.done.is_set() and job.error is None:
+                    self._auditor.count("corral_reaper_actions", action="destroy_sandbox")
+                    removed.append(f"sandbox {info.id}")
+                elif job in still:
+                    self._auditor.count("corral_reaper_actions", action="destroy_underway")
+        return removed
+
+    def _due(self, info: SandboxRecord, now: float) -> str | None:
+        """Why ``info`` is to be destroyed now (None: it is not)."""
+        if info.expires_at <= now and info.state in ("running", "paused"):
+            return "expired"
+        if self._idle(info, now):
+            return "idle"
+        if info.state == "destroying" or self._abandoned_create(info, now):
+            return "interrupted"
+        return None
+
+    def _begin(self, info: SandboxRecord, reason: str) -> DestroyJob:
+        if reason == "expired":
+            return self._sandboxes.begin_expire(info)
+        if reason == "idle":
+            self._auditor.event(info.id, "sandbox.expired", {
+                "idle_timeout": info.idle_timeout, "last_active": info.last_active})
+        return self._sandboxes.begin_destroy(info, reason=reason)
+
+    @staticmethod
+    def _abandoned_create(info: SandboxRecord, now: float) -> bool:
+        """A create cut short: its process is gone (cleaned up at once, pieces and all), or,
+        for a row that names no creator (made before they were recorded), still "creating"
+        after a minute (a create takes seconds at most)."""
+        if info.state != "creating":
+            return False
+        if info.creator is not None:
+            pid, _, start = info.creator.partition(".")
+            return not owner_alive(pid, start)
+        return info.created_at < now - 60
+
+    def _close_abandoned_commands(self) -> list[str]:
+        """Commands a dead Corral process started and never finished (its ``inflight``
+        marks): each trail gets the end that process never wrote."""
+        closed = []
+        for item in abandoned(self._auditor.directory, owner_alive):
+            # A destroyed sandbox's trail ends with its destroy; one never made has none.
+            if self._store.get(item.sandbox_id) is None \
+                    or self._finished(item.sandbox_id, item.command_id):
+                continue
+            self._auditor.event(item.sandbox_id, "command.finished", {
+                "exit_code": None, "interrupted": True,
+                "error": f"interrupted: the Corral process running it (pid {item.owner_pid}) "
+                         "ended before it did (killed or crashed)",
+            }, command=item.command_id, sync=True)
+            self._auditor.count("corral_reaper_actions", action="close_command")
+            closed.append(f"command {item.command_id} of {item.sandbox_id} (interrupted)")
+        return closed
 
     def _finished(self, sandbox_id: str, command_id: str) -> bool:
         try:

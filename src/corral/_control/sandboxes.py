@@ -2,7 +2,9 @@
 lifetime and network policy, pause, resume and destroy.
 
 An expired sandbox is destroyed the next time anything looks at it (and by the reaper), so a
-sandbox never outlives its TTL as something usable.
+sandbox never outlives its TTL as something usable. Destroys run on threads of their own
+(``destroyer``): a caller waits for one at most ``DESTROY_WAIT_S`` and a stuck one never holds
+up anything but its own sandbox.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from .._audit.auditor import Auditor
 from .._audit.budget import Overrun
 from .._backends._linux.template import template_version
+from .._core.owner import this_owner
 from .._core.resources import get_tier
 from .._images.pull import pull_image
 from .._settings import Settings
@@ -35,6 +38,7 @@ from ..errors import (
 from ..models import SnapshotInfo
 from . import validate
 from .auditbudget import AuditBudgets
+from .destroyer import Destroyer, DestroyJob
 from .egress import EgressBroker, NetworkSpec
 from .layers import Layers
 from .locks import WorkspaceLocks
@@ -45,14 +49,15 @@ from .store import Store
 from .tenants import Admission, Tenant
 from .tenants import check as check_ceiling
 
-__all__ = ["Sandboxes", "find_snapshot", "new_id"]
+__all__ = ["DESTROY_WAIT_S", "Sandboxes", "find_snapshot", "new_id"]
 
 logger = logging.getLogger(__name__)
 
 
-# How long a destroy waits for the same sandbox's destroy under way in another thread (a
-# destroy kills, unmounts and syncs the trail: seconds at most).
-_DESTROY_WAIT_S = 60.0
+#: How long a caller waits for a sandbox's destroy (a destroy kills, unmounts and syncs the
+#: trail: well under a second, seconds on a loaded host); past it, the destroy goes on in the
+#: background and the caller is told it is under way.
+DESTROY_WAIT_S = 10.0
 
 
 def new_id(prefix: str = "sbx") -> str:
@@ -90,9 +95,10 @@ class Sandboxes:
         # Recovery, before the first create or list: injected, because recovery is built on
         # this service (the call goes up; the dependency does not).
         self._ready = ready
-        # Sandbox id -> the thread destroying it and an event set once it is done.
-        self._destroying: dict[str, tuple[int, threading.Event]] = {}
-        self._destroying_lock = threading.Lock()
+        self._destroyer = Destroyer(self._destroy_now)
+        # Recorded with each row it creates: a create cut short by this process's death is
+        # then told from one under way (``Recovery``).
+        self._owner = this_owner()
 
     # -- what the other services share ---------------------------------------------------------
 
@@ -194,7 +200,7 @@ class Sandboxes:
             network=policy.to_json(), secrets=placeholders,
             tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
             isolation=isolation, layer=layer, memory_image=memory_image,
-            template_version=version, mounts=mounts,
+            template_version=version, mounts=mounts, creator=self._owner,
         )
         try:
             backend.create(self.spec(info))
@@ -237,13 +243,14 @@ class Sandboxes:
     def list(self, *, tenant: str | None = None) -> builtins.list[SandboxRecord]:
         self._ready()
         now = time.time()
-        live = []
+        live, expired = [], []
         for info in self._store.list():
             if info.expires_at <= now and info.state in ("running", "paused"):
-                self.expire(info)
+                expired.append(self.begin_expire(info))
             elif info.state in ("running", "paused") and (tenant is None
                                                           or info.tenant == tenant):
                 live.append(info)
+        wait_all(expired, DESTROY_WAIT_S)  # together: one wait however many expired
         return live
 
     def set_timeout(self, sandbox_id: str, timeout: float, *,
@@ -325,38 +332,80 @@ class Sandboxes:
                        info.id, action, overrun.scope, overrun.used_bytes,
                        overrun.budget_bytes)
 
-    def expire(self, info: SandboxRecord) -> None:
-        self._auditor.event(info.id, "sandbox.expired", {"expires_at": info.expires_at})
-        self.destroy(info, reason="expired")
+    def expire(self, info: SandboxRecord, *, wait_s: float | None = None) -> bool:
+        """Destroy ``info`` for having reached its lifetime (paused or not); whether it is
+        gone after at most ``wait_s`` (``DESTROY_WAIT_S`` unless given; else its destroy
+        goes on in the background)."""
+        return self._finish(self.begin_expire(info), wait_s)
 
-    def destroy(self, info: SandboxRecord, *, reason: str) -> None:
-        # One destroy per sandbox at a time in this process: the reaper finishing a
-        # "destroying" row must not race the request that is destroying it right now. A
-        # second caller returns once the first is done, so that whoever asked sees it gone.
-        me = threading.get_ident()
-        with self._destroying_lock:
-            underway = self._destroying.get(info.id)
-            if underway is None:
-                done = threading.Event()
-                self._destroying[info.id] = (me, done)
+    def begin_expire(self, info: SandboxRecord) -> DestroyJob:
+        if self._destroyer.underway(info.id) is None:  # one expired event per sandbox
+            self._auditor.event(info.id, "sandbox.expired", {"expires_at": info.expires_at})
+        return self.begin_destroy(info, reason="expired")
+
+    def destroy(self, info: SandboxRecord, *, reason: str,
+                wait_s: float | None = None) -> bool:
+        """Destroy ``info``: True once it is gone, False when its destroy is still under way
+        after ``wait_s`` (``DESTROY_WAIT_S`` unless given; accepted: it goes on in the
+        background, the sandbox already hidden from every caller). Raises what made every
+        try fail."""
+        return self._finish(self.begin_destroy(info, reason=reason), wait_s)
+
+    def begin_destroy(self, info: SandboxRecord, *, reason: str) -> DestroyJob:
+        """Start destroying ``info`` (or join the destroy under way) without waiting."""
+        underway = self._destroyer.underway(info.id)
         if underway is not None:
-            thread, finished = underway
-            if thread != me:
-                finished.wait(_DESTROY_WAIT_S)
-            return
+            return underway
+        # Marked before anything else: hidden at once from every caller, and a crash in the
+        # middle leaves a row the next start finishes off.
+        self._store.set_state(info.id, "destroying")
+        return self._destroyer.start(info, reason)
+
+    def destroy_due(self, sandbox_id: str) -> bool:
+        """Whether the reaper should destroy ``sandbox_id`` now (no destroy under way, and
+        a failed one far enough behind)."""
+        return self._destroyer.due(sandbox_id)
+
+    def destroy_underway(self, sandbox_id: str) -> DestroyJob | None:
+        return self._destroyer.underway(sandbox_id)
+
+    def close(self) -> None:
+        """Let the destroys under way finish first (bounded)."""
+        self._destroyer.drain()
+
+    @staticmethod
+    def _finish(job: DestroyJob, wait_s: float | None) -> bool:
+        if job.thread == threading.get_ident():
+            return False  # asked again from inside its own destroy: never wait on itself
+        done = job.wait(DESTROY_WAIT_S if wait_s is None else wait_s)
+        if not done:
+            logger.warning("sandbox %s is still being destroyed after %.0f s (%s); it goes "
+                           "on in the background", job.sandbox_id, job.running_s, job.reason)
+        return done
+
+    def _destroy_now(self, info: SandboxRecord, reason: str) -> None:
+        """One try of the whole destroy (on the destroy's own thread)."""
+        self.backend(info).destroy(self.spec(info))
+        self._store.delete(info.id)
+        self._locks.remove(info.id)
+        if info.layer is not None:
+            self._layers.collect()
+        self._auditor.event(info.id, "sandbox.destroyed", {"reason": reason}, sync=True)
+        self._auditor.close_log(info.id)
+        self._auditor.count("corral_sandboxes_destroyed", reason=reason)
+        logger.info("destroyed sandbox %s (%s)", info.id, reason)
+
+
+def wait_all(jobs: builtins.list[DestroyJob], wait_s: float) -> builtins.list[DestroyJob]:
+    """Wait for ``jobs`` together, at most ``wait_s`` in all; the ones still under way. A
+    failed one is logged (its destroy is tried again later), not raised: one sandbox's
+    failure must not stop the caller's look at the others."""
+    deadline = time.monotonic() + wait_s
+    pending = []
+    for job in jobs:
         try:
-            # Mark first: a crash in the middle leaves a row that the next start finishes off.
-            self._store.set_state(info.id, "destroying")
-            self.backend(info).destroy(self.spec(info))
-            self._store.delete(info.id)
-            self._locks.remove(info.id)
-            if info.layer is not None:
-                self._layers.collect()
-            self._auditor.event(info.id, "sandbox.destroyed", {"reason": reason}, sync=True)
-            self._auditor.close_log(info.id)
-            self._auditor.count("corral_sandboxes_destroyed", reason=reason)
-            logger.info("destroyed sandbox %s (%s)", info.id, reason)
-        finally:
-            with self._destroying_lock:
-                del self._destroying[info.id]
-            done.set()
+            if not job.wait(max(0.0, deadline - time.monotonic())):
+                pending.append(job)
+        except Exception as exc:
+            logger.warning("destroying sandbox %s failed: %s", job.sandbox_id, exc)
+    return pending

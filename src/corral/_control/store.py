@@ -135,6 +135,7 @@ def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
         last_active=row["last_active"] or row["created_at"],
         isolation=row["isolation"], layer=row["layer"], memory_image=row["memory_image"],
         template_version=row["template_version"], mounts=json.loads(row["mounts"]),
+        creator=row["creator"],
     )
 
 
@@ -180,6 +181,8 @@ class Store:
         if "mounts" not in columns:  # a store made before volumes and data mounts
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN mounts TEXT NOT NULL "
                              "DEFAULT '[]'")
+        if "creator" not in columns:  # a store made before creators were recorded
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN creator TEXT")
         if "memory_image" not in {r[1] for r in self._db.execute("PRAGMA table_info(snapshots)")}:
             # A store made before memory snapshots: every snapshot in it is a disk snapshot.
             self._db.execute("ALTER TABLE snapshots ADD COLUMN memory_image TEXT")
@@ -234,7 +237,7 @@ class Store:
         idle_timeout: float | None = None, isolation: str = "namespace",
         layer: str | None = None, memory_image: str | None = None,
         template_version: str | None = None,
-        mounts: Sequence[Mapping[str, Any]] = (),
+        mounts: Sequence[Mapping[str, Any]] = (), creator: str | None = None,
     ) -> SandboxRecord:
         """Insert a sandbox in state ``creating``; its uid is what the tier's ``allocate_uid``
         picks among the ones not recorded here, inside the insert's transaction. Its volume
@@ -263,12 +266,12 @@ class Store:
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
                 "expires_at, labels, network, secrets, tenant, idle_timeout, last_active, "
-                "isolation, layer, memory_image, template_version, mounts) "
-                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "isolation, layer, memory_image, template_version, mounts, creator) "
+                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
                  json.dumps(network or {}), json.dumps(secrets or {}), tenant, idle_timeout,
                  now, isolation, layer, memory_image, template_version,
-                 json.dumps([dict(m) for m in mounts])),
+                 json.dumps([dict(m) for m in mounts]), creator),
             )
         self._remember_placeholders(sandbox_id, secrets or {})
         # The row as written (the insert's own values), not read back: in a burst every
@@ -279,7 +282,7 @@ class Store:
             network=dict(network or {}), secrets=dict(secrets or {}), tenant=tenant,
             idle_timeout=idle_timeout, last_active=now, isolation=isolation, layer=layer,
             memory_image=memory_image, template_version=template_version,
-            mounts=[dict(m) for m in mounts])
+            mounts=[dict(m) for m in mounts], creator=creator)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:

@@ -38,6 +38,7 @@ from starlette.types import Message, Receive, Scope, Send
 from .._control.manager import Manager
 from .._control.ports import Who
 from .._control.tenants import Tenant, TenantDirectory, local_tenant
+from .._server.errorlog import PROXIED, ServerErrorLog
 from .._server.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
 from .._server.portproxy import PortProxy, Target
 from .._server.relay import send_json as _send_json
@@ -181,6 +182,8 @@ class E2BApp:
         self._sandbox_host = (re.compile(rf"(\d{{1,5}})-([a-z0-9-]{{1,63}})\.{domain}")
                               if domain else None)
         self._api_host = f"api.{config.domain}" if config.domain else None
+        # Every 5xx of the surface gets its line, but a sandbox's own app's (``_serve_port``).
+        self._logged = ServerErrorLog(self._dispatch, surface="e2b")
 
     @property
     def manager(self) -> Manager:
@@ -207,7 +210,7 @@ class E2BApp:
             await send(message)
 
         try:
-            await self._dispatch(scope, receive, tracked)
+            await self._logged(scope, receive, tracked)
         except HTTPException as exc:  # the router's own: unknown path, wrong method
             if not started:
                 message = ("no such endpoint in Corral's E2B API" if exc.status_code == 404
@@ -249,6 +252,7 @@ class E2BApp:
         """A server the sandbox runs. E2B's traffic token (or the envd token) opens every
         port of its own sandbox; without one, Corral's own rules for exposed ports apply
         (public ports, port tokens, signed links): private unless its owner exposes it."""
+        scope[PROXIED] = True  # its answers are the sandbox's app's, not the service's
         raw: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string", b"")
         # Routed by E2b-Sandbox-* headers, every sandbox answers on this listener's origin.

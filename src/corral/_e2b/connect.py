@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import errors
+from .._server.errorlog import note
 
 __all__ = [
     "CODE_STATUS",
@@ -115,6 +116,7 @@ def _gone_message(exc: errors.SandboxNotFound) -> str:
 def _to_connect(exc: BaseException) -> ConnectError:
     if isinstance(exc, ConnectError):
         return exc
+    note(exc)  # a 5xx made of it is logged with its class and message
     if isinstance(exc, errors.SandboxNotFound):
         return ConnectError("unavailable", _gone_message(exc))
     if isinstance(exc, errors.CorralError):

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from .._control.manager import Manager
 from .._control.tenants import Tenant
 from .._core.resources import get_tier
+from .._server.errorlog import note
 from ..errors import (
     CorralError,
     SandboxNotFound,
@@ -62,6 +63,7 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _from_corral(exc: CorralError) -> JSONResponse:
+    note(exc)  # a 5xx made of it is logged with its class and message
     status = exc.status if exc.status in (400, 401, 403, 404, 409, 429, 500, 503) else (
         500 if exc.status >= 500 else 400)
     return _error(status, exc.message)

@@ -33,6 +33,7 @@ from starlette.routing import BaseRoute, Route
 from .._control.files import AuditedFiles
 from .._control.manager import Manager
 from .._core.resources import get_tier
+from .._server.errorlog import note
 from .._workspace.files import MAX_FILE_BYTES
 from ..errors import (
     CorralError,
@@ -77,6 +78,7 @@ def _shown(message: str) -> str:
 
 
 def _from_corral(exc: CorralError) -> FilesRefused:
+    note(exc)  # a 5xx made of it is logged with its class and message
     # The SDK maps 400 → InvalidArgument, 404 → FileNotFound, 507 → NotEnoughSpace.
     if isinstance(exc, FileNotFound):
         return FilesRefused(404, _shown(exc.message))

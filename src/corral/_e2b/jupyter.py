@@ -36,6 +36,7 @@ from .._control.interpreter import (
     ResultEvent,
 )
 from .._control.manager import Manager
+from .._server.errorlog import note
 from ..errors import ContextNotFound, CorralError, PathRefused
 from ..models import RESULT_MIME, CodeContext
 from . import paths
@@ -59,6 +60,7 @@ def _text(status: int, message: str) -> PlainTextResponse:
 
 
 def _refusal(exc: CorralError) -> PlainTextResponse:
+    note(exc)  # a 5xx made of it is logged with its class and message
     status = exc.status if exc.status in (400, 403, 404, 409, 413, 429) else 500
     return _text(status, exc.message)
 

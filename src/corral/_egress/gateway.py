@@ -20,6 +20,7 @@ so every request that leaves is its own vetted decision (a second host needs a n
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ipaddress
 import logging
@@ -33,6 +34,7 @@ from typing import Any
 
 import h11
 
+from ..errors import BackendError
 from .addresses import Network, forbidden_reason
 from .ca import CertificateAuthority
 from .framing import Refused as _Refused
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 _HEAD_TIMEOUT_S = 30.0
 _CONNECT_TIMEOUT_S = 10.0
+_CALL_TIMEOUT_S = 30.0
 _CHUNK = 65536
 # Upstream response headers the sandbox never gets; h11 re-frames the response itself.
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
@@ -163,7 +166,17 @@ class Gateway:
         self._loop.run_forever()
 
     def _call(self, coro: Awaitable[Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+        # Its coroutines (a listener's start or close) take milliseconds: a loop that does
+        # not answer is stuck, and every command waiting here would be stuck with it.
+        future: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(
+            coro, self._loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout=_CALL_TIMEOUT_S)
+        except TimeoutError:
+            future.cancel()
+            raise BackendError(f"the egress gateway did not answer in {_CALL_TIMEOUT_S:.0f} s "
+                               "(its event loop is stuck); restart the service, and report "
+                               "it with the service log") from None
 
     def close(self) -> None:
         if self._thread.is_alive():

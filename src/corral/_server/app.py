@@ -33,6 +33,7 @@ from .._workspace.files import to_relative
 from ..errors import AuthError, CorralError, SandboxNotFound
 from .auth import Tenant, TenantDirectory
 from .bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
+from .errorlog import ServerErrorLog, note
 from .guard import (
     AnyName,
     Authenticate,
@@ -150,6 +151,8 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
         session=None if sessions is None else _session_authenticator(sessions))
     app.add_middleware(BodyLimit, limits=BODY_LIMITS)
     app.add_middleware(HostGuard, names=names)
+    # Inside the port routing: a sandbox's app's own 5xx answers are not the service's.
+    app.add_middleware(ServerErrorLog, surface="api")
     # Outermost: an exposed port's requests are the sandbox's app's, not the service's.
     if ports_domain is None and own_keys and manager.ports.urls.domain is None and \
             is_loopback(listen_host) and not any(n.strip() for n in host_names):
@@ -162,6 +165,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
 
     @app.exception_handler(CorralError)
     async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
+        note(exc)  # a 5xx made of it is logged with its class and message
         return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)

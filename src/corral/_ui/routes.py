@@ -369,7 +369,10 @@ class _Drills:
             out, err = proc.communicate(timeout=_DRILL_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # its pipes held open by what it started
+                out, err = b"", b"the drill was killed at its timeout"
         try:
             run["report"] = json.loads(out)
         except ValueError:

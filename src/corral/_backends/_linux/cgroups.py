@@ -65,6 +65,11 @@ class CgroupDriver(Protocol):
     def kill(self, group: str) -> None: ...
     def freeze(self, group: str, frozen: bool) -> None: ...
     def remove(self, group: str) -> None: ...
+    def remove_if_empty(self, group: str) -> bool:
+        """Remove ``group`` if it has no child group and no process, never anything below
+        it (a group made meanwhile by another process stays, and so does ``group``); whether
+        it is gone."""
+        ...
     def children(self, group: str) -> list[str]: ...
     def describe(self) -> str: ...
 
@@ -174,6 +179,31 @@ def _procs(path: Path) -> list[int]:
     return pids
 
 
+def _make(path: Path) -> None:
+    """``mkdir -p`` of a group, again if its parent went in between: a process's clean exit
+    removes the data directory's top group once it is empty (``remove_if_empty``)."""
+    for attempt in range(3):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
+def _rmdir_if_empty(path: Path) -> bool:
+    """One rmdir: False when the group holds a child group or a process (EBUSY)."""
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EBUSY, errno.ENOTEMPTY):
+            return False
+        raise BackendError(f"cannot remove cgroup {path}: {exc.strerror}") from exc
+    return True
+
+
 def _rmdir_tree(path: Path) -> None:
     """Remove a cgroup directory and its child groups, deepest first."""
     for attempt in range(50):
@@ -217,7 +247,7 @@ class CgroupV1:
 
     def create_sandbox(self, group: str, tier: ResourceTier) -> None:
         for path in self._paths(group):
-            path.mkdir(parents=True, exist_ok=True)
+            _make(path)
         mem = self._path("memory", group)
         _write(mem / "memory.limit_in_bytes", str(tier.memory_bytes))
         if (mem / "memory.memsw.limit_in_bytes").exists():
@@ -294,6 +324,13 @@ class CgroupV1:
             # A command's init that has just reported and is exiting (its PID namespace
             # with it): freezing and thawing it would cost more than its exit.
             return
+        if _read(freezer / "freezer.parent_freezing").strip() == "1":
+            # Frozen from above (its sandbox is paused): SIGKILL is not delivered until the
+            # sandbox thaws, and this group's THAWED cannot thaw it. Say so at once instead
+            # of retrying for a minute (a destroy thaws the sandbox first).
+            raise BackendError(f"cannot kill the processes of cgroup {group} while its "
+                               "sandbox is paused; resume or destroy the sandbox (a destroy "
+                               "thaws it first)")
         # Freeze first so nothing can fork while we collect pids, then kill every pid, then thaw
         # so the kernel can deliver SIGKILL.
         _write(freezer / "freezer.state", "FROZEN")
@@ -344,6 +381,9 @@ class CgroupV1:
     def remove(self, group: str) -> None:
         for path in self._paths(group):
             _rmdir_tree(path)
+
+    def remove_if_empty(self, group: str) -> bool:
+        return all([_rmdir_if_empty(path) for path in self._paths(group)])
 
     def children(self, group: str) -> list[str]:
         # Every hierarchy, not one: a group is made, renamed and removed one hierarchy at a
@@ -449,6 +489,9 @@ class CgroupV2:
 
     def remove(self, group: str) -> None:
         _rmdir_tree(self._base / group)
+
+    def remove_if_empty(self, group: str) -> bool:
+        return _rmdir_if_empty(self._base / group)
 
     def children(self, group: str) -> list[str]:
         path = self._base / group

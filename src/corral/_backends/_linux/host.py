@@ -14,6 +14,7 @@ they go. Its volumes are stored here for every host tier of the data directory a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -32,7 +33,7 @@ from ...backends import EgressEndpoint, ExecRequest, Leftover, SandboxSpec, Seal
 from ...errors import BackendError, BackendUnavailable, ConfigError, PortClosed
 from ...models import ResourceTier
 from . import netns
-from .cgroups import CgroupDriver, CgroupNow
+from .cgroups import CgroupDriver, CgroupNow, detect_cgroups
 from .ondemand import OnDemand
 from .ready import ReadyWorkspaces
 from .storage import WorkspaceStore, is_mount
@@ -139,6 +140,9 @@ class HostBackedBackend:
 
     def _attach_cgroups(self, cgroups: CgroupDriver) -> None:
         self._cgroups = cgroups
+        # A process that ends without closing its backend (every CLI call) removes the data
+        # directory's groups too, once no sandbox has one in them.
+        atexit.register(self._remove_instance_group, cgroups)
 
     @property
     def cgroups(self) -> CgroupDriver:
@@ -456,10 +460,26 @@ class HostBackedBackend:
     def close(self) -> None:
         self._ready_workspaces.close()
         self._spare_netns.close()
+        self._remove_instance_group(self._cgroups)
 
     def remove_instance(self) -> None:
         """Remove this data directory's spare workspaces and empty top-level cgroups (tests
         and uninstall)."""
         self._ready_workspaces.close()
-        if self._cgroups is not None and not self._cgroups.children(""):
-            self._cgroups.remove("")
+        cgroups = self._cgroups
+        if cgroups is None:  # this process never set the tier up: look for them anyway
+            with contextlib.suppress(BackendUnavailable):
+                cgroups = detect_cgroups(self._instance)
+        self._remove_instance_group(cgroups)
+
+    @staticmethod
+    def _remove_instance_group(cgroups: CgroupDriver | None) -> None:
+        """The data directory's ``corral-<instance>`` groups, if no sandbox has a group in
+        them (a clean shutdown, an uninstall): nothing else removes them. A sandbox another
+        process makes meanwhile keeps them (never removed from under it)."""
+        if cgroups is None:
+            return
+        try:
+            cgroups.remove_if_empty("")
+        except BackendError as exc:
+            logger.info("the data directory's cgroups were not removed: %s", exc)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -49,9 +48,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..._core import linux
+from ..._core import flocks, linux
 from ..._core.diskfull import disk_full_as_error, free_bytes, insufficient
 from ..._core.failpoints import failpoint
+from ..._core.fsafe import remove_special
 from ..._core.idmap import bind_idmapped
 from ..._core.privileged import privileged_env
 from ...backends import SandboxSpec, SealResult
@@ -242,7 +242,10 @@ def mounts_under(path: Path) -> list[Path]:
 def flock(path: Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        # Held for a mount, a seal or a reset (a squashing seal copies a workspace: seconds).
+        flocks.acquire(fd, timeout_s=120.0, busy=f"{path} has been locked for 120 s by a "
+                       "mount, seal or reset that does not end (its process stopped or "
+                       f"stuck: `fuser {path}` names it); retry once it is done")
         yield
     finally:
         os.close(fd)
@@ -622,6 +625,8 @@ class WorkspaceStore:
         """Unmount and delete everything of ``sandbox_id`` (not its layers). Idempotent."""
         base = self.sandbox_dir(sandbox_id)
         if not base.exists():
+            return
+        if remove_special(base):  # a stray FIFO (never opened: rmtree's open would block)
             return
         self.unmount(sandbox_id)
         if self.mounts_dir(sandbox_id).is_dir():

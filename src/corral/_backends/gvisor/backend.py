@@ -93,7 +93,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -101,6 +100,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._core.fsafe import remove_tree
 from ..._core.privileged import privileged_env
 from ..._settings import Settings
 from ...backends import (
@@ -528,7 +528,9 @@ class GvisorBackend(HostBackedBackend):
             if alive(container_id):
                 continue
             self._runsc.remove_state(container_id)
-            shutil.rmtree(self._bundles / container_id, ignore_errors=True)
+            # Never rmtree: a resident's start FIFO (``<id>.release``) may be left here, and
+            # rmtree opens what it is given first (a FIFO's open waits for a writer).
+            remove_tree(self._bundles / container_id)
             removed.append(Leftover("runsc", container_id.partition(".")[0], container_id))
         return removed
 

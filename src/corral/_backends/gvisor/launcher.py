@@ -24,6 +24,7 @@ from typing import Any
 
 from ..._audit.tracing import tracer
 from ..._core import linux
+from ..._core.fsafe import remove_tree
 from ..._core.privileged import privileged_env
 from ...backends import ExecOutcome, ExecRequest
 from ...errors import BackendError, CommandError
@@ -85,7 +86,7 @@ class GvisorLauncher:
             reap_orphans(runtime_uid(launch.uid))
             self.cgroups.remove(launch.group)
             self.runsc.remove_state(launch.container_id)
-            shutil.rmtree(launch.bundle, ignore_errors=True)
+            remove_tree(launch.bundle)
 
     def _run_in_group(self, launch: Launch) -> ExecOutcome:
         started = time.monotonic()

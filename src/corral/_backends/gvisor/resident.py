@@ -21,7 +21,6 @@ import copy
 import errno
 import json
 import logging
-import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Mapping
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from ..._core.fsafe import remove_tree
 from ...errors import BackendError
 from .._linux import ondemand
 from .._linux.static_helper import build_static_helper
@@ -44,6 +44,8 @@ _LAUNCHER_SOURCE = Path(__file__).with_name("run.c")
 # command its own mount and PID namespace and to drop to 1000 (SETPCAP: to empty the bounding set).
 _HELPER_CAPS = ["CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_SYS_ADMIN"]
 _START_TIMEOUT_S = 20.0
+# How long a close waits for runsc to end on its own, and again after SIGKILL.
+_STOP_WAIT_S = 5.0
 # The longest line the helper may send: its longest is a 64 KiB output chunk in base64
 # (~87 KiB). The helper lives in the sandbox: a longer line, or one that is not its protocol,
 # ends the resident rather than fill the host's memory or stop the reader.
@@ -307,17 +309,30 @@ class Resident:
         self._closed = True
         with contextlib.suppress(OSError, ValueError):
             self._stdin.close()
-        try:
-            self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(timeout=5)
-        self._reader.join(timeout=5)
+        self._stop()
+        self._reader.join(timeout=_STOP_WAIT_S)
         self._stdout.close()
         self._runsc.remove_state(self._container_id)
-        shutil.rmtree(self._bundle, ignore_errors=True)
+        remove_tree(self._bundle)
         if self._on_close is not None:
             self._on_close()
+
+    def _stop(self) -> None:
+        """Wait for runsc to end on the helper's EOF, kill it if it lingers, and give up on
+        it after that, bounded either way: a frozen runsc (its sandbox paused) cannot die
+        before it thaws. Its group's kill (``on_close``) and the sandbox's destroy, which
+        thaws first, end it; a ``TimeoutExpired`` from here was a destroy's 500."""
+        try:
+            self._proc.wait(timeout=_STOP_WAIT_S)
+            return
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        try:
+            self._proc.wait(timeout=_STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("resident gVisor sandbox %s did not end %.0f s after SIGKILL (its "
+                           "sandbox is paused, or runsc is stuck in the kernel); left to its "
+                           "cgroup's kill", self._container_id, _STOP_WAIT_S)
 
     @property
     def alive(self) -> bool:

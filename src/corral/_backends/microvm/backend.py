@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import json
 import logging
@@ -49,6 +48,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._core import flocks
 from ..._core.fsafe import read_regular, remove_tree
 from ..._core.owner import owner_alive
 from ..._core.privileged import privileged_env
@@ -729,7 +729,10 @@ def _start_lock(run: Path) -> Iterator[None]:
     run.mkdir(mode=0o700, exist_ok=True)
     fd = os.open(run / "start.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        # Held for one keeper's start, itself bounded by _START_DEADLINE_S.
+        flocks.acquire(fd, timeout_s=_START_DEADLINE_S + 30, busy=(
+            f"the microVM of {run.name} has been starting for over {_START_DEADLINE_S:.0f} s "
+            "in another process (stopped or stuck?); retry in a moment"))
         yield
     finally:
         os.close(fd)

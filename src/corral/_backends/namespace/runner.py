@@ -383,6 +383,9 @@ class CommandLauncher:
             _, err = proc.communicate(timeout=_SETUP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate()
+            try:
+                _, err = proc.communicate(timeout=_SETUP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # its stderr held open by what it started
+                err = b""
         message = err.decode(errors="replace").strip().removeprefix("bwrap: ")
         return message or f"bwrap exited with status {proc.returncode}"

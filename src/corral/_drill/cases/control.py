@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +78,87 @@ def _cross_tenant_list(ctx: DrillContext) -> Outcome:
     return Outcome("held", "tenant A's sandbox is not in tenant B's listings", evidence)
 
 
+# A call about a tenant's own sandbox held up longer than this is a call held by a stuck state.
+_PROMPT_S = 30.0
+
+
+class _Refused(Exception):
+    """A step of a case answered what the case cannot accept."""
+
+
+def _step(evidence: list[Evidence], what: str, call: Callable[[], httpx.Response],
+          ok: tuple[int, ...]) -> httpx.Response:
+    """One call, answered within ``_PROMPT_S`` with one of ``ok``, else ``_Refused``."""
+    started = time.monotonic()
+    try:
+        response = call()
+    except httpx.TimeoutException:
+        raise _Refused(f"{what}: no answer in {_PROMPT_S:.0f} s") from None
+    shown = (f"{what} -> {response.status_code} in {time.monotonic() - started:.1f} s"
+             f"{'' if response.status_code in ok else ' ' + response.text[:120]}")
+    evidence.append(Evidence("response", shown))
+    if response.status_code not in ok:
+        raise _Refused(shown)
+    return response
+
+
+def _paused_with_helpers(api: httpx.Client, evidence: list[Evidence]) -> str:
+    """A sandbox of the drill's tier with its resident helper and a background process up,
+    then paused (its processes frozen)."""
+    made = _step(evidence, "create", lambda: api.post("/v1/sandboxes", json={"timeout": 300}),
+                 (201,))
+    sandbox = str(made.json()["id"])
+    for _ in range(2):  # the second command starts the tier's resident helper
+        _step(evidence, "run true", lambda: api.post(f"/v1/sandboxes/{sandbox}/commands",
+                                                     json={"cmd": "true"}), (200,))
+    _step(evidence, "start sleep 600 in the background", lambda: api.post(
+        f"/v1/sandboxes/{sandbox}/processes", json={"cmd": "sleep 600"}), (201,))
+    _step(evidence, "pause", lambda: api.post(f"/v1/sandboxes/{sandbox}/pause"), (200,))
+    return sandbox
+
+
+def _paused_past_lifetime(ctx: DrillContext) -> Outcome:
+    """Paused sandboxes, one destroyed and one left to reach its lifetime: every call about
+    them and about the tenant's other sandboxes answers promptly, none with a 5xx (a stuck
+    destroy once held such calls for minutes, or answered 500)."""
+    assert ctx.service is not None
+    evidence: list[Evidence] = []
+    made: list[str] = []
+    with _client(ctx, ctx.service.api_key) as api:
+        api.timeout = httpx.Timeout(_PROMPT_S)
+        try:
+            made += [_paused_with_helpers(api, evidence) for _ in range(2)]
+            expiring, deleted = made
+            _step(evidence, "DELETE the paused one", lambda: api.delete(
+                f"/v1/sandboxes/{deleted}"), (202, 204))
+            _step(evidence, "set the other's lifetime to 1 s", lambda: api.post(
+                f"/v1/sandboxes/{expiring}/timeout", json={"timeout": 1}), (200,))
+            deadline = time.monotonic() + 4 * _PROMPT_S
+            while _step([], "GET it until it has expired", lambda: api.get(
+                    f"/v1/sandboxes/{expiring}"), (200, 404)).status_code == 200:
+                if time.monotonic() > deadline:
+                    raise _Refused("the paused sandbox outlived its lifetime")
+                time.sleep(0.5)
+            evidence.append(Evidence("observation", "gone once past its lifetime, paused"))
+            _step(evidence, "set its lifetime again", lambda: api.post(
+                f"/v1/sandboxes/{expiring}/timeout", json={"timeout": 60}), (404,))
+            fresh = str(_step(evidence, "create another", lambda: api.post(
+                "/v1/sandboxes", json={}), (201,)).json()["id"])
+            made.append(fresh)
+            _step(evidence, "run in it", lambda: api.post(
+                f"/v1/sandboxes/{fresh}/commands", json={"cmd": "true"}), (200,))
+            _step(evidence, "DELETE it", lambda: api.delete(f"/v1/sandboxes/{fresh}"),
+                  (202, 204))
+        except _Refused as refused:
+            return Outcome("breached", str(refused), tuple(evidence))
+        finally:
+            for sandbox in made:
+                with contextlib.suppress(httpx.HTTPError):
+                    api.delete(f"/v1/sandboxes/{sandbox}")
+    return Outcome("held", "every call answered at once; the paused sandbox expired and was "
+                   "destroyed", tuple(evidence))
+
+
 _FAKE_KEY = "ck_drill0000000000.0000000000000000000000000000000000000000000000000000"
 
 CASES = [
@@ -115,6 +198,11 @@ CASES = [
     Case("ctl.bad-ids", "control", "path tricks in ids (../, encoded slashes)", "404 or 400",
          _status_case("GET", "/v1/sandboxes/..%2F..%2Fetc%2Fpasswd", key="own",
                       ok=(400, 404, 422)), SERVICE),
+    Case("ctl.paused-expiry", "control", "pause sandboxes with their helpers and background "
+         "processes up, delete one and let one reach its lifetime while paused",
+         f"every call about them and about the tenant's other sandboxes answers within "
+         f"{_PROMPT_S:.0f} s and none with a 5xx; the paused one is gone at its lifetime",
+         _paused_past_lifetime, SERVICE),
     Case("ctl.file-path-escape", "control", "read /etc/passwd through the files API with ../",
          "refused", _status_case("GET", "/v1/sandboxes/{sbx}/files/content?path=../../etc/passwd",
                                  key="own", ok=(400, 403, 404)), SERVICE),

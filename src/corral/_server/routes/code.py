@@ -17,6 +17,7 @@ from ..._control.tenants import Tenant
 from ...errors import CorralError
 from ...models import CodeContext
 from ..deps import ManagerDep, TenantDep, owned
+from ..errorlog import log_stream_error
 from ..schemas import _NDJSON, CreateCodeContext, RunCode
 
 __all__ = ["router"]
@@ -58,6 +59,7 @@ def _stream(manager: Manager, sandbox_id: str, body: RunCode, who: Tenant) -> It
                 envs=body.envs, timeout=body.timeout, caller=who, on_event=on_event)
             events.put({"type": "execution", "execution": execution.to_dict()})
         except CorralError as exc:
+            log_stream_error("api", f"the code stream of {sandbox_id}", exc, exc.status)
             events.put({"type": "error", "error": exc.code, "message": exc.message})
         finally:
             events.put(None)

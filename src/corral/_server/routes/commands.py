@@ -17,6 +17,7 @@ from ...backends import OutputCut
 from ...errors import CorralError
 from ...models import CommandResult
 from ..deps import ManagerDep, TenantDep, owned
+from ..errorlog import log_stream_error
 from ..schemas import _NDJSON, RunCommand
 
 __all__ = ["router"]
@@ -96,6 +97,7 @@ def _stream(manager: Manager, sandbox_id: str, cmd: str | list[str],
             streamed = {name: "".join(parts) for name, parts in sent.items()}
             events.put({"type": "result", **_result_out(result, output, streamed)})
         except CorralError as exc:
+            log_stream_error("api", f"the command stream of {sandbox_id}", exc, exc.status)
             events.put({"type": "error", "error": exc.code, "message": exc.message})
         finally:
             events.put(None)

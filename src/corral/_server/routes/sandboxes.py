@@ -45,11 +45,14 @@ def get_sandbox(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> Sandbox
     return owned(manager, sandbox_id, who)
 
 
-@router.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
+@router.delete("/v1/sandboxes/{sandbox_id}", status_code=204, responses={202: {
+    "description": "Accepted: the destroy is still under way and finishes in the background "
+                   "(the sandbox is gone for every caller already)."}})
 def delete_sandbox(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> Response:
     owned(manager, sandbox_id, who)
-    manager.destroy(sandbox_id)
-    return Response(status_code=204)
+    # A destroy that takes longer than a request should is left to finish on its own: the
+    # caller is never held by a sandbox stuck in its destroy.
+    return Response(status_code=204 if manager.destroy(sandbox_id) else 202)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=SandboxInfo)

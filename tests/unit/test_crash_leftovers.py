@@ -1,0 +1,94 @@
+"""What a Corral process killed mid-way leaves, and what the next recovery makes of it at once
+(issue 36): a command it ran gets its end in the trail, whatever the tier ran it in; a create
+it had begun is cleaned up, not left ``creating`` for a minute. Over the memory backend, with
+the dead process played by an owner that never existed (``PID.START`` that is no process)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral._audit.inflight import InFlight, abandoned
+from corral._control.manager import Manager
+from corral._core.owner import this_owner
+from corral.testing import memory_manager
+
+_DEAD = "1.1"  # pid 1 did not start at tick 1: no such process
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[Manager]:
+    manager = memory_manager(tmp_path / "home")
+    yield manager
+    for info in manager.store.list():
+        manager._destroy(info, reason="cleanup")
+    manager.close()
+
+
+def _marks(manager: Manager) -> list[str]:
+    root = manager.auditor.directory / ".inflight"
+    return sorted(f"{owner}/{mark}" for owner in os.listdir(root)
+                  for mark in os.listdir(root / owner)) if root.exists() else []
+
+
+def test_a_command_marks_itself_while_it_runs(manager: Manager) -> None:
+    sandbox = manager.create().id
+    seen: list[list[str]] = []
+    manager.run(sandbox, ["echo", "hi"], on_stdout=lambda _: seen.append(_marks(manager)))
+    command = manager.auditor.trail(sandbox, types=["command.started"]).events[-1].command
+    assert seen and seen[0] == [f"{this_owner()}/{sandbox}.{command}"]
+    assert _marks(manager) == []
+
+
+def test_a_dead_processs_command_gets_its_end_at_the_next_recovery(manager: Manager) -> None:
+    sandbox = manager.create().id
+    recorder = manager.auditor.command(sandbox)
+    assert recorder is not None
+    recorder.started(argv=["sleep", "600"], cwd="/workspace", env={}, timeout_s=60,
+                     context=None)
+    # The process that started it is gone: its marks are a dead owner's.
+    InFlight(manager.auditor.directory, _DEAD).add(sandbox, recorder.command_id)
+    os.unlink(manager.auditor.directory / ".inflight" / this_owner()
+              / f"{sandbox}.{recorder.command_id}")
+    assert any("interrupted" in item for item in manager.recover())
+    ends = manager.auditor.trail(sandbox, types=["command.finished"],
+                                 command=recorder.command_id).events
+    assert len(ends) == 1 and ends[0].data["interrupted"] is True
+    assert "pid 1" in ends[0].data["error"]
+    assert _marks(manager) == []
+    manager.recover()  # once: the end is not written again
+    assert len(manager.auditor.trail(sandbox, types=["command.finished"]).events) == 1
+
+
+def test_abandoned_skips_live_owners_and_removes_strays_unopened(tmp_path: Path) -> None:
+    live = InFlight(tmp_path, this_owner())
+    live.add("sbx_aaaaaaaaaaaa", "cmd_0123456789ab")
+    dead = tmp_path / ".inflight" / _DEAD
+    dead.mkdir()
+    (dead / "sbx_bbbbbbbbbbbb.cmd_0123456789ab").touch()
+    os.mkfifo(dead / "sbx_cccccccccccc.cmd_0123456789ab")
+    os.mkfifo(tmp_path / ".inflight" / "junk")
+    found = list(abandoned(tmp_path, lambda pid, start: f"{pid}.{start}" == this_owner()))
+    assert [(a.sandbox_id, a.owner_pid) for a in found] == [("sbx_bbbbbbbbbbbb", 1)]
+    assert os.listdir(tmp_path / ".inflight") == [this_owner()]
+
+
+def test_a_create_whose_process_died_is_cleaned_at_once(manager: Manager) -> None:
+    manager.list()  # recovery has run: what follows is what a later pass finds
+
+    def creating(creator: str | None) -> str:
+        sandbox_id = f"sbx_{os.urandom(6).hex()}"
+        manager.store.insert(sandbox_id=sandbox_id, template="base", resources="small",
+                             ttl_s=600, labels={}, allocate_uid=lambda taken: 100_000 + len(
+                                 taken), creator=creator)
+        return sandbox_id
+
+    dead, mine, unknown = creating(_DEAD), creating(this_owner()), creating(None)
+    removed = manager.recover()
+    assert f"sandbox {dead}" in removed
+    assert manager.store.get(dead) is None
+    # Its creator is alive (a create under way), or unknown and not yet a minute old.
+    assert manager.store.get(mine) is not None and manager.store.get(unknown) is not None
