@@ -37,6 +37,7 @@ __all__ = [
     "ExecRequest",
     "HostCheck",
     "IsolationBackend",
+    "LayerMounts",
     "Leftover",
     "Listener",
     "MemorySnapshots",
@@ -364,6 +365,22 @@ class HostCheck:
     detail: str
     fix: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class LayerMounts(Protocol):
+    """An optional capability of an ``IsolationBackend`` whose sealed layers are kernel mounts
+    (each a loop device): a layer no sandbox uses is released, so stored snapshots hold no
+    kernel resource and their number is bounded by the disk, not by the loop devices."""
+
+    def mounted_layers(self) -> list[str]:
+        """The layers mounted now."""
+        ...
+
+    def release_layer(self, layer_id: str) -> bool:
+        """Unmount layer ``layer_id``, which no sandbox uses; a later mount of a sandbox on it
+        mounts it again. Whether it is released (False: in use now; try again later)."""
+        ...
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..backends import IsolationBackend, MemorySnapshots
+from ..backends import IsolationBackend, LayerMounts, MemorySnapshots
 from ..errors import CorralError
 from .store import Store
 
@@ -59,7 +59,22 @@ class Layers:
                 self._backend.remove_layer(layer)
                 for backend in others:
                     backend.remove_layer(layer)
+            self.release_idle()
         return unused
+
+    def release_idle(self) -> list[str]:
+        """Unmount the layers no sandbox stands on (the snapshots' own): a stored snapshot
+        holds no loop device or mount, however many there are. The next sandbox made from
+        one mounts its layers again. Return the layers released."""
+        if not isinstance(self._backend, LayerMounts):
+            return []
+        with self.lock:
+            mounted = self._backend.mounted_layers()
+            if not mounted:
+                return []
+            needed = self._store.mounted_layers_needed()
+            return [layer for layer in mounted
+                    if layer not in needed and self._backend.release_layer(layer)]
 
     def sweep(self) -> list[str]:
         """``collect``, and delete layer directories and memory images a crash left without

@@ -76,7 +76,7 @@ class Manager:
         self.backend: IsolationBackend = self._registry.default  # the default tier
         self.admission = Admission(Ceiling.from_settings(settings))
         locks = WorkspaceLocks(settings.home / "locks")
-        layers = Layers(self.store, self.backend, settings.home / "layers",
+        self.layers = layers = Layers(self.store, self.backend, settings.home / "layers",
                         backends=self._registry.get, loaded=self._registry.all)
         self.sandboxes = Sandboxes(settings=settings, store=self.store,
                                    backends=self._registry, auditor=self.auditor,

@@ -536,6 +536,17 @@ class Store:
         with self._lock:
             return {r[0] for r in self._db.execute("SELECT id FROM layers")}
 
+    def mounted_layers_needed(self) -> set[str]:
+        """The layers a sandbox stands on (whatever its state: one being created, destroyed
+        or restored included) or an open intent names: the ones that must stay mounted."""
+        with self._lock:
+            return {r[0] for r in self._db.execute(
+                "WITH RECURSIVE used(id) AS (SELECT layer FROM sandboxes WHERE layer IS NOT "
+                "NULL UNION SELECT json_extract(data, '$.layer') FROM intents WHERE "
+                "json_extract(data, '$.layer') IS NOT NULL UNION SELECT layers.parent FROM "
+                "layers JOIN used ON layers.id = used.id WHERE layers.parent IS NOT NULL) "
+                "SELECT id FROM used")}
+
     def unused_layers(self) -> builtins.list[str]:
         """Delete and return layers no sandbox, snapshot or other layer stands on."""
         removed: builtins.list[str] = []

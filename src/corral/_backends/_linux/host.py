@@ -354,6 +354,12 @@ class HostBackedBackend:
     def layer_ids(self) -> list[str]:
         return self._store.layer_ids()
 
+    def mounted_layers(self) -> list[str]:
+        return self._store.mounted_layers()
+
+    def release_layer(self, layer_id: str) -> bool:
+        return self._store.release_layer(layer_id)
+
     # -- volumes (VolumeStorage) ---------------------------------------------------------------
 
     def create_volume(self, volume_id: str, size_bytes: int) -> None:

@@ -8,7 +8,9 @@ move a path out of it. The image is sparse, so an empty 10 GiB workspace costs a
 
 Snapshots are O(1) in the workspace's size: sealing remounts the writable image read-only and
 moves it, as it is, into the layer store; the sandbox gets a fresh empty image on top. A layer is
-shared by every sandbox built on it, through one read-only mount. Files in a layer keep the host
+shared by every sandbox built on it, through one read-only mount, which is released (unmounted,
+its loop device with it) once no sandbox stands on it: a stored snapshot holds no kernel
+resource (``release_layer``). Files in a layer keep the host
 uid of the sandbox that wrote them; a sandbox running as another uid sees them through an
 idmapped bind (see ``_core.idmap``), so forks need no chown either.
 
@@ -351,11 +353,52 @@ class WorkspaceStore:
                 f"workspace layer {layer_id} is missing or damaged ({layer}); the sandboxes and "
                 "snapshots built on it cannot be mounted") from exc
         point = self._layer_mount(layer_id)
-        if not is_mount(point):
-            with flock(layer / ".lock"):
-                if not is_mount(point):
-                    mount_disk(layer / "layer.img", point, read_only=True)
+        if not is_mount(point):  # the caller holds the layer's lock (``_layer_locks``)
+            _mount_layer(layer / "layer.img", point)
         return point, owner
+
+    @contextlib.contextmanager
+    def _layer_locks(self, layer_ids: tuple[str, ...]) -> Iterator[None]:
+        """Hold the locks of ``layer_ids`` (in one order: never two holders waiting on each
+        other) while a workspace is mounted on them: ``release_layer`` takes the same lock,
+        so no layer is unmounted between ``_ensure_layer`` and the overlay's mount."""
+        with contextlib.ExitStack() as held:
+            for layer_id in sorted(set(layer_ids)):
+                held.enter_context(flock(self._layer_dir(layer_id) / ".lock"))
+            yield
+
+    def mounted_layers(self) -> list[str]:
+        """The layers mounted now, each holding a loop device and a mount."""
+        root = Path(os.path.realpath(self.layers_root))
+        return sorted({p.parent.name for p in mounts_under(root)
+                       if p.name == "root" and p.parent.parent == root})
+
+    def release_layer(self, layer_id: str) -> bool:
+        """Unmount layer ``layer_id``, which no sandbox uses (the caller knows that), so a
+        stored snapshot holds no loop device and no mount; the next mount of it (a sandbox
+        made from the snapshot) mounts it again. Whether it is released (False: something
+        holds it now, such as a mount being made on it; a later pass tries again).
+
+        The layer's filesystem is made read-only first, which writes back what its seal left
+        in the page cache: a later mount through another loop device (a new superblock) then
+        reads it whole, and one through the same device (its superblock kept alive by a
+        destroyed sandbox's mount being torn down) shares it, read-only as asked."""
+        layer = self._layer_dir(layer_id)
+        point = self._layer_mount(layer_id)
+        if not layer.is_dir():
+            return True
+        with flock(layer / ".lock"):
+            if not is_mount(point):
+                return True
+            try:
+                linux.mount("none", str(point), None, _MS_REMOUNT | _MS_RDONLY
+                            | loop._MS_NODEV | loop._MS_NOSUID | loop._MS_NOATIME)
+                # Not lazy: EBUSY while anything (a process's cwd, a descriptor) is in it.
+                linux.umount(str(point), 0)
+            except OSError as exc:
+                logger.debug("layer %s not released now: %s", layer_id, exc.strerror)
+                return False
+        return True
 
     def _mount(self, spec: SandboxSpec) -> None:
         disk = self._disk(spec.id)
@@ -372,6 +415,10 @@ class WorkspaceStore:
             if lost.is_dir() and not any(lost.iterdir()):
                 lost.rmdir()
         work.mkdir(mode=0o700, exist_ok=True)
+        with self._layer_locks(spec.layers):
+            self._mount_overlay(spec, upper, work)
+
+    def _mount_overlay(self, spec: SandboxSpec, upper: Path, work: Path) -> None:
         lowers: list[str] = []
         for index, layer_id in enumerate(spec.layers):
             source, owner = self._ensure_layer(layer_id)
@@ -645,6 +692,31 @@ class WorkspaceStore:
             return []
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and not p.name.startswith("."))
+
+
+def _mount_layer(image: Path, point: Path) -> None:
+    """Mount a sealed layer read-only, through the loop device already backed by its image if
+    there is one: its superblock may still be alive (a destroyed sandbox's mount being torn
+    down holds it), and a second one on the same file could read it stale."""
+    try:
+        loop.mount_image(str(image), str(point), read_only=True, reuse=True)
+        return
+    except OSError as exc:
+        found = loop.attached(str(image)) if exc.errno == errno.EBUSY else None
+        if found is None:
+            logger.debug("in-process loop mount failed (%s); using mount(8)", exc)
+            mount_disk(image, point, read_only=True)
+            return
+        os.close(found[0])
+    # EBUSY with a device attached: its superblock is alive and still read-write (a crash's
+    # recovery unmounted the layer without releasing it). Share it, read-only at the mount.
+    loop.mount_image(str(image), str(point), read_only=False, reuse=True)
+    try:
+        linux.mount("none", str(point), None, _MS_REMOUNT | linux.MS_BIND | _MS_RDONLY
+                    | loop._MS_NODEV | loop._MS_NOSUID | loop._MS_NOATIME)
+    except OSError:
+        _umount(point, lazy=True)
+        raise
 
 
 def format_image(image: Path, size: int, *, journal: bool = False,
