@@ -15,6 +15,7 @@ Kinds:
   records it and puts the sandbox on it, else the layer goes and the sandbox is as before.
 * ``restore``: the sandbox's writable layer is dropped and a fresh one made on ``layer``. A
   restore that began has thrown the old writable layer away, so it is always finished.
+* ``volume.create`` and ``volume.delete`` are ``Volumes``' own (``Volumes.recover``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..backends import SealResult
 from ..errors import CorralError
 from .sandboxes import Sandboxes, new_id
 from .store import Store
+from .volumes import VOLUME_INTENTS
 
 __all__ = ["Intents"]
 
@@ -54,6 +56,8 @@ class Intents:
         """Finish or undo every intent whose process is gone; what became of each."""
         done = []
         for intent in self._store.intents():
+            if intent["kind"] in VOLUME_INTENTS:  # ``Volumes.recover``'s
+                continue
             pid, _, start = str(intent["owner"]).partition(".")
             if owner_alive(pid, start):
                 continue

@@ -95,17 +95,17 @@ class Manager:
                                    processes=self.processes, layers=layers, locks=locks,
                                    auditor=self.auditor, admission=self.admission,
                                    intents=self.intents)
+        self.volumes = Volumes(settings=settings, store=self.store, backends=self._registry)
         self.recovery = Recovery(store=self.store, sandboxes=self.sandboxes,
                                  processes=self.processes, backends=self._registry,
                                  layers=layers, auditor=self.auditor, settings=settings,
-                                 intents=self.intents)
+                                 intents=self.intents, volumes=self.volumes)
         self.file_access = Files(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor)
         self.interpreter = Interpreter(sandboxes=self.sandboxes, processes=self.processes,
                                        auditor=self.auditor)
         self.ports = Ports(settings=settings, store=self.store, sandboxes=self.sandboxes,
                            auditor=self.auditor)
-        self.volumes = Volumes(settings=settings, store=self.store, backends=self._registry)
 
     # -- start-up and backends ------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from .registry import BackendRegistry
 from .sandboxes import Sandboxes, wait_all
 from .snapshots import is_running
 from .store import Store
+from .volumes import Volumes
 
 __all__ = ["Reaper", "Recovery"]
 
@@ -44,9 +45,11 @@ class Recovery:
 
     def __init__(self, *, store: Store, sandboxes: Sandboxes, processes: ProcessTable,
                  backends: BackendRegistry, layers: Layers, auditor: Auditor,
-                 settings: Settings | None = None, intents: Intents | None = None) -> None:
+                 settings: Settings | None = None, intents: Intents | None = None,
+                 volumes: Volumes | None = None) -> None:
         self._settings = settings
         self._intents = intents
+        self._volumes = volumes
         self._pruned_at: float | None = None
         self._store = store
         self._sandboxes = sandboxes
@@ -102,6 +105,8 @@ class Recovery:
     def _recover(self, *, every_tier: bool) -> list[str]:
         # First, before anything reads or sweeps the data: operations a crash cut short.
         removed: list[str] = [] if self._intents is None else self._intents.resolve_abandoned()
+        if self._volumes is not None:
+            removed += self._volumes.recover()
         removed += self._close_abandoned_commands()  # before a reap ends their trails
         removed += self._reap()
         # Every tier that has sandboxes sweeps its own leftovers; pieces shared by the tiers
@@ -120,6 +125,10 @@ class Recovery:
         for backend in self._backends.all():
             swept += backend.sweep(lambda sandbox_id: self._store.get(sandbox_id) is not None)
         removed += self._layers.sweep()
+        if every_tier and self._volumes is not None:
+            # Volume images no record names (a crash in a delete before intents were kept).
+            with contextlib.suppress(BackendUnavailable):
+                removed += [f"volume {v}" for v in self._volumes.leftovers()]
         for item in swept:
             self._auditor.count("corral_reaper_actions", action=f"sweep_{item.kind}")
             if item.kind == "command" and item.command_id is not None \

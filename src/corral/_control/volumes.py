@@ -17,12 +17,16 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .._core.failpoints import failpoint
+from .._core.owner import owner_alive, this_owner
 from .._settings import Settings
 from ..backends import VolumeStorage
 from ..errors import (
     BackendUnavailable,
+    CorralError,
     PolicyError,
     UsageError,
+    VolumeInUse,
     VolumeNotFound,
 )
 from ..models import VolumeInfo
@@ -30,7 +34,7 @@ from .registry import BackendRegistry
 from .sandboxes import new_id
 from .store import Store
 
-__all__ = ["MAX_MOUNTS", "Volumes", "mount_target"]
+__all__ = ["MAX_MOUNTS", "VOLUME_INTENTS", "Volumes", "mount_target"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ _VOLUME_ID = re.compile(r"vol_[a-z0-9]{12}")
 _TARGET_PART = re.compile(r"[A-Za-z0-9_.@+-]{1,128}")
 _MIN_SIZE = 16 * 2**20
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?", re.IGNORECASE)
+#: The intent kinds of volume operations (resolved here, not by ``Intents``): a create is
+#: rolled back (never acknowledged: the intent closes before the answer), a delete forward.
+VOLUME_INTENTS = ("volume.create", "volume.delete")
 
 
 def parse_size(value: object) -> int:
@@ -100,13 +107,19 @@ class Volumes:
         limits = {} if tenant == "local" else {  # the operator's own are not a tenant's
             "max_count": self._settings.volumes_per_tenant,
             "max_bytes": self._settings.volume_bytes_per_tenant}
-        self._store.add_volume(volume_id, name=name, tenant=tenant, size_bytes=size_bytes,
-                               **limits)
+        intent = self._begin("volume.create", volume_id)
         try:
-            self._storage().create_volume(volume_id, size_bytes)
-        except BaseException:
-            self._store.delete_volume(volume_id)
-            raise
+            self._store.add_volume(volume_id, name=name, tenant=tenant, size_bytes=size_bytes,
+                                   **limits)
+            failpoint("volume.recorded")
+            try:
+                self._storage().create_volume(volume_id, size_bytes)
+            except BaseException:
+                self._store.delete_volume(volume_id)
+                raise
+            failpoint("volume.made")
+        finally:
+            self._store.delete_intent(intent)  # made whole, or undone here
         logger.info("created volume %s (%s, %d bytes) for %s", name, volume_id, size_bytes,
                     tenant)
         return self.get(volume_id, tenant=tenant)
@@ -121,9 +134,60 @@ class Volumes:
     def delete(self, ref: object, *, tenant: str | None = None) -> None:
         """Delete a volume and its data; refused (``VolumeInUse``) while a sandbox mounts it."""
         row = self._row(ref, tenant)
-        self._store.delete_volume(row["id"])  # refuses while mounted, in its transaction
+        intent = self._begin("volume.delete", row["id"])
+        try:
+            self._store.delete_volume(row["id"])  # refuses while mounted, in its transaction
+        except BaseException:
+            self._store.delete_intent(intent)  # nothing changed
+            raise
+        failpoint("volume.forgotten")
         self._storage().remove_volume(row["id"])
+        self._store.delete_intent(intent)
         logger.info("deleted volume %s (%s)", row["name"], row["id"])
+
+    def _begin(self, kind: str, volume_id: str) -> str:
+        intent = new_id("int")
+        # The intents table names its subject in the sandbox_id column: here, the volume.
+        self._store.add_intent(intent, kind=kind, sandbox_id=volume_id,
+                               data={"volume": volume_id}, owner=this_owner())
+        failpoint(f"{kind}.intent")
+        return intent
+
+    def recover(self) -> builtins.list[str]:
+        """Finish or undo the volume operations a dead process left open (its intents): a
+        create is undone (it was never acknowledged; unless a sandbox mounts the volume
+        already, which keeps it), a delete finished. What became of each."""
+        done = []
+        for intent in self._store.intents():
+            if intent["kind"] not in VOLUME_INTENTS:
+                continue
+            pid, _, start = str(intent["owner"]).partition(".")
+            if owner_alive(pid, start):
+                continue
+            volume_id = str(intent["data"]["volume"])
+            try:
+                if intent["kind"] == "volume.create":
+                    try:
+                        self._store.delete_volume(volume_id)
+                        self._storage().remove_volume(volume_id)
+                        what = "rolled back"
+                    except VolumeInUse:
+                        what = "kept: a sandbox mounts it"
+                else:
+                    if volume_id not in self._store.volume_ids():
+                        self._storage().remove_volume(volume_id)
+                        what = "rolled forward"
+                    else:
+                        what = "rolled back: nothing was deleted"
+            except CorralError as exc:  # its tier cannot load here: the next start retries
+                logger.warning("volume intent %s (%s) not resolved: %s", intent["id"],
+                               intent["kind"], exc)
+                continue
+            self._store.delete_intent(intent["id"])
+            logger.warning("volume %s: %s interrupted by a crash, %s", volume_id,
+                           intent["kind"].split(".")[1], what)
+            done.append(f"volume {volume_id} ({intent['kind']} {what})")
+        return done
 
     def leftovers(self) -> builtins.list[str]:
         """Remove volumes on disk that the store does not know (a crash between the two

@@ -26,6 +26,8 @@ NAMES: dict[str, tuple[str, ...]] = {
     "snapshot": ("snapshot.sealed",),
     "fork": ("fork.sealed", "fork.child-made"),
     "restore": ("restore.intent", "restore.upper-dropped", "restore.reset"),
+    "volume create": ("volume.create.intent", "volume.recorded", "volume.made"),
+    "volume delete": ("volume.delete.intent", "volume.forgotten"),
 }
 _ALL = frozenset(name for names in NAMES.values() for name in names)
 _ACTIONS = ("kill", "enospc", "eio")
