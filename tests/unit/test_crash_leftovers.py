@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from corral._audit.inflight import InFlight, abandoned
+from corral._audit.inflight import InFlight, abandoned, unfinished
 from corral._control.manager import Manager
 from corral._core.owner import this_owner
 from corral.testing import memory_manager
@@ -29,9 +29,10 @@ def manager(tmp_path: Path) -> Iterator[Manager]:
 
 
 def _marks(manager: Manager) -> list[str]:
+    """What the journals on disk show in flight, as ``owner/sandbox.command``."""
     root = manager.auditor.directory / ".inflight"
     return sorted(f"{owner}/{mark}" for owner in os.listdir(root)
-                  for mark in os.listdir(root / owner)) if root.exists() else []
+                  for mark in unfinished((root / owner).read_bytes())) if root.exists() else []
 
 
 def test_a_command_marks_itself_while_it_runs(manager: Manager) -> None:
@@ -51,8 +52,7 @@ def test_a_dead_processs_command_gets_its_end_at_the_next_recovery(manager: Mana
                      context=None)
     # The process that started it is gone: its marks are a dead owner's.
     InFlight(manager.auditor.directory, _DEAD).add(sandbox, recorder.command_id)
-    os.unlink(manager.auditor.directory / ".inflight" / this_owner()
-              / f"{sandbox}.{recorder.command_id}")
+    manager.auditor.inflight.remove(sandbox, recorder.command_id)  # only the dead one's
     assert any("interrupted" in item for item in manager.recover())
     ends = manager.auditor.trail(sandbox, types=["command.finished"],
                                  command=recorder.command_id).events
@@ -66,14 +66,34 @@ def test_a_dead_processs_command_gets_its_end_at_the_next_recovery(manager: Mana
 def test_abandoned_skips_live_owners_and_removes_strays_unopened(tmp_path: Path) -> None:
     live = InFlight(tmp_path, this_owner())
     live.add("sbx_aaaaaaaaaaaa", "cmd_0123456789ab")
-    dead = tmp_path / ".inflight" / _DEAD
-    dead.mkdir()
-    (dead / "sbx_bbbbbbbbbbbb.cmd_0123456789ab").touch()
-    os.mkfifo(dead / "sbx_cccccccccccc.cmd_0123456789ab")
+    dead = InFlight(tmp_path, _DEAD)
+    for sandbox in ("sbx_bbbbbbbbbbbb", "sbx_cccccccccccc", "sbx_dddddddddddd"):
+        dead.add(sandbox, "cmd_0123456789ab")
+    dead.remove("sbx_cccccccccccc", "cmd_0123456789ab")  # finished: nothing to close
+    with open(tmp_path / ".inflight" / _DEAD, "a") as journal:
+        journal.write("+not a mark\n-sbx_\n")  # torn or foreign lines are ignored
+    os.mkfifo(tmp_path / ".inflight" / "2.2")  # a dead owner's name, a FIFO: never opened
+    (tmp_path / ".inflight" / "3.3").mkdir()  # a directory (an older layout)
+    os.mkfifo(tmp_path / ".inflight" / "3.3" / "sbx_eeeeeeeeeeee.cmd_0123456789ab")
     os.mkfifo(tmp_path / ".inflight" / "junk")
     found = list(abandoned(tmp_path, lambda pid, start: f"{pid}.{start}" == this_owner()))
-    assert [(a.sandbox_id, a.owner_pid) for a in found] == [("sbx_bbbbbbbbbbbb", 1)]
+    assert [(a.sandbox_id, a.owner_pid) for a in found] == [
+        ("sbx_bbbbbbbbbbbb", 1), ("sbx_dddddddddddd", 1)]
     assert os.listdir(tmp_path / ".inflight") == [this_owner()]
+
+
+def test_the_journal_stays_small_on_a_process_that_always_runs_something(
+        tmp_path: Path) -> None:
+    journal = InFlight(tmp_path, this_owner())
+    journal.add("sbx_aaaaaaaaaaaa", "cmd_000000000000")  # runs throughout
+    for i in range(20_000):
+        journal.add("sbx_bbbbbbbbbbbb", f"cmd_{i:012x}")
+        journal.remove("sbx_bbbbbbbbbbbb", f"cmd_{i:012x}")
+    path = tmp_path / ".inflight" / this_owner()
+    assert path.stat().st_size < 300 * 1024
+    assert unfinished(path.read_bytes()) == ["sbx_aaaaaaaaaaaa.cmd_000000000000"]
+    journal.remove("sbx_aaaaaaaaaaaa", "cmd_000000000000")
+    assert path.stat().st_size == 0  # nothing in flight: emptied
 
 
 def test_a_create_whose_process_died_is_cleaned_at_once(manager: Manager) -> None:
