@@ -14,6 +14,7 @@ from ..._control.manager import Manager
 from ...errors import SandboxNotFound
 from ..auth import Tenant
 from ..deps import ManagerDep, TenantDep
+from ..params import FloatText, IntText
 from ..schemas import _NDJSON
 
 __all__ = ["router"]
@@ -27,9 +28,10 @@ _FOLLOW_POLL_S = 0.05
             responses={200: {"content": _NDJSON, "description": "One event per line."}})
 def audit(sandbox_id: str, who: TenantDep, manager: ManagerDep,
           type: Annotated[list[str] | None, Query()] = None,  # noqa: A002 - the query name
-          since: float | None = None, until: float | None = None,
+          since: Annotated[float | None, FloatText] = None,
+          until: Annotated[float | None, FloatText] = None,
           command: str | None = None, follow: bool = False,
-          tail: Annotated[int | None, Query(ge=1, le=1_000_000, description=(
+          tail: Annotated[int | None, IntText, Query(ge=1, le=1_000_000, description=(
               "Only the last N lines of the trail (then, with follow, what comes next): a "
               "long trail's end without reading all of it."))] = None) -> StreamingResponse:
     _check_trail_owner(manager, sandbox_id, who)

@@ -9,11 +9,14 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from ..._control.ports import PortURLs
 from ...models import PortInfo
 from ..deps import ManagerDep, TenantDep, scope
+from ..params import FloatText, IntText
 from ..schemas import _NO_BODY_EXPOSE, ExposePort
 
 __all__ = ["router"]
 
 router = APIRouter()
+
+PortPath = Annotated[int, IntText]
 
 
 def _urls(request: Request, manager: ManagerDep) -> PortURLs:
@@ -25,7 +28,7 @@ def _urls(request: Request, manager: ManagerDep) -> PortURLs:
 
 @router.post("/v1/sandboxes/{sandbox_id}/ports/{port}", status_code=201,
              response_model=PortInfo)
-def expose_port(sandbox_id: str, port: int, request: Request, who: TenantDep,
+def expose_port(sandbox_id: str, port: PortPath, request: Request, who: TenantDep,
                 manager: ManagerDep,
                 body: Annotated[ExposePort, Body()] = _NO_BODY_EXPOSE) -> PortInfo:
     """Serve the sandbox's port through the proxy (idempotent); private unless ``public``.
@@ -37,14 +40,14 @@ def expose_port(sandbox_id: str, port: int, request: Request, who: TenantDep,
 
 @router.get("/v1/sandboxes/{sandbox_id}/ports", response_model=list[PortInfo])
 def list_ports(sandbox_id: str, request: Request, who: TenantDep, manager: ManagerDep,
-               link_ttl: Annotated[float | None, Query(gt=0)] = None) -> list[PortInfo]:
+               link_ttl: Annotated[float | None, Query(gt=0), FloatText] = None) -> list[PortInfo]:
     """The exposed ports, each with fresh signed links."""
     return manager.ports.list(sandbox_id, tenant=scope(who), link_ttl_s=link_ttl,
                               urls=_urls(request, manager))
 
 
 @router.delete("/v1/sandboxes/{sandbox_id}/ports/{port}", status_code=204)
-def unexpose_port(sandbox_id: str, port: int, who: TenantDep,
+def unexpose_port(sandbox_id: str, port: PortPath, who: TenantDep,
                   manager: ManagerDep) -> Response:
     """Stop serving the port; its token and links stop working at once."""
     manager.ports.unexpose(sandbox_id, port, tenant=scope(who))
