@@ -40,6 +40,17 @@ def gvisor_problems(settings: Settings) -> list[str]:
             for c in GvisorBackend(settings).check_host() if not c.ok]
 
 
+def host_tier(request: pytest.FixtureRequest) -> str:
+    """``request.param``, a host tier (namespace or gvisor), skipped with the host check's
+    reasons where the host cannot run it: for fixtures of a wider scope than ``isolation``."""
+    tier = str(request.param)
+    if tier == "gvisor":
+        problems: list[str] = request.getfixturevalue("gvisor_problems")
+        if problems:
+            pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(problems))
+    return tier
+
+
 @pytest.fixture(params=["namespace", "gvisor"])
 def isolation(request: pytest.FixtureRequest, gvisor_problems: list[str]) -> str:
     """Each isolation tier in turn. Where the host cannot run gVisor, its cases are skipped with

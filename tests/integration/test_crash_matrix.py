@@ -23,6 +23,7 @@ from corral._control.manager import Manager
 from corral._core.failpoints import NAMES
 
 from ..conftest import managed, private_settings
+from .conftest import host_tier
 
 pytestmark = pytest.mark.needs_root
 
@@ -58,11 +59,7 @@ CASES = ([("snapshot", point) for point in (*SEAL, *NAMES["snapshot"])]
 
 @pytest.fixture(scope="module", params=["namespace", "gvisor"])
 def plane(request: pytest.FixtureRequest) -> Iterator[tuple[Manager, str]]:
-    tier = str(request.param)
-    if tier == "gvisor":
-        problems: list[str] = request.getfixturevalue("gvisor_problems")
-        if problems:
-            pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(problems))
+    tier = host_tier(request)
     with private_settings("corral-test-crash-") as settings, managed(settings) as mgr:
         yield mgr, tier
 

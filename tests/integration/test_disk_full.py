@@ -26,6 +26,7 @@ from corral._core.failpoints import NAMES
 from corral.errors import DiskFullError
 
 from ..conftest import managed, private_settings
+from .conftest import host_tier
 from .servers import Server
 
 pytestmark = pytest.mark.needs_root
@@ -35,11 +36,7 @@ SIZE = "700M"  # room for a few sparse workspaces and the store; small enough to
 
 @pytest.fixture(scope="module", params=["namespace", "gvisor"])
 def plane(request: pytest.FixtureRequest) -> Iterator[tuple[Manager, str]]:
-    tier = str(request.param)
-    if tier == "gvisor":
-        problems: list[str] = request.getfixturevalue("gvisor_problems")
-        if problems:
-            pytest.skip("the gVisor tier cannot run on this host: " + "; ".join(problems))
+    tier = host_tier(request)
     scratch = Path(tempfile.mkdtemp(prefix="corral-test-full-"))
     scratch.chmod(0o711)  # sandboxes reach their workspaces through it
     image, point = scratch / "fs.img", scratch / "mnt"
