@@ -302,7 +302,7 @@ class WorkspaceStore:
         self._priv(spec.id).mkdir(mode=0o700)
         self.mount_point(spec.id).mkdir(mode=0o755)
         self._new_upper(spec)
-        return self.ensure_mounted(spec)
+        return self.ensure_mounted(spec, fresh=True)
 
     def _new_upper(self, spec: SandboxSpec) -> None:
         self._prepare_upper(spec, self._image(spec.id))
@@ -329,8 +329,10 @@ class WorkspaceStore:
     def is_mounted(self, sandbox_id: str) -> bool:
         return is_mount(self.mount_point(sandbox_id))
 
-    def ensure_mounted(self, spec: SandboxSpec) -> Path:
-        """The workspace's host path, mounting whatever a reboot or a seal left unmounted."""
+    def ensure_mounted(self, spec: SandboxSpec, *, fresh: bool = False) -> Path:
+        """The workspace's host path, mounting whatever a reboot, a crash or a seal left
+        unmounted (``fresh``: its writable image was just made, no filesystem of it can be
+        alive anywhere)."""
         point = self.mount_point(spec.id)
         if is_mount(point):
             return point
@@ -340,7 +342,7 @@ class WorkspaceStore:
                 f"remove the sandbox with `corral rm {spec.id}`")
         with flock(self.sandbox_dir(spec.id) / ".lock"):
             if not is_mount(point):
-                self._mount(spec)
+                self._mount(spec, fresh=fresh)
         return point
 
     def _ensure_layer(self, layer_id: str) -> tuple[Path, int]:
@@ -400,11 +402,15 @@ class WorkspaceStore:
                 return False
         return True
 
-    def _mount(self, spec: SandboxSpec) -> None:
+    def _mount(self, spec: SandboxSpec, *, fresh: bool = False) -> None:
         disk = self._disk(spec.id)
         disk.mkdir(mode=0o700, exist_ok=True)
         if not is_mount(disk):
-            mount_disk(self._image(spec.id), disk, read_only=False)
+            # An image mounted before may still have its filesystem alive, unmounted here
+            # (lazily, by a crash's recovery) but held elsewhere (a sandbox process's mount
+            # namespace) with writes not yet on disk: mount that one again (``reuse``), never
+            # a second filesystem on the same image, which would read it stale and corrupt it.
+            mount_disk(self._image(spec.id), disk, read_only=False, reuse=not fresh)
         upper, work = disk / "upper", disk / "work"
         if not upper.exists():
             # The workspace root: only the sandbox's own uid may enter, so another sandbox's
@@ -521,7 +527,7 @@ class WorkspaceStore:
                 raise
             os.rename(self._next(spec.id), self._image(spec.id))
             failpoint("seal.new-upper")
-            self._mount(_with_layers(spec, result.layers))
+            self._mount(_with_layers(spec, result.layers), fresh=True)
         return result
 
     @staticmethod
@@ -629,7 +635,7 @@ class WorkspaceStore:
             self._image(spec.id).unlink(missing_ok=True)
             failpoint("restore.upper-dropped")
             os.rename(self._next(spec.id), self._image(spec.id))
-            self._mount(spec)
+            self._mount(spec, fresh=True)
 
     def remove_layer(self, layer_id: str) -> None:
         """Unmount and delete a layer no sandbox or snapshot uses any more. Idempotent."""
