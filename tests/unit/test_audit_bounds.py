@@ -244,7 +244,9 @@ def test_the_control_plane_pauses_at_the_budget_and_refuses_to_resume(tmp_path: 
             mgr.auditor.event(info.id, "file.read", {"path": f"/workspace/{i}" + "x" * 200})
             if mgr.get(info.id).state == "paused":
                 break
-        _wait(lambda: mgr.get(info.id).state == "paused")
+        # The pause's own event is written just after the state changes: wait for both.
+        _wait(lambda: mgr.get(info.id).state == "paused" and any(
+            e["type"] == "sandbox.paused" for e in _events(tmp_path / "audit", info.id)))
         types = [e["type"] for e in _events(tmp_path / "audit", info.id)]
         assert types.index("audit.budget_exceeded") < types.index("sandbox.paused")
         with pytest.raises(QuotaExceeded, match="over its budget of 8.0 KiB"):

@@ -360,8 +360,12 @@ class MicrovmBackend(HostBackedBackend):
                 disks=self._settings.microvm_cache / "disks", disk_bytes=spec.tier.disk_bytes)
             mode = "warm"
         group = f"{spec.id}/{_VM_GROUP}"
-        with contextlib.suppress(FileExistsError):
-            self.cgroups.create_command(group)
+        # Each hierarchy's group on its own (cgroup v1 has one per controller): a start again
+        # after one whose clean-up removed the group from some hierarchies and not others
+        # (a QEMU slow to die) found it "existing" in the first and made none of the rest,
+        # and QEMU's placement then failed on a missing cgroup.procs.
+        for procs in self.cgroups.procs_files(group):
+            procs.parent.mkdir(exist_ok=True)
         config = KeeperConfig(
             cgroup_procs=tuple(str(p) for p in self.cgroups.procs_files(group)),
             sandbox_id=spec.id, instance=self._instance, uid=spec.uid,
@@ -660,7 +664,15 @@ class MicrovmBackend(HostBackedBackend):
         if name != _VM_GROUP:
             return False
         owner = _read(self._run_path(sandbox_id) / PIDFILE).split(".")
-        return len(owner) >= 2 and owner_alive(owner[0], owner[1])
+        if len(owner) >= 2 and owner_alive(owner[0], owner[1]):
+            return True
+        # A start under way: its group is made before its keeper writes the pid file, and a
+        # reaper's sweep in between removed it (QEMU's placement then failed).
+        try:
+            made = self.cgroups.procs_files(f"{sandbox_id}/{name}")[0].parent.stat().st_ctime
+        except (OSError, IndexError):
+            return False
+        return time.time() - made < _START_DEADLINE_S + 30
 
     def _sweep_extra(self, is_live: Callable[[str], bool]) -> list[Leftover]:
         removed: list[Leftover] = []
