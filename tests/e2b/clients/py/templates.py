@@ -1,0 +1,124 @@
+"""E2B's Template SDK (``Template().from_image(...)...``, ``Template.build``) against Corral's
+template-build API, then sandboxes of the built template by name.
+
+Usage: python templates.py BASE_IMAGE   (a registry reference the server's policy allows)
+Env: BETA_KEY, another tenant's key (the template must be unknown to it).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import sys
+import tarfile
+import tempfile
+import time
+
+import httpx
+from _steps import done, step
+from e2b import Sandbox, Template
+
+base = sys.argv[1]
+beta_key = os.environ["BETA_KEY"]
+api_url = os.environ["E2B_API_URL"]
+key = os.environ["E2B_API_KEY"]
+context = tempfile.mkdtemp(prefix="e2b-template-ctx-")
+os.makedirs(os.path.join(context, "tool", "sub"))
+with open(os.path.join(context, "hello.txt"), "w") as f:
+    f.write("hello from an uploaded file\n")
+with open(os.path.join(context, "tool", "sub", "run.sh"), "w") as f:
+    f.write("#!/bin/sh\necho tool ran\n")
+os.chmod(os.path.join(context, "tool", "sub", "run.sh"), 0o755)
+
+
+def template() -> object:
+    return (Template(file_context_path=context)
+            .from_image(base)
+            .set_envs({"GREETING": "hello 'quoted' $HOME"})
+            .set_workdir("/opt/app")
+            .copy("hello.txt", "/opt/app/")
+            .copy("tool", "/opt/tool/")
+            .run_cmd(["cat hello.txt > built.txt", "echo \"$GREETING\" >> built.txt",
+                      "printf 'line one\\nline two\\n' > /opt/app/multi.txt"])
+            # E2B's commands run `/bin/bash -l -c`: busybox's sh stands in for it.
+            .run_cmd("printf '#!/bin/sh\\nexec /bin/sh \"$@\"\\n' > /bin/bash && "
+                     "chmod 755 /bin/bash", user="root"))
+
+
+def build(name: str, tpl: object | None = None, **kwargs: object) -> dict[str, object]:
+    logs: list[dict[str, str]] = []
+    started = time.monotonic()
+    info = Template.build(tpl or template(), name,
+                          on_build_logs=lambda e: logs.append(
+                              {"level": e.level, "message": e.message}), **kwargs)
+    return {"template_id": info.template_id, "build_id": info.build_id, "name": info.name,
+            "tags": info.tags, "seconds": round(time.monotonic() - started, 2), "logs": logs}
+
+
+step("build", lambda: build("busy-env:v1"), seconds=400)
+step("rebuild", lambda: build("busy-env"), seconds=200)
+step("exists", lambda: [Template.exists("busy-env"), Template.exists("never-built")])
+
+
+def run_in(template_name: str) -> dict[str, object]:
+    sb = Sandbox.create(template_name, timeout=60)
+    try:
+        out = sb.commands.run("cat /opt/app/built.txt /opt/app/multi.txt; /opt/tool/sub/run.sh")
+        return {"template_id": sb.get_info().template_id, "stdout": out.stdout}
+    finally:
+        sb.kill()
+
+
+step("sandbox", lambda: run_in("busy-env"), seconds=120)
+step("sandbox_tag", lambda: run_in("busy-env:v1"), seconds=120)
+
+# Another tenant: the name means nothing to it.
+step("beta_exists", lambda: Template.exists("busy-env", api_key=beta_key))
+step("beta_create", lambda: Sandbox.create("busy-env", timeout=30, api_key=beta_key))
+
+# A step that fails: BuildException with the step's own message.
+step("failing", lambda: build("busy-fail", Template().from_image(base).run_cmd(
+    "echo about to fail && exit 3")), seconds=200)
+# Refusals: a bad name, a registry the operator does not allow, a start command.
+step("bad_name", lambda: build("Bad Name!"))
+step("refused_registry", lambda: build("elsewhere", Template().from_image(
+    "registry.invalid/team/tools:1")))
+step("start_cmd", lambda: build("with-start", Template().from_image(base).set_start_cmd(
+    "sleep 100", "true")))
+
+
+# A hostile archive, sent the way the SDK sends one (its link, its headers).
+def hostile(members: list[tarfile.TarInfo]) -> dict[str, object]:
+    headers = {"X-API-KEY": key}
+    opened = httpx.post(f"{api_url}/v3/templates", json={"name": "hostile"}, headers=headers)
+    opened.raise_for_status()
+    files_hash = os.urandom(32).hex()
+    link = httpx.get(f"{api_url}/templates/hostile/files/{files_hash}", headers=headers).json()
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for member in members:
+            data = b"owned\n" if member.isreg() else b""
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    put = httpx.put(link["url"], content=gzip.compress(raw.getvalue()),
+                    headers=link.get("headers") or {})
+    trigger = httpx.post(
+        f"{api_url}/v2/templates/hostile/builds/{opened.json()['buildID']}", headers=headers,
+        json={"fromImage": base, "force": False,
+              "steps": [{"type": "COPY", "args": ["x", "/opt/x"], "filesHash": files_hash,
+                         "force": False}]})
+    return {"upload": put.status_code, "message": put.json().get("message"),
+            "trigger": trigger.status_code, "trigger_message": trigger.json().get("message")}
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, target: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode = kind, target, 0o644
+    return info
+
+
+step("hostile_dotdot", lambda: hostile([member("x/../../escaped-by-tar.txt")]))
+step("hostile_link", lambda: hostile([member("x", tarfile.SYMTYPE, "/etc"),
+                                      member("x/escaped-by-tar.txt")]))
+done()

@@ -1,0 +1,126 @@
+"""E2B's Template SDK (``e2b`` 2.63.0, the ``latest`` set) builds a template through Corral's
+template-build API (``POST /v3/templates`` ... ``/status``) from an image in a loopback registry
+the server's policy allows; a sandbox is then created from it by name, only by its own tenant.
+Refusals (a bad name, a registry off the allowlist, a start command, a failing step) and hostile
+COPY archives come back as the SDK's exceptions with Corral's messages."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.images.oci import busybox_root, layer_from_dir, push, write_layout
+from tests.images.registry import LocalRegistry, registry_fixture, require_tools  # noqa: F401
+
+from .conftest import ClientRun, Served, corral_serve, run_client
+
+pytestmark = [pytest.mark.e2b, pytest.mark.needs_root, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def image_served(registry: LocalRegistry) -> Iterator[tuple[Served, str]]:
+    """A ``corral serve`` of its own whose registry policy allows the loopback registry, and
+    a busybox image pushed there."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: corral serve runs real sandboxes")
+    require_tools("skopeo", "busybox")
+    work = Path(tempfile.mkdtemp(prefix="corral-test-e2b-templates-"))
+    saved = os.environ.get("CORRAL_REGISTRIES")
+    try:
+        image = write_layout(work / "base", [layer_from_dir(busybox_root(work / "root"))],
+                             config={"Env": ["PATH=/usr/local/bin:/usr/bin:/bin"]})
+        push(image, registry.host, "e2b/busybox", "1")
+        os.environ["CORRAL_REGISTRIES"] = registry.host  # read once, as the server starts
+        with corral_serve() as served:
+            _restore(saved)
+            yield served, f"{registry.host}/e2b/busybox:1"
+    finally:
+        _restore(saved)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _restore(saved: str | None) -> None:
+    if saved is None:
+        os.environ.pop("CORRAL_REGISTRIES", None)
+    else:
+        os.environ["CORRAL_REGISTRIES"] = saved
+
+
+@pytest.fixture(scope="module")
+def client(image_served: tuple[Served, str]) -> ClientRun:
+    served, base = image_served
+    return run_client(served, "latest", "templates.py", base,
+                      env={"BETA_KEY": served.keys["beta"]}, timeout=800)
+
+
+def test_the_template_sdk_builds_with_logs_in_its_own_format(client: ClientRun) -> None:
+    got = client.value("build")
+    assert got["template_id"] == "busy-env" and got["name"] == "busy-env:v1"
+    assert got["tags"] == ["v1"]
+    messages = [entry["message"] for entry in got["logs"]]
+    # The server's entries, streamed by offset: each step named by its Dockerfile line, the
+    # RUN's own output, then the last line.
+    assert any(m.startswith("Dockerfile:4: COPY") for m in messages), messages
+    assert any("RUN" in m for m in messages) and any("built in" in m for m in messages)
+    # Polled by offset: no server entry comes twice.
+    assert sum(m.startswith("Dockerfile:4: COPY") for m in messages) == 1, messages
+    print(f"template build (cold): {got['seconds']} s")
+
+
+def test_a_rebuild_runs_no_step(client: ClientRun) -> None:
+    got = client.value("rebuild")
+    messages = [entry["message"] for entry in got["logs"]]
+    assert any("(cached)" in m for m in messages), messages
+    assert any("0 steps run" in m for m in messages), messages
+    print(f"template build (cached): {got['seconds']} s")
+
+
+def test_sandboxes_are_created_from_the_template_by_name_and_tag(client: ClientRun) -> None:
+    assert client.value("exists") == [True, False]
+    for name, step in (("busy-env", "sandbox"), ("busy-env:v1", "sandbox_tag")):
+        got = client.value(step)
+        assert got["template_id"] == name
+        assert got["stdout"].splitlines() == [
+            "hello from an uploaded file", "hello 'quoted' $HOME", "line one", "line two",
+            "tool ran"], got
+
+
+def test_another_tenant_does_not_see_the_template(client: ClientRun) -> None:
+    assert client.value("beta_exists") is False
+    assert client.error("beta_create")["error"] in ("NotFoundException", "SandboxException",
+                                                    "TemplateException")
+
+
+def test_a_failing_step_is_the_sdks_build_exception_naming_it(client: ClientRun) -> None:
+    err = client.error("failing")
+    assert err["error"] == "BuildException"
+    assert "exited with 3" in err["message"] and "about to fail" in err["message"]
+
+
+def test_bad_input_is_refused_with_what_to_do(client: ClientRun) -> None:
+    bad = client.error("bad_name")
+    assert "invalid template name" in bad["message"]
+    refused = client.error("refused_registry")
+    assert "CORRAL_REGISTRIES" in refused["message"], refused
+    start = client.error("start_cmd")
+    assert "startCmd" in start["message"] and "background=True" in start["message"]
+
+
+@pytest.mark.parametrize("step", ["hostile_dotdot", "hostile_link"])
+def test_a_hostile_archive_is_refused_whole(client: ClientRun, step: str,
+                                            image_served: tuple[Served, str]) -> None:
+    got = client.value(step)
+    assert got["upload"] == 400, got
+    assert "refused" in got["message"]
+    assert ("'..'" in got["message"]) if step == "hostile_dotdot" else (
+        "outside the archive" in got["message"])
+    # Nothing of it was kept: the build that names it is refused.
+    assert got["trigger"] == 400 and "were not uploaded" in got["trigger_message"]
+    served, _ = image_served
+    assert not list(served.home.rglob("escaped-by-tar.txt"))
+    assert not Path("/etc/escaped-by-tar.txt").exists()
