@@ -14,11 +14,18 @@ and ``E2b-Sandbox-Port`` headers (URL mode, SDK ≥ 2.7) or by ``Host: <port>-<i
 (domain mode); anything else is the control plane (``api.<domain>`` in domain mode). A signed
 ``/files`` URL names no sandbox in URL mode (P3): its signature does.
 
+URL mode has two more ways in, for what the SDKs build from the ``domain`` create answers
+(``control.sandbox_domain``): ``Host: <port>-<id>.localhost`` (``get_host`` on a plain listener,
+the name browsers and curl send to loopback), and, over TLS, the user part of
+``https://<port>-<id>.corral@HOST:PORT`` (``Authorization: Basic``), the only name a code
+interpreter client older than 2.9.0 can dial here with no DNS of its own.
+
 Pure ASGI, no ``BaseHTTPMiddleware``: that buffers streaming responses (P17).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import re
@@ -58,6 +65,11 @@ _CONNECT_PATH = re.compile(r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]
 # on control-plane calls too (connect), so the headers route only these paths to a sandbox.
 _SANDBOX_PATH = re.compile(r"/health|/files|/execute|/contexts(/.*)?|"
                            r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
+# What a URL-mode sandbox host looks like (``control.sandbox_domain``): `<port>-<id>.localhost`
+# on a plain listener, `<port>-<id>.corral` as the user of a TLS listener's URL.
+_LOCAL_HOST = re.compile(r"(\d{1,5})-([a-z0-9-]{1,63})\.localhost")
+_USERINFO = re.compile(r"(\d{1,5})-([a-z0-9-]{1,63})\.corral")
+_JUPYTER_PATH = re.compile(r"/execute|/contexts(/.*)?")
 _MAX_CONTROL_BODY = 1024 * 1024
 _MAX_RPC_BODY = 4 * 1024 * 1024
 _MAX_STREAM_INPUT = 64 * 1024 * 1024
@@ -112,6 +124,30 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def _url_mode_sandbox(scope: Scope, host: str) -> tuple[str, int] | None:
+    """The (id, port) a URL-mode request names by its host (``<port>-<id>.localhost``) or by
+    the user of its URL (``https://<port>-<id>.corral@HOST``, sent as ``Authorization:
+    Basic``); the header that named it is dropped so neither the sandbox's app nor envd sees
+    it."""
+    name = host.rsplit(":", 1)[0].lower() if not host.startswith("[") else host
+    match = _LOCAL_HOST.fullmatch(name)
+    if match is not None:
+        return match.group(2), int(match.group(1))
+    authorization = _header(scope, b"authorization") or ""
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
+    except (ValueError, UnicodeDecodeError):
+        return None
+    match = _USERINFO.fullmatch(user)
+    if match is None:
+        return None
+    scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if k != b"authorization"]
+    return match.group(2), int(match.group(1))
+
+
 def e2b_error(status: int, message: str) -> dict[str, Any]:
     return {"code": status, "message": message}
 
@@ -162,6 +198,7 @@ class E2BApp:
         self.state.tokens = self.tokens
         self.state.e2b = self.e2b
         self.state.config = config
+        self.state.e2b_metrics = control.MetricSamples()
         self._control = Router(routes=control.routes)
         self._envd = Router(routes=[Route("/health", _health, methods=["GET"]),
                                     *process.routes, *filesystem.routes,
@@ -233,6 +270,8 @@ class E2BApp:
                  if self._sandbox_host else None)
         if match is not None:
             sandbox = (match.group(2), int(match.group(1)))
+        elif self.config.domain is None and (found := _url_mode_sandbox(scope, host)):
+            sandbox = found
         elif (header_id := _header(scope, b"e2b-sandbox-id")) is not None:
             port = _header(scope, b"e2b-sandbox-port") or ""
             if self.names.allows(host, _own_port(scope)) and port.isdigit():
@@ -278,11 +317,11 @@ class E2BApp:
         await self.ports.serve(scope, receive, send, target, record, Who("e2b"), render=render)
 
     def _own_origin(self, scope: Scope, e2b_id: str, port: int) -> bool:
-        """Whether the request came to the port's own host name (domain mode)."""
-        if self._sandbox_host is None:
-            return False
+        """Whether the request came to the port's own host name (domain mode, or
+        ``<port>-<id>.localhost`` in URL mode)."""
         host = (_header(scope, b"host") or "").lower()
-        match = self._sandbox_host.fullmatch(host.rsplit(":", 1)[0])
+        pattern = self._sandbox_host or _LOCAL_HOST
+        match = pattern.fullmatch(host.rsplit(":", 1)[0])
         return match is not None and (match.group(2), int(match.group(1))) == (e2b_id, port)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -312,6 +351,8 @@ class E2BApp:
                 await _refuse(scope, send, 421, f"Host {host[:80]!r} is neither "
                               f"{self._api_host} nor <port>-<sandbox>.{self.config.domain}")
                 return
+        elif (sandbox := _url_mode_sandbox(scope, host)) is not None:
+            pass
         elif not self.names.allows(host, _own_port(scope)):
             await _refuse(scope, send, 421, f"Host {host[:80]!r} is not a name of this "
                           f"service (it answers to {self.names.describe()}); add it with "
@@ -339,8 +380,10 @@ class E2BApp:
             if found is None:
                 await _refuse(scope, send, 401, "the access token is no running sandbox's")
                 return
+            # Code interpreters < 2.9.0 send only the token to /execute and /contexts.
+            default = JUPYTER_PORT if _JUPYTER_PATH.fullmatch(scope["path"]) else ENVD_PORT
             sandbox = (found, int(header_port) if header_port and header_port.isdigit()
-                       else ENVD_PORT)
+                       else default)
         if sandbox is None and scope["path"] == "/files" and b"signature=" in scope.get(
                 "query_string", b""):
             found = await run_in_threadpool(self._signed_files_sandbox, scope)

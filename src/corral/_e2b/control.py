@@ -12,7 +12,11 @@ import binascii
 import ipaddress
 import json
 import math
+import os
+import re
+import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -28,7 +32,13 @@ from .._control.tenants import Tenant
 from .._core.resources import get_tier
 from .._server.errorlog import note
 from ..errors import (
+    BackendError,
+    BackendUnavailable,
     CorralError,
+    DiskFullError,
+    ImageError,
+    PolicyError,
+    QuotaExceeded,
     SandboxNotFound,
     SnapshotInUse,
     SnapshotNotFound,
@@ -39,7 +49,7 @@ from .state import E2BSandbox, E2BState
 from .target import TENANT_KEY
 from .tokens import SandboxTokens
 
-__all__ = ["ENVD_VERSION", "routes"]
+__all__ = ["ENVD_VERSION", "MetricSamples", "routes", "sandbox_domain"]
 
 # What Corral's envd implements, in the SDKs' version gates (E2B-COMPAT §6.6): CloseStdin,
 # octet-stream and gzip uploads, recursive watch; not file metadata (0.6.2) or watch entries.
@@ -62,11 +72,35 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
+# What to do about a refusal for a Corral reason, for a message that does not say already (one
+# with a `command` or a CORRAL_ setting in it does). Most specific class first.
+_HINTS: tuple[tuple[type[CorralError], str], ...] = (
+    (BackendUnavailable, "run `corral doctor` on the server: it says what this host lacks"),
+    (DiskFullError, "free space in /home/user, or create the sandbox on a larger resource tier"),
+    (ImageError, "`corral templates ls` on the server lists what is built"),
+    (QuotaExceeded, "the operator sets the tenant's limits with `corral tenants set TENANT`"),
+    (PolicyError, "the operator sets the tenant's ceiling with `corral tenants set TENANT` "
+                  "(--allow-host, --template, --resources)"),
+    (BackendError, "run `corral doctor` on the server"),
+)
+
+
+def hinted(exc: CorralError) -> str:
+    """``exc``'s message, with what to do next when it does not say."""
+    message = exc.message
+    if "`" in message or "CORRAL_" in message:
+        return message
+    for kind, hint in _HINTS:
+        if isinstance(exc, kind):
+            return f"{message.rstrip('. ')}; {hint}"
+    return message
+
+
 def _from_corral(exc: CorralError) -> JSONResponse:
     note(exc)  # a 5xx made of it is logged with its class and message
     status = exc.status if exc.status in (400, 401, 403, 404, 409, 429, 500, 503) else (
         500 if exc.status >= 500 else 400)
-    return _error(status, exc.message)
+    return _error(status, hinted(exc))
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -158,9 +192,37 @@ def _internet(info: SandboxInfo) -> bool:
     return bool(info.network.get("allow"))
 
 
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
+def sandbox_domain(request: Request) -> str | None:
+    """The ``domain`` a sandbox's answer carries: the SDKs build ``<port>-<id>.<domain>``
+    from it for ``get_host`` and, below code interpreter 2.9.0, for ``https://`` code
+    execution, whatever ``E2B_SANDBOX_URL`` says (E2B-COMPAT §2.2-2.3).
+
+    Domain mode: the domain. URL mode over TLS: ``corral@HOST:PORT`` (the listener as the
+    caller reached it), so ``https://49999-<id>.corral@HOST:PORT`` reaches this listener with
+    no DNS, naming its sandbox in the URL's user part (``app._url_mode_sandbox``). Plain URL
+    mode on loopback: ``localhost:PORT``, so ``get_host`` is ``<port>-<id>.localhost:PORT``,
+    which browsers and curl send to loopback. Otherwise None (the SDK's ``E2B_DOMAIN``)."""
+    config = request.app.state.config
+    if config.domain is not None:
+        return str(config.domain)
+    host = request.headers.get("host", "").strip().lower()
+    if not host or not re.fullmatch(r"[a-z0-9.\-]+(:\d{1,5})?|\[[0-9a-f:.]+\](:\d{1,5})?", host):
+        return None
+    if request.url.scheme == "https":
+        return f"corral@{host}"
+    name, _, port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
+    if not name or name.startswith("[") and not name.endswith("]"):
+        name, port = host, ""
+    if name not in _LOOPBACK_NAMES and not name.startswith("127."):
+        return None
+    return f"localhost:{port}" if port else "localhost"
+
+
 def _sandbox(request: Request, info: SandboxInfo, extra: E2BSandbox | None) -> dict[str, Any]:
     tokens: SandboxTokens = request.app.state.tokens
-    config = request.app.state.config
     return {
         "templateID": extra.template_id if extra else info.template,
         "sandboxID": to_e2b(info.id),
@@ -169,7 +231,7 @@ def _sandbox(request: Request, info: SandboxInfo, extra: E2BSandbox | None) -> d
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": tokens.envd(info.id),
         "trafficAccessToken": tokens.traffic(info.id),
-        "domain": config.domain,
+        "domain": sandbox_domain(request),
     }
 
 
@@ -206,6 +268,10 @@ def _template(request: Request, template_id: object) -> tuple[str | None, str | 
     snapshot = from_e2b(template_id)
     if snapshot is not None and snapshot.startswith("snap_"):
         return None, snapshot
+    from .templates import resolve  # one the caller's tenant built (POST /v3/templates)
+
+    if (built := resolve(request, template_id)) is not None:
+        return built, None
     templates: Mapping[str, str] = request.app.state.config.templates
     return templates.get(template_id, template_id), None
 
@@ -254,6 +320,21 @@ def _volume_mounts(value: object) -> dict[str, str]:
     return {m["name"]: m["path"] for m in value}
 
 
+def _check_lifecycle(body: Mapping[str, Any]) -> None:
+    """Corral kills a sandbox at its timeout; it cannot pause one then (that comes with
+    hibernation). Asking for it is refused, not stored and ignored, so a caller never loses
+    state it was told would be kept. The SDKs' defaults (``autoPause`` false or absent) pass."""
+    resume = body.get("autoResume")
+    if body.get("autoPause") is True:
+        raise E2BHTTPError(400, "autoPause (lifecycle on_timeout='pause'): Corral cannot pause "
+                           "a sandbox at its timeout yet (hibernation is not available), it "
+                           "kills it; leave on_timeout as 'kill', and extend the life with "
+                           "set_timeout, or pause() it yourself before the timeout")
+    if isinstance(resume, dict) and resume.get("enabled") is True:
+        raise E2BHTTPError(400, "autoResume: Corral does not resume a paused sandbox on "
+                           "traffic; resume it with connect()")
+
+
 @_endpoint
 async def create_sandbox(request: Request) -> Response:
     body = await _json_body(request)
@@ -262,6 +343,7 @@ async def create_sandbox(request: Request) -> Response:
     for key, what in _UNSUPPORTED_CREATE.items():
         if body.get(key):
             raise E2BHTTPError(400, f"{key}: Corral does not offer {what}")
+    _check_lifecycle(body)
     template, snapshot = _template(request, body.get("templateID"))
     timeout = _int_field(body, "timeout", low=1, default=DEFAULT_TIMEOUT_S)
     metadata = body.get("metadata") or {}
@@ -285,7 +367,7 @@ async def create_sandbox(request: Request) -> Response:
         state.remember(E2BSandbox(
             id=info.id, template_id=body["templateID"], envs=dict(envs),
             internet=asked_internet if isinstance(asked_internet, bool) else None,
-            auto_pause=bool(body.get("autoPause"))))
+            auto_pause=False))
         return info
 
     info = await run_in_threadpool(create)
@@ -468,10 +550,96 @@ async def pause_sandbox(request: Request) -> Response:
 async def sandbox_metrics(request: Request) -> Response:
     manager, tenant = _manager(request), _tenant(request)
     corral_id = _sandbox_id(request)
-    await run_in_threadpool(_owned, manager, tenant, corral_id)
-    # Corral measures usage per command (in the audit trail and `corral usage`), not as a
-    # sampled time series of the sandbox: none to report here.
-    return JSONResponse([])
+    query = request.query_params
+    start, end = _epoch(query.get("start")), _epoch(query.get("end"))
+    info = await run_in_threadpool(_owned, manager, tenant, corral_id)
+    samples: MetricSamples = request.app.state.e2b_metrics
+    await run_in_threadpool(samples.take, manager, info)
+    return JSONResponse([m for m in samples.of(corral_id)
+                         if (start is None or m["timestampUnix"] >= start)
+                         and (end is None or m["timestampUnix"] <= end)])
+
+
+def _epoch(raw: str | None) -> int | None:
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise E2BHTTPError(400, f"start and end are Unix seconds, not {raw[:40]!r}") from None
+
+
+class MetricSamples:
+    """Samples of each sandbox's CPU, memory and disk, taken when a caller asks for metrics
+    (the SDKs poll ``get_metrics``) at most once a second, the last hour's kept in memory.
+
+    CPU is the sandbox cgroup's CPU time since the sandbox's previous sample (since its start
+    for the first) over the wall time between, per CPU of its tier; memory is the cgroup's
+    ``memory.current`` (page cache included, so ``memCache`` is 0) against the tier's limit;
+    disk is the workspace filesystem's use against its size. A tier that cannot measure a
+    sandbox (``usage_now`` None) gets no samples."""
+
+    _KEEP = 3600
+    _MIN_GAP_S = 1.0
+
+    def __init__(self) -> None:
+        self._series: dict[str, deque[dict[str, Any]]] = {}
+        self._last: dict[str, tuple[float, float]] = {}  # id -> (wall, cpu seconds)
+        self._lock = threading.Lock()
+
+    def of(self, sandbox_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._series.get(sandbox_id, ()))
+
+    def take(self, manager: Manager, info: SandboxInfo) -> None:
+        with self._lock:
+            self._take(manager, info)
+
+    def _take(self, manager: Manager, info: SandboxInfo) -> None:
+        now = time.time()
+        last = self._last.get(info.id)
+        if last is not None and now - last[0] < self._MIN_GAP_S:
+            return
+        tier = get_tier(info.resources)
+        cpus = max(1, math.ceil(tier.cpus))
+        usage = manager.usage_now(info.id)
+        if usage is None:  # a tier that cannot measure it (the microVM's): no sample, not 0s
+            return
+        cpu_s = float(usage.get("cpu_s", 0.0))
+        since, before = last if last is not None else (info.created_at, 0.0)
+        pct = 100.0 * max(0.0, cpu_s - before) / max(now - since, 1e-3) / cpus
+        disk_used, disk_total = self._disk(manager, info.id, tier.disk_bytes)
+        series = self._series.setdefault(info.id, deque(maxlen=self._KEEP))
+        series.append({
+            "timestamp": _rfc3339(now), "timestampUnix": int(now), "cpuCount": cpus,
+            "cpuUsedPct": round(min(pct, 100.0), 2),
+            "memUsed": int(usage.get("memory_bytes", 0)), "memTotal": tier.memory_bytes,
+            "memCache": 0, "diskUsed": disk_used, "diskTotal": disk_total})
+        self._last[info.id] = (now, cpu_s)
+        live = {record.id for record in manager.store.list()}
+        for gone in [i for i in self._series if i not in live]:
+            self._series.pop(gone, None)
+            self._last.pop(gone, None)
+
+    @staticmethod
+    def _disk(manager: Manager, sandbox_id: str, size: int) -> tuple[int, int]:
+        # The host tiers' backends know the workspace's mount on the host (``workspace_root``,
+        # theirs, not the protocol's); elsewhere its use is unknown (0).
+        try:
+            record = manager.sandboxes.get(sandbox_id)
+            root = getattr(manager.sandboxes.backend(record), "workspace_root", None)
+            if root is None:
+                return 0, size
+            point = root(manager.sandboxes.spec(record))
+            if not os.path.ismount(point):
+                return 0, size
+            stat = os.statvfs(point)
+        except (OSError, CorralError):
+            return 0, size
+        # The image may be made larger than the tier's disk (room for layers): the tier's
+        # size is the sandbox's limit.
+        return ((stat.f_blocks - stat.f_bfree) * stat.f_frsize,
+                min(size, stat.f_blocks * stat.f_frsize))
 
 
 @_endpoint
