@@ -124,3 +124,16 @@ def test_a_hostile_archive_is_refused_whole(client: ClientRun, step: str,
     served, _ = image_served
     assert not list(served.home.rglob("escaped-by-tar.txt"))
     assert not Path("/etc/escaped-by-tar.txt").exists()
+
+
+def test_the_js_template_sdk_builds_too(image_served: tuple[Served, str]) -> None:
+    """The JS SDK (2.51.0, what @mastra/e2b builds with): same API, same results."""
+    served, base = image_served
+    js = run_client(served, "js", "templates.cjs", base, timeout=400)
+    got = js.value("build")
+    assert got["templateId"] == "js-env" and got["name"] == "js-env"
+    assert any(entry["message"].startswith("Dockerfile:") for entry in got["logs"])
+    assert js.value("exists") == [True, False]
+    assert js.value("sandbox").splitlines() == ["hello from the JS SDK", "yes"]
+    assert "CORRAL_REGISTRIES" in js.error("refused")["message"]
+    print(f"template build (JS, cold): {got['seconds']} s")
