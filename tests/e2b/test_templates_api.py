@@ -81,7 +81,8 @@ def test_a_rebuild_runs_no_step(client: ClientRun) -> None:
 
 
 def test_sandboxes_are_created_from_the_template_by_name_and_tag(client: ClientRun) -> None:
-    assert client.value("exists") == [True, False]
+    assert client.value("exists") == [True, False, True, False]
+    assert "has no tag 'v9'" in client.error("no_such_tag")["message"]
     for name, step in (("busy-env", "sandbox"), ("busy-env:v1", "sandbox_tag")):
         got = client.value(step)
         assert got["template_id"] == name

@@ -26,6 +26,7 @@ stays). Kept on disk: the uploaded archives, per tenant, by hash (``$CORRAL_HOME
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -70,6 +71,9 @@ __all__ = ["MAX_UPLOAD", "UPLOAD_PATH", "resolve", "routes"]
 logger = logging.getLogger(__name__)
 
 MAX_UPLOAD = 1024 * 1024 * 1024  # one COPY archive, as uploaded (gzipped)
+# A tenant's kept archives are a cache: past this, the oldest go (the SDK uploads again what
+# the API says is not present).
+MAX_KEPT_PER_TENANT = 8 * 1024 * 1024 * 1024
 UPLOAD_PATH = re.compile(r"/templates/[^/]{1,200}/files/[0-9a-f]{64}/upload")
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,127}")
 _INTERNAL = re.compile(r"e2b-[0-9a-f]{16}")
@@ -172,10 +176,18 @@ def resolve(request: Request, template_id: str) -> str | None:
     if not isinstance(tenant, Tenant) or not _NAME.fullmatch(name) or (
             tag and not TAG.fullmatch(tag)):
         return None
-    internal = internal_name(tenant.name, name)
-    if current_build(_templates_dir(_manager(request)), internal) is None:
-        return None
-    return internal + (f":{tag}" if tag and tag != "default" else "")
+    reference = _reference(tenant.name, name, tag)
+    templates_dir = _templates_dir(_manager(request))
+    if current_build(templates_dir, reference) is not None:
+        return reference
+    if current_build(templates_dir, internal_name(tenant.name, name)) is not None:
+        raise E2BHTTPError(404, f"template {name!r} has no tag {tag[:64]!r}")
+    return None
+
+
+def _reference(tenant: str, name: str, tag: str) -> str:
+    """The Corral reference of a tenant's ``name[:tag]`` (E2B's ``default`` tag: untagged)."""
+    return internal_name(tenant, name) + (f":{tag}" if tag and tag != "default" else "")
 
 
 # -- 1. open a build -----------------------------------------------------------------------------
@@ -241,13 +253,14 @@ async def request_build(request: Request) -> Response:
 async def alias_exists(request: Request) -> Response:
     tenant, manager = _tenant(request), _manager(request)
     alias = request.path_params["alias"]
-    if not _NAME.fullmatch(alias):
+    name, _, tag = alias.partition(":")
+    if not _NAME.fullmatch(name) or (tag and not TAG.fullmatch(tag)):
         raise E2BHTTPError(400, f"invalid template name {alias[:80]!r}")
     found = await run_in_threadpool(current_build, _templates_dir(manager),
-                                    internal_name(tenant.name, alias))
+                                    _reference(tenant.name, name, tag))
     if found is None:
         raise E2BHTTPError(404, f"template {alias!r} not found")
-    return JSONResponse({"templateID": alias, "public": False})
+    return JSONResponse({"templateID": name, "public": False})
 
 
 # -- 2. files -----------------------------------------------------------------------------------
@@ -268,7 +281,10 @@ async def upload_link(request: Request) -> Response:
     if not registry.has_template(tenant.name, template_id):
         raise E2BHTTPError(404, f"template {template_id[:64]!r} has no open build; request "
                            "one first (POST /v3/templates)")
-    if registry.archive(tenant.name, files_hash).is_file():
+    archive = registry.archive(tenant.name, files_hash)
+    if archive.is_file():
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(archive)  # used: the last to go (_evict)
         return JSONResponse({"present": True}, status_code=201)
     token = secrets.token_urlsafe(24)
     with registry.lock:
@@ -321,7 +337,27 @@ async def upload(request: Request) -> Response:
     finally:
         if os.path.exists(temp):
             os.unlink(temp)
+    await run_in_threadpool(_evict, final)
     return Response(status_code=200)
+
+
+def _evict(kept: Path) -> None:
+    """Remove a tenant's oldest archives (never ``kept``) while they hold more than
+    ``MAX_KEPT_PER_TENANT``."""
+    archives = []
+    for path in kept.parent.glob("*.tar"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        archives.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in archives)
+    for _, size, path in sorted(archives):
+        if total <= MAX_KEPT_PER_TENANT:
+            break
+        if path != kept:
+            path.unlink(missing_ok=True)
+            total -= size
 
 
 # -- 3. start -----------------------------------------------------------------------------------
@@ -389,8 +425,12 @@ def _run(manager: Manager, registry: _Registry, build: _Build, plan: Plan,
             context = work / "context"
             context.mkdir(mode=0o755)
             for number, files_hash in plan.copies.items():
-                unpack_archive(registry.archive(build.tenant, files_hash),
-                               context / f"s{number}")
+                try:
+                    unpack_archive(registry.archive(build.tenant, files_hash),
+                                   context / f"s{number}")
+                except FileNotFoundError:
+                    raise TarRefused(f"step {number}: its files left the upload cache while "
+                                     "the build waited; build again") from None
             dockerfile = work / "Dockerfile"
             dockerfile.write_text(plan.dockerfile)
             reference = internal + (f":{build.tags[0]}" if build.tags else "")

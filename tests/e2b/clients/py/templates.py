@@ -58,7 +58,8 @@ def build(name: str, tpl: object | None = None, **kwargs: object) -> dict[str, o
 
 step("build", lambda: build("busy-env:v1"), seconds=400)
 step("rebuild", lambda: build("busy-env"), seconds=200)
-step("exists", lambda: [Template.exists("busy-env"), Template.exists("never-built")])
+step("exists", lambda: [Template.exists(n) for n in ("busy-env", "never-built", "busy-env:v1",
+                                                    "busy-env:v9")])
 
 
 def run_in(template_name: str) -> dict[str, object]:
@@ -72,6 +73,7 @@ def run_in(template_name: str) -> dict[str, object]:
 
 step("sandbox", lambda: run_in("busy-env"), seconds=120)
 step("sandbox_tag", lambda: run_in("busy-env:v1"), seconds=120)
+step("no_such_tag", lambda: Sandbox.create("busy-env:v9", timeout=30))
 
 # Another tenant: the name means nothing to it.
 step("beta_exists", lambda: Template.exists("busy-env", api_key=beta_key))
