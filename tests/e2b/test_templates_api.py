@@ -91,8 +91,17 @@ def test_sandboxes_are_created_from_the_template_by_name_and_tag(client: ClientR
             "tool ran"], got
 
 
+def test_tags_are_assigned_listed_and_removed(client: ClientRun) -> None:
+    got = client.value("tags")
+    assert got["assigned"] == ["prod", "stable"] and got["same_build"] is True
+    assert got["listed"] == ["prod", "stable", "v1"] and got["after"] == ["prod", "v1"]
+    assert got["prod_exists"] is True and got["stable_exists"] is False
+    assert client.value("prod_sandbox")["template_id"] == "busy-env:prod"
+
+
 def test_another_tenant_does_not_see_the_template(client: ClientRun) -> None:
     assert client.value("beta_exists") is False
+    assert client.error("beta_tags")["error"] in ("NotFoundException", "TemplateException")
     assert client.error("beta_create")["error"] in ("NotFoundException", "SandboxException",
                                                     "TemplateException")
 

@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from starlette.routing import Route
 from .._control.manager import Manager
 from .._control.tenants import Tenant
 from .._images.reference import ImagePolicy, parse_reference
-from .._templates.catalog import TAG, current_build, name_lock, set_current
+from .._templates.catalog import TAG, current_build, name_lock, pointer, set_current
 from ..errors import CorralError
 from .control import E2BHTTPError, _endpoint, _json_body, _manager, _tenant
 from .target import TENANT_KEY
@@ -503,7 +504,102 @@ async def build_status(request: Request) -> Response:
     return JSONResponse(out)
 
 
+# -- tags ----------------------------------------------------------------------------------------
+
+
+def _build_uuid(build_hash: str) -> str:
+    """The ``buildID`` (a UUID to the SDKs) of a Corral build, from its 16-hex hash."""
+    return str(uuid.UUID(hex=build_hash * 2))
+
+
+def _owned_name(value: object, what: str) -> tuple[str, str]:
+    if not isinstance(value, str):
+        raise E2BHTTPError(400, f"{what} must be a template name")
+    name, _, tag = value.partition(":")
+    if not _NAME.fullmatch(name) or (tag and not TAG.fullmatch(tag)):
+        raise E2BHTTPError(400, f"invalid template name {value[:80]!r}")
+    return name, tag
+
+
+def _tag_list(value: object) -> list[str]:
+    if not isinstance(value, list) or not value or len(value) > _MAX_TAGS or not all(
+            isinstance(t, str) and TAG.fullmatch(t) for t in value):
+        raise E2BHTTPError(400, f"tags must be a list of 1-{_MAX_TAGS} tags (1-64 letters, "
+                           "digits, '_', '.', '-', not starting with '.' or '-')")
+    return list(dict.fromkeys(value))
+
+
+@_endpoint
+async def assign_tags(request: Request) -> Response:
+    tenant, manager = _tenant(request), _manager(request)
+    body = await _json_body(request)
+    name, tag = _owned_name(body.get("target"), "target")
+    tags = _tag_list(body.get("tags"))
+    templates_dir = _templates_dir(manager)
+    internal = internal_name(tenant.name, name)
+
+    def assign() -> str:
+        with name_lock(templates_dir, internal):
+            built = current_build(templates_dir, _reference(tenant.name, name, tag))
+            if built is None:
+                raise E2BHTTPError(404, f"template {body['target'][:80]!r} not found")
+            for new in tags:
+                set_current(templates_dir, internal, built.hash, tag=new)
+            return built.hash
+
+    build_hash = await run_in_threadpool(assign)
+    return JSONResponse({"tags": tags, "buildID": _build_uuid(build_hash)}, status_code=201)
+
+
+@_endpoint
+async def remove_tags(request: Request) -> Response:
+    tenant, manager = _tenant(request), _manager(request)
+    body = await _json_body(request)
+    name, _ = _owned_name(body.get("name"), "name")
+    tags = _tag_list(body.get("tags"))
+    templates_dir = _templates_dir(manager)
+    internal = internal_name(tenant.name, name)
+
+    def remove() -> None:
+        with name_lock(templates_dir, internal):
+            missing = [t for t in tags if current_build(templates_dir, f"{internal}:{t}") is None]
+            if missing:
+                raise E2BHTTPError(404, f"template {name!r} has no tag {missing[0]!r}")
+            for t in tags:
+                pointer(templates_dir, f"{internal}:{t}").unlink(missing_ok=True)
+
+    await run_in_threadpool(remove)
+    return Response(status_code=204)
+
+
+@_endpoint
+async def list_tags(request: Request) -> Response:
+    tenant, manager = _tenant(request), _manager(request)
+    name, _ = _owned_name(request.path_params["template_id"], "template")
+    templates_dir = _templates_dir(manager)
+    internal = internal_name(tenant.name, name)
+
+    def listed() -> list[dict[str, Any]]:
+        if current_build(templates_dir, internal) is None:
+            raise E2BHTTPError(404, f"template {name!r} not found")
+        out = []
+        prefix = pointer(templates_dir, f"{internal}:x").name[:-1]
+        for entry in sorted(templates_dir.glob(f"{prefix}*")):
+            tag = entry.name[len(prefix):]
+            built = current_build(templates_dir, f"{internal}:{tag}")
+            if built is None or not TAG.fullmatch(tag):
+                continue
+            created = datetime.fromtimestamp(entry.lstat().st_mtime, UTC).isoformat()
+            out.append({"tag": tag, "buildID": _build_uuid(built.hash), "createdAt": created})
+        return out
+
+    return JSONResponse(await run_in_threadpool(listed))
+
+
 routes = [
+    Route("/templates/tags", assign_tags, methods=["POST"]),
+    Route("/templates/tags", remove_tags, methods=["DELETE"]),
+    Route("/templates/{template_id}/tags", list_tags, methods=["GET"]),
     Route("/v3/templates", request_build, methods=["POST"]),
     Route("/templates/aliases/{alias}", alias_exists, methods=["GET"]),
     Route("/templates/{template_id}/files/{hash}", upload_link, methods=["GET"]),

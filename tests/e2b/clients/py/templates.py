@@ -75,9 +75,26 @@ step("sandbox", lambda: run_in("busy-env"), seconds=120)
 step("sandbox_tag", lambda: run_in("busy-env:v1"), seconds=120)
 step("no_such_tag", lambda: Sandbox.create("busy-env:v9", timeout=30))
 
+
+
+def tags() -> dict[str, object]:
+    assigned = Template.assign_tags("busy-env:v1", ["prod", "stable"])
+    listed = sorted(t.tag for t in Template.get_tags("busy-env"))
+    Template.remove_tags("busy-env", "stable")
+    return {"assigned": assigned.tags, "same_build": assigned.build_id == next(
+                t.build_id for t in Template.get_tags("busy-env") if t.tag == "v1"),
+            "listed": listed, "after": sorted(t.tag for t in Template.get_tags("busy-env")),
+            "prod_exists": Template.exists("busy-env:prod"),
+            "stable_exists": Template.exists("busy-env:stable")}
+
+
+step("tags", tags)
+step("prod_sandbox", lambda: run_in("busy-env:prod"), seconds=120)
+
 # Another tenant: the name means nothing to it.
 step("beta_exists", lambda: Template.exists("busy-env", api_key=beta_key))
 step("beta_create", lambda: Sandbox.create("busy-env", timeout=30, api_key=beta_key))
+step("beta_tags", lambda: Template.get_tags("busy-env", api_key=beta_key))
 
 # A step that fails: BuildException with the step's own message.
 step("failing", lambda: build("busy-fail", Template().from_image(base).run_cmd(
