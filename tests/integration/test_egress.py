@@ -214,7 +214,9 @@ def test_policy_update_applies_to_the_next_connection(egress_home: str) -> None:
         assert out.stdout.split() == ["200", "403", "200"]
         assert sb.network.get()["allow"] == ["pypi.test"]
         sb.network.block()
-        assert _status(sb, "http://pypi.test/")[0] == 0  # no proxy at all now
+        # Only a refusing listener now, saying so (see the refusal tests below).
+        status, verdict = _status(sb, "http://pypi.test/")
+        assert status == 403 and "network=none" in verdict
     finally:
         sb.kill()
 
@@ -364,3 +366,123 @@ def test_absolute_form_in_an_intercepted_tunnel_is_refused_before_substitution(
                                                        "api.test", [])
         assert (second.data["verdict"], second.data["secrets_substituted"]) == (
             "allowed", ["TEST_TOKEN"])
+
+
+# -- refusals a model can act on (issue 37) ------------------------------------------------------
+
+REQUESTS_TRY = textwrap.dedent("""
+    import sys, requests
+    try:
+        r = requests.get(sys.argv[1], timeout=10)
+        print(r.status_code, r.reason)
+        r.raise_for_status()
+    except requests.RequestException as e:
+        print("error", e)
+""")
+
+LOOKUP_TIME = textwrap.dedent("""
+    import socket, time
+    t = time.monotonic()
+    try:
+        socket.getaddrinfo("pypi.test", 443)
+        print("resolved")
+    except socket.gaierror as e:
+        print("gaierror", e.errno)
+    print(f"{time.monotonic() - t:.4f}")
+""")
+
+
+def test_a_sandbox_without_network_says_it_was_the_policy_and_how_to_allow(
+    egress_home: str,
+) -> None:
+    with Sandbox.create(home=egress_home) as sb:  # network "none"
+        # A name lookup fails at once (no nameserver: 127.0.0.1:53 refuses), and resolv.conf
+        # says why to whoever looks.
+        out = run_ok(sb, ["python3", "-c", LOOKUP_TIME]).split()
+        assert out[0] == "gaierror" and float(out[-1]) < 0.5, out
+        assert "corral network $CORRAL_SANDBOX_ID --allow" in run_ok(sb, "cat /etc/resolv.conf")
+        # curl over plain HTTP prints the body; curl -i shows the status line of a CONNECT.
+        body = run_ok(sb, "curl -sS -m 10 http://pypi.test/simple/")
+        assert "refused by Corral's network policy" in body
+        assert "network='none'" in body and 'network={"allow": ["pypi.test"]}' in body
+        assert f"corral network {sb.id} --allow pypi.test" in body
+        assert "corral create --allow pypi.test" in body
+        head = sb.commands.run("curl -sSi -m 10 https://pypi.test/simple/", timeout=30)
+        assert head.exit_code == 56 and "response 403" in head.stderr
+        status = head.stdout.splitlines()[0]
+        assert "Forbidden by Corral network policy" in status and "--allow pypi.test" in status
+        assert "x-corral-refused: policy; host=pypi.test; port=443; method=CONNECT; " \
+               "rule=network=none; setting=network.allow" in head.stdout
+        # Python: requests (http.client) shows the reason phrase of a refused CONNECT.
+        said = run_ok(sb, ["python3", "-c", REQUESTS_TRY, "https://pypi.test/simple/"])
+        assert "Tunnel connection failed: 403 Forbidden by Corral network policy" in said
+        assert "network={'allow': ['pypi.test']}" in said
+        # pip prints it in its retry warnings (its final line stays "from versions: none").
+        pip = sb.commands.run(
+            "python3 -m pip download --no-deps --no-cache-dir --disable-pip-version-check "
+            "--retries 1 --index-url https://pypi.test/simple/ -d dl corraldemo", timeout=60)
+        assert pip.exit_code != 0
+        assert "Forbidden by Corral network policy" in pip.stderr, pip.stderr
+        assert "--allow pypi.test" in pip.stderr
+        # And the audit trail says what was refused, and why.
+        events = sb.audit.events(types=["egress.decision"])
+        assert events and {(e.data["verdict"], e.data["rule"], e.data["host"])
+                           for e in events} == {("denied", "network=none", "pypi.test")}
+
+
+def test_allowlist_refusals_name_the_rule_and_the_setting(egress_home: str) -> None:
+    with Sandbox.create(home=egress_home, network={"allow": ["api.test", "other.test"],
+                                                   "deny": ["other.test"]}) as sb:
+        body = run_ok(sb, "curl -sS -m 10 http://pypi.test/")
+        assert "no rule of the sandbox's allow list matches it" in body
+        assert "policy field network.allow" in body
+        denied = run_ok(sb, "curl -sS -m 10 http://other.test/")
+        assert "deny rule 'other.test'" in denied and "network.deny" in denied
+        literal = run_ok(sb, f"curl -sS -m 10 http://{UPSTREAM_ADDR}/")
+        assert "only host names can be allowed" in literal
+        said = run_ok(sb, ["python3", "-c", REQUESTS_TRY, "http://pypi.test/x"])
+        assert said.startswith("403 Forbidden by Corral network policy: pypi.test is not in "
+                               "this sandbox's network allow list"), said
+        assert "403 Client Error: Forbidden by Corral network policy" in said
+
+
+def test_a_refusal_echoes_no_request_bytes_and_stays_bounded(egress_home: str) -> None:
+    """Only what the gateway checked reaches the answer: a long name, markup and bytes past
+    ASCII in the request come back as short printable text, never as they were sent."""
+    long_name = ".".join(["a" * 63] * 3) + ".test"
+    raw = textwrap.dedent("""
+        import os, socket, sys
+        port = int(os.environ["HTTP_PROXY"].rsplit(":", 1)[1])
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(sys.argv[1].encode("latin-1"))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        sys.stdout.buffer.write(data)
+    """)
+    with Sandbox.create(home=egress_home, network={"allow": ["api.test"]}) as sb:
+        for request in (
+            f"GET http://{long_name}/<script>alert(1)</script> HTTP/1.1\r\n"
+            f"Host: {long_name}\r\nX-Evil: \xff\xfe<b>\r\n\r\n",
+            "GET http://b\xfccher.test/ HTTP/1.1\r\nHost: b\xfccher.test\r\n\r\n",
+            "CONNECT <b>.test:443 HTTP/1.1\r\nHost: <b>.test:443\r\n\r\n",
+        ):
+            result = sb.commands.run(["python3", "-c", raw, request], timeout=30)
+            answer = result.stdout.encode("utf-8", "surrogateescape")
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith((b"HTTP/1.1 403", b"HTTP/1.1 400")), answer[:200]
+            assert b"content-type: text/plain; charset=utf-8" in head
+            assert len(answer) < 4096
+            assert all(32 <= c < 127 or c in b"\r\n" for c in answer), answer
+            assert b"<script>" not in answer
+
+
+def test_refusals_in_a_loop_stay_bounded_in_the_audit_trail(egress_home: str) -> None:
+    with Sandbox.create(home=egress_home) as sb:
+        looped = sb.commands.run("for i in $(seq 200); do curl -s -o /dev/null "
+                                 "http://pypi$i.test/; done", timeout=60)
+        assert looped.exit_code == 0
+        full = [e for e in sb.audit.events(types=["egress.decision"])
+                if e.command == looped.command_id]
+        # The first of a window in full (the rest are counted into one summary).
+        assert 1 <= len(full) <= 5, len(full)

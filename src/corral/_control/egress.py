@@ -14,10 +14,10 @@ from typing import Any
 from .._audit.auditor import Auditor
 from .._egress.addresses import parse_cidrs
 from .._egress.ca import CertificateAuthority
-from .._egress.gateway import BoundSecret, Decision, EgressContext, Gateway
+from .._egress.gateway import BoundSecret, Decision, EgressContext, Gateway, ListenerHandle
 from .._egress.policy import NetworkPolicy, Rule
 from .._settings import Settings
-from ..backends import IsolationBackend, SandboxSpec, WorkspaceFS
+from ..backends import EgressEndpoint, IsolationBackend, SandboxSpec, WorkspaceFS
 from ..errors import BackendError, CorralError, UsageError
 from .presets import PackageIndexes, check_names
 from .secrets import SecretStore
@@ -147,22 +147,27 @@ class EgressBroker:
         env = dict(placeholders)
         policy = NetworkPolicy.from_json(dict(network))
         if policy.mode == "none":
-            yield env  # no listener, no proxy variables: nothing answers
+            # Still a listener: it refuses every request, saying it was the policy and which
+            # setting allows the host, and the refusal is audited; without it a model reads
+            # "Could not resolve host" and takes the sandbox for broken. Best effort: where it
+            # cannot be had (the in-memory test backend has no network, a stuck gateway) the
+            # command runs without proxy variables, and nothing answers, as before.
+            try:
+                endpoint = backend.egress_endpoint(spec)
+                handle = self._serve(backend, endpoint, spec, command_id)
+            except (CorralError, OSError) as exc:
+                logger.debug("sandbox %s: no refusing listener for a command: %s", spec.id, exc)
+                yield env
+                return
+            try:
+                yield {**env, **_proxy_environment(endpoint.proxy_url)}
+            finally:
+                handle.close()
             return
         endpoint = backend.egress_endpoint(spec)
-        sock = endpoint.listener
+        handle = self._serve(backend, endpoint, spec, command_id)
         try:
-            if not isinstance(sock, socket.socket):
-                raise BackendError(f"the {backend.name} tier's egress listener is not a socket")
-            handle = self.gateway().serve(sock, sandbox_id=spec.id, command_id=command_id)
-        except BaseException:
-            sock.close()
-            raise
-        try:
-            proxy = endpoint.proxy_url
-            for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-                env[name] = env[name.lower()] = proxy
-            env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+            env.update(_proxy_environment(endpoint.proxy_url))
             for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"):
                 env[name] = _CA_BUNDLE
             env["NODE_EXTRA_CA_CERTS"] = "/etc/corral/egress-ca.pem"
@@ -171,6 +176,18 @@ class EgressBroker:
             yield env
         finally:
             handle.close()
+
+    def _serve(self, backend: IsolationBackend, endpoint: EgressEndpoint, spec: SandboxSpec,
+               command_id: str) -> ListenerHandle:
+        """The gateway serving ``endpoint`` for one command (the listener closed on failure)."""
+        sock = endpoint.listener
+        try:
+            if not isinstance(sock, socket.socket):
+                raise BackendError(f"the {backend.name} tier's egress listener is not a socket")
+            return self.gateway().serve(sock, sandbox_id=spec.id, command_id=command_id)
+        except BaseException:
+            sock.close()
+            raise
 
     def _client_config(self, backend: IsolationBackend, spec: SandboxSpec,
                        policy: NetworkPolicy) -> dict[str, str]:
@@ -189,6 +206,14 @@ class EgressBroker:
     def close(self) -> None:
         if self._gateway is not None:
             self._gateway.close()
+
+
+def _proxy_environment(proxy: str) -> dict[str, str]:
+    env = {}
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env[name] = env[name.lower()] = proxy
+    env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+    return env
 
 
 def _write_changed(fs: WorkspaceFS, files: Mapping[str, bytes | None]) -> None:

@@ -47,6 +47,7 @@ from .framing import (
     split_url,
 )
 from .policy import NetworkPolicy, Rule, clip, is_ip_literal, normalize_host, parse_port
+from .refusals import explain, printable
 
 __all__ = ["BoundSecret", "Decision", "EgressContext", "Gateway", "ListenerHandle"]
 
@@ -232,14 +233,14 @@ class Gateway:
                 decision = Decision(sandbox_id, command_id, "", "", 0, "denied", "", "")
             decision.verdict, decision.rule, decision.reason = "denied", refused.rule, \
                 refused.reason
-            await self._refuse(conn, writer, refused)
+            await self._refuse(conn, writer, refused, decision)
         except (TimeoutError, h11.RemoteProtocolError, asyncio.IncompleteReadError) as exc:
             if decision is not None and decision.verdict == "allowed":
                 decision.reason += f"; ended: {type(exc).__name__}: {clip(str(exc))}"
             else:
                 await self._refuse(conn, writer, _Refused(400, "bad-request",
                                                           f"malformed proxy request: "
-                                                          f"{clip(str(exc))}"))
+                                                          f"{clip(str(exc))}"), decision)
         except (ConnectionError, OSError) as exc:
             if decision is not None:
                 decision.reason += f"; ended: {clip(str(exc))}"
@@ -259,7 +260,8 @@ class Gateway:
             else:
                 decision.rule, decision.reason = "internal-error", "the gateway failed"
                 await self._refuse(conn, writer, _Refused(502, "internal-error",
-                                                          "the gateway failed on this request"))
+                                                          "the gateway failed on this request"),
+                                   decision)
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
@@ -291,17 +293,29 @@ class Gateway:
                               if framing else "")) from None
 
     async def _refuse(self, conn: h11.Connection, writer: asyncio.StreamWriter,
-                      refused: _Refused) -> None:
-        body = f"corral egress gateway: {refused.reason}\n".encode()
+                      refused: _Refused, decision: Decision | None) -> None:
+        """Answer ``refused`` as text/plain; a refusal by the policy says so, and which
+        setting allows the host (``refusals.py``), in the reason phrase, a header and the body."""
+        explained = None if decision is None else explain(
+            rule=refused.rule, method=decision.method, host=decision.host, port=decision.port,
+            sandbox_id=decision.sandbox_id)
+        if explained is None:
+            body = f"corral egress gateway: {printable(refused.reason, 2048)}\n".encode()
+            reason = _REASONS.get(refused.status, b"")
+        else:
+            body = explained.body.encode()
+            reason = explained.reason.encode()
         headers = [(b"content-type", b"text/plain; charset=utf-8"),
                    (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close"),
-                   (b"x-corral-egress", f"denied; rule={refused.rule}".encode()),
-                   (b"x-corral-egress-reason", refused.reason.encode("ascii", "replace")[:512])]
+                   (b"x-corral-egress", f"denied; rule={printable(refused.rule, 200)}".encode()),
+                   (b"x-corral-egress-reason", printable(refused.reason).encode())]
+        if explained is not None:
+            headers.append((b"x-corral-refused", explained.header.encode()))
         with contextlib.suppress(Exception):
             if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 writer.write(conn.send(h11.Response(status_code=refused.status, headers=headers,
-                                                   reason=_REASONS.get(refused.status, b""))))
+                                                   reason=reason)))
                 writer.write(conn.send(h11.Data(data=body)))
                 writer.write(conn.send(h11.EndOfMessage()))
             await writer.drain()
@@ -452,7 +466,7 @@ class Gateway:
             headers = outbound_headers(request, _host_value(host, port, tls=True))
         except _Refused as refused:
             # Answered inside the tunnel, where the client reads; the caller audits it.
-            await self._refuse(conn, writer, refused)
+            await self._refuse(conn, writer, refused, decision)
             raise
         await self._exchange(conn, reader, writer, request.method, target, headers, up_reader,
                              up_writer, bound, decision)

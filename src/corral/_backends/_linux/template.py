@@ -70,6 +70,18 @@ _PASSWD = (
 )
 _GROUP = f"root:x:0:\nuser:x:{SANDBOX_GID}:\nnogroup:x:65534:\n"
 _HOSTS = "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+# No nameserver: the C library then asks 127.0.0.1:53, where nothing listens, and a lookup
+# fails at once on every tier (a bound wait if something ever does). What it says is for the
+# model that looks here to learn why (corral._egress.refusals says it to proxy clients).
+_RESOLV_CONF = """\
+# corral: no resolver. Name lookups fail at once: nothing answers on 127.0.0.1:53.
+# Programs that honour HTTP_PROXY/HTTPS_PROXY reach Corral's egress gateway instead; it looks
+# up the hosts the sandbox's network policy allows, and refuses the others saying so.
+# Allow a host with network={"allow": ["pypi.org"]} (SDK), corral create --allow pypi.org
+# (CLI), corral network $CORRAL_SANDBOX_ID --allow pypi.org (a running sandbox), or use the
+# operator's package index with network={"presets": ["pypi"]} (--index pypi).
+options timeout:1 attempts:1
+"""
 
 # Kernel memory, key and timer details a sandbox has no use for (Docker masks the same ones).
 _MASKED_PROC = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/kallsyms",
@@ -144,7 +156,7 @@ def _add_corral_files(tmp: Path, extra_ca: bytes | None) -> None:
     (tmp / "group").write_text(_GROUP)
     (tmp / "hosts").write_text(_HOSTS)
     (tmp / "hostname").write_text("sandbox\n")
-    (tmp / "resolv.conf").write_text("# no resolver: the sandbox has no network\n")
+    (tmp / "resolv.conf").write_text(_RESOLV_CONF)
     if extra_ca:
         # The egress gateway's CA, trusted inside for the hosts it intercepts.
         (tmp / "corral").mkdir(exist_ok=True)
@@ -201,6 +213,7 @@ def _curated_etc(parent: Path, fill: Callable[[Path], None], extra_ca: bytes | N
     server) cannot see or break each other's half-made copy; the loser discards its own.
     """
     stamp = _VERSION + (f":{hashlib.sha256(extra_ca).hexdigest()}" if extra_ca else "")
+    stamp += f":{hashlib.sha256(_RESOLV_CONF.encode()).hexdigest()}"
     stamp += f":{source_state}" if source_state else ""
     dest = parent / f"etc.{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
     if dest.is_dir():

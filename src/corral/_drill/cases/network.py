@@ -310,6 +310,113 @@ def _resolver(ctx: DrillContext) -> Outcome:
                    tuple(ctx.evidence(result)))
 
 
+# A hand-written request to the gateway, its whole answer printed as JSON: what a refusal
+# echoes of the request. Argv: the request (unicode-escaped).
+RAW_ANSWER = """
+import json, os, socket, sys, urllib.parse
+proxy = os.environ.get("HTTP_PROXY") or os.environ.get("http_proxy")
+if not proxy:
+    print(json.dumps({"proxy": False}))
+    sys.exit(0)
+p = urllib.parse.urlsplit(proxy)
+s = socket.create_connection((p.hostname, p.port), timeout=5)
+s.sendall(sys.argv[1].encode().decode("unicode_escape").encode("latin-1"))
+s.settimeout(5)
+data = b""
+try:
+    while len(data) < 65536 and (chunk := s.recv(65536)):
+        data += chunk
+except OSError:
+    pass
+print(json.dumps({"proxy": True, "answer": data.decode("latin-1")}))
+"""
+
+_MARKUP = "<script>alert(1)</script>"
+_LONG_NAME = f"{'a' * 63}.{'b' * 63}.{'c' * 63}.evil.invalid"
+# (request, may its answer quote the markup sent?). A refusal by the policy says only what the
+# gateway checked (the normalised host), so never the markup; a malformed request's reason
+# quotes it, in a text/plain body, bounded and printable.
+_ECHO_REQUESTS = (
+    (f"GET http://{_LONG_NAME}/{_MARKUP} HTTP/1.1\\r\\nHost: {_LONG_NAME}\\r\\n"
+     f"X-Echo: \\xff\\xfe{_MARKUP}\\r\\n\\r\\n", False),
+    (f"CONNECT {_LONG_NAME}:443 HTTP/1.1\\r\\nHost: {_LONG_NAME}:443\\r\\n"
+     f"User-Agent: {_MARKUP}\\r\\n\\r\\n", False),
+    (f"CONNECT {_MARKUP}.invalid:443 HTTP/1.1\\r\\nHost: {_MARKUP}.invalid:443\\r\\n\\r\\n",
+     True),
+    (f"GET http://{BAIT_ALLOWED}/ HTTP/1.1\\r\\nHost: \\xff\\xfe{_MARKUP}{'x' * 4000}"
+     "\\r\\n\\r\\n", True),
+)
+
+
+def _refusal_echo(ctx: DrillContext) -> Outcome:
+    """A refusal must not carry the request's bytes back as they were sent: its answer is
+    text/plain, short, printable ASCII (no terminal escapes), without the markup sent."""
+    import json
+
+    evidence: list[Evidence] = []
+    for request, may_quote in _ECHO_REQUESTS:
+        with ctx.watching() as watch:
+            result = ctx.run(["python3", "-c", RAW_ANSWER, request])
+        evidence += ctx.evidence(result)
+        try:
+            seen = json.loads(result.stdout)
+        except ValueError:
+            return Outcome("error", f"no answer: {(result.stdout + result.stderr)[:200]}",
+                           tuple(evidence))
+        if not seen.get("proxy"):
+            return Outcome("skipped", "no gateway answers this sandbox", tuple(evidence))
+        answer = seen["answer"]
+        head, _, body = answer.partition("\r\n\r\n")
+        status = head.split("\r\n", 1)[0]
+        problems = []
+        if " 200 " in status + " " or not status.startswith("HTTP/1.1 4"):
+            problems.append(f"answered {status[:80]!r}")
+        if "content-type: text/plain" not in head.lower():
+            problems.append("not text/plain")
+        if len(answer) > 8192:
+            problems.append(f"{len(answer)} bytes long")
+        if any(not (" " <= c <= "~" or c in "\r\n") for c in answer):
+            problems.append("bytes past printable ASCII (terminal escapes?) in the answer")
+        if _MARKUP in answer and not may_quote:
+            problems.append("the request's markup echoed by a refusal of the policy")
+        if problems or watch.hits:
+            return Outcome("breached", f"a refusal echoed the request: {'; '.join(problems)}",
+                           tuple(evidence))
+    if not any(e.kind == "gateway" and e.detail.startswith("denied") for e in evidence):
+        return Outcome("error", "no refusal was recorded", tuple(evidence))
+    return Outcome("held", "every refusal was short printable text/plain; the policy's "
+                   "refusals echoed nothing of the request but its host", tuple(evidence))
+
+
+def _none_gateway(ctx: DrillContext) -> Outcome:
+    """A sandbox with network "none" gets a gateway that only refuses: a request to the canary
+    through it (by name and as a tunnel) gets out nowhere, and is recorded as refused."""
+    sb = ctx.fresh()
+    try:
+        url = ctx.fmt("http://localhost:{port}/?k={secret}")
+        target = f"localhost:{ctx.canary.tcp_port}"
+        request = f"CONNECT {target} HTTP/1.1\\r\\nHost: {target}\\r\\n\\r\\n"
+        with ctx.watching() as watch:
+            tried = ctx.run(["python3", "-c", HTTP_TRY, url], sandbox=sb)
+            raw = ctx.run(["python3", "-c", RAW_PROXY, request, str(ctx.canary.tcp_port)],
+                          sandbox=sb)
+        out = (tried.stdout + raw.stdout + tried.stderr + raw.stderr).strip()
+        evidence = ctx.evidence(tried, sb) + ctx.evidence(raw, sb)
+    finally:
+        ctx.discard(sb)
+    outcome = watch.outcome(f"refused: {out[:300]}", evidence)
+    if outcome.verdict != "held":
+        return outcome
+    if "status 2" in out or " 200 " in out:
+        return Outcome("breached", f"the gateway let a sandbox without network out: {out}",
+                       tuple(evidence))
+    if "proxy True" in out and not [e for e in evidence
+                                    if e.kind == "gateway" and "rule=network=none" in e.detail]:
+        return Outcome("error", f"no refusal by network=none was recorded: {out[:200]}",
+                       tuple(evidence))
+    return outcome
+
+
 def _raw_socket(family: str) -> Run:
     def run(ctx: DrillContext) -> Outcome:
         script = ("import socket\n"
@@ -393,6 +500,13 @@ CASES = [
          "the gateway refuses the mismatch; the canary sees nothing", _fronting, PY),
     Case("net.connect-literal", "network", "CONNECT 127.0.0.1:PORT (a tunnel to loopback)",
          "the gateway refuses; the canary sees nothing", _connect_literal, PY),
+    Case("net.none-gateway", "network", "from a sandbox with network 'none', reach the "
+         "canary through the refusing gateway (a request by name, a CONNECT)",
+         "refused by network=none and recorded; the canary sees nothing", _none_gateway, PY),
+    Case("net.refusal-echo", "network", "make a refusal carry the request back (markup, "
+         "bytes past ASCII, a 4,000-byte header, a 200-character name)",
+         "every refusal is short printable text/plain; the policy's echo only the host",
+         _refusal_echo, PY),
     Case("net.secret-wrong-host", "network", "send a secret's placeholder to an allowed host it "
          "is not bound to, and to its bound host over plain HTTP",
          "only the placeholder leaves; the gateway intercepts nothing but the bound host over "
