@@ -15,6 +15,7 @@ import datetime as dt
 import ipaddress
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,53 +31,86 @@ from .test_py_core import raised
 pytestmark = [pytest.mark.e2b, pytest.mark.needs_root]
 
 
-def _loopback_cert(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and localhost: (cert, key); the cert is its
-    own CA (SSL_CERT_FILE)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "corral e2b test")])
+def _loopback_cert(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and its certificate for 127.0.0.1 and localhost: (ca, cert, key). A leaf
+    apart from its CA, since rustls (pyqwest, SDK 2.40+) refuses a CA as the server's own."""
     now = dt.datetime.now(dt.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
+
+    def build(subject: str, issuer: str, public: ec.EllipticCurvePublicKey,
+              signer: ec.EllipticCurvePrivateKey, *, ca: bool) -> x509.Certificate:
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(public).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - dt.timedelta(minutes=5))
+                   .not_valid_after(now + dt.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName([
                 x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                 critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = directory / "e2b-cert.pem", directory / "e2b-key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = build("corral e2b test CA", "corral e2b test CA", ca_key.public_key(), ca_key, ca=True)
+    leaf = build("127.0.0.1", "corral e2b test CA", key.public_key(), ca_key, ca=False)
+    paths = directory / "e2b-ca.pem", directory / "e2b-cert.pem", directory / "e2b-key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                            serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
-    return cert_path, key_path
+    return paths
 
 
 @pytest.fixture(scope="module")
 def tls_url_served() -> Iterator[tuple[Served, Path]]:
     scratch = Path(tempfile.mkdtemp(prefix="corral-test-e2b-client-"))
-    cert, key = _loopback_cert(scratch)
+    ca, cert, key = _loopback_cert(scratch)
     with corral_serve("--e2b-tls-cert", str(cert), "--e2b-tls-key", str(key),
                       scratch=scratch) as served:
-        yield served, cert
+        yield served, ca
 
 
-@pytest.mark.parametrize("kind", ["crewai-pins", "agents-pins"])
+def _fetch(url: str, *extra: str) -> tuple[str, str]:
+    """(status, body) of ``curl URL``, retried while the sandbox's server starts."""
+    status, body = "", ""
+    for _ in range(50):
+        out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", *extra, url],
+                             capture_output=True, text=True, timeout=30)
+        body, _, status = out.stdout.rpartition("\n")
+        if status not in ("000", "502"):
+            break
+        time.sleep(0.2)
+    return status, body
+
+
+# latest (code interpreter 2.11.5) follows E2B_SANDBOX_URL; it is here for the same TLS listener.
+@pytest.mark.parametrize("kind", ["crewai-pins", "agents-pins", "latest"])
 def test_pinned_sdks_run_code_in_url_mode(tls_url_served: tuple[Served, Path],
                                           kind: str) -> None:
-    served, cert = tls_url_served
+    served, ca = tls_url_served
     url = f"https://127.0.0.1:{served.e2b_port}"
     run = run_client(served, kind, "pinned.py", env={
-        "E2B_API_URL": url, "E2B_SANDBOX_URL": url, "SSL_CERT_FILE": str(cert)})
+        "E2B_API_URL": url, "E2B_SANDBOX_URL": url, "SSL_CERT_FILE": str(ca)})
+    run.value("create")
     sid = run.value("id")
-    assert run.value("jupyter_url") == f"https://49999-{sid}.corral@127.0.0.1:{served.e2b_port}"
+    if kind != "latest":
+        assert run.value("jupyter_url") == (
+            f"https://49999-{sid}.corral@127.0.0.1:{served.e2b_port}")
     assert run.value("run_code") == "2"
     assert run.value("stdout") == ["from the kernel\n"]
     assert run.value("command") == "pinned\n"
     assert run.value("write") == "/home/user/pinned.txt"
     assert run.value("read") == "kept"
-    run.value("kill")
+    # get_host over TLS: the port named in the URL's user part, opened by the traffic token.
+    run.value("serve")
+    host = run.value("host")
+    assert host == f"8000-{sid}.corral@127.0.0.1:{served.e2b_port}"
+    token = run.value("traffic_token")
+    assert _fetch(f"https://{host}/index.html", "--cacert", str(ca), "-H",
+                  f"e2b-traffic-access-token: {token}") == ("200", "over tls\n")
+    assert _fetch(f"https://{host}/index.html", "--cacert", str(ca))[0] == "404"
 
 
 def test_honest_surface(served: Served) -> None:
@@ -87,20 +121,10 @@ def test_honest_surface(served: Served) -> None:
     host = run.value("host")
     assert host == f"8000-{sid}.localhost:{served.e2b_port}"
     token = run.value("traffic_token")
-    page = ""
-    for _ in range(50):  # the server in the sandbox takes a moment to listen
-        out = subprocess.run(["curl", "-s", "-H", f"e2b-traffic-access-token: {token}",
-                              f"http://{host}/index.html"], capture_output=True, text=True,
-                             timeout=30)
-        page = out.stdout
-        if "served in the sandbox" in page:
-            break
-        subprocess.run(["sleep", "0.2"], check=True)
-    assert page == "served in the sandbox\n"
-    without = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-                              f"http://{host}/index.html"], capture_output=True, text=True,
-                             timeout=30)
-    assert without.stdout == "404"  # no token: Corral's own rules, and it was never exposed
+    assert _fetch(f"http://{host}/index.html", "-H", f"e2b-traffic-access-token: {token}") \
+        == ("200", "served in the sandbox\n")
+    # No token: Corral's own rules for exposed ports apply, and it was never exposed.
+    assert _fetch(f"http://{host}/index.html")[0] == "404"
     # Metrics: real samples of the sandbox's cgroup and workspace.
     metrics = run.value("metrics")
     assert len(metrics) == 1, metrics
@@ -116,3 +140,14 @@ def test_honest_surface(served: Served) -> None:
     # A refusal for a Corral reason says what to do.
     missing = raised(run, "missing_template", "SandboxException", "NotFoundException")
     assert "corral templates" in missing["message"], missing
+
+
+def test_refusals_for_a_corral_reason_say_what_to_do() -> None:
+    from corral._e2b.control import hinted
+    from corral.errors import BackendUnavailable, CeilingExceeded, QuotaExceeded
+
+    assert hinted(BackendUnavailable("gVisor is not installed")).endswith(
+        "; run `corral doctor` on the server: it says what this host lacks")
+    assert "`corral tenants set TENANT`" in hinted(QuotaExceeded("12 sandboxes already"))
+    said = CeilingExceeded("not allowed; the operator can raise it with `corral tenants set`")
+    assert hinted(said) == said.message  # a message that says what to do is kept as it is
