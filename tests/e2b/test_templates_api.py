@@ -6,10 +6,14 @@ COPY archives come back as the SDK's exceptions with Corral's messages."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,33 +26,60 @@ from .conftest import ClientRun, Served, corral_serve, run_client
 pytestmark = [pytest.mark.e2b, pytest.mark.needs_root, pytest.mark.timeout(900)]
 
 
+MIRROR = "mirror.test"  # the operator's pypi index, pinned to 127.0.0.1
+INDEX_PAGE = "<a href='corraltiny/'>corraltiny</a>\n"
+
+
 @pytest.fixture(scope="module")
-def image_served(registry: LocalRegistry) -> Iterator[tuple[Served, str]]:
-    """A ``corral serve`` of its own whose registry policy allows the loopback registry, and
-    a busybox image pushed there."""
+def index() -> Iterator[int]:
+    """A PEP 503 ``/simple/`` page on 127.0.0.1 (its port)."""
+    root = Path(tempfile.mkdtemp(prefix="corral-test-e2b-index-"))
+    (root / "simple").mkdir()
+    (root / "simple" / "index.html").write_text(INDEX_PAGE)
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def image_served(registry: LocalRegistry, index: int) -> Iterator[tuple[Served, str]]:
+    """A ``corral serve`` of its own whose registry policy allows the loopback registry, with
+    a busybox image pushed there, and whose tenants' ceiling allows the operator's (loopback)
+    pypi index."""
     if os.geteuid() != 0:
         pytest.skip("needs root: corral serve runs real sandboxes")
     require_tools("skopeo", "busybox")
     work = Path(tempfile.mkdtemp(prefix="corral-test-e2b-templates-"))
-    saved = os.environ.get("CORRAL_REGISTRIES")
+    settings = {"CORRAL_REGISTRIES": registry.host,
+                "CORRAL_INDEX_PYPI": f"http://{MIRROR}:{index}/simple",
+                "CORRAL_EGRESS_HOSTS": json.dumps({MIRROR: ["127.0.0.1"]}),
+                "CORRAL_EGRESS_ALLOW_CIDRS": "127.0.0.1/32",
+                "CORRAL_CEILING_HOSTS": f"{MIRROR}:{index}"}
+    patch = pytest.MonkeyPatch()
     try:
         image = write_layout(work / "base", [layer_from_dir(busybox_root(work / "root"))],
                              config={"Env": ["PATH=/usr/local/bin:/usr/bin:/bin"]})
         push(image, registry.host, "e2b/busybox", "1")
-        os.environ["CORRAL_REGISTRIES"] = registry.host  # read once, as the server starts
+        for name, value in settings.items():
+            patch.setenv(name, value)  # read once, as the server starts
         with corral_serve() as served:
-            _restore(saved)
+            patch.undo()
             yield served, f"{registry.host}/e2b/busybox:1"
     finally:
-        _restore(saved)
+        patch.undo()
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _restore(saved: str | None) -> None:
-    if saved is None:
-        os.environ.pop("CORRAL_REGISTRIES", None)
-    else:
-        os.environ["CORRAL_REGISTRIES"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +128,12 @@ def test_tags_are_assigned_listed_and_removed(client: ClientRun) -> None:
     assert got["listed"] == ["prod", "stable", "v1"] and got["after"] == ["prod", "v1"]
     assert got["prod_exists"] is True and got["stable_exists"] is False
     assert client.value("prod_sandbox")["template_id"] == "busy-env:prod"
+
+
+def test_build_steps_reach_the_tenants_index_with_pip_pointed_at_it(
+        client: ClientRun, index: int) -> None:
+    got = client.value("network")
+    assert got["stdout"].splitlines() == [INDEX_PAGE.strip(), f"http://{MIRROR}:{index}/simple/"]
 
 
 def test_another_tenant_does_not_see_the_template(client: ClientRun) -> None:

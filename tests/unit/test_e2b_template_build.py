@@ -16,11 +16,13 @@ from corral._e2b.template_build import (
     BuildLog,
     PlanError,
     TarRefused,
+    build_network,
     check_archive,
     plan_build,
     step_of_line,
     unpack_archive,
 )
+from corral._settings import Settings
 
 HASH = "ab" * 32
 
@@ -151,3 +153,17 @@ def test_the_log_pages_by_offset_with_steps() -> None:
     entry = log.page(0, 1, None)[0].to_e2b()
     assert set(entry) == {"timestamp", "level", "message", "step"}
     assert entry["timestamp"].endswith("+00:00")
+
+
+def test_a_build_reaches_what_the_tenants_ceiling_allows_with_its_index_presets(
+        tmp_path: Path) -> None:
+    public = Settings(home=tmp_path)
+    assert build_network(public, None) is None and build_network(public, ()) is None
+    assert build_network(public, ["pypi.org", "*.pythonhosted.org", "registry.npmjs.org"]) == {
+        "allow": ["*.pythonhosted.org", "pypi.org", "registry.npmjs.org"],
+        "presets": ["pypi", "npm"]}
+    # pypi.org alone: pip would need files.pythonhosted.org too, so pip is not pointed at it.
+    assert build_network(public, ["pypi.org"]) == {"allow": ["pypi.org"]}
+    mirror = Settings(home=tmp_path, index_pypi="http://mirror.test:8080/simple")
+    assert build_network(mirror, ["mirror.test:8080"]) == {"allow": ["mirror.test:8080"],
+                                                            "presets": ["pypi"]}

@@ -61,6 +61,7 @@ from .template_build import (
     Plan,
     PlanError,
     TarRefused,
+    build_network,
     check_archive,
     plan_build,
     step_of_line,
@@ -380,7 +381,8 @@ async def trigger_build(request: Request) -> Response:
         raise
     for note in plan.notes:
         build.log.add(note, "warn")
-    network = _build_network(manager, tenant)
+    # A build's RUN steps reach what the tenant's sandboxes may (its ceiling's hosts).
+    network = build_network(manager.settings, manager.ceiling_for(tenant).hosts)
     threading.Thread(target=_run, args=(manager, registry, build, plan, network),
                      name=f"e2b-build-{build.id[:8]}", daemon=True).start()
     return Response(status_code=202)
@@ -401,12 +403,6 @@ def _checked_plan(manager: Manager, registry: _Registry, tenant: Tenant,
             raise E2BHTTPError(400, f"step {number}: the files of hash {files_hash[:12]}... "
                                "were not uploaded (GET /templates/{id}/files/{hash} first)")
     return plan
-
-
-def _build_network(manager: Manager, tenant: Tenant) -> dict[str, Any] | None:
-    """A build's RUN steps reach what the tenant's sandboxes may (its ceiling's hosts)."""
-    hosts = manager.ceiling_for(tenant).hosts
-    return {"allow": sorted(set(hosts))} if hosts else None
 
 
 def _run(manager: Manager, registry: _Registry, build: _Build, plan: Plan,

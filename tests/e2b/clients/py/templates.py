@@ -91,6 +91,23 @@ def tags() -> dict[str, object]:
 step("tags", tags)
 step("prod_sandbox", lambda: run_in("busy-env:prod"), seconds=120)
 
+
+
+def network() -> dict[str, object]:
+    # The tenant's ceiling allows the operator's pypi index: the build's RUN reaches it through
+    # Corral's gateway, with pip pointed at it (PIP_INDEX_URL).
+    build("net-env", Template().from_image(base).run_cmd(
+        'wget -q -O /opt/index.html "$PIP_INDEX_URL" && echo "$PIP_INDEX_URL" > /opt/pip_index'
+    ).run_cmd("printf '#!/bin/sh\\nexec /bin/sh \"$@\"\\n' > /bin/bash && chmod 755 /bin/bash"))
+    sb = Sandbox.create("net-env", timeout=60)
+    try:
+        return {"stdout": sb.commands.run("cat /opt/index.html /opt/pip_index").stdout}
+    finally:
+        sb.kill()
+
+
+step("network", network, seconds=200)
+
 # Another tenant: the name means nothing to it.
 step("beta_exists", lambda: Template.exists("busy-env", api_key=beta_key))
 step("beta_create", lambda: Sandbox.create("busy-env", timeout=30, api_key=beta_key))
