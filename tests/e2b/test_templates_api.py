@@ -109,6 +109,9 @@ def test_a_rebuild_runs_no_step(client: ClientRun) -> None:
     assert any("(cached)" in m for m in messages), messages
     assert any("0 steps run" in m for m in messages), messages
     print(f"template build (cached): {got['seconds']} s")
+    # skip_cache: the RUN steps run again (the COPY steps' content is the same: still cached).
+    forced = [entry["message"] for entry in client.value("skip_cache")["logs"]]
+    assert any("(2 steps run, 2 cached)" in m for m in forced), forced
 
 
 def test_sandboxes_are_created_from_the_template_by_name_and_tag(client: ClientRun) -> None:

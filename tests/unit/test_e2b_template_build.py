@@ -19,7 +19,6 @@ from corral._e2b.template_build import (
     build_network,
     check_archive,
     plan_build,
-    step_of_line,
     unpack_archive,
 )
 from corral._settings import Settings
@@ -38,7 +37,7 @@ def test_steps_become_one_dockerfile_line_each() -> None:
         _step("COPY", "src/app.py", "/opt/app/", "", "", filesHash=HASH),
         _step("RUN", "echo 'a\nb' && exit 0", "root"),
         _step("USER", "user"),
-    ]})
+    ]}, nonce="n1")
     lines = plan.dockerfile.splitlines()
     assert lines[0] == "FROM 127.0.0.1:5000/team/tools:1"
     assert lines[1] == "ENV A='it'\"'\"'s \\$HOME' B='2'"
@@ -47,13 +46,26 @@ def test_steps_become_one_dockerfile_line_each() -> None:
     assert json.loads(lines[4].removeprefix("RUN ")) == ["/bin/sh", "-c", "echo 'a\nb' && exit 0"]
     assert lines[5] == "USER user"
     assert plan.copies == {3: HASH} and plan.notes == ()
-    assert step_of_line("Dockerfile:5: RUN ...: exited with 3") == "4"
-    assert step_of_line("Dockerfile:1: FROM x") == "base" and step_of_line("other") is None
+    assert plan.step_of("Dockerfile:5: RUN ...: exited with 3") == "4"
+    assert plan.step_of("Dockerfile:1: FROM x") == "base" and plan.step_of("other") is None
+
+
+def test_skip_cache_puts_a_build_unique_arg_before_the_first_forced_step() -> None:
+    steps = [_step("RUN", "a"), _step("RUN", "b", force=True), _step("RUN", "c", force=True)]
+    plan = plan_build({"fromImage": "a/b", "steps": steps}, nonce="b42")
+    lines = plan.dockerfile.splitlines()
+    assert lines[2] == "ARG CORRAL_SKIP_CACHE=b42" and len(lines) == 5
+    assert plan.steps == {1: "base", 2: "1", 3: "2", 4: "2", 5: "3"}
+    assert plan.step_of("Dockerfile:4: RUN b: exited with 1") == "2"
+    whole = plan_build({"fromImage": "a/b", "force": True, "steps": steps}, nonce="b43")
+    assert whole.dockerfile.splitlines()[1] == "ARG CORRAL_SKIP_CACHE=b43"
+    assert whole.dockerfile.count("ARG") == 1
 
 
 def test_a_run_as_another_user_and_copy_modes_are_noted_not_hidden() -> None:
     plan = plan_build({"fromImage": "a/b", "steps": [
-        _step("RUN", "true", "user"), _step("COPY", ".", "/x", "user", "0755", filesHash=HASH)]})
+        _step("RUN", "true", "user"), _step("COPY", ".", "/x", "user", "0755", filesHash=HASH)]},
+        nonce="n1")
     assert "run as 'user'" in plan.notes[0] and "mode" in plan.notes[1]
     assert json.loads(plan.dockerfile.splitlines()[2].removeprefix("COPY ")) == ["s2", "/x"]
 
@@ -86,7 +98,7 @@ def test_a_run_as_another_user_and_copy_modes_are_noted_not_hidden() -> None:
 def test_what_the_builder_cannot_do_is_refused_saying_why(body: dict[str, Any],
                                                           says: str) -> None:
     with pytest.raises(PlanError, match=None) as caught:
-        plan_build(body)
+        plan_build(body, nonce="n1")
     assert says in caught.value.message
 
 
@@ -141,7 +153,9 @@ def test_what_is_not_a_tar_is_refused() -> None:
 
 def test_the_log_pages_by_offset_with_steps() -> None:
     log = BuildLog()
-    on_progress = log.progress()
+    plan = plan_build({"fromImage": "a/b", "steps": [_step("ENV", "A", "1"),
+                                                     _step("RUN", "x")]}, nonce="n1")
+    on_progress = log.progress(plan)
     on_progress("resolving a/b")
     on_progress("Dockerfile:3: RUN x")
     on_progress("  | output")

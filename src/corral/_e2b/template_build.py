@@ -74,7 +74,13 @@ class Plan:
     image: str
     dockerfile: str
     copies: Mapping[int, str]  # step number (1-based) -> files hash
+    steps: Mapping[int, str]  # Dockerfile line -> the SDK's step ("base", "1", ...)
     notes: tuple[str, ...] = ()
+
+    def step_of(self, message: str) -> str | None:
+        """The SDK's step a builder message names (``Dockerfile:N: ...``), if it names one."""
+        match = _LINE.match(message)
+        return None if match is None else self.steps.get(int(match.group(1)))
 
 
 def _text(value: object, what: str, step: str, *, allow_newline: bool = False) -> str:
@@ -105,8 +111,12 @@ def _context_source(value: object, step: str) -> str:
     return rel
 
 
-def plan_build(body: Mapping[str, Any]) -> Plan:
+def plan_build(body: Mapping[str, Any], *, nonce: str) -> Plan:
     """Check the SDK's ``TemplateBuildStartV2`` body and make it a Dockerfile.
+
+    ``force`` (the template's, or a step's from ``skip_cache()``): the builder caches a step by
+    its inputs, so an ``ARG`` of ``nonce`` (unique per build) goes before the first forced
+    step; every later step's key changes with it, and they run again, as E2B's do.
 
     Raises:
         PlanError: a field is malformed or asks for what Corral's builder does not do.
@@ -138,7 +148,15 @@ def plan_build(body: Mapping[str, Any]) -> Plan:
         raise PlanError("steps must be a list")
     if len(steps) > MAX_STEPS:
         raise PlanError(f"a template has at most {MAX_STEPS} steps")
+    if not re.fullmatch(r"[0-9a-z]{1,64}", nonce):
+        raise ValueError("nonce: 1-64 lower-case letters or digits")
     lines = [f"FROM {image}"]
+    line_steps = {1: "base"}
+    forced = False
+    if body.get("force") is True:
+        lines.append(f"ARG CORRAL_SKIP_CACHE={nonce}")
+        line_steps[len(lines)] = "base"
+        forced = True
     copies: dict[int, str] = {}
     notes: list[str] = []
     for number, raw in enumerate(steps, start=1):
@@ -152,9 +170,15 @@ def plan_build(body: Mapping[str, Any]) -> Plan:
         args = raw.get("args") or []
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise PlanError(f"step {number}: args must be a list of strings", step)
-        lines.append(_line(kind, args, raw, number, copies, notes))
+        line = _line(kind, args, raw, number, copies, notes)
+        if raw.get("force") is True and not forced:
+            lines.append(f"ARG CORRAL_SKIP_CACHE={nonce}")
+            line_steps[len(lines)] = step
+            forced = True
+        lines.append(line)
+        line_steps[len(lines)] = step
     return Plan(image=image, dockerfile="\n".join(lines) + "\n", copies=copies,
-                notes=tuple(notes))
+                steps=line_steps, notes=tuple(notes))
 
 
 def _line(kind: object, args: list[str], raw: Mapping[str, Any], number: int,
@@ -213,14 +237,6 @@ def _quote(value: str) -> str:
     # then expanded like Docker's; the SDK gives values, so "$" stays a "$" (the builder's "\$").
     return "'" + value.replace("$", "\\$").replace("'", "'\"'\"'") + "'"
 
-
-def step_of_line(message: str) -> str | None:
-    """The SDK's step for a builder message (``Dockerfile:N: ...`` is step N-1, 1 the base)."""
-    match = _LINE.match(message)
-    if match is None:
-        return None
-    line = int(match.group(1))
-    return "base" if line <= 1 else str(line - 1)
 
 
 # -- the build's network -------------------------------------------------------------------------
@@ -356,10 +372,10 @@ class BuildLog:
                 message, level = "(the build log is cut here: too many lines)", "warn"
             self.entries.append(LogEntry(datetime.now(UTC), level, message[:4096], step))
 
-    def progress(self) -> Callable[[str], None]:
+    def progress(self, plan: Plan) -> Callable[[str], None]:
         """The builder's ``on_progress``: a line naming a step moves the log to that step."""
         def on_progress(line: str) -> None:
-            found = step_of_line(line)
+            found = plan.step_of(line)
             if found is not None:
                 self.step = found
             self.add(line, "info", self.step)

@@ -64,7 +64,6 @@ from .template_build import (
     build_network,
     check_archive,
     plan_build,
-    step_of_line,
     unpack_archive,
 )
 
@@ -375,7 +374,7 @@ async def trigger_build(request: Request) -> Response:
             raise E2BHTTPError(409, f"build {build.id} was already started")
         build.triggered = True
     try:
-        plan = _checked_plan(manager, registry, tenant, await _json_body(request))
+        plan = _checked_plan(manager, registry, tenant, await _json_body(request), build.id)
     except (E2BHTTPError, CorralError) as exc:
         _fail(build, exc.message, "base")  # a refused build is over: it holds no slot
         raise
@@ -389,9 +388,9 @@ async def trigger_build(request: Request) -> Response:
 
 
 def _checked_plan(manager: Manager, registry: _Registry, tenant: Tenant,
-                  body: dict[str, Any]) -> Plan:
+                  body: dict[str, Any], build_id: str) -> Plan:
     try:
-        plan = plan_build(body)
+        plan = plan_build(body, nonce=build_id.replace("-", ""))
     except PlanError as exc:
         message = f"step {exc.step}: {exc.message}" if exc.step else exc.message
         raise E2BHTTPError(400, message) from None
@@ -432,7 +431,7 @@ def _run(manager: Manager, registry: _Registry, build: _Build, plan: Plan,
             dockerfile.write_text(plan.dockerfile)
             reference = internal + (f":{build.tags[0]}" if build.tags else "")
             result = build_dockerfile(manager, dockerfile, name=reference, context=context,
-                                      network=network, on_progress=log.progress())
+                                      network=network, on_progress=log.progress(plan))
             templates_dir = _templates_dir(manager)
             with name_lock(templates_dir, internal):
                 for tag in build.tags[1:]:
@@ -443,7 +442,7 @@ def _run(manager: Manager, registry: _Registry, build: _Build, plan: Plan,
             build.status = "ready"
         except (CorralError, TarRefused) as exc:
             message = exc.message if isinstance(exc, CorralError) else str(exc)
-            _fail(build, message, step_of_line(message) or log.step)
+            _fail(build, message, plan.step_of(message) or log.step)
         except Exception:
             logger.exception("E2B template build %s failed", build.id)
             _fail(build, "the build failed inside Corral; the server log has details",

@@ -58,6 +58,7 @@ def build(name: str, tpl: object | None = None, **kwargs: object) -> dict[str, o
 
 step("build", lambda: build("busy-env:v1"), seconds=400)
 step("rebuild", lambda: build("busy-env"), seconds=200)
+step("skip_cache", lambda: build("busy-env", skip_cache=True), seconds=200)
 step("exists", lambda: [Template.exists(n) for n in ("busy-env", "never-built", "busy-env:v1",
                                                     "busy-env:v9")])
 
