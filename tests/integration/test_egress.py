@@ -486,3 +486,18 @@ def test_refusals_in_a_loop_stay_bounded_in_the_audit_trail(egress_home: str) ->
                 if e.command == looped.command_id]
         # The first of a window in full (the rest are counted into one summary).
         assert 1 <= len(full) <= 5, len(full)
+
+
+def test_every_tier_refuses_without_network_fast_and_says_why(
+    egress_home: str, isolation_all: str
+) -> None:
+    """The same on every tier: the lookup fails in well under a second (the resolver is the
+    same file everywhere), and the refusing gateway answers through each tier's own path."""
+    with Sandbox.create(home=egress_home, isolation=isolation_all) as sb:
+        out = run_ok(sb, ["python3", "-c", LOOKUP_TIME]).split()
+        assert out[0] == "gaierror" and float(out[-1]) < 1.0, out
+        body = run_ok(sb, "curl -sS -m 20 http://pypi.test/simple/")
+        assert "refused by Corral's network policy" in body and "network='none'" in body
+        [event] = sb.audit.events(types=["egress.decision"])
+        assert (event.data["verdict"], event.data["rule"], event.data["host"]) == (
+            "denied", "network=none", "pypi.test")
