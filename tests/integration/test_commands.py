@@ -85,9 +85,10 @@ def test_files_persist_across_commands(sandbox: Sandbox) -> None:
     assert sandbox.files.read("state.txt") == "kept\n"
 
 
-def test_tmp_is_fresh_for_each_command(sandbox: Sandbox) -> None:
-    sandbox.commands.run("echo x > /tmp/scratch")
-    assert sandbox.commands.run("ls /tmp").stdout == ""
+def test_tmp_lives_as_long_as_the_sandbox_and_dev_shm_is_each_commands(
+        sandbox: Sandbox) -> None:
+    sandbox.commands.run("echo x > /tmp/scratch; echo y > /dev/shm/s")
+    assert sandbox.commands.run("ls /tmp /dev/shm").stdout == "/dev/shm:\n\n/tmp:\nscratch\n"
 
 
 def test_usage_is_reported(sandbox: Sandbox) -> None:
@@ -128,7 +129,9 @@ def test_bad_commands_are_refused_clearly(sandbox: Sandbox) -> None:
     with pytest.raises(CommandError, match="environment"):
         sandbox.commands.run("true", envs={"BIG": "x" * 1_000_000})
     with pytest.raises(PathRefused):
-        sandbox.commands.run("true", cwd="/etc")
+        sandbox.commands.run("true", cwd="../..")  # relative: under the workspace
+    with pytest.raises(PathRefused):
+        sandbox.commands.run("true", cwd="/etc\x00")
     with pytest.raises(CommandError, match="working directory"):
         sandbox.commands.run("true", cwd="/workspace/does/not/exist")
     with pytest.raises(UsageError, match="tier's limit"):

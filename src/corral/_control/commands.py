@@ -25,7 +25,7 @@ from .._core.resources import get_tier
 from .._images.config import ImageConfig
 from .._templates import catalog
 from ..backends import ExecRequest, OutputCallback, ProcessIO
-from ..errors import CommandError, CommandNotFound, FileError, FileNotFound, SandboxBusy
+from ..errors import CommandNotFound, SandboxBusy
 from ..models import CommandResult, ResourceTier
 from . import validate
 from .egress import EgressBroker
@@ -171,21 +171,8 @@ class Commands:
             limit = info.expires_at - time.time()
         else:
             limit = validate.command_timeout(timeout, tier)
-        if command.cwd != "/workspace" and (image is None or command.cwd != image.working_dir):
-            self._check_cwd(info, validate.workspace_path(command.cwd))
         self._admission.admit(caller)
         return command, info, tier, limit
-
-    def _check_cwd(self, info: SandboxRecord, cwd: str) -> None:
-        files = self._sandboxes.backend(info).files(self._sandboxes.spec(info))
-        try:
-            entry = files.stat(cwd)
-        except FileNotFound:
-            raise CommandError(f"the working directory {cwd} does not exist") from None
-        except FileError as exc:
-            raise CommandError(f"cannot use {cwd} as working directory: {exc.message}") from None
-        if entry.type != "dir":
-            raise CommandError(f"the working directory {cwd} is not a directory")
 
     def kill(self, sandbox_id: str, command_id: str) -> None:
         """Kill a running command (from any process); its run() returns exit code 137."""

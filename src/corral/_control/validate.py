@@ -5,6 +5,7 @@ control plane, so a rule is written, and worded, exactly once.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Any
 
 from .._backends import BACKENDS
 from .._workspace.files import to_relative
-from ..errors import CommandError, CommandNotFound, SandboxNotFound, UsageError
+from ..errors import CommandError, CommandNotFound, PathRefused, SandboxNotFound, UsageError
 from ..models import ResourceTier
 
 __all__ = [
@@ -33,7 +34,6 @@ __all__ = [
     "snapshot_ref",
     "template",
     "ttl",
-    "workspace_path",
 ]
 
 MAX_FORKS = 64
@@ -128,25 +128,26 @@ def _env(envs: Mapping[str, str] | None) -> dict[str, str]:
     return env
 
 
-# Every sandbox mounts its workspace a second time at E2B's home; a cwd there stays there (so
-# `pwd` says /home/user/x, as E2B's SDKs expect) and is checked as the same path in /workspace.
-HOME_ALIAS = "/home/user"
-
-
 def _cwd(cwd: str | None) -> str:
-    if cwd is not None and isinstance(cwd, str) and (
-            cwd == HOME_ALIAS or cwd.startswith(HOME_ALIAS + "/")):
-        rel = to_relative("/workspace" + cwd[len(HOME_ALIAS):])
-        return HOME_ALIAS if rel == "." else f"{HOME_ALIAS}/{rel}"
-    rel = to_relative(cwd or "/workspace")
-    return "/workspace" if rel == "." else f"/workspace/{rel}"
-
-
-def workspace_path(cwd: str) -> str:
-    """A validated cwd as the file API names it (under ``/workspace``)."""
-    if cwd == HOME_ALIAS or cwd.startswith(HOME_ALIAS + "/"):
-        return "/workspace" + cwd[len(HOME_ALIAS):]
-    return cwd
+    """Where the command starts: a relative path is under the workspace; an absolute one is
+    taken as it is (normalised), since whether it exists and may be entered is the sandbox's
+    own answer (the tier's chdir, inside the sandbox), not the host-side workspace's."""
+    if cwd is None:
+        return "/workspace"
+    if not isinstance(cwd, str) or not cwd.startswith("/"):
+        rel = to_relative(cwd)  # refuses what is not a path, and ".." out of the workspace
+        return "/workspace" if rel == "." else f"/workspace/{rel}"
+    if "\x00" in cwd:
+        raise PathRefused("the working directory contains a NUL byte")
+    try:
+        size = len(cwd.encode())
+    except UnicodeEncodeError:
+        raise PathRefused("the working directory is not valid UTF-8") from None
+    if size > 4096:
+        raise PathRefused("the working directory is longer than 4096 bytes")
+    normal = posixpath.normpath(cwd)
+    # POSIX lets "//x" mean something else than "/x"; Linux does not
+    return "/" + normal.lstrip("/")
 
 
 def _stdin(stdin: str | bytes | None) -> bytes | None:

@@ -201,7 +201,11 @@ def _cwd(manager: Manager, target: SandboxTarget, cwd: str | None) -> str:
     try:
         inside = paths.to_workspace(cwd)
     except PathRefused as exc:
-        raise ConnectError("permission_denied", f"cwd '{cwd}': {exc.message}") from None
+        if not (isinstance(cwd, str) and cwd.startswith("/")):
+            raise ConnectError("invalid_argument", f"cwd '{cwd}': {exc.message}") from None
+        # Outside the workspace (`/`, `/tmp`): whether it exists and may be entered is the
+        # sandbox's own answer, given by the tier's chdir inside it.
+        return cwd
     try:
         entry = manager.files(target.sandbox_id).stat(inside)
     except FileNotFound:

@@ -189,7 +189,9 @@ class RunCode(_Strict):
 
 class CreateCodeContext(_Strict):
     language: str | None = Field(default=None, description="python (default), bash or javascript.")
-    cwd: str | None = Field(default=None, description="Inside /workspace (the default).")
+    cwd: str | None = Field(default=None, description=(
+        "Where the kernel starts: any directory that exists in the sandbox; relative paths are "
+        "under /workspace (the default)."))
 
 
 class StartProcess(_Strict):

@@ -212,6 +212,7 @@ class HostBackedBackend:
                     pinned()  # finished before the destroy below, which removes it
                 raise
             pinned()
+            self._store.ensure_tmp(spec)
             self._ensure_mounts(spec, workspace)
         except BaseException:
             with contextlib.suppress(BackendError, OSError):
@@ -222,6 +223,7 @@ class HostBackedBackend:
         """Rebuild what a reboot or crash removed (netns pin, cgroup, mounts)."""
         self._ensure_netns_and_cgroup(spec)
         workspace = self._store.ensure_mounted(spec)
+        self._store.ensure_tmp(spec)
         self._ensure_mounts(spec, workspace)
         return workspace
 
@@ -326,6 +328,7 @@ class HostBackedBackend:
         self._ready()
         self._close_resident(spec.id)
         self._store.reset(spec)
+        self._store.ensure_tmp(spec, fresh=True)
 
     def _close_resident_if_unmounted(self, spec: SandboxSpec) -> None:
         """A resident keeps the mounts it was started with alive in its mount namespace. If
@@ -337,7 +340,7 @@ class HostBackedBackend:
             holder = self._holder(spec.id)
         if holder is None or not holder.running:
             return
-        points = [self._store.mount_point(spec.id),
+        points = [self._store.mount_point(spec.id), self._store.tmp_dir(spec.id),
                   *(m.source for m in self._planned_mounts(spec))]
         # statx's word, not a device comparison with the parent: a data mount's bind of a
         # directory of the parent's filesystem has the parent's device.

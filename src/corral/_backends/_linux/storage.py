@@ -21,6 +21,7 @@ Host layout (``root`` is ``$CORRAL_HOME/sandboxes``, ``layers_root`` ``$CORRAL_H
     sandboxes/<id>/priv/l<N>          idmapped binds of lower layers written by another uid
     sandboxes/<id>/workspace          the overlay: what the sandbox sees as /workspace
     sandboxes/<id>/mounts/            its volumes and data mounts, bound for it (``volumes``)
+    sandboxes/<id>/scratch/tmp        its /tmp: a tmpfs as long as the sandbox lives
     sandboxes/.ready.<owner>.<size>.<n>   a plain workspace made ahead, root's until a create
                                       claims it by renaming it to <id> (``ready``); being
                                       made: .making.<owner>.<size>.<n>
@@ -69,6 +70,7 @@ MAX_LAYERS = 16
 _MS_RDONLY = 0x1
 _MS_REMOUNT = 0x20
 _MS_MOVE = 0x2000
+_MS_NOSUID, _MS_NODEV = 0x2, 0x4
 _MOUNT_OPTIONS = "loop,nodev,nosuid,noatime"
 _MIN_FREE = 64 * 1024 * 1024
 
@@ -283,6 +285,10 @@ class WorkspaceStore:
     def _disk(self, sandbox_id: str) -> Path:
         return self._priv(sandbox_id) / "disk"
 
+    def tmp_dir(self, sandbox_id: str) -> Path:
+        """The sandbox's ``/tmp`` on the host: a tmpfs of its own (``ensure_tmp``)."""
+        return self.root / sandbox_id / "scratch" / "tmp"
+
     def _layer_dir(self, layer_id: str) -> Path:
         return self.layers_root / layer_id
 
@@ -343,6 +349,30 @@ class WorkspaceStore:
         with flock(self.sandbox_dir(spec.id) / ".lock"):
             if not is_mount(point):
                 self._mount(spec, fresh=fresh)
+        return point
+
+    def ensure_tmp(self, spec: SandboxSpec, *, fresh: bool = False) -> Path:
+        """The sandbox's ``/tmp``, mounted if a reboot or a restore left it unmounted: a tmpfs
+        that lives as long as the sandbox (a command's files there are the next one's, as on
+        any Linux host), at most the tier's ``tmp_bytes`` (ENOSPC inside past that). Its
+        pages are memory, charged to the cgroup of the sandbox process that writes them, so
+        it counts against the sandbox's memory limit, never the host's disk. ``fresh``: drop
+        what it holds (a restore: the sandbox returns to the snapshot, which has no /tmp)."""
+        point = self.tmp_dir(spec.id)
+        if not fresh and is_mount(point):
+            return point
+        with flock(self.sandbox_dir(spec.id) / ".lock"):
+            if fresh:
+                _umount(point, lazy=True)
+            if not is_mount(point):
+                # Entered only by the sandbox's own uid (and root): another sandbox's uid that
+                # somehow reached the host's mount table still finds nothing.
+                point.parent.mkdir(mode=0o700, exist_ok=True)
+                os.chown(point.parent, spec.uid, spec.uid)
+                point.mkdir(mode=0o700, exist_ok=True)
+                linux.mount("tmpfs", str(point), "tmpfs", _MS_NOSUID | _MS_NODEV,
+                            f"size={spec.tier.tmp_bytes},mode=1777,uid={spec.uid},"
+                            f"gid={spec.uid}")
         return point
 
     def _ensure_layer(self, layer_id: str) -> tuple[Path, int]:
@@ -666,6 +696,7 @@ class WorkspaceStore:
         lowers = sorted(e for e in priv.iterdir() if e.name.startswith("l")) \
             if priv.is_dir() else []
         detach_behind([self._disk(sandbox_id), *lowers, self.mount_point(sandbox_id)])
+        _umount(self.tmp_dir(sandbox_id), lazy=True)
         for entry in lowers:
             with contextlib.suppress(OSError):
                 entry.rmdir()
@@ -687,8 +718,8 @@ class WorkspaceStore:
             # mount table is read only here: a sandbox without mounts has no binds.)
             still = mounts_under(base)
         else:
-            still = [p for p in (self.mount_point(sandbox_id), self._disk(sandbox_id))
-                     if is_mount(p)]
+            still = [p for p in (self.mount_point(sandbox_id), self._disk(sandbox_id),
+                                 self.tmp_dir(sandbox_id)) if is_mount(p)]
         if still:
             raise BackendError(f"{still[0]} is still mounted; not deleting {base}")
         shutil.rmtree(base)

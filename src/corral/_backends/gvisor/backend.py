@@ -100,6 +100,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._core import linux
 from ..._core.fsafe import remove_tree
 from ..._core.privileged import privileged_env
 from ..._settings import Settings
@@ -137,6 +138,8 @@ logger = logging.getLogger(__name__)
 # (measured: ~35 for `sleep`). Inside, RLIMIT_NPROC holds the command to the tier's pids; the
 # host cgroup only has to keep a runaway gVisor from the host, never starve a Sentry of threads.
 _RUNTIME_TASKS = 64
+
+_RESOLVE_IN_ROOT = 0x10
 
 
 def _check_traversable(home: Path) -> None:
@@ -259,19 +262,40 @@ class GvisorBackend(HostBackedBackend):
             raise CommandError("environment names and values may not contain NUL bytes")
         if request.pty is None and self._resident_fits(template):
             return self._exec_resident(spec, request, env, workspace, template, rootfs)
-        # runsc creates a missing working directory (as the runtime uid); the control plane has
-        # checked that it exists, so only a concurrent command removing it in between can leave
-        # such an (empty) directory behind.
+        # runsc creates a missing working directory (as the runtime uid) where it can: refuse
+        # one that is missing first, so only a concurrent command removing it in between can
+        # leave such an (empty) directory behind. (The resident's launcher chdirs, as a shell.)
+        self._check_cwd(spec, workspace, request.cwd)
         config = build_config(
             rootfs=rootfs, template=template, workspace=workspace,
             netns=self._netns_path(spec.id), uid=spec.uid, argv=request.argv, cwd=request.cwd,
             env=env, tmp_bytes=spec.tier.tmp_bytes, pids=spec.tier.pids,
-            terminal=request.pty is not None, **self._bind_options(spec))
+            terminal=request.pty is not None, tmp=self._store.tmp_dir(spec.id),
+            **self._bind_options(spec))
         return launcher.run(Launch(
             uid=spec.uid, netns_path=self._netns_path(spec.id), group=f"{spec.id}/{group_name}",
             container_id=container_id, bundle=self._bundles / container_id, config=config,
             request=request,
         ))
+
+    def _check_cwd(self, spec: SandboxSpec, workspace: Path, cwd: str) -> None:
+        """Refuse a working directory that is missing in the sandbox's own writable places
+        (the only ones runsc could make it in; elsewhere the root is read-only)."""
+        for inside, host in (("/workspace", workspace), ("/home/user", workspace),
+                             ("/tmp", self._store.tmp_dir(spec.id))):
+            if cwd != inside and not cwd.startswith(inside + "/"):
+                continue
+            root = os.open(host, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                # Resolved as the sandbox would: a symlink in it cannot lead out of the root.
+                os.close(linux.openat2(root, cwd[len(inside):].lstrip("/") or ".",
+                                       os.O_PATH | os.O_DIRECTORY, resolve=_RESOLVE_IN_ROOT))
+            except OSError as exc:
+                raise CommandError(f"cannot enter the working directory {cwd}: "
+                                   f"{os.strerror(exc.errno or 0)}") from None
+            finally:
+                os.close(root)
+            return
 
     def _volume_root_uid(self, spec: SandboxSpec) -> int:
         # gVisor's kernel makes each file as its host identity, the runtime uid, then gives it
@@ -310,7 +334,8 @@ class GvisorBackend(HostBackedBackend):
         workspace was mounted anew (a snapshot sealed its layer, a restore reset it) would
         write into a sealed layer. Those close it first; the mount's identity catches any other
         remount (of the workspace or of a volume's bind), and the holder is replaced."""
-        mounted = [os.stat(workspace)] + [os.stat(m.source) for m in self._planned_mounts(spec)]
+        mounted = [os.stat(workspace), os.stat(self._store.tmp_dir(spec.id))] + [
+            os.stat(m.source) for m in self._planned_mounts(spec)]
         # A volume's bind made anew (its volume remounted) also makes the resident stale.
         identity = tuple(n for st in mounted for n in (st.st_dev, st.st_ino))
         stale: OnDemand | None = None
@@ -323,7 +348,8 @@ class GvisorBackend(HostBackedBackend):
                     rootfs=rootfs, template=template, workspace=workspace,
                     netns=self._netns_path(spec.id), uid=spec.uid, argv=["true"],
                     cwd="/workspace", env={}, tmp_bytes=spec.tier.tmp_bytes,
-                    pids=spec.tier.pids, terminal=False, **self._bind_options(spec))
+                    pids=spec.tier.pids, terminal=False, tmp=self._store.tmp_dir(spec.id),
+                    **self._bind_options(spec))
                 python = template_python(template)
                 assert python is not None  # callers check _resident_fits first
                 holder = OnDemand(lambda: self._start_resident(spec, config, python),

@@ -183,6 +183,7 @@ def build_config(
     terminal: bool,
     binds: Sequence[tuple[str, str, bool]] = (),
     mount_points: Path | None = None,
+    tmp: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI ``config.json`` for one command. Pure: no I/O.
 
@@ -191,7 +192,8 @@ def build_config(
     sandbox's volumes and data mounts as (host source, target, read-only), in mount order;
     ``mount_points``, a read-only tree bound at ``/mnt`` that holds the mount points of those
     under ``/mnt/`` (the root is read-only, and gVisor's file server needs a host directory
-    under every mount).
+    under every mount); ``tmp``, the sandbox's own /tmp on the host (a tmpfs as long as the
+    sandbox lives), else a tmpfs of ``tmp_bytes`` in gVisor's kernel.
     """
     host_runtime = runtime_uid(uid)
     mounts: list[dict[str, Any]] = [
@@ -203,7 +205,7 @@ def build_config(
     mounts += [
         _bind(template.etc, "/etc"),
         _tmpfs("/dev/shm", tmp_bytes, "1777"),
-        _tmpfs("/tmp", tmp_bytes, "1777"),
+        _tmpfs("/tmp", tmp_bytes, "1777") if tmp is None else _bind(tmp, "/tmp", writable=True),
     ]
     if workspace is not None:
         mounts.append(_bind(workspace, "/workspace", writable=True))

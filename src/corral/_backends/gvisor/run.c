@@ -9,7 +9,7 @@
  *
  * Started by the helper with posix_spawn (vfork: no copy of the helper's address space; a
  * Python fork costs 20-45 ms in gVisor's systrap, this whole launcher ~30 ms). It unshares a
- * mount and a PID namespace, mounts a fresh size-limited /tmp and /dev/shm, and forks the
+ * mount and a PID namespace, mounts a fresh size-limited /dev/shm, and forks the
  * namespace's init as the helper's child and exits. init mounts /proc and becomes what the
  * command will be, but for its real and saved uid: group 1000, effective uid 1000, no
  * capabilities (bounding set emptied, every set cleared), non-dumpable, RLIMIT_NPROC/CORE,
@@ -155,7 +155,7 @@ int main(int argc, char **argv) {
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL)) fail("mount private");
     char options[64];
     snprintf(options, sizeof options, "size=%llu,mode=1777", tmp_bytes);
-    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, options)) fail("mount /tmp");
+    /* No /tmp of its own: the sandbox's (a bind of its host tmpfs) outlives the command. */
     if (mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, options)) fail("mount /dev/shm");
 
     /* init is made the helper's child (CLONE_PARENT), not ours: we exit at once and the

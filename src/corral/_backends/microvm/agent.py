@@ -101,7 +101,7 @@ MAX_ARGS_TOTAL = 1 << 20
 _RESOLVE_NO_XDEV, _RESOLVE_NO_MAGICLINKS, _RESOLVE_BENEATH = 0x01, 0x02, 0x08
 _RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_XDEV
 _SYS_OPENAT2 = 437
-_MS_NOSUID, _MS_NODEV, _MS_BIND = 0x2, 0x4, 0x1000
+_MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND = 0x2, 0x4, 0x20, 0x1000
 _RNDADDENTROPY = 0x40085203
 _RNDRESEEDCRNG = 0x5207
 _BLKFLSBUF = 0x1261
@@ -872,6 +872,9 @@ class Agent:
         self._inflight = threading.BoundedSemaphore(MAX_INFLIGHT)
         self._next = 0
         self.session = 0
+        # The guest's /tmp is made 64 MiB at boot (init.c); sized to the tier's on first exec.
+        self._tmp_lock = threading.Lock()
+        self._tmp_size = 64 << 20
 
     def new_id(self) -> int:
         with self.lock:
@@ -1085,6 +1088,22 @@ class Agent:
             os.replace(tmp, path)
         return path
 
+    def _tmp_argument(self, size: int) -> str:
+        """run's TMP_BYTES: in the guest, "-SIZE" (commands share the guest's /tmp, which
+        lives as long as the sandbox; sized here to the tier's, once); in the host-side test
+        mode, "SIZE" (a fresh /tmp per command: the host's own is no sandbox's)."""
+        if not self.config.strict:
+            return str(size)
+        with self._tmp_lock:
+            if self._tmp_size != size:
+                data = f"size={size},mode=1777".encode()
+                if _libc.mount(b"tmpfs", b"/tmp", None, _MS_REMOUNT | _MS_NOSUID | _MS_NODEV,
+                               data) != 0:
+                    err = ctypes.get_errno()
+                    raise AgentError("io", f"cannot size /tmp: {os.strerror(err)}")
+                self._tmp_size = size
+        return f"-{size}"
+
     def _host_cwd(self, cwd: str) -> str:
         """The guest's own path; in test mode /workspace is the override directory."""
         normal = posixpath.normpath(cwd)
@@ -1130,7 +1149,7 @@ class Agent:
                 stdio = (in_r, out_w, err_w)
                 outputs = [("stdout", out_r), ("stderr", err_r)]
             run_argv = [self.config.run, cgroup, self._host_cwd(cwd),
-                        str(request["tmp_bytes"]), str(info_w), str(status_w),
+                        self._tmp_argument(int(request["tmp_bytes"])), str(info_w), str(status_w),
                         "1" if pty is not None else "0", self._seccomp_file(request),
                         "--", *argv]
             try:

@@ -519,7 +519,7 @@ class MicrovmBackend(HostBackedBackend):
                 {"code": NOT_FOUND_EXIT_CODE, "wall_s": time.monotonic() - started},
                 out, err, started)
         if kind == "cwd":
-            raise CommandError(f"cannot enter the working directory: {message}")
+            raise CommandError(message)
         if kind == "e2big":
             raise CommandError("the kernel refused the command's argv and environment as too "
                                "large (ARG_MAX or MAX_ARG_STRLEN, 128 KiB per entry); pass data "

@@ -8,8 +8,9 @@
  *
  * with exactly the command's environment (it is passed on to execvp untouched). It joins the
  * command's cgroup (so everything after is counted and killable with cgroup.kill), unshares a
- * PID and a mount namespace and forks that namespace's init, which mounts a fresh tmpfs on /tmp
- * and a /proc of the new namespace, then forks the command: setsid (and the PTY as controlling
+ * PID and a mount namespace and forks that namespace's init, which mounts a /proc of the new
+ * namespace (and a fresh tmpfs on /tmp when TMP_BYTES is "SIZE", not "-SIZE"), then forks
+ * the command: setsid (and the PTY as controlling
  * terminal), uid/gid 1000 without supplementary groups, no_new_privs, no core dumps, cwd, exec.
  *
  * INFO_FD (close-on-exec) tells the agent why a command never started, as bwrap's info fd does:
@@ -148,8 +149,13 @@ static void init(const char *cgroup, char *cwd, const char *tmp_bytes, int statu
     /* Nothing mounted here may reach the agent's namespace. */
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) fail("make / private");
     char opts[64];
-    snprintf(opts, sizeof opts, "size=%s,mode=1777", tmp_bytes);
-    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts) != 0) fail("mount /tmp");
+    /* "-SIZE": /tmp is the guest's own, which lives as long as the VM (the sandbox); "SIZE":
+     * a fresh one for this command (the agent's host-side test mode, whose /tmp is the
+     * host's). SIZE is also /dev/shm's. */
+    int own_tmp = tmp_bytes[0] != '-';
+    snprintf(opts, sizeof opts, "size=%s,mode=1777", own_tmp ? tmp_bytes : tmp_bytes + 1);
+    if (own_tmp && mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts) != 0)
+        fail("mount /tmp");
     /* /dev (with /dev/shm: POSIX shared memory, semaphores) is the command's own, as on the
      * other tiers: nothing written there outlives the command. */
     minimal_dev(opts);
@@ -220,7 +226,7 @@ int main(int argc, char **argv) {
     int pty = strcmp(argv[6], "1") == 0;
     if (fcntl(info_fd, F_SETFD, FD_CLOEXEC) != 0 || fcntl(status_fd, F_SETFD, FD_CLOEXEC) != 0)
         fail("fds");
-    for (const char *c = tmp_bytes; *c; c++)
+    for (const char *c = tmp_bytes + (tmp_bytes[0] == '-'); *c; c++)
         if (*c < '0' || *c > '9') { errno = EINVAL; fail("TMP_BYTES"); }
     load_filter(argv[7]);
 

@@ -100,6 +100,7 @@ class NamespaceBackend(HostBackedBackend):
             template=template, workspace=workspace,
             tmp_bytes=spec.tier.tmp_bytes, group=f"{spec.id}/{self._group_name(request)}",
             request=request, env=self._command_env(spec, request), mounts=mounts,
+            tmp=None if request.build_root is not None else self._store.tmp_dir(spec.id),
             # Every mount of Corral's the command binds is below the sandbox's directory
             # (its volumes and data mounts are bound there first); the rest is the host's
             # system directories and the template's.
@@ -132,7 +133,8 @@ class NamespaceBackend(HostBackedBackend):
         """The sandbox's resident holder, made on first use. A resident keeps the mounts it
         was started with: one whose workspace, volume binds or template changed since (a
         remount, a rebuilt template) is replaced."""
-        mounted = [os.stat(launch.workspace)] + [os.stat(m[0]) for m in launch.mounts]
+        mounted = [os.stat(launch.workspace)] + [os.stat(m[0]) for m in launch.mounts] + (
+            [os.stat(launch.tmp)] if launch.tmp is not None else [])
         identity: tuple[object, ...] = (
             id(launch.template), launch.mounts, launch.tmp_bytes,
             *(n for st in mounted for n in (st.st_dev, st.st_ino)))

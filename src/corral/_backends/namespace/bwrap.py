@@ -48,6 +48,7 @@ def build_options(
     new_session: bool = True,
     mounts: Sequence[tuple[str, str, bool]] = (),
     resident: Path | None = None,
+    tmp: Path | None = None,
 ) -> list[str]:
     """The options for ``--args``: everything but the command itself.
 
@@ -60,6 +61,9 @@ def build_options(
     holding ``_RESIDENT_CAPS`` in the user namespace, and without the filter and the /proc
     masks, which it applies to each command it starts (a masked /proc would forbid the fresh
     /proc each command mounts).
+
+    ``tmp`` is the sandbox's own /tmp (a tmpfs that lives as long as the sandbox); without
+    it (an image build's step) the command gets a fresh one of ``tmp_bytes``.
     """
     args = [
         # Fresh user (needed unprivileged), PID, IPC, UTS and cgroup namespaces per command.
@@ -104,9 +108,10 @@ def build_options(
             args += ["--ro-bind", "/dev/null", hidden]
     else:
         args += ["--ro-bind", str(resident), HELPER_MOUNT]
-    args += [
-        "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
-    ]
+    if tmp is None:
+        args += ["--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+    else:
+        args += ["--bind", str(tmp), "/tmp"]
     if not template.writable:  # a build step's files are its root's, not a workspace's
         args += [
             "--bind", str(workspace), "/workspace",

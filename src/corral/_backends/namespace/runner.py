@@ -92,6 +92,8 @@ class Launch:
     env: Mapping[str, str]
     # The sandbox's volumes and data mounts: (host source, target, read-only), in order.
     mounts: tuple[tuple[str, str, bool], ...] = ()
+    # The sandbox's /tmp (``WorkspaceStore.ensure_tmp``); None: a fresh one per command.
+    tmp: Path | None = None
     # The directory holding every mount of Corral's the command needs (the sandbox's), if
     # one does: it starts from a lean mount namespace (``netns.Spawner``).
     tree: Path | None = None
@@ -155,6 +157,14 @@ class CommandLauncher:
             stderr_head=head)
         if seen.returncode == 1 and head.exit_code is not None:
             return seen.outcome(head.exit_code)
+        if seen.returncode == 1 and request.cwd != "/workspace":
+            # bwrap enters the working directory in the sandbox, after the set-up it reports;
+            # failing that, its whole stderr is its complaint (the command never ran).
+            said = "".join(seen.stderr.parts)
+            prefix = f"bwrap: Can't chdir to {request.cwd}: "
+            if said.startswith(prefix) and said.count("\n") == 1 and said.endswith("\n"):
+                raise CommandError(f"cannot enter the working directory {request.cwd}: "
+                                   f"{said[len(prefix):].strip()}")
         if seen.returncode == 1 and _BWRAP_E2BIG.match("".join(seen.stderr.parts)):
             # check_exec_size guards this; a limit it did not foresee still is the caller's.
             raise CommandError("the kernel refused the command's argv and environment as too "
@@ -202,7 +212,7 @@ class CommandLauncher:
             template=launch.template, workspace=launch.workspace,
             tmp_bytes=launch.tmp_bytes, cwd=cwd, env=env,
             fds=BwrapFds(info=info_w, block=block_r, seccomp=seccomp_fd),
-            new_session=new_session, mounts=launch.mounts, resident=resident,
+            new_session=new_session, mounts=launch.mounts, resident=resident, tmp=launch.tmp,
         )
         bwrap_fds = (info_w, block_r) + ((seccomp_fd,) if seccomp_fd is not None else ())
         # A memfd rather than a pipe: the options (the environment included, up to a few
@@ -316,7 +326,7 @@ class CommandLauncher:
         retire(group)  # killed there, in case the init is still exiting
         if proc.setup_error is not None:
             if proc.setup_error.startswith("chdir:"):
-                raise CommandError("cannot enter the working directory: "
+                raise CommandError(f"cannot enter the working directory {request.cwd}: "
                                    + proc.setup_error.removeprefix("chdir: "))
             raise BackendError(f"the command could not be set up: {proc.setup_error}")
         if proc.exec_errno is not None:

@@ -7,7 +7,8 @@
  * and CAP_SETPCAP inside that user namespace only, and no seccomp filter: it needs unshare and
  * mount. It never runs anything of the user's itself. For each "w" on the control socket it
  * makes a command's *init*: a child in new PID, mount, IPC and UTS namespaces that sets up what
- * bwrap sets up per command (a private mount tree, a fresh size-limited /tmp and /dev/shm, its
+ * bwrap sets up per command (a private mount tree, a fresh size-limited /dev/shm (/tmp is the
+ * sandbox's own, inherited), its
  * own devpts, a fresh /proc with bwrap's covers and the template's masks) and answers "r" on a
  * socket of its own, whose host end the zygote hands to the host on the control socket. The
  * host reads the init's host pid from that answer's credentials. The "w" carries descriptors
@@ -108,8 +109,8 @@ static int bind_readonly(const char *source, const char *target) {
 
 static void set_up_mounts(int fd) {
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) init_fail(fd, "mount-private");
-    if (mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp_options) < 0)
-        init_fail(fd, "mount-tmp");
+    /* No /tmp of its own: the sandbox's (bound by the resident's bwrap) lives as long as
+     * the sandbox, so a file one command leaves there is the next one's. */
     if (mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp_options) < 0)
         init_fail(fd, "mount-shm");
     if (mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,

@@ -3,6 +3,7 @@ through Corral's own file API (which runs on the host, as root)."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import tarfile
 from collections.abc import Callable
@@ -153,8 +154,9 @@ CASES = [
          _refused("for d in / /var /opt /root /srv; do f=$d/corral-drill-$$; "
                   "touch $f 2>/dev/null && {{ echo ESCAPED $f; rm -f $f; }}; done; echo done",
                   "writes outside /workspace")),
-    Case("fs.tmp-persists", "filesystem", "leave a file in /tmp and /dev/shm for a later command",
-         "each command gets a fresh /tmp and /dev/shm",
+    Case("fs.tmp-persists", "filesystem", "leave a file in /tmp and /dev/shm for a later "
+         "command, another sandbox or the host", "/tmp is the sandbox's own; /dev/shm each "
+         "command's",
          lambda ctx: _persist(ctx)),
     Case("fs.hardlink", "filesystem", "hard-link a host file into the workspace",
          "link() fails across filesystems",
@@ -200,12 +202,23 @@ CASES = [
 
 
 def _persist(ctx: DrillContext) -> Outcome:
+    """/tmp lives as long as its sandbox (a normal Linux view); what must hold is that it is
+    that sandbox's alone (never another's, never the host's), and /dev/shm each command's."""
     token = secrets.token_hex(6)
     first = ctx.run(f"echo {token} > /tmp/drill-left; echo {token} > /dev/shm/drill-left; echo ok")
-    second = ctx.run("cat /tmp/drill-left /dev/shm/drill-left 2>/dev/null; "
-                     "rm -f /tmp/drill-left /dev/shm/drill-left; echo done")
-    evidence = tuple(ctx.evidence(first) + ctx.evidence(second))
-    if token in second.stdout:
-        return Outcome("breached", "a file outside /workspace survived into the next command",
+    second = ctx.run("cat /dev/shm/drill-left 2>/dev/null; rm -f /tmp/drill-left; echo done")
+    victim = ctx.run("cat /tmp/drill-left /dev/shm/drill-left 2>/dev/null; ls -A /tmp; echo done",
+                     sandbox=ctx.victim)
+    evidence = tuple(ctx.evidence(first) + ctx.evidence(second)
+                     + ctx.evidence(victim, ctx.victim))
+    if token in victim.stdout:
+        return Outcome("breached", "a file left in one sandbox's /tmp showed in another's",
                        evidence)
-    return Outcome("held", "the next command starts with an empty /tmp and /dev/shm", evidence)
+    if token in second.stdout:
+        return Outcome("breached", "a file left in /dev/shm survived into the next command",
+                       evidence)
+    if os.path.exists("/tmp/drill-left") or os.path.exists("/dev/shm/drill-left"):
+        return Outcome("breached", "a file left in the sandbox's /tmp reached the host's",
+                       evidence)
+    return Outcome("held", "/tmp is the sandbox's own (another sandbox and the host see none "
+                   "of it); the next command starts with an empty /dev/shm", evidence)
