@@ -187,3 +187,9 @@ def test_the_js_template_sdk_builds_too(image_served: tuple[Served, str]) -> Non
     assert js.value("sandbox").splitlines() == ["hello from the JS SDK", "yes"]
     assert "CORRAL_REGISTRIES" in js.error("refused")["message"]
     print(f"template build (JS, cold): {got['seconds']} s")
+
+
+def test_an_upload_link_is_its_tenants_and_used_once(client: ClientRun) -> None:
+    got = client.value("stolen_link")
+    assert (got["beta"], got["own"], got["again"]) == (403, 200, 403)
+    assert got["present"] == {"present": True}

@@ -310,8 +310,10 @@ async def upload(request: Request) -> Response:
     files_hash = _files_hash(request)
     token = request.query_params.get("token", "")
     with registry.lock:
-        held = registry.uploads.pop(token, None)
-    if held is None or held[0] != tenant.name or held[1] != files_hash or held[2] < time.time():
+        held = registry.uploads.get(token)
+        if held is not None and held[:2] == (tenant.name, files_hash):
+            del registry.uploads[token]  # one use; another caller's try never spends it
+    if held is None or held[:2] != (tenant.name, files_hash) or held[2] < time.time():
         raise E2BHTTPError(403, "this upload link is not valid (used, expired or another "
                            "tenant's); ask for a new one (GET /templates/{id}/files/{hash})")
     final = registry.archive(tenant.name, files_hash)

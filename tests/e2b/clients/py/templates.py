@@ -155,6 +155,27 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, target: str = "") -> tarfil
     return info
 
 
+
+
+def stolen_link() -> dict[str, object]:
+    """Another tenant's try with this tenant's upload link is refused and does not spend it."""
+    headers = {"X-API-KEY": key}
+    httpx.post(f"{api_url}/v3/templates", json={"name": "stolen"},
+               headers=headers).raise_for_status()
+    files_hash = os.urandom(32).hex()
+    link = httpx.get(f"{api_url}/templates/stolen/files/{files_hash}", headers=headers).json()
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        tar.addfile(member("x"), io.BytesIO(b""))
+    beta = httpx.put(link["url"], content=raw.getvalue(), headers={"X-API-KEY": beta_key})
+    own = httpx.put(link["url"], content=raw.getvalue(), headers=link["headers"])
+    again = httpx.put(link["url"], content=raw.getvalue(), headers=link["headers"])
+    present = httpx.get(f"{api_url}/templates/stolen/files/{files_hash}", headers=headers)
+    return {"beta": beta.status_code, "own": own.status_code, "again": again.status_code,
+            "present": present.json()}
+
+
+step("stolen_link", stolen_link)
 step("hostile_dotdot", lambda: hostile([member("x/../../escaped-by-tar.txt")]))
 step("hostile_link", lambda: hostile([member("x", tarfile.SYMTYPE, "/etc"),
                                       member("x/escaped-by-tar.txt")]))
