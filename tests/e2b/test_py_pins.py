@@ -133,6 +133,8 @@ def test_honest_surface(served: Served) -> None:
     assert 0 < sample["mem_used"] < sample["mem_total"]
     assert 0 < sample["disk_used"] < sample["disk_total"]
     assert run.value("metrics_again") == 2
+    assert run.value("metrics_until_now") == 3  # a window ending now has the sample it took
+    assert run.value("metrics_an_hour_ago") == 0
     # What Corral does on timeout, and a pause it cannot do refused, saying so.
     assert run.value("lifecycle") == {"on_timeout": "kill", "auto_resume": False}
     refused = raised(run, "pause_on_timeout", "SandboxException")

@@ -555,9 +555,11 @@ async def sandbox_metrics(request: Request) -> Response:
     info = await run_in_threadpool(_owned, manager, tenant, corral_id)
     samples: MetricSamples = request.app.state.e2b_metrics
     await run_in_threadpool(samples.take, manager, info)
+    # ``end`` is whole seconds the SDK floors from its clock just before the call: a second
+    # of slack keeps the sample this call took when ``end`` is "now".
     return JSONResponse([m for m in samples.of(corral_id)
                          if (start is None or m["timestampUnix"] >= start)
-                         and (end is None or m["timestampUnix"] <= end)])
+                         and (end is None or m["timestampUnix"] <= end + 1)])
 
 
 def _epoch(raw: str | None) -> int | None:

@@ -6,6 +6,7 @@ Usage: python honest.py
 
 from __future__ import annotations
 
+import datetime
 import time
 
 from _steps import done, step
@@ -27,6 +28,10 @@ step("metrics", lambda: [{"cpu_count": m.cpu_count, "cpu_used_pct": m.cpu_used_p
                          for m in sb.get_metrics()])
 time.sleep(1.2)
 step("metrics_again", lambda: len(sb.get_metrics()))
+time.sleep(1.2)
+step("metrics_until_now", lambda: len(sb.get_metrics(end=datetime.datetime.now())))
+step("metrics_an_hour_ago", lambda: len(sb.get_metrics(
+    end=datetime.datetime.now() - datetime.timedelta(hours=1))))
 step("lifecycle", lambda: sb.get_info().lifecycle)
 step("pause_on_timeout", lambda: Sandbox.create(timeout=60, lifecycle={"on_timeout": "pause"}))
 step("missing_template", lambda: Sandbox.create(template="no-such-template", timeout=60))
