@@ -83,6 +83,7 @@ _MAX_OPEN_PER_TENANT = 4  # builds not yet finished
 _MAX_TAGS = 10
 _UPLOAD_TTL_S = 3600
 _KEEP_FINISHED_S = 3600
+_UNSTARTED_S = 600  # a build opened and never started is forgotten after this
 _PAGE = 100
 
 
@@ -128,8 +129,10 @@ class _Registry:
             for key, old in list(self.builds.items()):
                 if old.finished_at is not None and now - old.finished_at > _KEEP_FINISHED_S:
                     del self.builds[key]
-                elif not old.triggered and now - old.opened_at > _KEEP_FINISHED_S:
-                    del self.builds[key]  # opened and never started
+                elif not old.triggered and now - old.opened_at > _UNSTARTED_S:
+                    # Abandoned: the SDK starts a build right after its uploads (a failed
+                    # upload leaves one behind, holding one of the tenant's open builds).
+                    del self.builds[key]
             open_builds = [b for b in self.builds.values()
                            if b.tenant == tenant and b.finished_at is None]
             if len(open_builds) >= _MAX_OPEN_PER_TENANT:
