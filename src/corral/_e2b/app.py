@@ -50,7 +50,7 @@ from .._server.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
 from .._server.portproxy import PortProxy, Target
 from .._server.relay import send_json as _send_json
 from ..errors import AuthError, CorralError, SandboxNotFound
-from . import control, files, filesystem, jupyter, process, watch
+from . import control, files, filesystem, jupyter, process, templates, watch
 from .ids import from_e2b, to_e2b
 from .state import E2BState
 from .target import ENVD_PORT, JUPYTER_PORT, SCOPE_KEY, TENANT_KEY, SandboxTarget
@@ -199,7 +199,7 @@ class E2BApp:
         self.state.e2b = self.e2b
         self.state.config = config
         self.state.e2b_metrics = control.MetricSamples()
-        self._control = Router(routes=control.routes)
+        self._control = Router(routes=[*templates.routes, *control.routes])
         self._envd = Router(routes=[Route("/health", _health, methods=["GET"]),
                                     *process.routes, *filesystem.routes,
                                     *watch.routes, *files.routes])
@@ -214,7 +214,9 @@ class E2BApp:
         self._jupyter_limited = BodyLimit(self._jupyter, limits=BodyLimits(
             default=_MAX_RPC_BODY), render=_render_refusal)
         self._control_limited = BodyLimit(self._control, limits=BodyLimits(
-            default=_MAX_CONTROL_BODY), render=_render_refusal)
+            default=_MAX_CONTROL_BODY, routes=(("PUT", templates.UPLOAD_PATH,
+                                                templates.MAX_UPLOAD, "a COPY archive"),)),
+            render=_render_refusal)
         domain = re.escape(config.domain) if config.domain else None
         self._sandbox_host = (re.compile(rf"(\d{{1,5}})-([a-z0-9-]{{1,63}})\.{domain}")
                               if domain else None)
