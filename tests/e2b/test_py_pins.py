@@ -139,6 +139,8 @@ def test_honest_surface(served: Served) -> None:
     assert run.value("lifecycle") == {"on_timeout": "kill", "auto_resume": False}
     refused = raised(run, "pause_on_timeout", "SandboxException")
     assert "hibernation is not available" in refused["message"]
+    status, message = run.value("resume_auto_pause")  # E2B's resume body (SDK 1.x) too
+    assert status == 400 and "hibernation is not available" in message
     # A refusal for a Corral reason says what to do.
     missing = raised(run, "missing_template", "SandboxException", "NotFoundException")
     assert "corral templates" in missing["message"], missing

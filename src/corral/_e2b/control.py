@@ -501,6 +501,7 @@ async def _connect(request: Request, *, resume_only: bool) -> Response:
     manager, tenant = _manager(request), _tenant(request)
     corral_id = _sandbox_id(request)
     body = await _json_body(request)
+    _check_lifecycle(body)  # E2B's resume takes autoPause too (SDK 1.x's resume(auto_pause=))
     timeout = _int_field(body, "timeout", low=1)
 
     def connect() -> tuple[SandboxInfo, bool]:

@@ -7,8 +7,10 @@ Usage: python honest.py
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
+import httpx
 from _steps import done, step
 from e2b import Sandbox
 
@@ -34,5 +36,8 @@ step("metrics_an_hour_ago", lambda: len(sb.get_metrics(
     end=datetime.datetime.now() - datetime.timedelta(hours=1))))
 step("lifecycle", lambda: sb.get_info().lifecycle)
 step("pause_on_timeout", lambda: Sandbox.create(timeout=60, lifecycle={"on_timeout": "pause"}))
+step("resume_auto_pause", lambda: (lambda r: [r.status_code, r.json()["message"]])(httpx.post(
+    f"{os.environ['E2B_API_URL']}/sandboxes/{sb.sandbox_id}/resume", json={"autoPause": True},
+    headers={"X-API-KEY": os.environ["E2B_API_KEY"]})))
 step("missing_template", lambda: Sandbox.create(template="no-such-template", timeout=60))
 done()
