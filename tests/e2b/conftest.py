@@ -39,7 +39,9 @@ JS_DIR = Path(__file__).resolve().parent / "js"
 # Each JS kind's packages: J-latest and J-min (E2B-COMPAT.md §12), the same client scripts.
 JS_DIRS = {"js": JS_DIR, "js-min": Path(__file__).resolve().parent / "js-min"}
 VENVS = ROOT / ".venv-e2b"
-PY_SETS = ("latest", "mid", "bundled", "min")
+# The core scenarios (test_py_core.py) per set; agents-pins is e2b 2.31.0, between mid and
+# bundled (crewai-pins' e2b is bundled's 2.20.3: its own code interpreter is test_py_pins.py's).
+PY_SETS = ("latest", "mid", "bundled", "min", "agents-pins")
 # Apart from the other test homes (2_100_... in tests/conftest.py, 2_146_... in the edge tests).
 _UID_BASE = 2_120_000_000
 # What every client gets; nothing else of this process's environment reaches it.
