@@ -151,7 +151,9 @@ def test_keys_and_tenants(security: ClientRun) -> None:
 
 def test_network_refused_by_default(security: ClientRun) -> None:
     for name, got in security.value("network_default").items():
-        assert got["exit_code"] not in (0, None), (name, got)
+        # Refused: the connection fails, or Corral's gateway answers 403 saying it was its
+        # network policy (curl without -f exits 0 on that answer).
+        assert got["exit_code"] not in (0, None) or got["stdout"] == "403", (name, got)
     asked = security.value("network_asked")
     if asked["created"]:
         assert asked["stdout"].endswith("refused\n"), asked

@@ -69,7 +69,7 @@ def network() -> dict[str, object]:
     out: dict[str, object] = {}
     for name, cmd in {
         "curl": "curl -sS -m 5 -o /dev/null -w '%{http_code}' http://example.com/",
-        "raw_ip": "curl -sS -m 5 -o /dev/null http://1.1.1.1/",
+        "raw_ip": "curl -sS -m 5 -o /dev/null -w '%{http_code}' http://1.1.1.1/",
         "python": "python3 -c \"import urllib.request as u; u.urlopen('http://example.com', "
                   "timeout=5)\"",
     }.items():
@@ -93,7 +93,8 @@ def internet_asked() -> dict[str, object]:
     except Exception as exc:  # noqa: BLE001 - a clear refusal is one of the right answers
         return {"created": False, "error": type(exc).__name__, "message": str(exc)[:300]}
     try:
-        r = c.commands.run("curl -sS -m 5 -o /dev/null http://example.com/ || echo refused")
+        # -f: a 403 from Corral's gateway (its network policy) fails the command too.
+        r = c.commands.run("curl -fsS -m 5 -o /dev/null http://example.com/ || echo refused")
         return {"created": True, "stdout": r.stdout, "stderr": r.stderr[:300]}
     finally:
         c.kill()
