@@ -1,12 +1,13 @@
 """The code interpreter on Corral's own SDK, embedded and remote: stateful kernels in a real
 sandbox (the base template: the host's /usr, where ``scripts/bootstrap --test`` installs
-IPython, numpy, pandas and matplotlib), rich results, errors, timeouts, dead kernels, contexts,
-tenants and the audit trail."""
+IPython, numpy, pandas, matplotlib, node with TypeScript and R), rich results, errors,
+timeouts, dead kernels, contexts, tenants and the audit trail."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import os
 import secrets
@@ -14,8 +15,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,7 @@ from corral._settings import Settings
 
 from ..conftest import managed
 from .servers import Server
+from .test_presets import MIRROR, WHEEL, Index, _index_tree, _wheel
 
 pytestmark = pytest.mark.needs_root
 
@@ -97,6 +101,107 @@ def test_rich_results_png_dataframe_and_errors(where: dict[str, str]) -> None:
         assert sb.run_code("1 +").error.name == "SyntaxError"  # type: ignore[union-attr]
 
 
+def test_a_figure_as_the_last_expression_is_the_main_result(where: dict[str, str]) -> None:
+    # As Jupyter's inline backend: the execute_result carries the PNG (and the text), and the
+    # figure is not shown a second time at the cell's end.
+    with Sandbox.create(**where) as sb:
+        run = sb.run_code("import matplotlib.pyplot as plt\n"
+                          "fig, ax = plt.subplots()\nax.plot([1, 3, 2])\nfig")
+        assert run.error is None, run.error
+        assert len(run.results) == 1 and run.results[0].is_main_result
+        main = run.results[0]
+        assert main.text == "<Figure size 640x480 with 1 Axes>"
+        assert main.png is not None
+        assert base64.b64decode(main.png).startswith(b"\x89PNG\r\n\x1a\n")
+        # plt.gcf() too; a figure drawn beside another value still comes as a display.
+        assert [(r.is_main_result, bool(r.png)) for r in
+                sb.run_code("plt.plot([1, 2]); plt.gcf()").results] == [(True, True)]
+        both = sb.run_code("plt.plot([2, 1])\n'done'").results
+        assert [(r.is_main_result, bool(r.png)) for r in both] == [(True, False),
+                                                                   (False, True)]
+        # Shown once as a result, closed at the cell's end as the inline backend does; the
+        # object itself still renders when asked for again.
+        again = sb.run_code("fig").results
+        assert len(again) == 1 and again[0].png is not None
+
+
+def test_pip_install_in_a_cell_is_imported_by_the_next(where: dict[str, str]) -> None:
+    # `!pip install` as generated code runs it: Debian's pip refuses installs into its python3
+    # (PEP 668) and the root is read-only; the package lands in the user's site in the
+    # workspace, which the kernel (python3 -I) imports from, without a restart. No network
+    # here: the wheel comes from a directory in the workspace.
+    with Sandbox.create(**where) as sb:
+        assert sb.run_code("import tinypkg").error.name == "ModuleNotFoundError"  # type: ignore[union-attr]
+        sb.files.write(f"wheels/{WHEEL}", _wheel())
+        pip = sb.run_code("!pip install --no-index --find-links /workspace/wheels tinypkg")
+        assert "Successfully installed tinypkg-1.0" in "".join(pip.logs.stdout), pip.logs
+        got = sb.run_code("import tinypkg\nprint(tinypkg.__file__)\ntinypkg.VALUE")
+        assert got.error is None and got.text == "'tiny from the mirror'", got.error
+        assert "".join(got.logs.stdout).startswith("/workspace/.local/lib/python3")
+
+
+def test_javascript_and_typescript_cells_as_e2b(where: dict[str, str]) -> None:
+    with Sandbox.create(**where) as sb:
+        js = sb.create_code_context(language="js")
+        assert js.language == "javascript"
+        sb.run_code("const base = 40; function add(a, b) { return a + b }", context=js)
+        assert sb.run_code("add(base, 2)", context=js).text == "42"
+        # Top-level await, its value as the result; a cell run again may declare again.
+        waited = sb.run_code("const v = await new Promise((r) => setTimeout(() => r(7), 50))"
+                             "\nv * 6", context=js)
+        assert waited.error is None and waited.text == "42", waited.error
+        assert sb.run_code("const base = 1; base", context=js).text == "1"
+        printed = sb.run_code("console.log('out'); console.error('err'); ({a: [1, 2]})",
+                              context=js)
+        assert printed.logs.stdout == ["out\n"] and printed.logs.stderr == ["err\n"]
+        assert printed.text == "{ a: [ 1, 2 ] }"
+        fs = sb.run_code("import { readFileSync } from 'fs'\ntypeof readFileSync", context=js)
+        assert fs.text == "'function'", fs.error
+        # An awaiting cell past its timeout is interrupted; the context keeps its state.
+        slow = sb.run_code("await new Promise((r) => setTimeout(r, 60000))", context=js,
+                           timeout=1)
+        assert slow.error is not None and slow.error.name == "TimeoutError"
+        assert sb.run_code("base + 1", context=js).text == "2"
+
+        ts = sb.create_code_context(language="typescript")
+        assert ts.language == "typescript" and ts.kernel is None
+        typed = sb.run_code("interface P { x: number }\nconst sq = (p: P): number => p.x ** 2"
+                            "\nsq({ x: 6 }) + 6", context=ts)
+        assert typed.error is None and typed.text == "42", typed.error
+        assert sb.run_code("enum Color { Red, Green }\nColor.Green", context=ts).text == "1"
+        bad = sb.run_code("let q: = 1", context=ts)
+        assert bad.error is not None and bad.error.name == "SyntaxError"
+        assert "line 1" in bad.error.value
+        assert sb.list_code_contexts()[-1].kernel == "node"
+
+
+def test_r_cells(where: dict[str, str]) -> None:
+    with Sandbox.create(**where) as sb:
+        r = sb.create_code_context(language="r")
+        first = sb.run_code("x <- 41\nprint('hi')\nx + 1", context=r)
+        assert first.error is None and first.text == "[1] 42", first.error
+        assert "".join(first.logs.stdout) == '[1] "hi"\n'
+        assert sb.run_code("x", context=r).text == "[1] 41"  # state kept
+        frame = sb.run_code("data.frame(a = 1:2, b = c('x', 'y'))", context=r)
+        assert frame.text == "  a b\n1 1 x\n2 2 y"
+        failed = sb.run_code("stop('boom')", context=r)
+        assert failed.error is not None
+        assert (failed.error.name, failed.error.value) == ("Error", "boom")
+        assert sb.run_code("1 +", context=r).error.name == "SyntaxError"  # type: ignore[union-attr]
+        warned = sb.run_code("warning('careful'); 5", context=r)
+        assert warned.text == "[1] 5" and "careful" in "".join(warned.logs.stderr)
+        # A plot is a PNG display (R's cairo png device; no X11).
+        plot = sb.run_code("plot(1:10)\nhist(rnorm(50))", context=r)
+        pngs = [r.png for r in plot.results if r.png]
+        assert plot.error is None and len(pngs) == 2, plot.error
+        assert base64.b64decode(pngs[0]).startswith(b"\x89PNG")
+        slow = sb.run_code("Sys.sleep(60)", context=r, timeout=1)
+        assert slow.error is not None and slow.error.name == "TimeoutError"
+        assert sb.run_code("x", context=r).text == "[1] 41"  # interrupted, not restarted
+        assert sb.list_code_contexts()[-1].kernel == "r"
+        assert sb.run_code("R.version$major", language="r").text == '[1] "4"'
+
+
 def test_contexts_bash_and_refusals(where: dict[str, str]) -> None:
     with Sandbox.create(**where) as sb:
         sb.files.make_dir("sub")
@@ -131,8 +236,10 @@ def test_contexts_bash_and_refusals(where: dict[str, str]) -> None:
         assert counted.text == "42" and sb.list_code_contexts()[-1].kernel == "node"
         assert sb.run_code("null.x", context=js).error.name == "TypeError"  # type: ignore[union-attr]
         assert sb.run_code("Promise.resolve(7)", language="js").text == "7"
-        with pytest.raises(InterpreterUnavailable, match="typescript"):
-            sb.run_code("1", language="typescript")
+        assert sb.run_code("const t: number = 6; t * 7", language="ts").text == "42"
+        for name in ("java", "deno"):  # E2B's template has these; Corral says what it has
+            with pytest.raises(InterpreterUnavailable, match=f"no {name} kernel.*typescript"):
+                sb.run_code("1", language=name)
         with pytest.raises(UsageError, match="unknown language"):
             sb.run_code("1", language="cobol")
         with pytest.raises(UsageError, match="either context or language"):
@@ -327,28 +434,84 @@ def test_create_to_first_result_is_quick(where: dict[str, str]) -> None:
     assert first < 5 and sorted(warm)[2] < 0.5
 
 
+# What generated code imports (issue 37): the template has all of it, from Debian.
+TEMPLATE_IMPORTS = ("numpy", "pandas", "matplotlib", "seaborn", "sklearn", "scipy", "requests",
+                    "openpyxl", "bs4", "plotly", "IPython")
+
+
+@pytest.fixture(scope="module")
+def mirror() -> Iterator[Index]:
+    """test_presets' PEP 503 index of one wheel (tinypkg), served on loopback."""
+    root = Path(tempfile.mkdtemp(prefix="corral-test-ci-index-"))
+    requests: list[str] = []
+
+    class Handler(SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            requests.append(self.path)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0),
+                                 functools.partial(Handler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield Index(port=server.server_address[1], sha256=_index_tree(root),
+                    requests=requests)
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_the_code_interpreter_template_builds_and_runs_a_cell(settings: Settings,
-                                                               home: str) -> None:
-    # The real template, from Debian packages with mmdebstrap (minutes, cached after).
-    env = {**os.environ, "CORRAL_HOME": str(settings.home),
-           "CORRAL_UID_START": str(settings.uid_start),
-           "CORRAL_UID_COUNT": str(settings.uid_count)}
-    started = time.monotonic()
-    built = subprocess.run([sys.executable, "-m", "corral", "templates", "build",
-                            "code-interpreter", "--json"], env=env, capture_output=True,
-                           text=True, timeout=1100)
-    assert built.returncode == 0, built.stderr[-3000:]
-    seconds = time.monotonic() - started
-    with Sandbox.create(home=home, template="code-interpreter") as sb:
-        chart = sb.run_code("import numpy as np, pandas as pd, matplotlib.pyplot as plt\n"
-                            "plt.plot(np.arange(3)); plt.show()\npd.DataFrame({'a': [1]})")
-        assert chart.error is None, chart.error
-        assert any(r.png for r in chart.results) and any(r.html for r in chart.results)
-        assert {c.kernel for c in sb.list_code_contexts()} == {"ipython"}
-    print(f"\ncode-interpreter template: build {seconds:.0f} s, "
-          f"{json.loads(built.stdout).get('size_bytes', 0) / 2**20:.0f} MiB")
+@pytest.mark.timeout(1500)
+def test_the_code_interpreter_template_builds_and_runs_every_kernel(settings: Settings,
+                                                                    mirror: Index) -> None:
+    # The real template, from Debian packages with mmdebstrap (minutes, cached after), in a
+    # home whose pypi preset is a PEP 503 index on loopback: pip in a cell installs from it.
+    home = Path(tempfile.mkdtemp(prefix="corral-test-ci-template-"))
+    home.chmod(0o711)
+    own = Settings(home=home, uid_start=settings.uid_start + 8000, uid_count=500,
+                   egress_allow_cidrs="127.0.0.1/32", egress_hosts={MIRROR: ["127.0.0.1"]},
+                   index_pypi=f"http://{mirror.host}/simple")
+    env = {**os.environ, "CORRAL_HOME": str(home), "CORRAL_UID_START": str(own.uid_start),
+           "CORRAL_UID_COUNT": str(own.uid_count)}
+    try:
+        started = time.monotonic()
+        built = subprocess.run([sys.executable, "-m", "corral", "templates", "build",
+                                "code-interpreter", "--json"], env=env, capture_output=True,
+                               text=True, timeout=1400)
+        assert built.returncode == 0, built.stderr[-3000:]
+        seconds = time.monotonic() - started
+        with managed(own), Sandbox.create(home=str(home), template="code-interpreter",
+                                          network={"presets": ["pypi"]}) as sb:
+            imported = sb.run_code(f"import {', '.join(TEMPLATE_IMPORTS)}\n"
+                                   "import matplotlib.pyplot as plt\n"
+                                   "fig = plt.figure(); plt.plot([1, 2]); fig")
+            assert imported.error is None, imported.error
+            assert [(r.is_main_result, bool(r.png)) for r in imported.results] == [(True, True)]
+            # pip as generated code runs it: a system install (Debian's pip refuses those,
+            # PEP 668) lands in the user's site in the workspace, seen by the next cell.
+            pip = sb.run_code("!pip install --no-cache-dir --retries 0 tinypkg")
+            assert "Successfully installed tinypkg" in "".join(pip.logs.stdout), pip.logs
+            assert sb.run_code("import tinypkg; tinypkg.VALUE").text == "'tiny from the mirror'"
+            assert f"/files/{WHEEL}" in mirror.requests
+            tools = sb.commands.run("git --version && curl --version && npm --version && "
+                                    "tsc --version && Rscript --version")
+            assert tools.exit_code == 0, tools.stderr
+            for language, code, text in (("js", "await Promise.resolve(41) + 1", "42"),
+                                         ("ts", "const n: number = 41; n + 1", "42"),
+                                         ("r", "41 + 1", "[1] 42"),
+                                         ("bash", "echo $((41 + 1))", None)):
+                run = sb.run_code(code, language=language)
+                assert run.error is None and run.text == text, (language, run)
+            plot = sb.run_code("plot(1:3)", language="r")
+            assert [bool(r.png) for r in plot.results] == [True]
+            kernels = {c.language: c.kernel for c in sb.list_code_contexts()}
+            assert kernels == {"python": "ipython", "javascript": "node",
+                               "typescript": "node", "r": "r", "bash": "bash"}
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    size = json.loads(built.stdout).get("size_bytes", 0)
+    print(f"\ncode-interpreter template: build {seconds:.0f} s, {size / 2**20:.0f} MiB")
 
 
 def test_mcp_run_code_tool(settings: Settings, home: str) -> None:

@@ -104,6 +104,12 @@ def test_rich_results_and_errors(e2b: tuple[TestClient, dict[str, str]],
     figures = [e for e in chart if e["type"] == "result" and "png" in e]
     assert len(figures) == 1 and figures[0]["is_main_result"] is False
     assert base64.b64decode(figures[0]["png"]).startswith(b"\x89PNG")
+    # A figure as the last expression: the main result carries the PNG, shown once.
+    last = [e for e in _execute(client, sandbox, code="fig = plt.figure()\nplt.plot([1])\nfig")
+            if e["type"] == "result"]
+    assert len(last) == 1 and last[0]["is_main_result"] is True
+    assert last[0]["text"] == "<Figure size 640x480 with 1 Axes>"
+    assert base64.b64decode(last[0]["png"]).startswith(b"\x89PNG")
     frame = _execute(client, sandbox, code="import pandas as pd\npd.DataFrame({'a': [1]})")
     html = [e for e in frame if e["type"] == "result"][0]
     assert "<table" in html["html"] and "text" in html
@@ -150,8 +156,16 @@ def test_contexts_with_the_reference_statuses(e2b: tuple[TestClient, dict[str, s
     assert client.post(f"/contexts/{ctx['id']}/restart", headers=plane).status_code == 404
     js = _execute(client, sandbox, code="[1, 2].map(x => x * 2)", language="js")
     assert {"type": "result", "is_main_result": True, "text": "[ 2, 4 ]"} in js
-    ts = client.post("/execute", headers=_plane(sandbox), json={"code": "1", "language": "ts"})
-    assert ts.status_code == 400 and "typescript" in ts.text
+    ts = _execute(client, sandbox, code="const n: number = 41; n + 1", language="ts")
+    assert {"type": "result", "is_main_result": True, "text": "42"} in ts
+    r = _execute(client, sandbox, code="x <- 41; x + 1", language="r")
+    assert {"type": "result", "is_main_result": True, "text": "[1] 42"} in r
+    # No kernel for it here: the cell's error in a 200 stream, not a bare 400 (E2B's JS SDK
+    # shows a 400 as its status line alone), saying what there is.
+    java = _execute(client, sandbox, code="1", language="java")
+    assert [e["type"] for e in java] == ["error", "end_of_execution"]
+    assert java[0]["name"] == "InterpreterUnavailable" and "no java kernel" in java[0]["value"]
+    assert "javascript, typescript, r, bash" in java[0]["value"]
 
     # Another tenant's sandbox is not found on this plane either, whatever its tokens.
     theirs = client.post("/v2/sandboxes", headers={"X-API-KEY": keys["other"]},

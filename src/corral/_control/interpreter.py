@@ -66,9 +66,13 @@ __all__ = [
     "normalize_language",
 ]
 
-LANGUAGES = ("python", "bash", "javascript")
-_ALIASES = {"python3": "python", "py": "python", "sh": "bash", "shell": "bash",
-            "js": "javascript", "node": "javascript", "nodejs": "javascript"}
+LANGUAGES = ("python", "javascript", "typescript", "r", "bash")
+# E2B's names (js, ts) and the usual others for the same kernels.
+_ALIASES = {"python3": "python", "py": "python", "ipython": "python", "sh": "bash",
+            "shell": "bash", "js": "javascript", "node": "javascript", "nodejs": "javascript",
+            "ts": "typescript", "rscript": "r"}
+# E2B's template has kernels for these too; Corral has none (refused with what is there).
+_NOT_HERE = ("java", "deno")
 _START_TIMEOUT_S = 30.0
 _INTERRUPT_GRACE_S = 2.0
 _AUDIT_CODE_CHARS = 16 * 1024
@@ -83,8 +87,13 @@ MAX_MESSAGE_CHARS = 32 * 1024 * 1024
 #: all of it (the kernel's queue, the cell's ``Execution``, a surface's stream).
 MAX_CELL_OUTPUT_CHARS = 64 * 1024 * 1024
 # Kept out of the workspace: IPython's and matplotlib's per-user state goes to /tmp.
+# PIP_BREAK_SYSTEM_PACKAGES: a cell's `!pip install x` (what generated code runs) on any
+# template: Debian's pip refuses every install into its python3 (PEP 668), --user ones too,
+# but the root is read-only, so pip installs into the user's site in the workspace, which the
+# driver puts on the kernel's path. (The code-interpreter template's /etc/pip.conf says the
+# same for every process.)
 _KERNEL_ENV = {"IPYTHONDIR": "/tmp/.corral-ipython", "MPLCONFIGDIR": "/tmp/.corral-mpl",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "PIP_BREAK_SYSTEM_PACKAGES": "1"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +148,15 @@ def event_line(event: CodeEvent) -> dict[str, Any]:
 
 
 def normalize_language(language: str | None) -> str:
-    """``python`` (the default), ``bash``, ``javascript``; aliases accepted; anything else
-    refused."""
+    """``python`` (the default), ``javascript``, ``typescript``, ``r`` or ``bash``; E2B's
+    names and other aliases accepted; anything else refused (``java`` and ``deno``, which
+    E2B's template has, with ``InterpreterUnavailable``)."""
     name = (language or "python").strip().lower()
     name = _ALIASES.get(name, name)
-    if name in ("typescript", "ts"):
+    if name in _NOT_HERE:
         raise InterpreterUnavailable(
-            "no typescript kernel: Corral's JavaScript kernel is node's vm, which runs "
-            "JavaScript only; pass language='javascript' (or compile with tsc first)")
+            f"no {name} kernel: Corral's code interpreter runs {', '.join(LANGUAGES)} (the "
+            "code-interpreter template has all of them); run other languages as commands")
     if name not in LANGUAGES:
         raise UsageError(f"unknown language {language!r}; use one of {', '.join(LANGUAGES)}")
     return name

@@ -8,7 +8,8 @@ the native API.
 with ``is_main_result`` and one key per MIME type, ``error``, ``end_of_execution``), never a
 blank line (the SDKs ``json.loads`` every line). Refusals are plain text with the reference
 server's statuses: 400 for ``language`` together with ``context_id``, 404 for an unknown
-context.
+context. A language without a kernel here (Java, Deno, or one the template lacks the runtime
+of) is the cell's error in the stream, saying what is available.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .._control.interpreter import (
 )
 from .._control.manager import Manager
 from .._server.errorlog import note
-from ..errors import ContextNotFound, CorralError, PathRefused
+from ..errors import ContextNotFound, CorralError, InterpreterUnavailable, PathRefused
 from ..models import RESULT_MIME, CodeContext
 from . import paths
 from .target import target_of
@@ -154,11 +155,23 @@ async def execute(request: Request) -> Response:
                                 caller=target.owner, default_cwd=paths.HOME)
     except ContextNotFound:
         return _text(404, f"Context {context_id} not found")
+    except InterpreterUnavailable as exc:
+        # The cell's error, not a status: E2B's JS SDK reports any 400 as a bare
+        # "400 Bad Request" (it reads no body), so a language the template lacks (or one
+        # Corral has no kernel for) would say nothing of why or what to use instead.
+        return StreamingResponse(_refused_cell(exc), media_type="application/x-ndjson")
     except CorralError as exc:
         return _refusal(exc)
     lines = _run(manager, target.sandbox_id, code, context_id=context_id, language=language,
                  envs=envs, caller=target.owner, default_cwd=paths.HOME)
     return StreamingResponse(lines, media_type="application/x-ndjson")
+
+
+async def _refused_cell(exc: InterpreterUnavailable) -> AsyncIterator[bytes]:
+    for line in ({"type": "error", "name": "InterpreterUnavailable", "value": exc.message,
+                  "traceback": f"InterpreterUnavailable: {exc.message}"},
+                 {"type": "end_of_execution"}):
+        yield (json.dumps(line) + "\n").encode()
 
 
 async def _run(manager: Manager, sandbox_id: str, code: str, **kwargs: Any

@@ -1,6 +1,10 @@
 """The in-sandbox kernel driver: run as ``python3 -I -u -c <this source> <cwd> <language>``
 inside the sandbox (never imported by the host, never written to the workspace). Python runs
-in this process (IPython, else a plain fallback); bash and node run as its children.
+in this process (IPython, else a plain fallback); bash, node (JavaScript and TypeScript) and R
+run as its children, each speaking to this driver over a pipe of its own (so this driver keeps
+every rule below for them too: the host sees one protocol whatever the language). Their
+sources (``node_kernel.js``, ``r_kernel.R``) come in ``_SOURCES``, which ``driver_source()``
+puts before this text.
 
 Protocol, JSON lines. In (stdin): ``{"op": "exec", "id": N, "code": ..., "envs": {...}}`` and
 ``{"op": "interrupt"}``. Out (a private dup of the original stdout, so nothing the user's code or
@@ -174,27 +178,48 @@ class _Stream:
         return True
 
 
-def _figures():
-    """Every open matplotlib figure as a PNG display result, then closed (the inline
-    backend's behaviour: a cell's figures are shown at its end)."""
-    if "matplotlib.pyplot" not in sys.modules:
-        return []
+# Figures the cell has already shown as its result (a figure as its last expression): its
+# end shows the others only, so no figure comes twice.
+_SHOWN = set()
+
+
+def _figure_png(figure):
+    """A figure as PNG bytes, as Jupyter's inline backend renders it; marked shown."""
     import io
 
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight")
+    _SHOWN.add(id(figure))
+    return buffer.getvalue()
+
+
+def _figure_text(figure):
+    width, height = figure.get_size_inches() * figure.dpi
+    return f"<Figure size {width:g}x{height:g} with {len(figure.axes)} Axes>"
+
+
+def _is_figure(value):
+    module = sys.modules.get("matplotlib.figure")
+    return module is not None and isinstance(value, module.Figure)
+
+
+def _figures():
+    """Every open matplotlib figure not shown yet as a PNG display result, then all closed
+    (the inline backend's behaviour: a cell's figures are shown at its end)."""
+    if "matplotlib.pyplot" not in sys.modules:
+        _SHOWN.clear()
+        return []
     from matplotlib import _pylab_helpers
 
     bundles = []
     for manager in _pylab_helpers.Gcf.get_all_fig_managers():
         figure = manager.canvas.figure
-        if not figure.axes and not figure.images:
+        if id(figure) in _SHOWN or (not figure.axes and not figure.images):
             continue
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", bbox_inches="tight")
-        width, height = figure.get_size_inches() * figure.dpi
-        bundles.append({"image/png": base64.b64encode(buffer.getvalue()).decode(),
-                        "text/plain": f"<Figure size {width:g}x{height:g} with "
-                                      f"{len(figure.axes)} Axes>"})
+        bundles.append({"image/png": base64.b64encode(_figure_png(figure)).decode(),
+                        "text/plain": _figure_text(figure)})
     sys.modules["matplotlib.pyplot"].close("all")
+    _SHOWN.clear()
     return bundles
 
 
@@ -255,7 +280,10 @@ class _PlainKernel:
                 value = eval(compile(last, "<cell>", "eval"), self.namespace)
                 if value is not None:
                     self.namespace["_"] = value
-                    emit("result", main=True, data={"text/plain": repr(value)})
+                    data = {"text/plain": repr(value)}
+                    if _is_figure(value):
+                        data["image/png"] = base64.b64encode(_figure_png(value)).decode()
+                    emit("result", main=True, data=data)
         except BaseException as exc:  # the cell's error, whatever it is
             if isinstance(exc, SystemExit):
                 raise
@@ -307,6 +335,10 @@ def _ipython_kernel():
     config.InteractiveShell.autocall = 0
     shell = Shell.instance(config=config)
     shell.display_formatter.active_types = list(shell.display_formatter.format_types)
+    # A figure as the cell's last expression is its result with its PNG, as with Jupyter's
+    # inline backend (by name: matplotlib is imported only if the cell does).
+    shell.display_formatter.formatters["image/png"].for_type_by_name(
+        "matplotlib.figure", "Figure", _figure_png)
 
     class Kernel:
         kernel = "ipython"
@@ -382,75 +414,49 @@ class _BashKernel:
             emit("error", name="CommandExitError", value=f"exit status {code}", traceback="")
 
 
-_NODE_SOURCE = r"""
-// The JavaScript kernel, run by node under the Python driver: cells are read as JSON lines
-// on stdin and evaluated in one persistent vm context; results, errors and the end of each
-// cell go to the protocol pipe (fd given as argv[1]); console output goes to fd 1 and 2,
-// which the driver forwards.
-const fs = require("fs"), vm = require("vm"), util = require("util"), readline = require("readline");
-const proto = Number(process.argv[1]);
-const say = (m) => fs.writeSync(proto, JSON.stringify(m) + "\n");
-const sandbox = { require, console, process, Buffer, URL, TextEncoder, TextDecoder,
-  setTimeout, setInterval, clearTimeout, clearInterval, setImmediate, queueMicrotask,
-  module: { exports: {} } };
-sandbox.globalThis = sandbox;
-const context = vm.createContext(sandbox);
-const queue = []; let running = false;
-async function run(code) {
-  try {
-    let value = vm.runInContext(code, context, { filename: "cell.js", breakOnSigint: true });
-    if (value && typeof value.then === "function") value = await value;
-    if (value !== undefined) say({ ev: "result", data: { "text/plain": util.inspect(value) } });
-  } catch (err) {
-    const isError = err && typeof err === "object";
-    let name = isError && err.name ? String(err.name) : "Error";
-    if (isError && err.code === "ERR_SCRIPT_EXECUTION_INTERRUPTED") name = "KeyboardInterrupt";
-    say({ ev: "error", name, value: isError && "message" in err ? String(err.message) : String(err),
-          traceback: isError && err.stack ? String(err.stack) : String(err) });
-  }
-  say({ ev: "end" });
-}
-async function pump() {
-  if (running) return; running = true;
-  while (queue.length) await run(queue.shift());
-  running = false;
-}
-readline.createInterface({ input: process.stdin }).on("line", (line) => {
-  queue.push(JSON.parse(line).code); pump();
-}).on("close", () => process.exit(0));
-say({ ev: "ready" });
-"""
-
-
 class _NodeKernel:
-    """``node`` with one persistent ``vm`` context per kernel. Its console writes to the
-    driver's forwarded fd 1 and 2; its protocol has a pipe of its own, so a child process's
-    output cannot reach it either."""
+    """``node`` with one persistent ``vm`` context per kernel (``node_kernel.js``), for
+    JavaScript and TypeScript. Its console writes to the driver's forwarded fd 1 and 2; its
+    protocol has a pipe of its own, so a child process's output cannot reach it either."""
 
     kernel = "node"
 
-    def __init__(self):
+    def __init__(self, language):
         import shutil
         import subprocess
 
         node = shutil.which("node") or shutil.which("nodejs")
         if node is None:
-            raise RuntimeError("node is not installed in this sandbox's template; use a "
-                               "template with the nodejs package (the node template)")
+            raise RuntimeError("node is not installed in this sandbox's template; the "
+                               "code-interpreter template has it (Debian's nodejs)")
         self.count = 0
         read_end, write_end = os.pipe()
         self._node = subprocess.Popen(
-            [node, "-e", _NODE_SOURCE, str(write_end)], stdin=subprocess.PIPE, stdout=1,
-            stderr=2, pass_fds=(write_end,))
+            [node, "-e", _SOURCES["node"], str(write_end), language], stdin=subprocess.PIPE,
+            stdout=1, stderr=2, pass_fds=(write_end,))
         os.close(write_end)
-        self._proto = os.fdopen(read_end, "r", encoding="utf-8")
+        # Bounded reads: a line longer than the host's limit is the tenant's (code in the
+        # context can write to this pipe) and is cut, never held whole.
+        self._proto = os.fdopen(read_end, "r", encoding="utf-8", errors="replace")
         first = self._next()
-        if first is None or first.get("ev") != "ready":
+        if first is None:
+            raise RuntimeError("node exited as it started")
+        if first.get("ev") == "fatal":
+            raise RuntimeError(str(first.get("message")))
+        if first.get("ev") != "ready":
             raise RuntimeError("node did not start")
 
     def _next(self):
-        line = self._proto.readline()
-        return json.loads(line) if line else None
+        while True:
+            line = self._proto.readline(_MAX_LINE)
+            if not line:
+                return None
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue  # not a message of the kernel's: written there by the cell
+            if isinstance(message, dict) and isinstance(message.get("ev"), str):
+                return message
 
     def interrupt(self):
         try:
@@ -472,10 +478,111 @@ class _NodeKernel:
             kind = message.pop("ev")
             if kind == "end":
                 return
-            if kind == "result":
+            if kind == "result" and isinstance(message.get("data"), dict):
                 emit("result", main=True, data=message["data"])
             elif kind == "error":
-                emit("error", **message)
+                emit("error", **_error_message(message))
+
+
+def _error_message(message):
+    return {key: str(message.get(key, "")) for key in ("name", "value", "traceback")}
+
+
+_R_ENVIRON_COPY = "/usr/lib/R/etc/Renviron.ucf"
+
+
+class _RKernel:
+    """``Rscript`` running ``r_kernel.R``: cells go to its stdin with their length, what it
+    says comes back in length-prefixed frames on a pipe of its own, turned here into the
+    protocol's messages (a plot's PNG file read, sent and removed)."""
+
+    kernel = "r"
+
+    def __init__(self):
+        import shutil
+        import subprocess
+
+        rscript = shutil.which("Rscript")
+        if rscript is None:
+            raise RuntimeError("R is not installed in this sandbox's template; the "
+                               "code-interpreter template has it (Debian's r-base-core)")
+        self.count = 0
+        self.interrupted = False
+        read_end, write_end = os.pipe()
+        env = dict(os.environ, CORRAL_R_KERNEL=_SOURCES["r"], CORRAL_R_PROTO=str(write_end))
+        # Debian's R reads its settings from /etc/R/Renviron, which a template built on the
+        # host's /usr alone (base) lacks (without them R's utils fails to load); the packaged
+        # copy under /usr is the same file, read as the site file instead.
+        if not os.path.exists("/etc/R/Renviron") and os.path.exists(_R_ENVIRON_COPY):
+            env["R_ENVIRON"] = _R_ENVIRON_COPY
+        # The source comes in the environment (R keeps at most 10,000 characters of -e); the
+        # kernel unsets it before any cell runs.
+        self._r = subprocess.Popen(
+            [rscript, "--no-save", "--no-restore", "--no-site-file", "--no-init-file", "-e",
+             "eval(parse(text = Sys.getenv('CORRAL_R_KERNEL')))"],
+            stdin=subprocess.PIPE, stdout=1, stderr=2, pass_fds=(write_end,), env=env)
+        os.close(write_end)
+        self._proto = os.fdopen(read_end, "rb")
+        first = self._frame()
+        if first is None or first[0] != "ready":
+            raise RuntimeError("R did not start")
+
+    def _frame(self):
+        """(kind, bytes), or None at the end of the stream. Anything but a well-formed frame
+        (the cell wrote to the pipe) is a ``broken`` one: the stream cannot be followed."""
+        header = self._proto.readline(64)
+        if not header:
+            return None
+        kind, _, size = header.decode("ascii", "replace").strip().partition(" ")
+        if not header.endswith(b"\n") or not size.isdigit() or int(size) > _MAX_LINE:
+            return ("broken", b"")
+        data = self._proto.read(int(size))
+        return (kind, data) if len(data) == int(size) else None
+
+    def interrupt(self):
+        self.interrupted = True
+        try:
+            self._r.send_signal(signal.SIGINT)  # R's interrupt condition, caught per cell
+        except ProcessLookupError:
+            pass
+
+    def _display(self, path):
+        try:
+            with open(path, "rb") as f:
+                png = f.read(_MAX_LINE)
+            os.unlink(path)
+        except OSError as exc:
+            emit("stderr", text=f"[corral: a plot could not be read: {exc}]\n")
+            return
+        emit("result", main=False, data={"image/png": base64.b64encode(png).decode(),
+                                         "text/plain": "<R plot>"})
+
+    def run(self, code):
+        self.count += 1
+        self.interrupted = False
+        emit("count", n=self.count)
+        data = code.encode("utf-8", "replace")
+        self._r.stdin.write(f"{len(data):012d}".encode() + data)
+        self._r.stdin.flush()
+        while True:
+            frame = self._frame()
+            if frame is None or frame[0] == "broken":
+                emit("error", name="KernelExited", value="R exited (quit() in a cell?); the "
+                     "next cell starts a fresh one" if frame is None else "the R kernel's "
+                     "stream was written to by the cell; the next cell starts a fresh kernel",
+                     traceback="")
+                raise SystemExit(0)
+            kind, payload = frame
+            text = payload.decode("utf-8", "replace")
+            if kind == "end":
+                return
+            if kind == "result":
+                emit("result", main=True, data={"text/plain": text})
+            elif kind == "display":
+                self._display(text)
+            elif kind == "error":
+                name, value, traceback_text = (text.split("\0") + ["", ""])[:3]
+                emit("error", name=name, value=value, traceback=traceback_text)
 
 
 def _jsonable(bundle):
@@ -532,10 +639,33 @@ class _Inbox:
             self.busy = False
 
 
+def _user_site():
+    """``pip install`` in a sandbox installs into the user's site ($HOME/.local, the
+    workspace: the root is read-only), which ``-I`` leaves out: put it back, before the
+    system's packages as Python's own site does, even if it does not exist yet."""
+    if sys.flags.no_site:
+        return None
+    import site
+
+    path = site.getusersitepackages()
+    if path not in sys.path:
+        system = [i for i, p in enumerate(sys.path) if p.endswith(("-packages", "-packages/"))]
+        sys.path.insert(system[0] if system else len(sys.path), path)
+    return path
+
+
+def _forget_missing(path):
+    """A directory that did not exist at an import is remembered as having no modules: once
+    it exists (``!pip install`` in the last cell), look again."""
+    if path is not None and sys.path_importer_cache.get(path, False) is None:
+        del sys.path_importer_cache[path]
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1]:
         os.chdir(sys.argv[1])
     sys.path.insert(0, os.getcwd())  # -I drops the cwd; a kernel imports the user's modules
+    user_site = _user_site()
     os.environ.setdefault("MPLBACKEND", "module://" + _InlineBackend.name)
     # Debian's matplotlib reads /etc/matplotlibrc, which a template built on the host's /usr
     # alone (base) lacks; the packaged copy under /usr is the same file.
@@ -550,8 +680,10 @@ def main():
     try:
         if language == "bash":
             kernel = _BashKernel()
-        elif language == "javascript":
-            kernel = _NodeKernel()
+        elif language in ("javascript", "typescript"):
+            kernel = _NodeKernel(language)
+        elif language == "r":
+            kernel = _RKernel()
         else:
             try:
                 kernel = _ipython_kernel()
@@ -582,6 +714,7 @@ def main():
             os.environ.update(envs)  # for this cell only, as E2B's env_vars
             try:
                 in_cell[0] = True
+                _forget_missing(user_site)
                 try:
                     kernel.run(message.get("code", ""))
                 finally:
