@@ -36,6 +36,7 @@ __all__ = [
     "end_stream",
     "envelope",
     "error_response",
+    "hinted",
     "from_corral",
     "route",
     "server_stream",
@@ -80,9 +81,35 @@ class ConnectError(Exception):
         return {"code": self.code, "message": self.message}
 
 
+# What to do about a refusal for a Corral reason, for a message that does not say already (one
+# with a `command` or a CORRAL_ setting in it does). Most specific class first.
+_HINTS: tuple[tuple[type[errors.CorralError], str], ...] = (
+    (errors.BackendUnavailable, "run `corral doctor` on the server: it says what this host lacks"),
+    (errors.DiskFullError, "free space in /home/user, or create the sandbox on a larger "
+                           "resource tier"),
+    (errors.ImageError, "`corral templates ls` on the server lists what is built"),
+    (errors.QuotaExceeded, "the operator sets the tenant's limits with "
+                           "`corral tenants set TENANT`"),
+    (errors.PolicyError, "the operator sets the tenant's ceiling with "
+                         "`corral tenants set TENANT` (--allow-host, --template, --resources)"),
+    (errors.BackendError, "run `corral doctor` on the server"),
+)
+
+
+def hinted(exc: errors.CorralError) -> str:
+    """``exc``'s message, with what to do next when it does not say."""
+    message = exc.message
+    if "`" in message or "CORRAL_" in message:
+        return message
+    for kind, hint in _HINTS:
+        if isinstance(exc, kind):
+            return f"{message.rstrip('. ')}; {hint}"
+    return message
+
+
 def from_corral(exc: errors.CorralError) -> ConnectError:
     """The Connect error an SDK maps onto the same meaning as Corral's ``exc``."""
-    return ConnectError(_corral_code(exc), exc.message)
+    return ConnectError(_corral_code(exc), hinted(exc))
 
 
 def _corral_code(exc: errors.CorralError) -> str:

@@ -32,18 +32,13 @@ from .._control.tenants import Tenant
 from .._core.resources import get_tier
 from .._server.errorlog import note
 from ..errors import (
-    BackendError,
-    BackendUnavailable,
     CorralError,
-    DiskFullError,
-    ImageError,
-    PolicyError,
-    QuotaExceeded,
     SandboxNotFound,
     SnapshotInUse,
     SnapshotNotFound,
 )
 from ..models import SandboxInfo, SnapshotInfo
+from .connect import hinted
 from .ids import from_e2b, to_e2b
 from .state import E2BSandbox, E2BState
 from .target import TENANT_KEY
@@ -70,30 +65,6 @@ class E2BHTTPError(Exception):
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
-
-
-# What to do about a refusal for a Corral reason, for a message that does not say already (one
-# with a `command` or a CORRAL_ setting in it does). Most specific class first.
-_HINTS: tuple[tuple[type[CorralError], str], ...] = (
-    (BackendUnavailable, "run `corral doctor` on the server: it says what this host lacks"),
-    (DiskFullError, "free space in /home/user, or create the sandbox on a larger resource tier"),
-    (ImageError, "`corral templates ls` on the server lists what is built"),
-    (QuotaExceeded, "the operator sets the tenant's limits with `corral tenants set TENANT`"),
-    (PolicyError, "the operator sets the tenant's ceiling with `corral tenants set TENANT` "
-                  "(--allow-host, --template, --resources)"),
-    (BackendError, "run `corral doctor` on the server"),
-)
-
-
-def hinted(exc: CorralError) -> str:
-    """``exc``'s message, with what to do next when it does not say."""
-    message = exc.message
-    if "`" in message or "CORRAL_" in message:
-        return message
-    for kind, hint in _HINTS:
-        if isinstance(exc, kind):
-            return f"{message.rstrip('. ')}; {hint}"
-    return message
 
 
 def _from_corral(exc: CorralError) -> JSONResponse:
