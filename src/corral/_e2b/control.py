@@ -163,7 +163,14 @@ def _internet(info: SandboxInfo) -> bool:
     return bool(info.network.get("allow"))
 
 
-_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[a-z0-9.\-]+)(?::(\d{1,5}))?")
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def sandbox_domain(request: Request) -> str | None:
@@ -180,14 +187,16 @@ def sandbox_domain(request: Request) -> str | None:
     if config.domain is not None:
         return str(config.domain)
     host = request.headers.get("host", "").strip().lower()
-    if not host or not re.fullmatch(r"[a-z0-9.\-]+(:\d{1,5})?|\[[0-9a-f:.]+\](:\d{1,5})?", host):
+    parsed = _HOST.fullmatch(host)
+    if parsed is None:
         return None
     if request.url.scheme == "https":
         return f"corral@{host}"
-    name, _, port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
-    if not name or name.startswith("[") and not name.endswith("]"):
-        name, port = host, ""
-    if name not in _LOOPBACK_NAMES and not name.startswith("127."):
+    name, port = parsed.group(1), parsed.group(2)
+    # `*.localhost` reaches 127.0.0.1 and ::1 only: not a listener on another loopback address.
+    arrived = (request.scope.get("server") or ("",))[0]
+    if (name != "localhost" and not _is_loopback(name.strip("[]"))) or arrived not in (
+            "127.0.0.1", "::1"):
         return None
     return f"localhost:{port}" if port else "localhost"
 
