@@ -580,3 +580,24 @@ def test_a_cell_on_each_tier(isolation: str, home: str) -> None:
                               timeout=2)
         assert stopped.error is not None and stopped.error.name == "TimeoutError", stopped
         assert sb.run_code("6 * 7").text == "42"
+        # node (JavaScript, TypeScript) and R under the tier too; R's plot through its pipe.
+        assert sb.run_code("await Promise.resolve(41) + 1", language="js").text == "42"
+        assert sb.run_code("const n: number = 42; n", language="ts").text == "42"
+        plot = sb.run_code("plot(1:2); 41 + 1", language="r")
+        assert plot.text == "[1] 42" and [bool(r.png) for r in plot.results] == [False, True]
+
+
+def test_a_runtime_the_template_lacks_names_the_template_that_has_it(
+        home: str, microvm_problems: list[str]) -> None:
+    # The microVM tier's base is a small Debian root of its own (microvm-base: python3, no node
+    # or R): a kernel of theirs is refused with what to use, not a bare failure.
+    if microvm_problems:
+        pytest.skip("the microVM tier cannot run on this host: " + "; ".join(microvm_problems))
+    with Sandbox.create(home=home, isolation="microvm") as sb:
+        assert sb.run_code("6 * 7").text == "42"
+        for language, runtime in (("r", "R"), ("javascript", "node"), ("typescript", "node")):
+            with pytest.raises(InterpreterUnavailable,
+                               match=f"the {language} kernel could not start: {runtime} is not "
+                                     "installed in this sandbox's template; the "
+                                     "code-interpreter template has it"):
+                sb.run_code("1", language=language)
