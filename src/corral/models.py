@@ -274,7 +274,7 @@ class CodeContext(_Public):
     """A stateful kernel of a sandbox: variables, imports and cwd stay across its cells."""
 
     id: str
-    language: str = Field(description="python, bash or javascript.")
+    language: str = Field(description="python, javascript, typescript, r or bash.")
     cwd: str = Field(description="Its working directory inside the sandbox.")
     kernel: str | None = Field(
         default=None, description="What runs it: ipython, plain (Python without IPython), "

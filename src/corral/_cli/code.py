@@ -20,7 +20,8 @@ __all__ = ["code"]
 @click.command(name="code")
 @click.argument("sandbox_id")
 @click.argument("source")
-@click.option("--language", "-l", default=None, help="python (default), bash or javascript.")
+@click.option("--language", "-l", default=None,
+              help="python (default), javascript (js), typescript (ts), r or bash.")
 @click.option("--context", "context_id", default=None, help="A context id instead.")
 @click.option("--timeout", type=float, default=None, help="Seconds before the cell is "
               "interrupted.")

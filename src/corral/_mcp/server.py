@@ -675,8 +675,8 @@ def build_server(home: Path | None, transport: Transport,
     ) -> CallToolResult:
         """Run a cell of code in a stateful kernel in the sandbox (default: this session's):
         variables and imports stay for the next call. language: "python" (default, IPython),
-        "bash" (a persistent shell) or "javascript" (node vm); context_id: a context of the
-        sandbox instead.
+        "bash" (a persistent shell), "javascript", "typescript" (node) or "r"; context_id: a
+        context of the sandbox instead.
 
         Returns text (the cell's value), results (MIME bundles: text/plain, text/html,
         image/png base64, ...; a matplotlib figure is a PNG), stdout, stderr, error (name,

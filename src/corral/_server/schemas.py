@@ -182,13 +182,15 @@ class RunCode(_Strict):
     code: str = Field(description="The cell's source.")
     context: str | None = Field(default=None, description="A context id (create_code_context); "
                                 "default: the sandbox's default context of `language`.")
-    language: str | None = Field(default=None, description="python (default), bash or javascript.")
+    language: str | None = Field(default=None, description=(
+        "python (default), javascript (js), typescript (ts), r or bash."))
     envs: dict[str, str] | None = Field(default=None, description="For this cell only.")
     timeout: _Seconds | None = None
 
 
 class CreateCodeContext(_Strict):
-    language: str | None = Field(default=None, description="python (default), bash or javascript.")
+    language: str | None = Field(default=None, description=(
+        "python (default), javascript (js), typescript (ts), r or bash."))
     cwd: str | None = Field(default=None, description=(
         "Where the kernel starts: any directory that exists in the sandbox; relative paths are "
         "under /workspace (the default)."))

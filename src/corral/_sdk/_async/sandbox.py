@@ -551,9 +551,10 @@ class AsyncSandbox:
         Args:
             code: the cell's source.
             language: ``"python"`` (default; IPython when the template has it), ``"bash"``
-                (one persistent shell) or ``"javascript"`` (node, one persistent ``vm``
-                context); used with no ``context``: the sandbox's default context of that
-                language, started on demand.
+                (one persistent shell), ``"javascript"``/``"js"`` or ``"typescript"``/``"ts"``
+                (node, one persistent context), or ``"r"`` (Rscript; the ``code-interpreter``
+                template has them all); used with no ``context``: the sandbox's default context
+                of that language, started on demand.
             context: a context from ``create_code_context()`` (or its id).
             envs: environment variables for this cell only.
             timeout: seconds before the cell is interrupted (default and maximum: the tier's
@@ -591,9 +592,9 @@ class AsyncSandbox:
 
     async def create_code_context(self, cwd: str | None = None,
                                   language: str | None = None) -> CodeContext:
-        """A new kernel context (``python``, ``bash`` or ``javascript``; ``cwd`` inside
-        ``/workspace``); its kernel starts with its first cell and counts as a background
-        process."""
+        """A new kernel context (``python``, ``javascript``, ``typescript``, ``r`` or ``bash``;
+        ``cwd`` any directory in the sandbox, relative ones under ``/workspace``); its kernel
+        starts with its first cell and counts as a background process."""
         return await self._transport().create_code_context(self._live_id(),
                                                            language=language, cwd=cwd)
 
