@@ -198,7 +198,7 @@ class E2BApp:
         self.state.tokens = self.tokens
         self.state.e2b = self.e2b
         self.state.config = config
-        self.state.e2b_metrics = control.MetricSamples()
+        self.state.e2b_metrics = control.MetricSamples(manager)
         self._control = Router(routes=[*templates.routes, *control.routes])
         self._envd = Router(routes=[Route("/health", _health, methods=["GET"]),
                                     *process.routes, *filesystem.routes,
@@ -335,6 +335,7 @@ class E2BApp:
                 watchers = getattr(self.state, "e2b_watchers", None)
                 if watchers is not None:
                     watchers.close()
+                self.state.e2b_metrics.close()
                 self.e2b.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -11,6 +11,7 @@ import base64
 import binascii
 import ipaddress
 import json
+import logging
 import math
 import os
 import re
@@ -43,6 +44,8 @@ from .ids import from_e2b, to_e2b
 from .state import E2BSandbox, E2BState
 from .target import TENANT_KEY
 from .tokens import SandboxTokens
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ENVD_VERSION", "MetricSamples", "routes", "sandbox_domain"]
 
@@ -351,6 +354,7 @@ async def create_sandbox(request: Request) -> Response:
         return info
 
     info = await run_in_threadpool(create)
+    request.app.state.e2b_metrics.watch(info.id)  # E2B samples from the start
     extra = request.app.state.e2b.get(info.id)
     return JSONResponse(_sandbox(request, info, extra), status_code=201)
 
@@ -535,7 +539,8 @@ async def sandbox_metrics(request: Request) -> Response:
     start, end = _epoch(query.get("start")), _epoch(query.get("end"))
     info = await run_in_threadpool(_owned, manager, tenant, corral_id)
     samples: MetricSamples = request.app.state.e2b_metrics
-    await run_in_threadpool(samples.take, manager, info)
+    samples.watch(corral_id)
+    await run_in_threadpool(samples.take, info)
     # ``end`` is whole seconds the SDK floors from its clock just before the call: a second
     # of slack keeps the sample this call took when ``end`` is "now".
     return JSONResponse([m for m in samples.of(corral_id)
@@ -553,32 +558,77 @@ def _epoch(raw: str | None) -> int | None:
 
 
 class MetricSamples:
-    """Samples of each sandbox's CPU, memory and disk, taken when a caller asks for metrics
-    (the SDKs poll ``get_metrics``) at most once a second, the last hour's kept in memory.
+    """Samples of each sandbox's CPU, memory and disk, as E2B takes them: every 5 s from the
+    sandbox's create on this surface (or from the first ``get_metrics`` of one made elsewhere),
+    and whenever a caller asks (at most once a second); up to 3600 kept per sandbox, in memory.
 
     CPU is the sandbox cgroup's CPU time since the sandbox's previous sample (since its start
     for the first) over the wall time between, per CPU of its tier; memory is the cgroup's
     ``memory.current`` (page cache included, so ``memCache`` is 0) against the tier's limit;
     disk is the workspace filesystem's use against its size. A tier that cannot measure a
-    sandbox (``usage_now`` None) gets no samples."""
+    sandbox (``usage_now`` None) gets no samples. One daemon thread samples the watched
+    sandboxes, started on the first ``watch`` and ended by ``close``."""
 
     _KEEP = 3600
     _MIN_GAP_S = 1.0
+    INTERVAL_S = 5.0
 
-    def __init__(self) -> None:
+    def __init__(self, manager: Manager) -> None:
+        self._manager = manager
         self._series: dict[str, deque[dict[str, Any]]] = {}
         self._last: dict[str, tuple[float, float]] = {}  # id -> (wall, cpu seconds)
+        self._watched: set[str] = set()
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def of(self, sandbox_id: str) -> list[dict[str, Any]]:
         with self._lock:
             return list(self._series.get(sandbox_id, ()))
 
-    def take(self, manager: Manager, info: SandboxInfo) -> None:
+    def watch(self, sandbox_id: str) -> None:
+        """Sample the sandbox every ``INTERVAL_S`` until it is gone."""
         with self._lock:
-            self._take(manager, info)
+            self._watched.add(sandbox_id)
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, name="corral-e2b-metrics",
+                                                daemon=True)
+                self._thread.start()
 
-    def _take(self, manager: Manager, info: SandboxInfo) -> None:
+    def close(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=10)
+
+    def take(self, info: SandboxInfo) -> None:
+        with self._lock:
+            self._take(info)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            with self._lock:
+                watched = sorted(self._watched)
+            for sandbox_id in watched:
+                try:
+                    info = self._manager.get(sandbox_id)
+                except CorralError:  # gone: its samples go with it
+                    self._forget(sandbox_id)
+                    continue
+                except Exception:  # the sampler must outlive one bad read
+                    logger.exception("sampling sandbox %s for E2B metrics failed", sandbox_id)
+                    continue
+                if info.state == "running":
+                    self.take(info)
+
+    def _forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._watched.discard(sandbox_id)
+            self._series.pop(sandbox_id, None)
+            self._last.pop(sandbox_id, None)
+
+    def _take(self, info: SandboxInfo) -> None:
+        manager = self._manager
         now = time.time()
         last = self._last.get(info.id)
         if last is not None and now - last[0] < self._MIN_GAP_S:
@@ -599,10 +649,6 @@ class MetricSamples:
             "memUsed": int(usage.get("memory_bytes", 0)), "memTotal": tier.memory_bytes,
             "memCache": 0, "diskUsed": disk_used, "diskTotal": disk_total})
         self._last[info.id] = (now, cpu_s)
-        live = {record.id for record in manager.store.list()}
-        for gone in [i for i in self._series if i not in live]:
-            self._series.pop(gone, None)
-            self._last.pop(gone, None)
 
     @staticmethod
     def _disk(manager: Manager, sandbox_id: str, size: int) -> tuple[int, int]:

@@ -34,6 +34,8 @@ time.sleep(1.2)
 step("metrics_until_now", lambda: len(sb.get_metrics(end=datetime.datetime.now())))
 step("metrics_an_hour_ago", lambda: len(sb.get_metrics(
     end=datetime.datetime.now() - datetime.timedelta(hours=1))))
+time.sleep(11)  # two of E2B's 5 s ticks, sampled without being asked
+step("metrics_later", lambda: len(sb.get_metrics()))
 step("lifecycle", lambda: sb.get_info().lifecycle)
 step("pause_on_timeout", lambda: Sandbox.create(timeout=60, lifecycle={"on_timeout": "pause"}))
 step("resume_auto_pause", lambda: (lambda r: [r.status_code, r.json()["message"]])(httpx.post(
