@@ -34,13 +34,11 @@ from .conftest import ClientRun, Served, corral_serve, events_of, run_client
 pytestmark = [pytest.mark.e2b, pytest.mark.needs_root, pytest.mark.timeout(600)]
 
 # What each framework still waits for in Corral (issue 37's other parts), named exactly.
-NEEDS_TS_KERNEL = pytest.mark.xfail(strict=True, reason=(
-    "the code interpreter has no TypeScript kernel yet: runCode(..., {language: 'typescript'}) "
-    "answers 400"))
 NEEDS_KERNEL_PIP = pytest.mark.xfail(strict=True, reason=(
-    "the code interpreter's `!pip install` cannot install yet: pip is not pointed at the "
-    "operator's index when the ceiling covers it, and the system site-packages is "
-    "externally managed (PEP 668) with no place the kernel imports from"))
+    "an E2B sandbox made with allow_internet_access gets its ceiling's hosts but not the pypi "
+    "preset when the ceiling covers the operator's index (template builds do, "
+    "template_build.build_network), so the kernel's pip has no PIP_INDEX_URL and asks "
+    "pypi.org, which the gateway refuses"))
 
 
 # -- OpenAI Agents SDK ----------------------------------------------------------------------------
@@ -239,7 +237,6 @@ def test_js_sdk_runs_javascript_cells(js_cells: ClientRun, served: Served) -> No
     assert trail[-1]["type"] == "sandbox.destroyed"
 
 
-@NEEDS_TS_KERNEL
 def test_js_sdk_runs_typescript_cells(js_cells: ClientRun) -> None:
     got = js_cells.value("typescript")
     assert got["error"] is None and got["text"] == "42"
