@@ -78,7 +78,7 @@ def test_create_answers_the_sandbox_object(client: TestClient, keys: dict[str, s
     created = _create(client, keys["acme"], metadata={"run": "r1"}, envVars={"A": "1"})
     assert SANDBOX_FIELDS <= set(created)
     assert re.fullmatch(r"[a-z0-9-]{1,57}", created["sandboxID"])  # a DNS label (P4)
-    assert created["templateID"] == "base" and created["domain"] is None
+    assert created["templateID"] == "base" and created["domain"] == "localhost"  # get_host
     assert tuple(int(p) for p in created["envdVersion"].split(".")) >= (0, 1, 0)
     # The v1 path (Py ≤ 2.48) sends timeout and secure always.
     old = client.post("/sandboxes", headers=_h(keys["acme"]), json={
