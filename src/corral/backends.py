@@ -148,6 +148,10 @@ class ExecRequest:
     # Past the limit, keep handing output to the callbacks (the result stays capped): for
     # long-lived commands whose reader bounds what it keeps (background processes, kernels).
     stream_past_limit: bool = False
+    # Hand the callbacks text that re-encodes to the very bytes written (``surrogateescape``
+    # for what is not UTF-8): for a surface whose wire carries bytes (E2B's process streams).
+    # Without it, and always in the result, such bytes read as U+FFFD.
+    lossless_output: bool = False
     on_stdout: OutputCallback | None = None
     on_stderr: OutputCallback | None = None
     command_id: str = ""

@@ -188,11 +188,6 @@ def test_start_streams_start_data_end_and_the_end_stream_frame(client: httpx.Cli
     assert "end" in evts[-1]
 
 
-@pytest.mark.xfail(strict=True, reason="not byte-exact yet: the tiers decode a command's "
-                   "output as UTF-8 with errors='replace' (_backends/_linux/process_io.py "
-                   "OutputStream) before the E2B surface sees it; the surface already encodes "
-                   "what it gets with surrogateescape, so the tiers need to hand an E2B "
-                   "process's output over undamaged (an ExecRequest option)")
 def test_output_is_byte_exact(client: httpx.Client) -> None:
     every_byte = bytes(range(256))
     script = "".join(f"\\x{b:02x}" for b in every_byte)

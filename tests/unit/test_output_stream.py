@@ -69,3 +69,24 @@ def test_past_the_limit_a_long_lived_reader_still_gets_every_byte_and_no_notice(
     assert "".join(live) == "0123456789abé\n"
     assert text.startswith("0123456789\n[corral: stdout truncated after 10 bytes")
     assert out.kept == 10 and out.dropped == 5
+
+
+def test_a_lossless_reader_gets_the_exact_bytes_and_the_result_stays_readable() -> None:
+    live: list[str] = []
+    out = OutputStream("stdout", 1 << 20, live.append, lossless=True)
+    written = [b"\xff\x00a\xc3", b"\xa9\x80", bytes(range(256))]  # é split across two chunks
+    for chunk in written:
+        out.feed(chunk)
+    text = out.finish()
+    assert "".join(live).encode("utf-8", "surrogateescape") == b"".join(written)
+    assert "\ufffd" in text and "é" in text
+    text.encode("utf-8")  # the result takes any encoder: no lone surrogate in it
+
+
+def test_a_lossless_reader_of_a_cut_stream_gets_exactly_the_kept_bytes() -> None:
+    live: list[str] = []
+    out = OutputStream("stdout", 4, live.append, lossless=True)
+    out.feed(b"ab\xfe\xffcd")
+    out.finish()
+    assert live[0].encode("utf-8", "surrogateescape") == b"ab\xfe\xff"
+    assert live[1].startswith("\n[corral: stdout truncated after 4 bytes")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .._core.owner import this_owner
+from .._core.text import readable
 from ..errors import CorralError, SandboxNotFound
 from .aggregate import FULL_MAX_BYTES, SUMMARY_MAX_BYTES, Aggregator, Summary, bounded
 from .budget import BudgetSource, BudgetWatch, Overrun
@@ -298,14 +299,16 @@ class Auditor:
 
     def recorded_callback(
         self, recorder: CommandRecorder | None, stream: str,
-        user: Callable[[str], None] | None,
+        user: Callable[[str], None] | None, *, lossless: bool = False,
     ) -> Callable[[str], None] | None:
-        """The output callback for the runner: audit first, then the caller's."""
+        """The output callback for the runner: audit first, then the caller's. ``lossless``
+        output (``ExecRequest.lossless_output``) is recorded as readable text, U+FFFD for
+        bytes that are not UTF-8, as every other command's is."""
         if recorder is None:
             return user
 
         def callback(text: str) -> None:
-            recorder.output(stream, text)
+            recorder.output(stream, readable(text) if lossless else text)
             if user is not None:
                 user(text)
 

@@ -76,10 +76,11 @@ class Commands:
         on_start: Callable[[ProcessIO], None] | None = None, lifetime: bool = False,
         command_id: str | None = None, caller: Tenant | None = None,
         stream_past_limit: bool = False, build_root: str | None = None,
+        lossless_output: bool = False,
     ) -> CommandResult:
-        """Run a command to completion (see ``Manager.run``; ``stream_past_limit`` and
-        ``build_root``, given as the working directory inside that root: see
-        ``ExecRequest``)."""
+        """Run a command to completion (see ``Manager.run``; ``stream_past_limit``,
+        ``lossless_output`` and ``build_root``, given as the working directory inside that
+        root: see ``ExecRequest``)."""
         command, info, tier, limit = self.prepare(sandbox_id, cmd, timeout=timeout, envs=envs,
                                                   cwd=None if build_root else cwd, stdin=stdin,
                                                   context=context, lifetime=lifetime,
@@ -116,9 +117,11 @@ class Commands:
                         argv=command.argv, cwd=command.cwd, env={**command.env, **egress_env},
                         timeout_s=limit, stdin=command.stdin,
                         output_limit_bytes=tier.output_limit_bytes,
-                        stream_past_limit=stream_past_limit,
-                        on_stdout=self._auditor.recorded_callback(recorder, "stdout", on_stdout),
-                        on_stderr=self._auditor.recorded_callback(recorder, "stderr", on_stderr),
+                        stream_past_limit=stream_past_limit, lossless_output=lossless_output,
+                        on_stdout=self._auditor.recorded_callback(
+                            recorder, "stdout", on_stdout, lossless=lossless_output),
+                        on_stderr=self._auditor.recorded_callback(
+                            recorder, "stderr", on_stderr, lossless=lossless_output),
                         interactive=interactive, pty=pty, on_start=on_start,
                         build_root=build_root,
                     ))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .._audit.recorder import new_command_id
+from .._core.text import readable
 from ..backends import OutputCallback, ProcessIO
 from ..errors import CommandNotFound, CorralError, UsageError
 from ..models import CommandResult, ProcessInfo
@@ -54,7 +55,8 @@ class CommandRunner(Protocol):
             command_id: str | None, on_stdout: OutputCallback | None,
             on_stderr: OutputCallback | None,
             pty: tuple[int, int] | None = None,
-            stream_past_limit: bool = False) -> CommandResult: ...
+            stream_past_limit: bool = False,
+            lossless_output: bool = False) -> CommandResult: ...
 
     def kill(self, sandbox_id: str, command_id: str) -> None: ...
 
@@ -82,6 +84,9 @@ class BackgroundProcess:
     envs: dict[str, str] = field(default_factory=dict)  # as the caller passed them
     cwd: str | None = None
     pty: tuple[int, int] | None = None  # (rows, cols) at start, for a terminal
+    # Output chunks re-encode to the exact bytes (``ExecRequest.lossless_output``); ``output``
+    # hands them so only to a reader that asks (``raw``).
+    lossless: bool = False
     #: The table killed it (``kill`` or the deadline): with exit 137 it died of that SIGKILL.
     kill_requested: bool = False
     deadline_passed: bool = False  # killed because its ``timeout`` ran out
@@ -192,10 +197,13 @@ class BackgroundProcess:
         if timer is not None:
             timer.cancel()
 
-    def output(self, offset: int = 0, *, follow: bool = False,
-               wait_s: float | None = None) -> Iterator[tuple[int, str, str]]:
+    def output(self, offset: int = 0, *, follow: bool = False, wait_s: float | None = None,
+               raw: bool = False) -> Iterator[tuple[int, str, str]]:
         """(offset, stream, text) from ``offset`` on; with ``follow``, until the process exits
-        (or ``wait_s`` passes). Output older than the kept window is announced, not replayed."""
+        (or ``wait_s`` passes). Output older than the kept window is announced, not replayed.
+        Of a lossless process, ``raw`` gets the text that re-encodes to the exact bytes; any
+        other reader, bytes that are not UTF-8 as U+FFFD (offsets count the raw text)."""
+        shown = readable if self.lossless and not raw else None
         deadline = None if wait_s is None else time.monotonic() + wait_s
         position = offset
         while True:
@@ -215,7 +223,7 @@ class BackgroundProcess:
                     continue
             for start, stream, text in ready:
                 cut = max(0, position - start)
-                yield (start + cut, stream, text[cut:])
+                yield (start + cut, stream, text[cut:] if shown is None else shown(text[cut:]))
                 position = start + len(text)
             if not follow or (done and not ready):
                 return
@@ -266,7 +274,8 @@ class ProcessTable:
               context: Mapping[str, Any] | None = None,
               caller: Tenant | None = None, pty: tuple[int, int] | None = None,
               timeout: float | None = None, tag: str | None = None,
-              stream_past_limit: bool = False) -> BackgroundProcess:
+              stream_past_limit: bool = False,
+              lossless_output: bool = False) -> BackgroundProcess:
         """Start ``cmd`` in the background; with ``caller``, it counts against its commands
         per minute like any command (counted here, before the thread starts).
 
@@ -275,6 +284,7 @@ class ProcessTable:
         ``tag`` names it for ``find``. ``stream_past_limit``: the tier's output limit caps
         the result only, not what this table receives (kept in its rolling window): for a
         kernel, whose protocol must not be cut after the tier's few MiB over a long life.
+        ``lossless_output``: its chunks re-encode to the exact bytes (``output(raw=True)``).
         """
         if pty is not None and not all(0 < n <= MAX_PTY_SIZE for n in pty):
             raise UsageError(f"pty rows and cols must be 1..{MAX_PTY_SIZE}, got {pty}")
@@ -285,12 +295,14 @@ class ProcessTable:
         process = BackgroundProcess(id="proc_" + secrets.token_hex(6), sandbox_id=checked_id,
                                     command_id=new_command_id(), argv=argv,
                                     started_at=time.time(), tag=tag, envs=dict(envs or {}),
-                                    cwd=cwd, pty=pty)
+                                    cwd=cwd, pty=pty, lossless=lossless_output)
         # Only a terminal passes pty=, and only a kernel stream_past_limit=, so runners that
         # predate them (a test's) keep working.
         extra: dict[str, Any] = {"pty": pty} if pty is not None else {}
         if stream_past_limit:
             extra["stream_past_limit"] = True
+        if lossless_output:
+            extra["lossless_output"] = True
 
         def run() -> None:
             try:

@@ -233,7 +233,8 @@ def _start(manager: Manager, target: SandboxTarget, message: Message,
     try:
         process = manager.processes.start(
             target.sandbox_id, argv, envs=environment, cwd=run_in, context=_CONTEXT,
-            caller=target.owner, pty=pty, timeout=timeout, tag=tag or None)
+            caller=target.owner, pty=pty, timeout=timeout, tag=tag or None,
+            lossless_output=True)  # envd's stream carries bytes, sent here byte for byte
     except CorralError as exc:
         # A start that failed in its thread carries the control plane's own error.
         cause = exc.__cause__
@@ -281,7 +282,7 @@ async def _follow(manager: Manager, target: SandboxTarget, process: BackgroundPr
         while True:
             wake.clear()
             exited = process.state == "exited"  # before reading: then all output is in
-            for at, stream, text in process.output(position):
+            for at, stream, text in process.output(position, raw=True):
                 position = at + len(text)
                 if stream == "notice":  # output older than the kept window: nothing to send
                     continue

@@ -62,6 +62,21 @@ class OutputStream:
     live_decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
+    # The callback's text re-encodes to the exact bytes (see ``ExecRequest.lossless_output``).
+    lossless: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lossless:
+            self.live_decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+
+    @classmethod
+    def for_request(cls, name: str, request: ExecRequest, *,
+                    head: StreamHead | None = None) -> OutputStream:
+        """The stream ``name`` ("stdout" or "stderr") of ``request``, as every tier reads it."""
+        callback = request.on_stdout if name == "stdout" else request.on_stderr
+        return cls(name, request.output_limit_bytes, callback, head=head,
+                   stream_past_limit=request.stream_past_limit,
+                   lossless=request.lossless_output)
 
     def feed(self, data: bytes) -> None:
         if self.head is not None:
@@ -84,13 +99,13 @@ class OutputStream:
         if len(data) <= room:
             self.kept += len(data)
             self.raw += data
-            self._emit(self.decoder.decode(data))
+            self._emit(self.decoder.decode(data), data)
             return
         first_cut = self.dropped == 0
         self.dropped += len(data) - room
         self.kept += room
         self.raw += data[:room]
-        self._emit(self.decoder.decode(data[:room], final=True))
+        self._emit(self.decoder.decode(data[:room], final=True), data[:room], final=True)
         if first_cut:
             # The moment output is first cut, the live reader is told, in the same words the
             # result carries: a stream that just goes quiet reads as a hung command. It is an
@@ -104,18 +119,24 @@ class OutputStream:
             decided = self.head(self.held)
             self.head, held, self.held = None, self.held, b""
             self._keep(held if decided is None else decided)
-        self._emit(self.decoder.decode(b"", final=True))
+        self._emit(self.decoder.decode(b"", final=True), b"", final=True)
         if self.stream_past_limit and self.callback is not None:
             tail = self.live_decoder.decode(b"", final=True)
             if tail:
                 self.callback(tail)
         return "".join(self.parts)
 
-    def _emit(self, text: str) -> None:
+    def _emit(self, text: str, data: bytes | None = None, *, final: bool = False) -> None:
+        """Keep ``text`` (the reading of ``data``) and hand it to the callback; a lossless
+        stream hands it ``data``'s own lossless reading instead."""
         if text:
             self.parts.append(text)
-            if self.callback is not None and not self.stream_past_limit:
-                self.callback(text)
+        if self.callback is None or self.stream_past_limit:
+            return
+        if self.lossless and data is not None:
+            text = self.live_decoder.decode(data, final=final)
+        if text:
+            self.callback(text)
 
 
 def command_stdio(request: ExecRequest, argv: list[str],
@@ -184,10 +205,8 @@ def pump(
 ) -> tuple[tuple[OutputStream, OutputStream], bool]:
     """Feed stdin, read stdout and stderr (or ``terminal``, a PTY's master, which this closes)
     until they close or time runs out; True on timeout."""
-    out = OutputStream("stdout", request.output_limit_bytes, request.on_stdout,
-                       stream_past_limit=request.stream_past_limit)
-    err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
-                       head=stderr_head, stream_past_limit=request.stream_past_limit)
+    out = OutputStream.for_request("stdout", request)
+    err = OutputStream.for_request("stderr", request, head=stderr_head)
     deadline = started + request.timeout_s
     if terminal is not None:
         try:

@@ -362,10 +362,8 @@ class GvisorBackend(HostBackedBackend):
     def _exec_resident(self, spec: SandboxSpec, request: ExecRequest, env: dict[str, str],
                        workspace: Path, template: BaseTemplate, rootfs: Path) -> ExecOutcome:
         holder = self._resident_for(spec, workspace, template, rootfs)
-        stdout = OutputStream("stdout", request.output_limit_bytes, request.on_stdout,
-                              stream_past_limit=request.stream_past_limit)
-        stderr = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
-                              stream_past_limit=request.stream_past_limit)
+        stdout = OutputStream.for_request("stdout", request)
+        stderr = OutputStream.for_request("stderr", request)
         started = time.monotonic()
         try:
             # RLIMIT_NPROC counts every task of uid 1000 in this gVisor kernel: the commands'

@@ -456,10 +456,8 @@ class MicrovmBackend(HostBackedBackend):
     def _follow(self, request: ExecRequest, client: KeeperClient, exec_id: int,
                 events: queue.Queue[dict[str, Any]], process: _VmProcess,
                 started: float) -> ExecOutcome:
-        out = OutputStream("stdout", request.output_limit_bytes, request.on_stdout,
-                           stream_past_limit=request.stream_past_limit)
-        err = OutputStream("stderr", request.output_limit_bytes, request.on_stderr,
-                           stream_past_limit=request.stream_past_limit)
+        out = OutputStream.for_request("stdout", request)
+        err = OutputStream.for_request("stderr", request)
         deadline = started + request.timeout_s + _GRACE_S
         killed_at: float | None = None
         while True:
