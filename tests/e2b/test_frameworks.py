@@ -33,29 +33,17 @@ from .conftest import ClientRun, Served, corral_serve, events_of, run_client
 
 pytestmark = [pytest.mark.e2b, pytest.mark.needs_root, pytest.mark.timeout(600)]
 
-# What each framework still waits for in Corral (issue 37's other parts), named exactly.
-NEEDS_KERNEL_PIP = pytest.mark.xfail(strict=True, reason=(
-    "an E2B sandbox made with allow_internet_access gets its ceiling's hosts but not the pypi "
-    "preset when the ceiling covers the operator's index (template builds do, "
-    "template_build.build_network), so the kernel's pip has no PIP_INDEX_URL and asks "
-    "pypi.org, which the gateway refuses"))
-
-
 # -- OpenAI Agents SDK ----------------------------------------------------------------------------
 
 
-# E2BSandboxClientOptions as a user leaves them send on_timeout="pause" with auto_resume=True,
-# which the E2B surface refuses until Corral can pause at a timeout (it would otherwise kill a
-# sandbox the caller was told is kept); with on_timeout="kill", for both sandbox types.
-SDK_DEFAULTS_REFUSED = pytest.mark.xfail(strict=True, reason=(
-    "the E2B surface refuses lifecycle on_timeout='pause' and autoResume (400, until "
-    "hibernation), and openai-agents' E2BSandboxClientOptions sends both by default"))
+# E2BSandboxClientOptions as a user leaves them (on_timeout="pause", auto_resume=True: taken,
+# and the sandbox's lifecycle says kill), and with on_timeout="kill", for both sandbox types.
 AGENTS_RUNS = {"defaults": ("e2b",), "e2b": ("e2b", "kill"),
                "code_interpreter": ("e2b_code_interpreter", "kill")}
 
 
 @pytest.fixture(scope="module", params=[
-    pytest.param("defaults", marks=SDK_DEFAULTS_REFUSED), "e2b", "code_interpreter"])
+    "defaults", "e2b", "code_interpreter"])
 def agents_run(served: Served, request: pytest.FixtureRequest) -> ClientRun:
     args = AGENTS_RUNS[str(request.param)]
     return run_client(served, "agents", "openai_agents.py", *args, timeout=300)
@@ -194,7 +182,6 @@ def smol(indexed: Served) -> ClientRun:
     return run_client(indexed, "smolagents", "smolagents_pip.py", PACKAGE, timeout=300)
 
 
-@NEEDS_KERNEL_PIP
 def test_smolagents_e2b_executor_pip_installs_from_the_tenants_index(
         smol: ClientRun, index: Index, indexed: Served) -> None:
     assert smol.value("installed") == [PACKAGE]

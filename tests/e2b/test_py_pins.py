@@ -136,13 +136,14 @@ def test_honest_surface(served: Served) -> None:
     again, until_now = run.value("metrics_again"), run.value("metrics_until_now")
     assert again > len(metrics) and until_now > again  # a window ending now has this call's
     assert run.value("metrics_an_hour_ago") == 0
-    assert run.value("metrics_later") >= until_now + 3  # two 5 s ticks unasked, and the call's
-    # What Corral does on timeout, and a pause it cannot do refused, saying so.
+    # At least one of the 5 s ticks in the 11 s between (two on a quiet host), and the call's.
+    assert run.value("metrics_later") >= until_now + 2
+    # What Corral does on timeout. A pause it cannot do yet is taken (frameworks ask for it by
+    # default) but never reported as kept: the lifecycle says kill, the answer's notice why.
     assert run.value("lifecycle") == {"on_timeout": "kill", "auto_resume": False}
-    refused = raised(run, "pause_on_timeout", "SandboxException")
-    assert "hibernation is not available" in refused["message"]
-    status, message = run.value("resume_auto_pause")  # E2B's resume body (SDK 1.x) too
-    assert status == 400 and "hibernation is not available" in message
+    assert run.value("pause_on_timeout") == {"on_timeout": "kill", "auto_resume": False}
+    status, notice = run.value("connect_auto_pause")  # E2B's connect/resume body too
+    assert status == 200 and "not available yet" in notice and "killed at its timeout" in notice
     # A refusal for a Corral reason says what to do.
     missing = raised(run, "missing_template", "SandboxException", "NotFoundException")
     assert "corral templates" in missing["message"], missing

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from corral._control.presets import ceiling_network
 from corral._e2b.template_build import (
     BuildLog,
     PlanError,
     TarRefused,
-    build_network,
     check_archive,
     plan_build,
     unpack_archive,
@@ -172,12 +172,12 @@ def test_the_log_pages_by_offset_with_steps() -> None:
 def test_a_build_reaches_what_the_tenants_ceiling_allows_with_its_index_presets(
         tmp_path: Path) -> None:
     public = Settings(home=tmp_path)
-    assert build_network(public, None) is None and build_network(public, ()) is None
-    assert build_network(public, ["pypi.org", "*.pythonhosted.org", "registry.npmjs.org"]) == {
+    assert ceiling_network(public, None) is None and ceiling_network(public, ()) is None
+    assert ceiling_network(public, ["pypi.org", "*.pythonhosted.org", "registry.npmjs.org"]) == {
         "allow": ["*.pythonhosted.org", "pypi.org", "registry.npmjs.org"],
         "presets": ["pypi", "npm"]}
     # pypi.org alone: pip would need files.pythonhosted.org too, so pip is not pointed at it.
-    assert build_network(public, ["pypi.org"]) == {"allow": ["pypi.org"]}
+    assert ceiling_network(public, ["pypi.org"]) == {"allow": ["pypi.org"]}
     mirror = Settings(home=tmp_path, index_pypi="http://mirror.test:8080/simple")
-    assert build_network(mirror, ["mirror.test:8080"]) == {"allow": ["mirror.test:8080"],
+    assert ceiling_network(mirror, ["mirror.test:8080"]) == {"allow": ["mirror.test:8080"],
                                                             "presets": ["pypi"]}

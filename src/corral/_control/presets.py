@@ -21,15 +21,17 @@ against hostile code, which can fetch any file the index serves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from .._egress.policy import Rule, clip
 from .._settings import Settings
 from ..errors import UsageError
+from .tenants import covers
 
-__all__ = ["APT_DIR", "PRESET_NAMES", "PackageIndexes", "check_names"]
+__all__ = ["APT_DIR", "PRESET_NAMES", "PackageIndexes", "ceiling_network", "check_names"]
 
 PRESET_NAMES = ("debian", "npm", "pypi")
 # Only pip can refuse an unlocked install by configuration; see ``check_names``.
@@ -213,3 +215,21 @@ class PackageIndexes:
                 f"{state}/state/lists/partial": None, f"{state}/cache/archives/partial": None,
                 f"{APT_DIR}/sources.list": ("\n".join(lines) + "\n").encode(),
                 f"{APT_DIR}/apt.conf": conf.encode()}
+
+
+def ceiling_network(settings: Settings, hosts: Sequence[str] | None) -> dict[str, Any] | None:
+    """The egress policy that opens what a tenant's ceiling allows (``hosts``; no network when
+    it names none), with the pypi and npm presets (pip and npm pointed at the operator's
+    index) when the ceiling covers every host a preset opens: E2B's "internet access" and the
+    steps of a tenant's template builds."""
+    if not hosts:
+        return None
+    patterns = [Rule.parse(h) for h in hosts]
+    indexes = PackageIndexes(settings)
+    presets = [name for name in ("pypi", "npm")
+               if all(any(covers(p, Rule.parse(rule)) for p in patterns)
+                      for rule in indexes.rules([name]))]
+    network: dict[str, Any] = {"allow": sorted(set(hosts))}
+    if presets:
+        network["presets"] = presets
+    return network

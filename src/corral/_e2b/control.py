@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .._control.manager import Manager
+from .._control.presets import ceiling_network
 from .._control.tenants import Tenant
 from .._core.resources import get_tier
 from .._server.errorlog import note
@@ -284,11 +285,16 @@ def _network(request: Request, body: Mapping[str, Any], tenant: Tenant) -> dict[
             raise E2BHTTPError(400, f"network.allowOut {rule!r}: Corral's egress gateway "
                                "allows host names (api.example.com, *.example.com), not IP "
                                "addresses or ranges")
-    allow = list(allow_out)
+    internet = None
     if body.get("allow_internet_access") is True or body.get("allowInternetAccess") is True:
-        ceiling = _manager(request).ceiling_for(tenant)
-        allow += list(ceiling.hosts or ())
-    return {"allow": sorted(set(allow))} if allow else None
+        manager = _manager(request)
+        # With pip and npm pointed at the operator's index when the ceiling covers it, so a
+        # kernel's `!pip install` finds packages where the tenant may reach them.
+        internet = ceiling_network(manager.settings, manager.ceiling_for(tenant).hosts)
+    allow = sorted({*allow_out, *(internet or {}).get("allow", ())})
+    if not allow:
+        return None
+    return {**(internet or {}), "allow": allow}
 
 
 def _volume_mounts(value: object) -> dict[str, str]:
@@ -303,19 +309,22 @@ def _volume_mounts(value: object) -> dict[str, str]:
     return {m["name"]: m["path"] for m in value}
 
 
-def _check_lifecycle(body: Mapping[str, Any]) -> None:
+_LIFECYCLE_NOTICE = ("on_timeout='pause' (autoPause) and autoResume are not available yet "
+                     "(they come with hibernation): this sandbox is killed at its timeout, as "
+                     "its lifecycle says; extend its life with set_timeout")
+
+
+def _lifecycle_notice(body: Mapping[str, Any]) -> str | None:
     """Corral kills a sandbox at its timeout; it cannot pause one then (that comes with
-    hibernation). Asking for it is refused, not stored and ignored, so a caller never loses
-    state it was told would be kept. The SDKs' defaults (``autoPause`` false or absent) pass."""
+    hibernation). A request for it is taken, since agent frameworks ask for it by default
+    (OpenAI Agents' E2B client: on_timeout="pause", auto_resume=True) and refusing would stop
+    them at their first call, but never stored as if it were kept: the sandbox's ``lifecycle``
+    says ``kill`` and the answer carries this notice (``X-Corral-Notice``)."""
     resume = body.get("autoResume")
-    if body.get("autoPause") is True:
-        raise E2BHTTPError(400, "autoPause (lifecycle on_timeout='pause'): Corral cannot pause "
-                           "a sandbox at its timeout yet (hibernation is not available), it "
-                           "kills it; leave on_timeout as 'kill', and extend the life with "
-                           "set_timeout, or pause() it yourself before the timeout")
-    if isinstance(resume, dict) and resume.get("enabled") is True:
-        raise E2BHTTPError(400, "autoResume: Corral does not resume a paused sandbox on "
-                           "traffic; resume it with connect()")
+    if body.get("autoPause") is True or (isinstance(resume, dict)
+                                         and resume.get("enabled") is True):
+        return _LIFECYCLE_NOTICE
+    return None
 
 
 @_endpoint
@@ -326,7 +335,7 @@ async def create_sandbox(request: Request) -> Response:
     for key, what in _UNSUPPORTED_CREATE.items():
         if body.get(key):
             raise E2BHTTPError(400, f"{key}: Corral does not offer {what}")
-    _check_lifecycle(body)
+    notice = _lifecycle_notice(body)
     template, snapshot = _template(request, body.get("templateID"))
     timeout = _int_field(body, "timeout", low=1, default=DEFAULT_TIMEOUT_S)
     metadata = body.get("metadata") or {}
@@ -356,7 +365,8 @@ async def create_sandbox(request: Request) -> Response:
     info = await run_in_threadpool(create)
     request.app.state.e2b_metrics.watch(info.id)  # E2B samples from the start
     extra = request.app.state.e2b.get(info.id)
-    return JSONResponse(_sandbox(request, info, extra), status_code=201)
+    return JSONResponse(_sandbox(request, info, extra), status_code=201,
+                        headers={"X-Corral-Notice": notice} if notice else None)
 
 
 # -- read ------------------------------------------------------------------------------------------
@@ -485,7 +495,8 @@ async def _connect(request: Request, *, resume_only: bool) -> Response:
     manager, tenant = _manager(request), _tenant(request)
     corral_id = _sandbox_id(request)
     body = await _json_body(request)
-    _check_lifecycle(body)  # E2B's resume takes autoPause too (SDK 1.x's resume(auto_pause=))
+    # E2B's resume takes autoPause too (SDK 1.x's resume(auto_pause=))
+    notice = _lifecycle_notice(body)
     timeout = _int_field(body, "timeout", low=1)
 
     def connect() -> tuple[SandboxInfo, bool]:
@@ -502,7 +513,8 @@ async def _connect(request: Request, *, resume_only: bool) -> Response:
 
     info, resumed = await run_in_threadpool(connect)
     extra = request.app.state.e2b.get(info.id)
-    return JSONResponse(_sandbox(request, info, extra), status_code=201 if resumed else 200)
+    return JSONResponse(_sandbox(request, info, extra), status_code=201 if resumed else 200,
+                        headers={"X-Corral-Notice": notice} if notice else None)
 
 
 @_endpoint

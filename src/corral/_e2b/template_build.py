@@ -25,14 +25,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from .._control.presets import PackageIndexes
-from .._control.tenants import covers
-from .._egress.policy import Rule
-
 if TYPE_CHECKING:
-    from .._settings import Settings
+    pass
 
-__all__ = ["BuildLog", "LogEntry", "Plan", "TarRefused", "build_network", "check_archive",
+__all__ = ["BuildLog", "LogEntry", "Plan", "TarRefused", "check_archive",
            "plan_build", "unpack_archive"]
 
 Level = Literal["debug", "info", "warn", "error"]
@@ -240,23 +236,6 @@ def _quote(value: str) -> str:
 
 
 # -- the build's network -------------------------------------------------------------------------
-
-
-def build_network(settings: Settings, hosts: Sequence[str] | None) -> dict[str, Any] | None:
-    """The egress policy of a tenant's build steps: what its ceiling allows (``hosts``; no
-    network when it names none), and the pypi and npm presets (pip and npm pointed at the
-    operator's index) when the ceiling covers every host a preset opens."""
-    if not hosts:
-        return None
-    patterns = [Rule.parse(h) for h in hosts]
-    indexes = PackageIndexes(settings)
-    presets = [name for name in ("pypi", "npm")
-               if all(any(covers(p, Rule.parse(rule)) for p in patterns)
-                      for rule in indexes.rules([name]))]
-    network: dict[str, Any] = {"allow": sorted(set(hosts))}
-    if presets:
-        network["presets"] = presets
-    return network
 
 
 # -- archives ------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .._control.manager import Manager
+from .._control.presets import ceiling_network
 from .._control.tenants import Tenant
 from .._images.reference import ImagePolicy, parse_reference
 from .._templates.catalog import TAG, current_build, name_lock, pointer, set_current
@@ -61,7 +62,6 @@ from .template_build import (
     Plan,
     PlanError,
     TarRefused,
-    build_network,
     check_archive,
     plan_build,
     unpack_archive,
@@ -386,7 +386,7 @@ async def trigger_build(request: Request) -> Response:
     for note in plan.notes:
         build.log.add(note, "warn")
     # A build's RUN steps reach what the tenant's sandboxes may (its ceiling's hosts).
-    network = build_network(manager.settings, manager.ceiling_for(tenant).hosts)
+    network = ceiling_network(manager.settings, manager.ceiling_for(tenant).hosts)
     threading.Thread(target=_run, args=(manager, registry, build, plan, network),
                      name=f"e2b-build-{build.id[:8]}", daemon=True).start()
     return Response(status_code=202)

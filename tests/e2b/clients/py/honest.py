@@ -37,9 +37,20 @@ step("metrics_an_hour_ago", lambda: len(sb.get_metrics(
 time.sleep(11)  # two of E2B's 5 s ticks, sampled without being asked
 step("metrics_later", lambda: len(sb.get_metrics()))
 step("lifecycle", lambda: sb.get_info().lifecycle)
-step("pause_on_timeout", lambda: Sandbox.create(timeout=60, lifecycle={"on_timeout": "pause"}))
-step("resume_auto_pause", lambda: (lambda r: [r.status_code, r.json()["message"]])(httpx.post(
-    f"{os.environ['E2B_API_URL']}/sandboxes/{sb.sandbox_id}/resume", json={"autoPause": True},
-    headers={"X-API-KEY": os.environ["E2B_API_KEY"]})))
+
+
+def pause_on_timeout() -> object:
+    paused = Sandbox.create(timeout=60, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        return paused.get_info().lifecycle
+    finally:
+        paused.kill()
+
+
+step("pause_on_timeout", pause_on_timeout)
+step("connect_auto_pause", lambda: (lambda r: [r.status_code, r.headers.get("x-corral-notice")])(
+    httpx.post(f"{os.environ['E2B_API_URL']}/sandboxes/{sb.sandbox_id}/connect",
+               json={"autoPause": True, "timeout": 60},
+               headers={"X-API-KEY": os.environ["E2B_API_KEY"]})))
 step("missing_template", lambda: Sandbox.create(template="no-such-template", timeout=60))
 done()
