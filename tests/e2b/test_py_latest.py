@@ -109,6 +109,7 @@ def test_error_and_counts(interp: ClientRun) -> None:
     assert isinstance(a, int) and b == a + 1
     assert interp.value("envs")["text"] == "'from envs'"
     assert interp.value("cwd")["text"] == "'/home/user'"
+    assert interp.value("create_envs")["text"] == "'from-create'"  # create's envs reach code
 
 
 def test_contexts(interp: ClientRun) -> None:

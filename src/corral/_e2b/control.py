@@ -758,7 +758,7 @@ async def delete_snapshot(request: Request) -> Response:
     snapshot = from_e2b(request.path_params["template_id"])
     if snapshot is None or not snapshot.startswith("snap_"):
         raise E2BHTTPError(404, "no such snapshot; Corral's E2B surface deletes snapshots only "
-                           "(template builds are `corral templates`)")
+                           "(remove a template with `corral templates rm`)")
 
     def delete() -> None:
         manager.delete_snapshot(snapshot, tenant=_owner_filter(tenant))
@@ -806,7 +806,8 @@ async def not_offered(request: Request) -> Response:
     what = request.url.path.split("/")[1]
     raise E2BHTTPError(404 if request.method == "GET" else 501,
                        f"Corral's E2B surface does not offer /{what}: templates are built with "
-                       "`corral templates build`; volumes come with Corral issue 16")
+                       "the Template SDK (POST /v3/templates) or `corral templates build`, and "
+                       "listed with `corral templates ls`; volumes come with Corral issue 16")
 
 
 routes = [

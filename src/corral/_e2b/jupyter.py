@@ -162,6 +162,11 @@ async def execute(request: Request) -> Response:
         return StreamingResponse(_refused_cell(exc), media_type="application/x-ndjson")
     except CorralError as exc:
         return _refusal(exc)
+    # The sandbox's envVars from create reach its code as they reach its commands (E2B's
+    # "global" environment), under the cell's own.
+    sandbox_envs = request.app.state.e2b.envs(target.sandbox_id)
+    if sandbox_envs:
+        envs = {**sandbox_envs, **(envs or {})}
     lines = _run(manager, target.sandbox_id, code, context_id=context_id, language=language,
                  envs=envs, caller=target.owner, default_cwd=paths.HOME)
     return StreamingResponse(lines, media_type="application/x-ndjson")

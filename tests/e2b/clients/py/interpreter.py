@@ -8,7 +8,8 @@ from __future__ import annotations
 from _steps import done, step
 from e2b_code_interpreter import Sandbox
 
-sb = step("create", lambda: Sandbox.create(timeout=240), seconds=90)
+sb = step("create", lambda: Sandbox.create(timeout=240, envs={"CORRAL_T": "from-create"}),
+          seconds=90)
 step("id", lambda: sb.sandbox_id)
 
 
@@ -44,6 +45,7 @@ step("count_a", lambda: run("1"))
 step("count_b", lambda: run("2"))
 step("envs", lambda: run("import os\nos.environ.get('CI_VAR')", envs={"CI_VAR": "from envs"}))
 step("cwd", lambda: run("import os\nos.getcwd()"))
+step("create_envs", lambda: run("os.environ.get('CORRAL_T')"))  # E2B's global environment
 
 
 def contexts() -> dict[str, object]:
