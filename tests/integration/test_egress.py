@@ -501,3 +501,35 @@ def test_every_tier_refuses_without_network_fast_and_says_why(
         [event] = sb.audit.events(types=["egress.decision"])
         assert (event.data["verdict"], event.data["rule"], event.data["host"]) == (
             "denied", "network=none", "pypi.test")
+
+
+
+def test_a_sandbox_without_network_has_one_refusing_listener_gone_with_it(
+        egress_home: str, egress_manager: Manager) -> None:
+    """The refusing listener is the sandbox's, made on its first command and kept (no listener
+    per command on the hot path), closed by its destroy here, and by the next recovery pass
+    when another process destroyed it: a socket left open would keep its network namespace."""
+    held = egress_manager.egress._refusers  # white-box: which sandboxes hold one
+    sb = Sandbox.create(home=egress_home)
+    ports = set()
+    for _ in range(3):
+        body = run_ok(sb, "curl -sS -m 20 http://pypi.test/simple/; echo; echo $HTTP_PROXY")
+        assert "refused by Corral's network policy" in body
+        ports.add(body.strip().splitlines()[-1])
+    assert len(ports) == 1 and sb.id in held  # one listener for the three commands
+    # The refusals name the command they came from (one command ran at a time).
+    refused = sb.audit.events(types=["egress.decision"])
+    assert refused and all(e.command for e in refused)
+    listener = held[sb.id][0]
+    sb.kill()
+    assert sb.id not in held and listener._closed
+    # Destroyed by another process: the store row goes, this process's listener with the
+    # next recovery pass.
+    other = Sandbox.create(home=egress_home)
+    run_ok(other, "curl -sS -m 20 http://pypi.test/ || true")
+    assert other.id in held
+    record = egress_manager.sandboxes.get(other.id)
+    egress_manager.backend_for(record.isolation).destroy(egress_manager.sandboxes.spec(record))
+    egress_manager.store.delete(other.id)
+    egress_manager.recover()
+    assert other.id not in held

@@ -8,7 +8,7 @@ import logging
 import secrets as random
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .._audit.auditor import Auditor
@@ -81,6 +81,9 @@ class EgressBroker:
         self.indexes = PackageIndexes(settings)
         self._gateway: Gateway | None = None
         self._lock = threading.Lock()
+        # Each sandbox without network's refusing listener: (handle, proxy URL); ``_refuser``.
+        self._refusers: dict[str, tuple[ListenerHandle, str]] = {}
+        self._running: dict[str, list[str]] = {}  # each such sandbox's commands now running
 
     def policy(self, network: NetworkSpec) -> NetworkPolicy:
         """``policy_from`` with this operator's package indexes for the presets."""
@@ -153,16 +156,21 @@ class EgressBroker:
             # cannot be had (the in-memory test backend has no network, a stuck gateway) the
             # command runs without proxy variables, and nothing answers, as before.
             try:
-                endpoint = backend.egress_endpoint(spec)
-                handle = self._serve(backend, endpoint, spec, command_id)
+                proxy = self._refuser(backend, spec)
             except (CorralError, OSError) as exc:
                 logger.debug("sandbox %s: no refusing listener for a command: %s", spec.id, exc)
                 yield env
                 return
+            with self._lock:
+                self._running.setdefault(spec.id, []).append(command_id)
             try:
-                yield {**env, **_proxy_environment(endpoint.proxy_url)}
+                yield {**env, **_proxy_environment(proxy)}
             finally:
-                handle.close()
+                with self._lock:
+                    running = self._running.get(spec.id, [])
+                    running.remove(command_id)
+                    if not running:
+                        self._running.pop(spec.id, None)
             return
         endpoint = backend.egress_endpoint(spec)
         handle = self._serve(backend, endpoint, spec, command_id)
@@ -178,7 +186,7 @@ class EgressBroker:
             handle.close()
 
     def _serve(self, backend: IsolationBackend, endpoint: EgressEndpoint, spec: SandboxSpec,
-               command_id: str) -> ListenerHandle:
+               command_id: str | Callable[[], str]) -> ListenerHandle:
         """The gateway serving ``endpoint`` for one command (the listener closed on failure)."""
         sock = endpoint.listener
         try:
@@ -203,7 +211,49 @@ class EgressBroker:
                                spec.id, exc)
         return self.indexes.environment(policy.presets, require_lock=policy.require_lock)
 
+    def _refuser(self, backend: IsolationBackend, spec: SandboxSpec) -> str:
+        """The proxy URL of the sandbox's refusing listener, made on its first command and
+        kept until it is destroyed (``forget``): one per sandbox, not one per command, so a
+        sandbox without network pays no listener on its hot path. Its refusals are the
+        sandbox's (they name no command: every command shares it)."""
+        with self._lock:
+            held = self._refusers.get(spec.id)
+        if held is not None:
+            return held[1]
+        endpoint = backend.egress_endpoint(spec)
+        handle = self._serve(backend, endpoint, spec, lambda: self._only_command(spec.id))
+        with self._lock:
+            held = self._refusers.setdefault(spec.id, (handle, endpoint.proxy_url))
+        if held[0] is not handle:  # a command beside this one made it first
+            handle.close()
+        return held[1]
+
+    def _only_command(self, sandbox_id: str) -> str:
+        """The command a refused connection is of: the sandbox's one running command ("" when
+        several run at once: the refusal is then the sandbox's, never a guessed command's)."""
+        with self._lock:
+            running = self._running.get(sandbox_id, [])
+            return running[0] if len(running) == 1 else ""
+
+    def forget(self, sandbox_id: str) -> None:
+        """Close the sandbox's refusing listener (its destroy; before its namespace goes)."""
+        with self._lock:
+            held = self._refusers.pop(sandbox_id, None)
+        if held is not None:
+            held[0].close()
+
+    def forget_gone(self, is_live: Callable[[str], bool]) -> None:
+        """Close the refusing listeners of sandboxes destroyed by another process."""
+        with self._lock:
+            gone = [sandbox_id for sandbox_id in self._refusers if not is_live(sandbox_id)]
+        for sandbox_id in gone:
+            self.forget(sandbox_id)
+
     def close(self) -> None:
+        with self._lock:
+            held, self._refusers = list(self._refusers.values()), {}
+        for handle, _ in held:
+            handle.close()
         if self._gateway is not None:
             self._gateway.close()
 

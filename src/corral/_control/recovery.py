@@ -109,6 +109,7 @@ class Recovery:
             removed += self._volumes.recover()
         removed += self._close_abandoned_commands()  # before a reap ends their trails
         removed += self._reap()
+        self._sandboxes.forget_gone()
         # Every tier that has sandboxes sweeps its own leftovers; pieces shared by the tiers
         # (workspaces, cgroups, netns) are only removed for ids the store does not know.
         # Before first use only the tiers loaded by now sweep (the default one, and any a

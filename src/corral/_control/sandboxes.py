@@ -369,6 +369,11 @@ class Sandboxes:
     def destroy_underway(self, sandbox_id: str) -> DestroyJob | None:
         return self._destroyer.underway(sandbox_id)
 
+    def forget_gone(self) -> None:
+        """Drop what this process holds for sandboxes another process destroyed (their
+        refusing listeners, which would keep their network namespaces alive)."""
+        self._egress.forget_gone(lambda sandbox_id: self._store.get(sandbox_id) is not None)
+
     def close(self) -> None:
         """Let the destroys under way finish first (bounded)."""
         self._destroyer.drain()
@@ -385,6 +390,7 @@ class Sandboxes:
 
     def _destroy_now(self, info: SandboxRecord, reason: str) -> None:
         """One try of the whole destroy (on the destroy's own thread)."""
+        self._egress.forget(info.id)  # its refusing listener, before its namespace goes
         self.backend(info).destroy(self.spec(info))
         self._store.delete(info.id)
         self._locks.remove(info.id)

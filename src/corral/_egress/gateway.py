@@ -28,7 +28,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,9 +125,14 @@ class ListenerHandle:
     _gateway: Gateway
     _server: asyncio.Server | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _closed: bool = False
 
     def close(self) -> None:
-        self._gateway._call(self._aclose())
+        """Asked, not awaited: the command it served has ended (nothing of the sandbox's is
+        left to connect), so the caller need not wait on the loop; a start still under way
+        closes its server itself."""
+        self._closed = True
+        self._gateway._submit(self._aclose(), "close a listener")
 
     async def _aclose(self) -> None:
         if self._server is not None:
@@ -179,6 +184,14 @@ class Gateway:
                                "(its event loop is stuck); restart the service, and report "
                                "it with the service log") from None
 
+    def _submit(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        """Run ``coro`` on the loop without waiting for it; a failure is logged."""
+        def logged(future: concurrent.futures.Future[None]) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                logger.error("egress gateway: could not %s: %s", what, future.exception())
+
+        asyncio.run_coroutine_threadsafe(coro, self._loop).add_done_callback(logged)
+
     def close(self) -> None:
         if self._thread.is_alive():
             with contextlib.suppress(Exception):
@@ -190,8 +203,11 @@ class Gateway:
 
     # -- listeners ----------------------------------------------------------------------------
 
-    def serve(self, sock: socket.socket, *, sandbox_id: str, command_id: str) -> ListenerHandle:
-        """Serve proxy requests arriving on ``sock`` (already listening) for one command."""
+    def serve(self, sock: socket.socket, *, sandbox_id: str,
+              command_id: str | Callable[[], str]) -> ListenerHandle:
+        """Serve proxy requests arriving on ``sock`` (already listening) for one command, or
+        for a sandbox's commands (``command_id`` then names, as each connection comes, the
+        command it is of, "" when that cannot be told)."""
         handle = ListenerHandle(port=sock.getsockname()[1], _gateway=self)
 
         async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -199,14 +215,25 @@ class Gateway:
             assert task is not None
             handle._tasks.add(task)
             try:
-                await self._handle(reader, writer, sandbox_id, command_id)
+                await self._handle(reader, writer, sandbox_id,
+                                   command_id() if callable(command_id) else command_id)
             finally:
                 handle._tasks.discard(task)
 
         async def start() -> None:
-            handle._server = await asyncio.start_server(on_client, sock=sock, limit=_CHUNK)
+            try:
+                server = await asyncio.start_server(on_client, sock=sock, limit=_CHUNK)
+            except BaseException:
+                sock.close()
+                raise
+            if handle._closed:  # closed before it started: the close found no server
+                server.close()
+            else:
+                handle._server = server
 
-        self._call(start())
+        # Not awaited: ``sock`` already listens, so the kernel queues what connects before
+        # the loop takes the server up; a command need not wait on another thread to start.
+        self._submit(start(), "start a listener")
         return handle
 
     # -- one client connection ----------------------------------------------------------------

@@ -258,7 +258,7 @@ class HostBackedBackend:
 
     def _open_listener(self, spec: SandboxSpec) -> socket.socket:
         spawner = self._spawner()
-        self._ensure_runtime(spec)
+        self._ensure_netns_and_cgroup(spec)  # what the bind needs (the exec ensures the rest)
 
         def bind() -> socket.socket:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
