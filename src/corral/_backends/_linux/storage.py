@@ -695,8 +695,9 @@ class WorkspaceStore:
         priv = self._priv(sandbox_id)
         lowers = sorted(e for e in priv.iterdir() if e.name.startswith("l")) \
             if priv.is_dir() else []
-        detach_behind([self._disk(sandbox_id), *lowers, self.mount_point(sandbox_id)])
-        _umount(self.tmp_dir(sandbox_id), lazy=True)
+        # /tmp first: its pages are freed behind, with the workspace's teardown.
+        detach_behind([self.tmp_dir(sandbox_id), self._disk(sandbox_id), *lowers,
+                       self.mount_point(sandbox_id)])
         for entry in lowers:
             with contextlib.suppress(OSError):
                 entry.rmdir()
