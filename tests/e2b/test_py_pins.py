@@ -4,26 +4,20 @@ crewAI pins e2b 2.20.3 + e2b-code-interpreter 2.6.2 and the OpenAI Agents SDK 2.
 (sets ``crewai-pins`` and ``agents-pins``). Their code interpreters ignore ``E2B_SANDBOX_URL``
 and dial ``https://49999-<id>.<domain>``: in URL mode over TLS the create answer's domain is
 ``corral@HOST:PORT``, so that URL reaches the listener itself with no DNS (the sandbox in its
-user part); the client trusts the listener's certificate (``SSL_CERT_FILE``). On a plain
+user part); the client trusts the listener's certificate, which ``--e2b-tls-local`` makes
+(``SSL_CERT_FILE`` = the bundle it writes). On a plain
 listener ``get_host`` is ``<port>-<id>.localhost:PORT``, which curl and browsers send to
 loopback.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from .conftest import Served, corral_serve, run_client
 from .test_py_core import raised
@@ -31,45 +25,12 @@ from .test_py_core import raised
 pytestmark = [pytest.mark.e2b, pytest.mark.needs_root]
 
 
-def _loopback_cert(directory: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and its certificate for 127.0.0.1 and localhost: (ca, cert, key). A leaf
-    apart from its CA, since rustls (pyqwest, SDK 2.40+) refuses a CA as the server's own."""
-    now = dt.datetime.now(dt.UTC)
-
-    def build(subject: str, issuer: str, public: ec.EllipticCurvePublicKey,
-              signer: ec.EllipticCurvePrivateKey, *, ca: bool) -> x509.Certificate:
-        builder = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-                   .public_key(public).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - dt.timedelta(minutes=5))
-                   .not_valid_after(now + dt.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if not ca:
-            builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-        return builder.sign(signer, hashes.SHA256())
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = build("corral e2b test CA", "corral e2b test CA", ca_key.public_key(), ca_key, ca=True)
-    leaf = build("127.0.0.1", "corral e2b test CA", key.public_key(), ca_key, ca=False)
-    paths = directory / "e2b-ca.pem", directory / "e2b-cert.pem", directory / "e2b-key.pem"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return paths
-
-
 @pytest.fixture(scope="module")
 def tls_url_served() -> Iterator[tuple[Served, Path]]:
-    scratch = Path(tempfile.mkdtemp(prefix="corral-test-e2b-client-"))
-    ca, cert, key = _loopback_cert(scratch)
-    with corral_serve("--e2b-tls-cert", str(cert), "--e2b-tls-key", str(key),
-                      scratch=scratch) as served:
-        yield served, ca
+    """``corral serve --e2b-tls-local``: the listener's certificate is Corral's own making,
+    and the clients trust it through the bundle it writes (one flag, no PKI of the test's)."""
+    with corral_serve("--e2b-tls-local") as served:
+        yield served, served.home / "e2b-tls" / "bundle.pem"
 
 
 def _fetch(url: str, *extra: str) -> tuple[str, str]:

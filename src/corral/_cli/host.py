@@ -65,6 +65,12 @@ def metrics(ctx: click.Context, as_json: bool) -> None:
               help="PEM certificate (chain) for api.DOMAIN and *.DOMAIN.")
 @click.option("--e2b-tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="PEM private key of --e2b-tls-cert.")
+@click.option("--e2b-tls-local", is_flag=True, default=False,
+              help="Serve the E2B listener over TLS with a certificate Corral makes for this "
+                   "address, signed by a CA of the data directory's own: clients set "
+                   "SSL_CERT_FILE=$CORRAL_HOME/e2b-tls/bundle.pem and E2B_API_URL="
+                   "E2B_SANDBOX_URL=https://HOST:PORT, and every SDK release works, the code "
+                   "interpreters < 2.9 that frameworks pin included.")
 @click.option("--ports-url", default=None, metavar="URL",
               help="The URL clients reach this service at, for the URLs of exposed ports "
                    "(default: the one each request came in on; CORRAL_PORTS_URL).")
@@ -79,8 +85,8 @@ def metrics(ctx: click.Context, as_json: bool) -> None:
 @handle_errors
 def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
           allow_keyless: bool | None, e2b_port: int | None, e2b_domain: str | None,
-          e2b_tls_cert: str | None, e2b_tls_key: str | None, ports_url: str | None,
-          ports_domain: str | None, cluster: str | None) -> None:
+          e2b_tls_cert: str | None, e2b_tls_key: str | None, e2b_tls_local: bool,
+          ports_url: str | None, ports_domain: str | None, cluster: str | None) -> None:
     """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics), and with
     --e2b-port the E2B dialect beside it; with --cluster, over a Ray cluster."""
     from .._control.manager import get_manager
@@ -88,6 +94,20 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
     from .._server.serve import serve as run_server
 
     settings: Settings = ctx.obj["settings"]
+    if e2b_tls_local:
+        from ..errors import UsageError
+
+        if e2b_tls_cert or e2b_tls_key or e2b_domain or cluster:
+            raise UsageError("--e2b-tls-local makes the listener's certificate itself: leave "
+                             "out --e2b-tls-cert, --e2b-tls-key, --e2b-domain and --cluster")
+        if e2b_port is None:
+            raise UsageError("--e2b-tls-local needs --e2b-port")
+        from .._e2b.localtls import ensure_local_tls
+
+        tls = ensure_local_tls(settings.home / "e2b-tls", host)
+        e2b_tls_cert, e2b_tls_key = str(tls.cert), str(tls.key)
+        click.echo(f"corral: the E2B listener speaks TLS; clients set SSL_CERT_FILE={tls.bundle} "
+                   f"and E2B_API_URL=E2B_SANDBOX_URL=https://{host}:{e2b_port}", err=True)
     if cluster is not None:
         from ..errors import UsageError
 
