@@ -94,6 +94,10 @@ class HostBackedBackend:
         self._ready_workspaces = ReadyWorkspaces(self._store, self._owner)
         self._spare_netns = netns.SpareNamespaces()
         self._unmounted_lock = threading.Lock()
+        # A listener bound in each new sandbox's namespace as it was made, for its first
+        # egress listener (``egress_endpoint``); closed with the sandbox if never taken.
+        self._listeners: dict[str, socket.socket] = {}
+        self._listeners_lock = threading.Lock()
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -209,9 +213,15 @@ class HostBackedBackend:
                 workspace = self._ready_workspaces.claim(spec) or self._store.create(spec)
             except BaseException:
                 with contextlib.suppress(Exception):
-                    pinned()  # finished before the destroy below, which removes it
+                    # Finished before the destroy below, which removes it.
+                    made = pinned()
+                    if made is not None:
+                        made.close()
                 raise
-            pinned()
+            listener = pinned()
+            if listener is not None:
+                with self._listeners_lock:
+                    self._listeners[spec.id] = listener
             self._store.ensure_tmp(spec)
             self._ensure_mounts(spec, workspace)
         except BaseException:
@@ -257,6 +267,10 @@ class HostBackedBackend:
         return EgressEndpoint(listener=sock, proxy_url=f"http://127.0.0.1:{sock.getsockname()[1]}")
 
     def _open_listener(self, spec: SandboxSpec) -> socket.socket:
+        with self._listeners_lock:
+            made = self._listeners.pop(spec.id, None)
+        if made is not None:
+            return made
         spawner = self._spawner()
         self._ensure_netns_and_cgroup(spec)  # what the bind needs (the exec ensures the rest)
 
@@ -411,11 +425,18 @@ class HostBackedBackend:
         # group inside a cgroup being removed.
         self._close_resident(spec.id, forget=True)
         self._ensured.discard(spec.id)
+        self._drop_listener(spec.id)
         self.cgroups.kill(spec.id)
         self.cgroups.remove(spec.id)
         self._destroy_extra(spec)
         netns.remove_netns(self._netns_path(spec.id))
         self._store.remove(spec.id)
+
+    def _drop_listener(self, sandbox_id: str) -> None:
+        with self._listeners_lock:
+            made = self._listeners.pop(sandbox_id, None)
+        if made is not None:
+            made.close()
 
     def sweep(self, live_ids: set[str] | Callable[[str], bool]) -> list[Leftover]:
         """Remove runtime pieces of unknown sandboxes and commands of dead owners.
@@ -427,6 +448,11 @@ class HostBackedBackend:
         is_live: Callable[[str], bool] = (
             live_ids.__contains__ if isinstance(live_ids, set) else live_ids)
         removed: list[Leftover] = []
+        with self._listeners_lock:
+            held = list(self._listeners)
+        for sandbox_id in held:  # never taken, and the sandbox destroyed by another process
+            if not is_live(sandbox_id):
+                self._drop_listener(sandbox_id)
         for sandbox_id in self._store.ids():
             if not is_live(sandbox_id):
                 self._store.remove(sandbox_id)
