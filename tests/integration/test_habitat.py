@@ -43,6 +43,19 @@ def test_a_missing_working_directory_is_refused_inside_the_sandbox(sandbox: Sand
             sandbox.commands.run("pwd", cwd=cwd)
 
 
+def test_a_refused_cwd_streams_nothing_and_a_command_saying_the_same_keeps_its_words(
+        sandbox: Sandbox) -> None:
+    streamed: list[str] = []
+    with pytest.raises(CommandError, match="cannot enter the working directory /nope"):
+        sandbox.commands.run("true", cwd="/nope", on_stderr=streamed.append)
+    assert streamed == []  # nothing of the runtime's own on the command's stream
+    # A command that prints the runtime's words itself ran: they are its output.
+    for _ in range(2):  # the first command and the later ones may take different paths
+        said = "bwrap: Can't chdir to /tmp: not really"
+        r = sandbox.commands.run(f"echo \"{said}\" >&2; echo ran", cwd="/tmp")
+        assert (r.exit_code, r.stdout, r.stderr) == (0, "ran\n", said + "\n")
+
+
 def test_outside_the_two_places_nothing_is_writable_from_any_cwd(sandbox: Sandbox) -> None:
     r = sandbox.commands.run("touch here 2>&1; mkdir -p -- /workspace && echo ok", cwd="/")
     assert "Read-only file system" in r.stdout or "Permission denied" in r.stdout, r.stdout

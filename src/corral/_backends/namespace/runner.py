@@ -73,6 +73,30 @@ _BWRAP_E2BIG = re.compile(r"^bwrap: execvp [^\n]*: Argument list too long\n?$")
 _BWRAP_EXEC = re.compile(r"^bwrap: execvp .*: ([^:]+)$")
 
 
+_CHDIR_FAILED = "bwrap: Can't chdir to "
+
+
+class _BwrapHead:
+    """bwrap's own reports at the head of stderr, written before the command exists: a failed
+    exec (``exec_failure``: Corral's line instead) and a failed chdir into the working
+    directory (held back, never shown as the command's output: the run raises instead)."""
+
+    def __init__(self, program: str, cwd: str) -> None:
+        # bwrap execs the program itself; when that fails, its report is the stderr.
+        self.exec_failure = ExecFailureHead(program, b"bwrap: execvp ", _bwrap_exec_reason)
+        self._chdir = f"{_CHDIR_FAILED}{cwd}: ".encode()
+        self.chdir_failure: str | None = None
+
+    def __call__(self, held: bytes) -> bytes | None:
+        if held[:len(self._chdir)] != self._chdir[:len(held)]:
+            return self.exec_failure(held)
+        line, newline, rest = held.partition(b"\n")
+        if not newline:
+            return None  # undecided until the line is whole (or the stream ends)
+        self.chdir_failure = line[len(self._chdir):].decode(errors="replace")
+        return rest
+
+
 def _bwrap_exec_reason(line: str) -> str | None:
     match = _BWRAP_EXEC.match(line)
     return match.group(1) if match else None
@@ -148,23 +172,20 @@ class CommandLauncher:
         started = time.monotonic()
         with tracer.start_as_current_span("corral.process.start"):
             proc, init_pid = self._start(launch)
-        # bwrap execs the program itself; when that fails, its report is the stderr.
-        head = ExecFailureHead(request.argv[0], b"bwrap: execvp ", _bwrap_exec_reason)
+        head = _BwrapHead(request.argv[0], request.cwd)
         seen = supervise(
             proc, request, cgroups=self.cgroups, group=group, started=started,
             terminal=getattr(proc, "terminal", None),
             abort=lambda: self._abort(proc, group, init_pid), reap=lambda: _reap(init_pid),
             stderr_head=head)
-        if seen.returncode == 1 and head.exit_code is not None:
-            return seen.outcome(head.exit_code)
-        if seen.returncode == 1 and request.cwd != "/workspace":
-            # bwrap enters the working directory in the sandbox, after the set-up it reports;
-            # failing that, its whole stderr is its complaint (the command never ran).
-            said = "".join(seen.stderr.parts)
-            prefix = f"bwrap: Can't chdir to {request.cwd}: "
-            if said.startswith(prefix) and said.count("\n") == 1 and said.endswith("\n"):
+        if seen.returncode == 1 and head.exec_failure.exit_code is not None:
+            return seen.outcome(head.exec_failure.exit_code)
+        if head.chdir_failure is not None:
+            if seen.returncode == 1 and not seen.stdout.parts and not seen.stderr.parts:
                 raise CommandError(f"cannot enter the working directory {request.cwd}: "
-                                   f"{said[len(prefix):].strip()}")
+                                   f"{head.chdir_failure}")
+            # The command's own words after all (it ran, and said the same): they stay its.
+            seen.stderr.parts.insert(0, f"{_CHDIR_FAILED}{request.cwd}: {head.chdir_failure}\n")
         if seen.returncode == 1 and _BWRAP_E2BIG.match("".join(seen.stderr.parts)):
             # check_exec_size guards this; a limit it did not foresee still is the caller's.
             raise CommandError("the kernel refused the command's argv and environment as too "
