@@ -1225,7 +1225,7 @@ class Agent:
         reason = os.strerror(code) if code else "unknown error"
         self._remove_cgroup(cgroup)
         if kind == "cwd":
-            raise AgentError("cwd", f"cannot enter the working directory {cwd!r}: {reason}")
+            raise AgentError("cwd", f"cannot enter the working directory {cwd}: {reason}")
         if kind == "exec":
             if code == errno.E2BIG:
                 raise AgentError("e2big", f"{program!r}: the arguments and environment are "
