@@ -178,11 +178,12 @@ def test_output_is_capped_and_counted(backend: GvisorBackend, spec: SandboxSpec)
     assert "".join(streamed) == out.stdout == "a" * 1000 + "\n" + marker
 
 
-def test_workspace_persists_and_tmp_is_fresh(backend: GvisorBackend, spec: SandboxSpec) -> None:
-    first = run(backend, spec, "echo kept > keep; echo gone > /tmp/t; echo gone > /dev/shm/s")
+def test_workspace_and_tmp_persist_and_dev_shm_is_fresh(backend: GvisorBackend,
+                                                        spec: SandboxSpec) -> None:
+    first = run(backend, spec, "echo kept > keep; echo kept > /tmp/t; echo gone > /dev/shm/s")
     assert first.exit_code == 0, first.stderr
     out = run(backend, spec, "cat keep; ls -A /tmp /dev/shm")
-    assert out.stdout.split() == ["kept", "/dev/shm:", "/tmp:"], out.stdout
+    assert out.stdout.split() == ["kept", "/dev/shm:", "/tmp:", "t"], out.stdout
 
 
 def test_timeout_kills_the_whole_tree(backend: GvisorBackend, spec: SandboxSpec) -> None:
