@@ -628,7 +628,11 @@ class MetricSamples:
                     self._forget(sandbox_id)
                     continue
                 except Exception:  # the sampler must outlive one bad read
+                    # Said once: the sandbox is no longer sampled unasked (its next
+                    # get_metrics watches it again), so a lasting failure (the control plane
+                    # closed under a listener never shut down) does not repeat every 5 s.
                     logger.exception("sampling sandbox %s for E2B metrics failed", sandbox_id)
+                    self._forget(sandbox_id)
                     continue
                 if info.state == "running":
                     self.take(info)
