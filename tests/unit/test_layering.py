@@ -62,10 +62,22 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
     return found
 
 
+def _parse(path: Path) -> ast.Module:
+    source = path.read_text()
+    try:
+        return ast.parse(source, str(path))
+    except SystemError:
+        # CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state:
+        # with other threads running Python meanwhile (daemon threads left by earlier tests in
+        # this session), a good file can fail with "AST constructor recursion depth mismatch"
+        # (python/cpython#106905; pytest-dev/pytest#10763). Parsed again, it parses.
+        return ast.parse(source, str(path))
+
+
 def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parse(path)
         graph[module] = set().union(*(_targets(module, n) for n in _runtime_imports(tree)))
         graph[module].discard(module)
     return graph
