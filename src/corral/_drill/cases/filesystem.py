@@ -205,19 +205,25 @@ def _persist(ctx: DrillContext) -> Outcome:
     """/tmp lives as long as its sandbox (a normal Linux view); what must hold is that it is
     that sandbox's alone (never another's, never the host's), and /dev/shm each command's."""
     token = secrets.token_hex(6)
-    first = ctx.run(f"echo {token} > /tmp/drill-left; echo {token} > /dev/shm/drill-left; echo ok")
-    second = ctx.run("cat /dev/shm/drill-left 2>/dev/null; rm -f /tmp/drill-left; echo done")
-    victim = ctx.run("cat /tmp/drill-left /dev/shm/drill-left 2>/dev/null; ls -A /tmp; echo done",
+    # Named for this run: a file left by another run (a drill against no sandbox at all, which
+    # writes on the host) is never taken for this one's.
+    name = f"drill-left-{token}"
+    first = ctx.run(f"echo {token} > /tmp/{name}; echo {token} > /dev/shm/{name}; echo ok")
+    # While the attacker's files are there: the victim and the host look for them.
+    victim = ctx.run(f"cat /tmp/{name} /dev/shm/{name} 2>/dev/null; ls -A /tmp; echo done",
                      sandbox=ctx.victim)
-    evidence = tuple(ctx.evidence(first) + ctx.evidence(second)
-                     + ctx.evidence(victim, ctx.victim))
+    on_host = os.path.exists(f"/tmp/{name}") or os.path.exists(f"/dev/shm/{name}")
+    second = ctx.run(f"cat /dev/shm/{name} 2>/dev/null; rm -f /tmp/{name} /dev/shm/{name}; "
+                     "echo done")
+    evidence = tuple(ctx.evidence(first) + ctx.evidence(victim, ctx.victim)
+                     + ctx.evidence(second))
     if token in victim.stdout:
         return Outcome("breached", "a file left in one sandbox's /tmp showed in another's",
                        evidence)
     if token in second.stdout:
         return Outcome("breached", "a file left in /dev/shm survived into the next command",
                        evidence)
-    if os.path.exists("/tmp/drill-left") or os.path.exists("/dev/shm/drill-left"):
+    if on_host:
         return Outcome("breached", "a file left in the sandbox's /tmp reached the host's",
                        evidence)
     return Outcome("held", "/tmp is the sandbox's own (another sandbox and the host see none "
