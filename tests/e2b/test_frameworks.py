@@ -179,9 +179,10 @@ def indexed(index: Index) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def smol(indexed: Served) -> ClientRun:
-    return run_client(indexed, "smolagents", "smolagents_pip.py", PACKAGE, timeout=300)
+    return run_client(indexed, "smolagents", "smolagents_pip.py", PACKAGE, timeout=580)
 
 
+@pytest.mark.timeout(900)  # its own server, then a client bounded at 580 s (see the script)
 def test_smolagents_e2b_executor_pip_installs_from_the_tenants_index(
         smol: ClientRun, index: Index, indexed: Served) -> None:
     assert smol.value("installed") == [PACKAGE]
