@@ -23,10 +23,17 @@ def test_the_ca_is_kept_and_the_leaf_follows_the_address(tmp_path: Path) -> None
     ca, leaf = first.ca.read_bytes(), first.cert.read_bytes()
     again = ensure_local_tls(tmp_path / "tls", "127.0.0.1")
     assert (again.ca.read_bytes(), again.cert.read_bytes()) == (ca, leaf)  # nothing remade
+    assert ensure_local_tls(tmp_path / "tls", "localhost").ca.read_bytes() == ca  # its names
     moved = ensure_local_tls(tmp_path / "tls", "10.1.2.3")
-    assert moved.ca.read_bytes() == ca and moved.cert.read_bytes() != leaf
+    assert moved.cert.read_bytes() != leaf
     assert ipaddress.ip_address("10.1.2.3") in _sans(moved.cert).get_values_for_type(
         x509.IPAddress)
+    # The CA vouches for its listener's names only: another address, another CA.
+    assert moved.ca.read_bytes() != ca
+    constraints = x509.load_pem_x509_certificate(moved.ca.read_bytes()).extensions \
+        .get_extension_for_class(x509.NameConstraints).value
+    assert x509.IPAddress(ipaddress.ip_network("10.1.2.3/32")) in constraints.permitted_subtrees
+    assert x509.DNSName("example.com") not in constraints.permitted_subtrees
     for secret in (moved.key, tmp_path / "tls" / "ca-key.pem"):
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600
 

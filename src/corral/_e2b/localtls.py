@@ -4,10 +4,11 @@ The code-interpreter clients that agent frameworks pin (e2b-code-interpreter < 2
 2.6.2, OpenAI Agents' 2.8.1) dial ``https://49999-<id>.<domain>`` whatever E2B_SANDBOX_URL says;
 over TLS the listener answers a domain that makes that URL reach it (``corral@HOST:PORT``), so
 what they lack is only a certificate they trust. This makes one: a CA of the data directory's own
-(kept, so a client's trust outlives a restart) and a server certificate for the listening address
-signed by it (a leaf apart from the CA: rustls, in SDKs from 2.40, refuses a CA as a server's
-certificate). ``bundle.pem`` holds the host's trusted roots and that CA, for ``SSL_CERT_FILE``,
-which replaces a client's roots rather than adding to them.
+(kept, so a client's trust outlives a restart; name-constrained to the listener's own names) and
+a server certificate for the listening address signed by it (a leaf apart from the CA: rustls,
+in SDKs from 2.40, refuses a CA as a server's certificate). ``bundle.pem`` holds the host's
+trusted roots and that CA, for ``SSL_CERT_FILE``, which replaces a client's roots rather than
+adding to them.
 """
 
 from __future__ import annotations
@@ -66,16 +67,44 @@ def _names(host: str) -> list[x509.GeneralName]:
     return names
 
 
+def _permitted(host: str) -> list[x509.GeneralName]:
+    """The CA's name constraints: the leaf's names only, so a client that trusts the bundle
+    trusts this CA for nothing else (were its key ever to leave the data directory)."""
+    permitted: list[x509.GeneralName] = []
+    for name in _names(host):
+        if isinstance(name, x509.IPAddress):
+            address = name.value
+            assert isinstance(address, ipaddress.IPv4Address | ipaddress.IPv6Address)
+            permitted.append(x509.IPAddress(ipaddress.ip_network(address)))
+        else:
+            permitted.append(name)
+    return permitted
+
+
+def _ca_fits(ca: x509.Certificate, host: str) -> bool:
+    try:
+        constraints = ca.extensions.get_extension_for_class(x509.NameConstraints).value
+    except x509.ExtensionNotFound:
+        return False
+    return all(name in (constraints.permitted_subtrees or ()) for name in _permitted(host))
+
+
 def ensure_local_tls(directory: Path, host: str) -> LocalTls:
-    """The CA (made once) and a leaf for ``host`` in ``directory``, made again when missing,
-    for another address, or within a month of expiring."""
+    """The CA (made once; again only for an address its constraints leave out) and a leaf for
+    ``host`` in ``directory``, made again when missing, for another address, or within a
+    month of expiring."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     tls = LocalTls(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem",
                    directory / "bundle.pem")
     ca_key_path = directory / "ca-key.pem"
     now = dt.datetime.now(dt.UTC)
+    kept = None
     if tls.ca.exists() and ca_key_path.exists():
-        ca = x509.load_pem_x509_certificate(tls.ca.read_bytes())
+        kept = x509.load_pem_x509_certificate(tls.ca.read_bytes())
+        if not _ca_fits(kept, host):
+            kept = None  # made for another address: clients must trust the new one
+    if kept is not None:
+        ca = kept
         loaded = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
         assert isinstance(loaded, ec.EllipticCurvePrivateKey)
         ca_key = loaded
@@ -87,6 +116,8 @@ def ensure_local_tls(directory: Path, host: str) -> LocalTls:
               .not_valid_before(now - dt.timedelta(minutes=5))
               .not_valid_after(now + dt.timedelta(days=_CA_DAYS))
               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+              .add_extension(x509.NameConstraints(permitted_subtrees=_permitted(host),
+                                                  excluded_subtrees=None), critical=True)
               .add_extension(x509.KeyUsage(
                   digital_signature=True, key_cert_sign=True, crl_sign=True,
                   content_commitment=False, key_encipherment=False, data_encipherment=False,
