@@ -254,12 +254,15 @@ def test_a_spare_network_namespace_has_only_lo_and_close_lets_go_of_the_rest() -
     spares = netns.SpareNamespaces()
     run_dir = Path(tempfile.mkdtemp(prefix="corral-test-ahead-netns-"))
     paths = [run_dir / "run" / f"ns{i}" for i in range(3)]
+    listeners = []  # each namespace comes with a listener bound in it (its first egress's)
     try:
         for path in paths[:2]:
-            spares.start(path)()
+            listeners.append(spares.start(path)())
         _wait_for("two spare network namespaces", lambda: len(_net_fds() - before) == 2)
-        spares.start(paths[2])()  # from a spare
+        listeners.append(spares.start(paths[2])())  # from a spare
         assert netns.is_pinned(paths[2])
+        assert all(sock is not None and sock.getsockname()[0] == "127.0.0.1"
+                   for sock in listeners)
         links = subprocess.run(["nsenter", f"--net={paths[2]}", "ip", "-o", "link"],
                                capture_output=True, text=True, check=True).stdout
         assert [line.split(":")[1].strip() for line in links.splitlines()] == ["lo"]
@@ -268,6 +271,9 @@ def test_a_spare_network_namespace_has_only_lo_and_close_lets_go_of_the_rest() -
         inodes = {os.stat(p).st_ino for p in paths}
         assert len(inodes) == 3 and os.stat("/proc/self/ns/net").st_ino not in inodes
     finally:
+        for sock in listeners:
+            if sock is not None:
+                sock.close()
         spares.close()
         for path in paths:
             netns.remove_netns(path)

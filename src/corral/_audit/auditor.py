@@ -153,7 +153,12 @@ class Auditor:
                 redacted = bounded(redacted, max_bytes)
             self._log(sandbox_id).append([Record(type_, redacted, command)], sync=sync)
             for listener in tuple(self._listeners):
-                listener(sandbox_id, type_)
+                # Only news for a reader (the dashboard's live list): what it does wrong must
+                # never fail the operation that wrote the event (a destroy, a create).
+                try:
+                    listener(sandbox_id, type_)
+                except Exception:
+                    logger.exception("an audit listener failed on %s of %s", type_, sandbox_id)
 
     def repeated(self, sandbox_id: str, type_: str, key: Mapping[str, str | int],
                  data: dict[str, Any], *, command: str | None = None) -> None:

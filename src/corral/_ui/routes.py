@@ -405,7 +405,9 @@ async def _changes(request: Request, manager: Manager, tenant: str,
 
     def heard(sandbox_id: str, type_: str) -> None:
         if type_.startswith(_LIVE_TYPES):
-            loop.call_soon_threadsafe(_offer, news, (sandbox_id, type_))
+            # A loop closed before this stream's end ran (a server stopped): nobody listens.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_offer, news, (sandbox_id, type_))
 
     stop = manager.auditor.listen(heard)
     # Whose a sandbox is, remembered: a destroyed one is no longer in the store.
