@@ -243,6 +243,14 @@ def test_the_dashboard_works_from_the_keyboard_alone(service: Service) -> None:
             page.get_by_role("heading", name="Sandboxes").wait_for()
             page.locator(f'tr[data-id="{sandbox.id}"]').wait_for()
             _tab_to(page, f'a[href="#/sandboxes/{sandbox.id}"]')
+            # A change elsewhere redraws the live list under the focus: it stays on the link.
+            other = Sandbox.create(url=service.server.url, api_key=service.keys["beta"])
+            try:
+                page.locator(f'tr[data-id="{other.id}"]').wait_for()
+                assert page.evaluate("document.activeElement.getAttribute('href')") == \
+                    f"#/sandboxes/{sandbox.id}"
+            finally:
+                other.kill()
             page.keyboard.press("Enter")
             page.get_by_role("heading", name=sandbox.id).wait_for()
             _tab_to(page, "#command")

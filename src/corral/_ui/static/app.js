@@ -175,6 +175,9 @@ async function sandboxesPage(signal) {
   async function load() {
     const query = new URLSearchParams({ offset: state.offset, limit: state.limit, q: state.q });
     const data = await (await api(`/ui/api/sandboxes?${query}`, { signal })).json();
+    // The live list redraws the rows: a keyboard user's focus on a row's link moves to the
+    // same link redrawn, or a key pressed next would go nowhere.
+    const focused = body.contains(document.activeElement) ? document.activeElement.getAttribute("href") : null;
     body.replaceChildren(...data.items.map((info) => el("tr", { "data-id": info.id },
       el("td", { class: "id" }, el("a", { href: `#/sandboxes/${info.id}`, text: info.id })),
       el("td", {}, pill(info.state)),
@@ -191,6 +194,7 @@ async function sandboxesPage(signal) {
       body.replaceChildren(el("tr", {}, el("td", { colspan: 10, class: "muted",
                                                  text: state.q ? "No sandbox matches." : "No sandboxes yet." })));
     }
+    if (focused) body.querySelector(`a[href="${CSS.escape(focused)}"]`)?.focus();
     const last = Math.min(data.total, state.offset + data.items.length);
     count.textContent = data.total ? `${state.offset + 1}–${last} of ${data.total}` : "";
     prev.disabled = state.offset === 0;
