@@ -44,7 +44,7 @@ COMMANDS: Mapping[str, str] = {
     "doctor": "corral._cli.host:doctor",
     "demo": "corral._cli.host:demo",
     "serve": "corral._cli.host:serve",
-    "mcp": "corral._cli.host:mcp_",
+    "mcp": "corral._cli.mcp:mcp_",
     "snapshot": "corral._cli.snapshots:snapshot",
     "fork": "corral._cli.snapshots:fork",
     "restore": "corral._cli.snapshots:restore",
