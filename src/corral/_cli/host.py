@@ -12,8 +12,10 @@ from .common import EXIT_FAILED, EXIT_UNAVAILABLE, emit_json, handle_errors, hom
 
 if TYPE_CHECKING:
     from .._settings import Settings
+    from ..backends import HostCheck
 
-__all__ = ["demo", "doctor", "metrics", "reap", "serve"]
+__all__ = ["check_lines", "demo", "doctor", "echo_tiers", "metrics", "reap", "serve",
+           "tier_checks"]
 
 
 @click.command()
@@ -81,12 +83,18 @@ def metrics(ctx: click.Context, as_json: bool) -> None:
               help="Serve a Ray cluster of Corral nodes (HEAD:6379) instead of this host: "
                    "each sandbox is placed on a node and its calls relayed there. Needs Ray "
                    "token authentication (RAY_AUTH_MODE=token); see docs/cluster.md.")
+@click.option("--check-config", is_flag=True,
+              help="Check the configuration (settings, data directory, keys for a non-loopback "
+                   "address, names, E2B and TLS options, the default tier's host checks, free "
+                   "ports) and exit: 0 when `corral serve` with the same options would start, "
+                   "2 with every problem found. The systemd unit runs it before starting.")
 @click.pass_context
 @handle_errors
 def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
           allow_keyless: bool | None, e2b_port: int | None, e2b_domain: str | None,
           e2b_tls_cert: str | None, e2b_tls_key: str | None, e2b_tls_local: bool,
-          ports_url: str | None, ports_domain: str | None, cluster: str | None) -> None:
+          ports_url: str | None, ports_domain: str | None, cluster: str | None,
+          check_config: bool) -> None:
     """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics), and with
     --e2b-port the E2B dialect beside it; with --cluster, over a Ray cluster."""
     from .._control.manager import get_manager
@@ -111,6 +119,9 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
     if cluster is not None:
         from ..errors import UsageError
 
+        if check_config:
+            raise UsageError("--check-config checks one host's service; a cluster's nodes "
+                             "each check their own (`corral serve --check-config` on each)")
         if ports_url is not None or ports_domain is not None:
             raise UsageError("--cluster serves exposed ports in the path form "
                              "(/ports/SANDBOX/PORT/), and E2B's <port>-<sandbox>.DOMAIN with "
@@ -150,9 +161,15 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
         from ..errors import UsageError
 
         raise UsageError("--e2b-domain and --e2b-tls-* need --e2b-port")
+    keyless = settings.server_allow_keyless if allow_keyless is None else allow_keyless
+    if check_config:
+        from .preflight import check_service
+
+        check_service(settings, host=host, ports=[port, *([e2b_port] if e2b_port else [])],
+                      host_names=names, allow_keyless=keyless, e2b=e2b)
+        return
     run_server(get_manager(settings), host=host, port=port, host_names=names,
-               allow_keyless=settings.server_allow_keyless if allow_keyless is None
-               else allow_keyless, e2b=e2b)
+               allow_keyless=keyless, e2b=e2b)
 
 
 @click.command()
@@ -194,46 +211,22 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     boot, until a program they vetted or Corral changes (``remembered``); this run replaces
     what was remembered, or forgets it when a check fails.
     """
-    from .._backends import BACKENDS, load_backend
     from .._backends._linux.hostcheck import checks_path
-    from ..backends import HostCheck
-    from ..errors import CorralError
 
     settings = ctx.obj["settings"]
-    tiers: dict[str, list[HostCheck]] = {}
-    for tier in BACKENDS:
-        try:
-            tiers[tier] = load_backend(settings, tier).check_host()
-        except CorralError as exc:  # a tier that cannot even load is reported, not fatal
-            tiers[tier] = [HostCheck(tier, False, exc.message, "see the message")]
+    tiers = tier_checks(settings)
     supported = {name: all(c.ok for c in checks) for name, checks in tiers.items()}
     remembered = {name: checks_path(settings, name).is_file() for name in tiers}
     ok = supported[settings.backend]
-
-    def lines(checks: list[HostCheck]) -> list[dict[str, Any]]:
-        return [{"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix} for c in checks]
-
     if as_json:
-        emit_json({"ok": ok, "default": settings.backend, "checks": lines(tiers[settings.backend]),
+        emit_json({"ok": ok, "default": settings.backend,
+                   "checks": check_lines(tiers[settings.backend]),
                    "tiers": {name: {"supported": supported[name],
-                                    "remembered": remembered[name], "checks": lines(checks)}
+                                    "remembered": remembered[name],
+                                    "checks": check_lines(checks)}
                              for name, checks in tiers.items()}})
     else:
-        for name, checks in tiers.items():
-            verdict = (click.style("supported", fg="green") if supported[name]
-                       else click.style("NOT supported", fg="red"))
-            default = " (default)" if name == settings.backend else ""
-            click.echo(f"{name} tier{default}: {verdict}")
-            for c in checks:
-                mark = click.style("ok  ", fg="green") if c.ok else click.style("FAIL", fg="red")
-                click.echo(f"  {mark} {c.name:16} {c.detail}")
-                if not c.ok:
-                    click.echo(f"       {'':16} fix: {c.fix}")
-        usable = [name for name, good in supported.items() if good]
-        click.echo(f"this host can run Corral sandboxes with isolation: {', '.join(usable)}"
-                   if usable else
-                   "this host cannot run Corral sandboxes safely; fix the FAIL lines above",
-                   err=True)
+        echo_tiers(tiers, settings.backend)
         kept = [name for name, good in remembered.items() if good]
         if kept:
             click.echo(f"checks remembered for this boot ({', '.join(kept)}): other commands "
@@ -260,3 +253,41 @@ def demo(ctx: click.Context, as_json: bool) -> None:
         emit_json(summary)
     contained = all(step.get("contained", True) for step in summary["steps"])
     sys.exit(0 if contained and summary["destroyed"] else EXIT_FAILED)
+
+
+def tier_checks(settings: Settings) -> dict[str, list[HostCheck]]:
+    """Every tier's host checks, run now (``corral doctor``, ``corral setup``)."""
+    from .._backends import BACKENDS, load_backend
+    from ..backends import HostCheck
+    from ..errors import CorralError
+
+    tiers: dict[str, list[HostCheck]] = {}
+    for tier in BACKENDS:
+        try:
+            tiers[tier] = load_backend(settings, tier).check_host()
+        except CorralError as exc:  # a tier that cannot even load is reported, not fatal
+            tiers[tier] = [HostCheck(tier, False, exc.message, "see the message")]
+    return tiers
+
+
+def check_lines(checks: list[HostCheck]) -> list[dict[str, Any]]:
+    return [{"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix} for c in checks]
+
+
+def echo_tiers(tiers: dict[str, list[HostCheck]], default: str) -> None:
+    """Each tier's verdict and checks, with the fix of each failing one."""
+    for name, checks in tiers.items():
+        good = all(c.ok for c in checks)
+        verdict = (click.style("supported", fg="green") if good
+                   else click.style("NOT supported", fg="red"))
+        click.echo(f"{name} tier{' (default)' if name == default else ''}: {verdict}")
+        for c in checks:
+            mark = click.style("ok  ", fg="green") if c.ok else click.style("FAIL", fg="red")
+            click.echo(f"  {mark} {c.name:16} {c.detail}")
+            if not c.ok:
+                click.echo(f"       {'':16} fix: {c.fix}")
+    usable = [name for name, checks in tiers.items() if all(c.ok for c in checks)]
+    click.echo(f"this host can run Corral sandboxes with isolation: {', '.join(usable)}"
+               if usable else
+               "this host cannot run Corral sandboxes safely; fix the FAIL lines above",
+               err=True)

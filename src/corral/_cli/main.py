@@ -44,6 +44,7 @@ COMMANDS: Mapping[str, str] = {
     "doctor": "corral._cli.host:doctor",
     "demo": "corral._cli.host:demo",
     "serve": "corral._cli.host:serve",
+    "setup": "corral._cli.setup:setup",
     "mcp": "corral._cli.mcp:mcp_",
     "snapshot": "corral._cli.snapshots:snapshot",
     "fork": "corral._cli.snapshots:fork",

@@ -94,7 +94,7 @@ def _skopeo() -> str:
     path = shutil.which("skopeo")
     if path is None:
         raise BackendUnavailable("skopeo is not installed, and Corral pulls images with it; "
-                                 "`apt-get install skopeo` (scripts/bootstrap does it)")
+                                 "`apt-get install skopeo` (`corral setup` does it)")
     return path
 
 

@@ -11,13 +11,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
 
 from .._control.manager import Manager
 from .._control.recovery import Reaper
 from ..errors import ConfigError
 from .app import create_app, is_loopback
 
-__all__ = ["E2BListener", "Reaper", "preview_problems", "serve"]
+__all__ = ["E2BListener", "Prepared", "Reaper", "prepare", "preview_problems", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +101,20 @@ async def _serve_both(native: uvicorn.Server, e2b: uvicorn.Server) -> None:
             await sibling
 
 
-def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] = (),
-          allow_keyless: bool = False, e2b: E2BListener | None = None) -> None:
-    """Serve until interrupted. Raises ConfigError when exposure would be unauthenticated or a
-    host name is malformed."""
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What ``serve`` runs, built and checked before anything listens."""
+
+    app: FastAPI
+    e2b: uvicorn.Config | None
+    warnings: list[str]
+
+
+def prepare(manager: Manager, *, host: str, host_names: Sequence[str] = (),
+            allow_keyless: bool = False, e2b: E2BListener | None = None) -> Prepared:
+    """The service's apps, or ConfigError when exposure would be unauthenticated or a name or
+    E2B option is malformed. ``serve`` and ``corral serve --check-config`` both run it, so the
+    check refuses exactly what starting would."""
     if not is_loopback(host) and manager.store.live_key_count() == 0:
         raise ConfigError(
             f"refusing to listen on {host} without API keys: anyone who can reach it could run "
@@ -114,15 +125,26 @@ def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] =
                          allow_keyless=allow_keyless)
     except ValueError as exc:
         raise ConfigError(f"--host-name: {exc}") from exc
+    warnings = []
     if host in ("0.0.0.0", "::") and not any(name.strip() for name in host_names):
-        logger.warning("listening on %s, but answering only to localhost, 127.0.0.1 and [::1]: "
-                       "name the addresses clients use with --host-name", host)
+        warnings.append(f"listening on {host}, but answering only to localhost, 127.0.0.1 and "
+                        "[::1]: name the addresses clients use with --host-name")
     if allow_keyless and manager.store.live_key_count() == 0 and manager.store.keys_have_existed():
-        logger.warning("serving keyless although API keys existed (--allow-keyless): any local "
-                       "process may run code here")
-    for problem in preview_problems(manager.ports.urls.domain, host, host_names):
-        logger.warning("%s", problem)
+        warnings.append("serving keyless although API keys existed (--allow-keyless): any "
+                        "local process may run code here")
+    warnings += preview_problems(manager.ports.urls.domain, host, host_names)
     e2b_config = None if e2b is None else _e2b_config(manager, e2b, host, host_names)
+    return Prepared(app, e2b_config, warnings)
+
+
+def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] = (),
+          allow_keyless: bool = False, e2b: E2BListener | None = None) -> None:
+    """Serve until interrupted. Raises ConfigError as ``prepare`` does."""
+    prepared = prepare(manager, host=host, host_names=host_names, allow_keyless=allow_keyless,
+                       e2b=e2b)
+    app, e2b_config = prepared.app, prepared.e2b
+    for warning in prepared.warnings:
+        logger.warning("%s", warning)
     manager.recover()
     reaper = Reaper(manager.recover)
     reaper.start()

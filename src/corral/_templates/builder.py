@@ -89,7 +89,7 @@ def _check_host() -> str:
     path = shutil.which("mmdebstrap")
     if path is None:
         raise BackendUnavailable("mmdebstrap is not installed; `apt-get install mmdebstrap` "
-                                 "(scripts/bootstrap does it)")
+                                 "(`corral setup` does it)")
     return path
 
 

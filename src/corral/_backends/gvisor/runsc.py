@@ -36,7 +36,7 @@ __all__ = ["MIN_VERSION", "Runsc", "find_runsc", "runsc_version"]
 # Debian bookworm's own runsc (2022) breaks statx, so `ls` fails; bookworm-backports has 2024.
 MIN_VERSION = 20230101
 _INSTALL = ("apt-get install -t bookworm-backports runsc (add `deb http://deb.debian.org/debian "
-            "bookworm-backports main` to the apt sources first; scripts/bootstrap does both)")
+            "bookworm-backports main` to the apt sources first; `corral setup` does both)")
 
 
 def find_runsc() -> str | None:
