@@ -113,4 +113,14 @@ def cli(ctx: click.Context, home: Path | None, debug: bool) -> None:
 
 
 def main() -> None:
-    cli(prog_name="corral")
+    try:
+        cli(prog_name="corral")
+    except ModuleNotFoundError as exc:
+        # A host command (serve, mcp, templates build, ...) on the client install.
+        from .._core.install import host_install_needed
+
+        needed = host_install_needed(exc, f"`corral {' '.join(sys.argv[1:2])}`")
+        if needed is None:
+            raise
+        click.secho(f"corral: {needed.message}", err=True, fg="red")
+        sys.exit(3)

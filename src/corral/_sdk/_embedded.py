@@ -252,14 +252,19 @@ def embedded_target(home: str | Path | None, url: str | None,
             api_key: str | None) -> tuple[str, str | None] | Manager:
     """Embedded (this process runs the sandboxes) unless a service URL is given or set in
     ``CORRAL_URL``: the URL and key, or the manager."""
-    from .._control.manager import get_manager
-
     settings = _settings(str(home) if home is not None else None, _corral_environment())
     target = url or settings.url
     if target and home is None:
         key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None)
         return target, key
-    return get_manager(settings)
+    try:
+        from .._control.manager import get_manager
+
+        return get_manager(settings)
+    except ModuleNotFoundError as exc:
+        from .._core.install import host_install_needed
+
+        raise host_install_needed(exc, "Embedded mode (no CORRAL_URL)") or exc from None
 
 
 def open_transport(home: str | Path | None, url: str | None, api_key: str | None
