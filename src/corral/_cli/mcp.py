@@ -3,9 +3,15 @@ when it runs."""
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import click
 
 from .common import handle_errors, home_of
+
+if TYPE_CHECKING:
+    from .._mcp.where import Where
 
 __all__ = ["mcp_"]
 
@@ -42,11 +48,14 @@ def _mcp_volumes(ctx: click.Context, param: click.Parameter,
               callback=_mcp_volumes,
               help="Let the model mount this volume (repeatable); with :ro, read-only only. "
                    "Default: none.")
+@click.option("--share-home", is_flag=True,
+              help="Start even if another Corral instance (corral serve, corral mcp) uses the "
+                   "data directory: both then reap and recover the same sandboxes.")
 @click.pass_context
 @handle_errors
 def mcp_(ctx: click.Context, transport: str, host: str, port: int,
          allow_hosts: tuple[str, ...], templates: tuple[str, ...], secrets: tuple[str, ...],
-         max_lifetime: int | None, volumes: dict[str, bool]) -> None:
+         max_lifetime: int | None, volumes: dict[str, bool], share_home: bool) -> None:
     """Serve sandboxes as tools over the Model Context Protocol (MCP).
 
     Calls without a sandbox_id share one sandbox per MCP session, destroyed when the session
@@ -58,12 +67,33 @@ def mcp_(ctx: click.Context, transport: str, host: str, port: int,
     three replace CORRAL_CEILING_HOSTS, _TEMPLATES and _SECRETS here; the other
     CORRAL_CEILING_* fields still apply). Beyond it a tool call fails with ceiling_exceeded;
     unknown arguments are refused.
+
+    On start it says which data directory and tier it uses (stderr, and the instructions the
+    client sees), and refuses a data directory another Corral instance uses unless
+    --share-home. MCP clients pass their server none of your shell's environment: set
+    CORRAL_HOME in the client's configuration, or pass --home (docs/mcp.md).
     """
     from .._mcp import mcp_ceiling, serve
 
     ceiling = mcp_ceiling(hosts=allow_hosts, templates=templates, secrets=secrets,
                           max_lifetime_s=max_lifetime)
     serve(home_of(ctx), "http" if transport == "http" else "stdio", host=host, port=port,
-          ceiling=ceiling, volumes=volumes)
+          ceiling=ceiling, volumes=volumes, where=_where(ctx), share_home=share_home)
+
+
+def _where(ctx: click.Context) -> Where:
+    """Where the server's sandboxes live, and what chose it."""
+    from .._mcp.where import Where
+    from .._settings import Settings
+
+    settings: Settings = ctx.obj["settings"]
+    home = home_of(ctx)
+    if ctx.obj.get("home_given"):
+        source = "--home"
+    elif any(name.upper() == "CORRAL_HOME" for name in os.environ):  # read case-blind
+        source = "CORRAL_HOME"
+    else:
+        source = "the default"
+    return Where(home=home, source=source, tier=settings.backend, url=settings.url)
 
 

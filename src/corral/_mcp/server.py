@@ -65,6 +65,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from .. import errors
 from .._control.tenants import Ceiling, check, local_tenant
+from .._core.homelock import InstanceLock, hold_home
 from .._egress.policy import NetworkPolicy
 from .._sdk._aembedded import AsyncEmbeddedTransport
 from .._sdk._async.http import AsyncHTTPTransport
@@ -72,6 +73,8 @@ from .._sdk._async.sandbox import AsyncSandbox
 from .._sdk._async.transport import AsyncTransport
 from .._sdk._embedded import embedded_target
 from ..models import CommandResult, FileEntry, PortInfo, SnapshotInfo, VolumeInfo
+from .lifeline import die_with_parent, watch_parent
+from .where import Where, allowed_text
 
 __all__ = ["DEFAULT_CEILING", "OUTPUT_CAP_BYTES", "CorralMCP", "build_server", "mcp_ceiling",
            "serve"]
@@ -610,12 +613,19 @@ def _forbid_unknown_arguments(mcp: MCPServer[Any]) -> None:
 
 def build_server(home: Path | None, transport: Transport,
                  ceiling: Ceiling = DEFAULT_CEILING,
-                 volumes: Mapping[str, bool] | None = None
+                 volumes: Mapping[str, bool] | None = None, where: Where | None = None,
                  ) -> tuple[MCPServer[Any], CorralMCP]:
     """The MCP server with Corral's tools, and the state behind them; ``ceiling`` bounds
     what the tools may ask for (default: ``DEFAULT_CEILING``), ``volumes`` names the volumes
-    the model may mount (name -> read-only only; default none)."""
+    the model may mount (name -> read-only only; default none); ``where``, said in the
+    instructions, is where its sandboxes live."""
     state = CorralMCP(home, transport, ceiling, volumes)
+    instructions = _INSTRUCTIONS
+    if where is not None:
+        # The client (and its user) see at initialize which data directory this is: the one
+        # an MCP client's missing environment picked is otherwise found out much later.
+        instructions += (f"\n\nThis server: {where.describe()}. The model may use: "
+                         f"{allowed_text(ceiling, volumes or {})}.")
 
     @asynccontextmanager
     async def lifespan(_: MCPServer[Any]) -> AsyncIterator[None]:
@@ -626,7 +636,7 @@ def build_server(home: Path | None, transport: Transport,
 
     from .. import __version__
 
-    mcp: MCPServer[Any] = MCPServer("corral", version=__version__, instructions=_INSTRUCTIONS,
+    mcp: MCPServer[Any] = MCPServer("corral", version=__version__, instructions=instructions,
                                     lifespan=lifespan, log_level="WARNING")
 
     @mcp.tool(annotations=ToolAnnotations(open_world_hint=False))
@@ -807,8 +817,9 @@ def build_server(home: Path | None, transport: Transport,
     return mcp, state
 
 
-async def _serve_stdio(mcp: MCPServer[Any], state: CorralMCP) -> None:
-    """Serve one client on stdin/stdout until it closes stdin, or a signal arrives."""
+async def _serve_stdio(mcp: MCPServer[Any], state: CorralMCP, parent: int,
+                       lock: InstanceLock | None) -> None:
+    """Serve one client on stdin/stdout until it closes stdin, it dies, or a signal arrives."""
     async with anyio.create_task_group() as tg:
 
         async def on_signal() -> None:
@@ -817,10 +828,15 @@ async def _serve_stdio(mcp: MCPServer[Any], state: CorralMCP) -> None:
                     # The SDK reads stdin in a worker thread that cancellation cannot interrupt,
                     # so clean up here, then die of the signal as if it had not been caught.
                     await state.shutdown()
+                    if lock is not None:
+                        lock.release()
                     signal.signal(signum, signal.SIG_DFL)
                     os.kill(os.getpid(), signum)
 
         tg.start_soon(on_signal)
+        # A killed client: the kernel's SIGTERM (die_with_parent), or this watch, ends the
+        # server like a SIGTERM would, when stdin does not end because others hold its pipe.
+        tg.start_soon(watch_parent, parent)
         await mcp.run_stdio_async()
         tg.cancel_scope.cancel()
 
@@ -837,15 +853,35 @@ async def _serve_http(mcp: MCPServer[Any], host: str, port: int) -> None:
 
 def serve(home: Path | None, transport: Transport, host: str = "127.0.0.1",
           port: int = 8765, ceiling: Ceiling = DEFAULT_CEILING,
-          volumes: Mapping[str, bool] | None = None) -> None:
-    """Run the server until the client leaves (stdio) or a signal arrives."""
-    mcp, state = build_server(home, transport, ceiling, volumes)
-    if transport == "stdio":
-        anyio.run(_serve_stdio, mcp, state)
-        return
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"corral mcp: listening on {host}, beyond this host; the MCP endpoint has no "
-              "authentication: anyone who reaches it can run commands in sandboxes",
-              file=sys.stderr)
-    print(f"corral mcp: Streamable HTTP on http://{host}:{port}/mcp", file=sys.stderr)
-    anyio.run(_serve_http, mcp, host, port)
+          volumes: Mapping[str, bool] | None = None, where: Where | None = None,
+          share_home: bool = False) -> None:
+    """Run the server until the client leaves (stdio) or a signal arrives.
+
+    Says on stderr where its sandboxes live (``where``), then holds the data directory's
+    instance lock for its life: ``ConfigError`` when another instance (``corral serve``,
+    another ``corral mcp``) holds it, unless ``share_home``."""
+    # First thing: a client killed while this starts must not leave it running.
+    parent = die_with_parent() if transport == "stdio" else 0
+    if where is not None:
+        print(f"corral mcp: {where.describe()}; the model may use: "
+              f"{allowed_text(ceiling, volumes or {})}", file=sys.stderr, flush=True)
+    lock = None
+    if home is not None:
+        lock = hold_home(home, f"corral mcp ({transport})", share=share_home)
+        for other in lock.others:
+            print(f"corral mcp: sharing the data directory with {other.describe()} "
+                  "(--share-home)", file=sys.stderr, flush=True)
+    try:
+        mcp, state = build_server(home, transport, ceiling, volumes, where)
+        if transport == "stdio":
+            anyio.run(_serve_stdio, mcp, state, parent, lock)
+            return
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"corral mcp: listening on {host}, beyond this host; the MCP endpoint has no "
+                  "authentication: anyone who reaches it can run commands in sandboxes",
+                  file=sys.stderr)
+        print(f"corral mcp: Streamable HTTP on http://{host}:{port}/mcp", file=sys.stderr)
+        anyio.run(_serve_http, mcp, host, port)
+    finally:
+        if lock is not None:
+            lock.release()

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from .._control.manager import Manager
 from .._control.recovery import Reaper
+from .._core.homelock import hold_home
 from ..errors import ConfigError
 from .app import create_app, is_loopback
 
@@ -138,13 +139,30 @@ def prepare(manager: Manager, *, host: str, host_names: Sequence[str] = (),
 
 
 def serve(manager: Manager, *, host: str, port: int, host_names: Sequence[str] = (),
-          allow_keyless: bool = False, e2b: E2BListener | None = None) -> None:
-    """Serve until interrupted. Raises ConfigError as ``prepare`` does."""
+          allow_keyless: bool = False, e2b: E2BListener | None = None,
+          share_home: bool | None = None) -> None:
+    """Serve until interrupted. Raises ConfigError as ``prepare`` does, and when another
+    Corral instance (``corral serve``, ``corral mcp``) uses the data directory, unless
+    ``share_home`` (None: the caller has no option for it to name; False: ``--share-home``)."""
     prepared = prepare(manager, host=host, host_names=host_names, allow_keyless=allow_keyless,
                        e2b=e2b)
     app, e2b_config = prepared.app, prepared.e2b
     for warning in prepared.warnings:
         logger.warning("%s", warning)
+    # Held for the service's life; released by the kernel however the process ends.
+    instance = hold_home(manager.settings.home, f"corral serve on {host}:{port}",
+                         share=bool(share_home),
+                         override=None if share_home is None else "--share-home")
+    for other in instance.others:
+        logger.warning("sharing the data directory with %s (--share-home)", other.describe())
+    try:
+        _run(manager, app, e2b_config, host=host, port=port)
+    finally:
+        instance.release()
+
+
+def _run(manager: Manager, app: FastAPI, e2b_config: uvicorn.Config | None, *, host: str,
+         port: int) -> None:
     manager.recover()
     reaper = Reaper(manager.recover)
     reaper.start()
