@@ -94,6 +94,7 @@ def _where(ctx: click.Context) -> Where:
         source = "CORRAL_HOME"
     else:
         source = "the default"
-    return Where(home=home, source=source, tier=settings.backend, url=settings.url)
+    return Where(home=home, source=source, tier=settings.backend, url=settings.url,
+                 uids=(settings.uid_start, settings.uid_count))
 
 

@@ -177,7 +177,8 @@ def hold_home(home: Path, command: str, *, share: bool = False,
                 f"the data directory {home} is in use by another Corral instance: {listed}. "
                 f"Give this one a data directory of its own (corral --home DIR ..., or CORRAL_HOME "
                 f"in its environment: an MCP client passes its server none of your shell's, so "
-                f"set it in the client's configuration), or {share_how}")
+                f"set it in the client's configuration) with sandbox uids of its own "
+                f"(CORRAL_UID_START: two directories' ranges must not overlap), or {share_how}")
         path = directory / f"{os.getpid()}-{secrets.token_hex(4)}.lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:

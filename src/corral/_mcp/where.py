@@ -22,12 +22,17 @@ class Where:
     source: str  # "--home", "CORRAL_HOME" or "the default"
     tier: str  # the default isolation tier (settings.backend)
     url: str | None = None
+    uids: tuple[int, int] | None = None  # the first sandbox uid and how many
 
     def describe(self) -> str:
         if self.home is None:
             return (f"the Corral service at {self.url} (from CORRAL_URL): its data directory and "
                     "tiers are the service's")
-        return f"data directory {self.home} (from {self.source}), tier {self.tier}"
+        # The uid range too: a second data directory needs one of its own (they must not
+        # overlap), and the default is the same for every directory.
+        uids = ("" if self.uids is None else
+                f", sandbox uids {self.uids[0]}-{self.uids[0] + self.uids[1] - 1}")
+        return f"data directory {self.home} (from {self.source}), tier {self.tier}{uids}"
 
 
 def _names(values: tuple[str, ...] | None, none: str) -> str:
