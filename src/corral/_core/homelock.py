@@ -32,7 +32,7 @@ from types import TracebackType
 
 from ..errors import ConfigError
 
-__all__ = ["Holder", "InstanceLock", "hold_home", "holders"]
+__all__ = ["Holder", "InstanceLock", "hold_home"]
 
 _DIR = "instances"
 _GATE = ".gate"
@@ -101,7 +101,7 @@ def _read(fd: int) -> Holder | None:
 def _probe(path: Path) -> Holder | None:
     """The live instance holding ``path``; None (and the file removed) when none does."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # RDWR: NFS locks exclusively only so
     except FileNotFoundError:
         return None
     try:
@@ -135,15 +135,6 @@ def _gate(directory: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def holders(home: Path) -> list[Holder]:
-    """The instances running on ``home`` now (crashed ones' files are removed on the way)."""
-    directory = home / _DIR
-    if not directory.is_dir():
-        return []
-    with _gate(directory):
-        return _live(directory)
 
 
 def _live(directory: Path) -> list[Holder]:
