@@ -394,6 +394,9 @@ class _State:
     key: str
     variables: dict[str, str] = field(default_factory=dict)  # ARG values in scope
     stage: Path | None = None  # made when a step has to run
+    # WORKDIRs since the last filesystem step: Docker makes each in the image, so the next
+    # step's layer holds them (made in the stage after its "before" scan).
+    workdirs: list[str] = field(default_factory=list)
     steps_run: int = 0
     steps_cached: int = 0
 
@@ -434,7 +437,9 @@ class _Builder:
             stage = self._work / "stage"
             shutil.rmtree(stage, ignore_errors=True)
             stage.mkdir(mode=0o755)
-            compose_root(state.layers, stage, workdir=state.config.working_dir, link=False)
+            # No workdir here: made before the step's scan it would be in no layer
+            # (``_make_workdirs`` makes it after).
+            compose_root(state.layers, stage, link=False)
             # A step's root is bound directory by directory into a read-only one, so it cannot
             # make a new top-level directory: the usual ones are there (in a layer if new).
             for top in _TOP_LEVEL:
@@ -464,6 +469,10 @@ class _Builder:
 
     def filesystem_step(self, state: _State, step: _Instruction, key_input: str,
                         apply: Callable[[Path], None]) -> None:
+        # The directories the step makes first are part of what it is (and of its layer).
+        workdirs = self._workdirs(state)
+        if workdirs:
+            key_input += "\0" + json.dumps(workdirs)
         key = hashlib.sha256(f"{state.key}\0{key_input}".encode()).hexdigest()
         layer_id = f"sha256:{key}"
         where = step.where(self._dockerfile)
@@ -478,11 +487,13 @@ class _Builder:
             self._progress(where)
             stage = self._stage(state)
             before = _scan(stage)
+            self._make_workdirs(stage, workdirs, where)
             apply(stage)
             cached = self._store_layer(stage, before, key)
             state.steps_run += 1
         state.layers.append((self._cache.path(layer_id) / "tree", cached))
         state.key = key
+        state.workdirs = []
 
     def _store_layer(self, stage: Path, before: dict[str, _Entry], key: str) -> LayerContent:
         final = self._cache.path(f"sha256:{key}")
@@ -555,14 +566,33 @@ class _Builder:
         self.filesystem_step(state, step, key_input,
                              lambda stage: self._copy_as_owner(sources, dest, stage, where))
 
-    def make_workdir(self, state: _State, workdir: str, where: str) -> None:
-        assert state.stage is not None
-        tree = SafeTree(state.stage, where)
+    @staticmethod
+    def _workdirs(state: _State) -> list[str]:
+        """The WORKDIRs a step makes before it runs: those since the last step, and the one
+        it runs in (the base image's may be missing too; Docker makes it)."""
+        current = state.config.working_dir
+        return [*state.workdirs, *([current] if current and current not in state.workdirs
+                                   else [])]
+
+    def _make_workdirs(self, stage: Path, workdirs: list[str], where: str) -> None:
+        """Make ``workdirs`` in the stage, as Docker does: root's (the build's uid here, root's
+        in the image), 0755, each missing parent too; one reached through a symlink of the
+        image's is left for the step's command to resolve in its root (never followed)."""
+        if not workdirs:
+            return
+        made = False
+        tree = SafeTree(stage, where)
         try:
-            tree.directory(path_components(workdir, where), create=True)
+            for workdir in workdirs:
+                parts = path_components(workdir, where)
+                with contextlib.suppress(ImageError):
+                    if tree.directory(parts, create=False) is None:
+                        tree.directory(parts, create=True)
+                        made = True
         finally:
             tree.close()
-        _chown_tree(state.stage, self._uid)
+        if made:  # the step's command (the build's uid) writes in them
+            _chown_tree(stage, self._uid)
 
     def _copy_as_owner(self, sources: list[Path], dest: str, stage: Path, where: str) -> None:
         _copy_in(sources, dest, stage, where)
@@ -601,6 +631,7 @@ def _build(manager: Manager, dockerfile: Path, context: Path, steps: list[_Instr
            progress: Progress, started: float) -> BuildResult:
     variables: dict[str, str] = {}
     state: _State | None = None
+    last_workdir: _Instruction | None = None
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=manager.settings.home))
     os.chmod(work, 0o711)  # the build sandbox's uid reaches its stage inside
     builder = _Builder(manager, dockerfile, context, network, progress, work)
@@ -628,8 +659,8 @@ def _build(manager: Manager, dockerfile: Path, context: Path, steps: list[_Instr
                 workdir = posixpath.normpath(posixpath.join(state.config.working_dir or "/",
                                                             path))
                 state.config = replace(state.config, working_dir=workdir)
-                if state.stage is not None:  # later RUN steps start there; made when stacked
-                    builder.make_workdir(state, workdir, where)
+                if workdir not in state.workdirs:  # made by the next step, in its layer
+                    state.workdirs.append(workdir)
             elif step.keyword == "USER":
                 state.config = replace(state.config, user=_expand(step.value, scope) or None)
             elif step.keyword in ("CMD", "ENTRYPOINT"):
@@ -645,7 +676,14 @@ def _build(manager: Manager, dockerfile: Path, context: Path, steps: list[_Instr
                 progress(f"{where} (recorded only)")
             else:
                 raise UsageError(f"{where}: unknown instruction {step.keyword}")
+            if step.keyword == "WORKDIR":
+                last_workdir = step
         assert state is not None
+        if [w for w in state.workdirs if w != state.config.working_dir]:
+            # WORKDIRs no step followed: Docker has them in the image, so a layer of their
+            # own (the last one is made at start anyway, as for any image).
+            assert last_workdir is not None
+            builder.filesystem_step(state, last_workdir, "WORKDIR", lambda stage: None)
         config_key = hashlib.sha256(
             f"{state.key}\0{json.dumps(state.config.to_dict(), sort_keys=True)}".encode()
         ).hexdigest()

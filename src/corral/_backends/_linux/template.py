@@ -385,4 +385,6 @@ def build_root_template(root: Path) -> BaseTemplate:
 
 
 # The kernel's and the sandbox's own; everything else of a build's root is the command's.
-_BUILD_SKIPPED_DIRS = frozenset({"proc", "sys", "dev", "tmp", "run", "workspace"})
+# /workspace is not: a step has no workspace, and a Dockerfile's ``WORKDIR /workspace`` (a
+# common one) is the image's directory, which its steps write in as Docker's do.
+_BUILD_SKIPPED_DIRS = frozenset({"proc", "sys", "dev", "tmp", "run"})
