@@ -107,3 +107,12 @@ def test_nothing_loads_from_the_network(site: Path) -> None:
              for match in _ASSET_TAG.finditer(page.read_text(encoding="utf-8"))]
     assert not remote + built, ("the site must open from disk with no network (no CDN fonts, "
                                 "scripts or images): " + "; ".join((remote + built)[:5]))
+
+
+def test_readme_links_resolve() -> None:
+    # The README is read on the forge, outside the site: its links are paths in the repository.
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    missing = [t for t in targets if not t.startswith(("http://", "https://"))
+               and not (ROOT / t).exists()]
+    assert targets and not missing, f"README.md links to missing files: {missing}"
