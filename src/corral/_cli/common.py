@@ -7,6 +7,7 @@ imported inside the helpers that need them, never at module level.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import sys
@@ -64,7 +65,9 @@ def handle_errors(fn: F) -> F:
                 raise
             _fail(exc.message, exc.code, _exit_code_for(exc), as_json)
         except OSError as exc:
-            if ctx.obj and ctx.obj.get("debug"):
+            # Our stdout's reader went away (`corral ls --json | head -c1`): click's main ends
+            # quietly, as `yes | head` does, not with "Broken pipe" as if Corral had failed.
+            if exc.errno == errno.EPIPE or (ctx.obj and ctx.obj.get("debug")):
                 raise
             _fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""),
                   "os_error", EXIT_FAILED, as_json)

@@ -107,8 +107,14 @@ def cli(ctx: click.Context, home: Path | None, debug: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         settings = Settings(home=home) if home is not None else Settings()
-    except Exception as exc:  # pydantic's ValidationError names the bad variable
-        raise click.UsageError(f"invalid configuration: {exc}") from exc
+    except ValueError as exc:  # pydantic's ValidationError, pydantic-settings' SettingsError
+        if debug:
+            raise
+        from .configerror import describe
+
+        for line in describe(exc):
+            click.secho(f"corral: {line}", err=True, fg="red")
+        ctx.exit(2)  # a usage error: the configuration given is wrong
     ctx.obj = {"settings": settings, "debug": debug, "home_given": home is not None}
 
 
