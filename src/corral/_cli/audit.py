@@ -5,13 +5,12 @@ budgets, and the retention of destroyed sandboxes' trails)."""
 from __future__ import annotations
 
 import re
-import time
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from .. import errors
-from .common import emit_json, handle_errors, json_option, size_text
+from .common import columns, emit_json, handle_errors, json_option, size_text, when
 
 if TYPE_CHECKING:
     from .._audit.events import AuditEvent
@@ -102,25 +101,21 @@ def egress(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
         for event in trail.events:
             click.echo(event.model_dump_json())
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=None)
-    for column in ("TIME", "COMMAND", "METHOD", "HOST:PORT", "VERDICT", "RULE", "UP", "DOWN"):
-        table.add_column(column)
+    # Plain columns, not rich's table: that cut host names to the terminal's width (80 columns
+    # when stdout is a pipe), and the host is what a reader of this table is looking for.
+    rows = []
     for event in trail.events:
         d = event.data
         count = ""
         if event.type == "egress.summary":
             count = f" x{d.get('count')}"
             d = d.get("sample") or {}
-        verdict = d.get("verdict", "")
-        colour = "green" if verdict == "allowed" else "red"
-        table.add_row(time.strftime("%H:%M:%S", time.gmtime(event.ts)), event.command or "-",
-                      d.get("method", ""), f"{d.get('host')}:{d.get('port')}",
-                      f"[{colour}]{verdict}{count}[/{colour}]", d.get("rule", ""),
-                      str(d.get("bytes_up", 0)), str(d.get("bytes_down", 0)))
-    Console().print(table)
+        rows.append((when(event.ts), event.command or "-", str(d.get("method", "")),
+                     f"{d.get('host')}:{d.get('port')}", f"{d.get('verdict', '')}{count}",
+                     str(d.get("rule", "")), str(d.get("bytes_up", 0)),
+                     str(d.get("bytes_down", 0))))
+    click.echo(columns(("TIME", "COMMAND", "METHOD", "HOST:PORT", "VERDICT", "RULE", "UP",
+                        "DOWN"), rows))
 
 
 

@@ -11,6 +11,7 @@ import errno
 import functools
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -91,6 +92,14 @@ def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=None, sort_keys=False))
 
 
+def when(ts: float | None) -> str:
+    """A timestamp for a person, the same in every command: ISO 8601 in UTC, to the second
+    (``2026-12-07T07:41:05Z``); ``-`` for none. JSON keeps the numbers."""
+    if ts is None:
+        return "-"
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
 def size_text(n: int) -> str:
     """Bytes for a person: ``512 B``, ``1.5 GiB``."""
     if n < 1024:
@@ -157,7 +166,8 @@ class TakesCommand(click.Command):
 
 def columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A plain left-aligned table, one line per row (rich's costs ~25 ms of start-up to import,
-    more than `corral ls` itself takes)."""
+    more than `corral ls` itself takes). Never cut to the terminal's width: a host name or an
+    id cut short identifies nothing, and a pipe's reader has no width at all."""
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths,
                                                                         strict=True)).rstrip()

@@ -7,12 +7,11 @@ host_url, token, signed_url, signed_expires_at}``.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from .common import columns, connect, emit_json, handle_errors, json_option
+from .common import columns, connect, emit_json, handle_errors, json_option, when
 
 if TYPE_CHECKING:
     from ..models import PortInfo
@@ -49,8 +48,7 @@ def _describe(info: PortInfo) -> list[str]:
         lines.append(("host_url", info.host_url))
     lines.append(("token", info.token or "-"))
     if info.signed_url:
-        expires = time.strftime("%Y-%m-%d %H:%M:%S",
-                                time.localtime(info.signed_expires_at or 0))
+        expires = when(info.signed_expires_at)
         lines += [("signed_url", info.signed_url), ("expires", f"{expires} (the signed link)")]
     width = max(len(key) for key, _ in lines)
     return [f"{key:{width}}  {value}" for key, value in lines]

@@ -24,6 +24,7 @@ from .common import (
     json_option,
     parse_pairs,
     sdk,
+    when,
 )
 from .snapshots import start_options
 from .volumes import mount_options
@@ -323,6 +324,9 @@ def info_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
         emit_json(_info_json(info))
     else:
         for key, value in _info_json(info).items():
+            # Times as every command shows them (JSON keeps the numbers).
+            if key.endswith("_at") and isinstance(value, int | float):
+                value = when(value)
             click.echo(f"{key:16} {value}")
 
 

@@ -8,7 +8,6 @@ created_at, size_bytes, depth, memory}`` and a sandbox as ``corral info --json``
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -16,6 +15,7 @@ import click
 from .._backends import BACKENDS
 from .common import (
     F,
+    columns,
     connect,
     emit_json,
     handle_errors,
@@ -23,6 +23,7 @@ from .common import (
     json_option,
     sdk,
     size_text,
+    when,
 )
 
 if TYPE_CHECKING:
@@ -154,17 +155,11 @@ def snapshots_ls(ctx: click.Context, as_json: bool) -> None:
     if not snaps:
         click.echo("no snapshots", err=True)
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=None)
-    for column in ("ID", "NAME", "TEMPLATE", "FROM", "SIZE", "DEPTH", "MEMORY", "CREATED"):
-        table.add_column(column)
-    for s in snaps:
-        table.add_row(s.id, s.name or "-", s.template, s.sandbox, size_text(s.size_bytes),
-                      str(s.depth), "yes" if s.memory else "no",
-                      time.strftime("%Y-%m-%d %H:%M", time.localtime(s.created_at)))
-    Console().print(table)
+    # Plain columns: rich's table cut ids and names to the terminal's width.
+    rows = [(s.id, s.name or "-", s.template, s.sandbox, size_text(s.size_bytes), str(s.depth),
+             "yes" if s.memory else "no", when(s.created_at)) for s in snaps]
+    click.echo(columns(("ID", "NAME", "TEMPLATE", "FROM", "SIZE", "DEPTH", "MEMORY",
+                        "CREATED"), rows))
 
 
 @snapshots.command(name="info")

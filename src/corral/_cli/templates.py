@@ -6,7 +6,6 @@ They act on the local data directory (``--home`` / ``CORRAL_HOME``) and need roo
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import signal
 import sys
@@ -29,7 +28,7 @@ from .._templates import (
     load_spec_file,
     remove_builds,
 )
-from .common import emit_json, handle_errors, json_option
+from .common import emit_json, handle_errors, json_option, when
 
 __all__ = ["templates"]
 
@@ -128,7 +127,7 @@ def _mib(size: int) -> str:
 
 
 def _when(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts).isoformat(sep=" ", timespec="seconds")
+    return when(ts)
 
 
 @templates.command(name="build")

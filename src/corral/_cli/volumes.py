@@ -8,13 +8,21 @@ mounted_by, writer}``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from .common import F, columns, emit_json, handle_errors, home_of, json_option, size_text
+from .common import (
+    F,
+    columns,
+    emit_json,
+    handle_errors,
+    home_of,
+    json_option,
+    size_text,
+    when,
+)
 
 if TYPE_CHECKING:
     from .._sdk.sandbox import Volume
@@ -164,7 +172,7 @@ def volumes_ls(ctx: click.Context, as_json: bool) -> None:
         return
     rows = [(v.name, v.id, size_text(v.size_bytes),
              "-" if v.used_bytes is None else size_text(v.used_bytes),
-             _holders(v), time.strftime("%Y-%m-%d %H:%M", time.localtime(v.created_at)))
+             _holders(v), when(v.created_at))
             for v in found]
     click.echo(columns(("NAME", "ID", "SIZE", "USED", "MOUNTED BY", "CREATED"), rows))
 
@@ -189,7 +197,7 @@ def volumes_info(ctx: click.Context, ref: str, as_json: bool) -> None:
     lines = {
         "name": volume.name, "id": volume.id, "size": size_text(volume.size_bytes),
         "used": "-" if volume.used_bytes is None else size_text(volume.used_bytes),
-        "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(volume.created_at)),
+        "created": when(volume.created_at),
         "mounted by": ", ".join(volume.mounted_by) or "-",
         "writer": volume.writer or "-",
     }
