@@ -363,3 +363,74 @@ def test_a_session_is_the_browsers_alone_and_its_tenants_alone(service: Service)
     finally:
         beta.kill()
         client.close()
+
+
+def _try_list_sandboxes(page: Page) -> tuple[str, str]:
+    """Swagger UI's "Try it out" on GET /v1/sandboxes: the answer's status and body."""
+    operation = page.locator("#operations-sandboxes-list_sandboxes_v1_sandboxes_get")
+    if operation.locator("button.try-out__btn").count() == 0:
+        operation.locator(".opblock-summary").first.click()
+    cancel = operation.locator("button.try-out__btn.cancel")
+    if cancel.count() == 0:
+        operation.locator("button.try-out__btn").click()
+    responses = operation.locator(".live-responses-table tbody .response-col_status")
+    before = responses.count()
+    operation.locator("button.execute").click()
+    # An answer replaces the last one: wait for this one by its Clear button's refresh.
+    operation.locator(".btn-clear").wait_for()
+    assert responses.count() >= before
+    status = responses.first.inner_text().strip()
+    body = operation.locator(".live-responses-table .response-col_description pre").first
+    text = body.inner_text()
+    operation.locator(".btn-clear").click()
+    operation.locator(".btn-clear").wait_for(state="detached")
+    return status, text
+
+
+def test_docs_try_it_out_with_a_key_or_the_dashboard_session(service: Service) -> None:
+    """/docs authenticates: Authorize takes a key; a browser signed in to the dashboard uses its
+    session; neither is a 401 that says what to send."""
+    alpha = Sandbox.create(url=service.server.url, api_key=service.keys["alpha"])
+    beta = Sandbox.create(url=service.server.url, api_key=service.keys["beta"])
+    blocked: list[str] = []
+    try:
+        with chromium_page(blocked=blocked) as page:
+            page.goto(f"{service.server.url}/docs")
+            page.locator(".swagger-ui .info .title").get_by_text("Corral").wait_for()
+            status, body = _try_list_sandboxes(page)
+            assert status == "401" and "Bearer" in body, (status, body)
+
+            page.locator(".auth-wrapper button.authorize").click()
+            page.locator(".auth-container input").first.fill(service.keys["alpha"])
+            page.locator(".auth-btn-wrapper button.authorize").click()
+            page.locator(".auth-btn-wrapper button.btn-done").click()
+            status, body = _try_list_sandboxes(page)
+            assert status == "200", (status, body)
+            assert alpha.id in body and beta.id not in body
+
+        with chromium_page(blocked=blocked) as page:
+            page.goto(f"{service.server.url}/ui")
+            page.get_by_label("API key").fill(service.keys["beta"])
+            page.get_by_role("button", name="Sign in").click()
+            page.get_by_role("heading", name="Sandboxes").wait_for()
+            page.goto(f"{service.server.url}/docs")
+            page.locator(".swagger-ui .info .title").get_by_text("Corral").wait_for()
+            status, body = _try_list_sandboxes(page)
+            assert status == "200", (status, body)
+            assert beta.id in body and alpha.id not in body
+    finally:
+        alpha.kill()
+        beta.kill()
+    assert blocked == [], f"/docs tried to reach off the machine: {blocked}"
+
+
+def test_openapi_says_how_to_authenticate_and_groups_operations(service: Service) -> None:
+    schema = httpx.get(f"{service.server.url}/openapi.json", timeout=30).json()
+    assert schema["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    assert schema["security"] == [{"apiKey": []}]
+    assert schema["paths"]["/healthz"]["get"]["security"] == []
+    tags = [tag["name"] for tag in schema["tags"]]
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            assert operation.get("tags") and operation["tags"][0] in tags, (method, path)
+            assert operation.get("description"), f"{method} {path} has no description"

@@ -43,6 +43,7 @@ from .guard import (
     OwnerFirst,
     ServiceNames,
 )
+from .openapi import TAGS, describe
 from .portproxy import PortProxy, PortRouting
 from .routes import (
     audit,
@@ -137,8 +138,12 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     names = ServiceNames.of(listen_host, host_names) if own_keys else AnyName()
     # /docs is the dashboard module's, from assets in the package; ReDoc would need a CDN.
     app = FastAPI(title="Corral", version="0.1.0", responses=_ERRORS, docs_url=None,
-                  redoc_url=None,
-                  description="Sandboxes for AI agents: commands, files, network policy, audit.")
+                  redoc_url=None, openapi_tags=[{"name": name, "description": text}
+                                                for name, text in TAGS.items()],
+                  description="Sandboxes for AI agents: commands, files, network policy, "
+                              "audit. Authenticate with `Authorization: Bearer ck_...` (an API "
+                              "key); errors are `{\"error\": code, \"message\"}`.")
+    describe(app)
     app.state.manager = manager
     app.state.tenants = tenants
     app.state.loopback = loopback
@@ -196,12 +201,12 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
         return JSONResponse({"error": "invalid_request", "message": problems}, status_code=422)
 
     # Included in this order, the order of the OpenAPI document's paths.
-    for router in (sandboxes.router, snapshots.router, commands.router, processes.router,
-                   code.router, files.router, ports.router, volumes.router, audit.router):
-        app.include_router(router)
+    for module in (sandboxes, snapshots, commands, processes, code, files, ports, volumes, audit):
+        app.include_router(module.router, tags=[module.__name__.rpartition(".")[2]])
 
-    @app.get("/healthz")
+    @app.get("/healthz", tags=["service"], openapi_extra={"security": []})
     def healthz() -> dict[str, str]:
+        """200 with `{"status": "ok"}` while the service runs; needs no key."""
         return {"status": "ok"}
 
     install_ui(app, sessions)

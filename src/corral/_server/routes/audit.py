@@ -34,6 +34,8 @@ def audit(sandbox_id: str, who: TenantDep, manager: ManagerDep,
           tail: Annotated[int | None, IntText, Query(ge=1, le=1_000_000, description=(
               "Only the last N lines of the trail (then, with follow, what comes next): a "
               "long trail's end without reading all of it."))] = None) -> StreamingResponse:
+    """The sandbox's audit trail as NDJSON events (commands, files, network, lifecycle), also
+    after it is destroyed; `follow` streams new events."""
     _check_trail_owner(manager, sandbox_id, who)
     if follow:
         path = manager.auditor.path(sandbox_id)
@@ -62,6 +64,7 @@ def audit(sandbox_id: str, who: TenantDep, manager: ManagerDep,
 
 @router.get("/metrics", response_class=PlainTextResponse)
 def metrics(who: TenantDep, manager: ManagerDep) -> PlainTextResponse:
+    """Prometheus metrics (text exposition format): sandboxes, commands, egress, the reaper."""
     return PlainTextResponse(render(manager.store),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -35,6 +35,9 @@ _KEEPALIVE_S = 15.0
                  "or error {error, message}.")}})
 def run_code(sandbox_id: str, body: RunCode, who: TenantDep, manager: ManagerDep
              ) -> StreamingResponse:
+    """Run a cell in the code interpreter (Python, JavaScript, TypeScript, R, bash kernels) and
+    stream NDJSON: stdout, stderr, results (text, images, ...) and errors as they come, the
+    whole execution last."""
     owned(manager, sandbox_id, who)
     # Refused with a status before the 200 of the stream: an unknown context or language, a
     # spent quota, a template that cannot run the kernel.
@@ -80,6 +83,8 @@ def _stream(manager: Manager, sandbox_id: str, body: RunCode, who: Tenant) -> It
              status_code=201)
 def create_context(sandbox_id: str, body: CreateCodeContext, who: TenantDep,
                    manager: ManagerDep) -> CodeContext:
+    """Start a code context: a kernel of its own (language, cwd) whose variables persist between
+    cells."""
     owned(manager, sandbox_id, who)
     return manager.interpreter.create_context(sandbox_id, language=body.language,
                                               cwd=body.cwd, caller=who)
@@ -87,6 +92,7 @@ def create_context(sandbox_id: str, body: CreateCodeContext, who: TenantDep,
 
 @router.get("/v1/sandboxes/{sandbox_id}/code/contexts", response_model=list[CodeContext])
 def list_contexts(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> list[CodeContext]:
+    """The sandbox's code contexts."""
     owned(manager, sandbox_id, who)
     return manager.interpreter.list_contexts(sandbox_id)
 
@@ -95,6 +101,7 @@ def list_contexts(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> list[
              response_model=CodeContext)
 def restart_context(sandbox_id: str, context_id: str, who: TenantDep,
                     manager: ManagerDep) -> CodeContext:
+    """Restart a context's kernel: its state is dropped, the context id stays."""
     owned(manager, sandbox_id, who)
     return manager.interpreter.restart_context(sandbox_id, context_id)
 
@@ -102,6 +109,7 @@ def restart_context(sandbox_id: str, context_id: str, who: TenantDep,
 @router.delete("/v1/sandboxes/{sandbox_id}/code/contexts/{context_id}", status_code=204)
 def remove_context(sandbox_id: str, context_id: str, who: TenantDep,
                    manager: ManagerDep) -> Response:
+    """Stop a context's kernel and forget it."""
     owned(manager, sandbox_id, who)
     manager.interpreter.remove_context(sandbox_id, context_id)
     return Response(status_code=204)

@@ -27,6 +27,7 @@ router = APIRouter()
 
 @router.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/kill", status_code=204)
 def kill_command(sandbox_id: str, command_id: str, who: TenantDep, manager: ManagerDep) -> Response:
+    """Kill a running command (its whole process group) by the id its stream announced."""
     owned(manager, sandbox_id, who)
     manager.kill_command(sandbox_id, command_id)
     return Response(status_code=204)
@@ -37,6 +38,8 @@ def kill_command(sandbox_id: str, command_id: str, who: TenantDep, manager: Mana
                               "description": "The result, or NDJSON events with stream=true."}})
 def run_command(sandbox_id: str, body: RunCommand, who: TenantDep, manager: ManagerDep
                 ) -> dict[str, Any] | StreamingResponse:
+    """Run a command to completion and answer its result, or with `stream` answer NDJSON: output
+    events as they come, the result last. Limits, cwd, env and stdin are per command."""
     owned(manager, sandbox_id, who)
     kwargs: dict[str, Any] = {"timeout": body.timeout, "envs": body.envs, "cwd": body.cwd,
                               "stdin": body.stdin, "context": body.context}

@@ -27,6 +27,7 @@ router = APIRouter()
                              "description": "The file's bytes."}})
 def read_file(sandbox_id: str, path: _PathQuery,
               who: TenantDep, manager: ManagerDep) -> Response:
+    """A file's bytes (a path relative to /workspace, or absolute under it)."""
     owned(manager, sandbox_id, who)
     return Response(manager.files(sandbox_id).read(path),
                     media_type="application/octet-stream")
@@ -36,6 +37,7 @@ def read_file(sandbox_id: str, path: _PathQuery,
 async def write_file(sandbox_id: str, path: Annotated[str, Query(min_length=1)],
                      request: Request, who: TenantDep, manager: ManagerDep
                      ) -> dict[str, Any]:
+    """Write the request body to a file, creating its parent directories; the write is atomic."""
     # Whose it is before a byte of the body is read.
     await run_in_threadpool(owned, manager, sandbox_id, who)
     data = await read_body(request, MAX_FILE_BODY, "a file upload is limited to {} "
@@ -51,6 +53,7 @@ async def write_file(sandbox_id: str, path: Annotated[str, Query(min_length=1)],
 @router.get("/v1/sandboxes/{sandbox_id}/files")
 def list_files(sandbox_id: str, who: TenantDep, manager: ManagerDep, path: str = "/workspace"
                ) -> list[dict[str, Any]]:
+    """The entries of a directory (name, type, size, mode, modification time)."""
     owned(manager, sandbox_id, who)
     return [e.to_dict() for e in manager.files(sandbox_id).list(path)]
 
@@ -58,6 +61,7 @@ def list_files(sandbox_id: str, who: TenantDep, manager: ManagerDep, path: str =
 @router.get("/v1/sandboxes/{sandbox_id}/files/stat")
 def stat_file(sandbox_id: str, path: _PathQuery,
               who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
+    """One path's type, size, mode and modification time."""
     owned(manager, sandbox_id, who)
     return manager.files(sandbox_id).stat(path).to_dict()
 
@@ -65,6 +69,7 @@ def stat_file(sandbox_id: str, path: _PathQuery,
 @router.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204)
 def remove_file(sandbox_id: str, path: _PathQuery,
               who: TenantDep, manager: ManagerDep) -> Response:
+    """Remove a file, or a directory and everything in it."""
     owned(manager, sandbox_id, who)
     manager.files(sandbox_id).remove(path)
     return Response(status_code=204)
@@ -74,6 +79,7 @@ def remove_file(sandbox_id: str, path: _PathQuery,
 def rename_file(sandbox_id: str, src: Annotated[str, Query(min_length=1)],
                 dst: Annotated[str, Query(min_length=1)],
                                           who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
+    """Rename or move a path within the sandbox."""
     owned(manager, sandbox_id, who)
     return manager.files(sandbox_id).rename(src, dst).to_dict()
 
@@ -130,5 +136,6 @@ def download_tar(sandbox_id: str, who: TenantDep, manager: ManagerDep, path: str
 @router.post("/v1/sandboxes/{sandbox_id}/files/mkdir")
 def make_dir(sandbox_id: str, path: _PathQuery,
               who: TenantDep, manager: ManagerDep) -> dict[str, bool]:
+    """Create a directory and its parents (no error if it exists)."""
     owned(manager, sandbox_id, who)
     return {"created": manager.files(sandbox_id).make_dir(path)}

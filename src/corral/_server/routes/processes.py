@@ -27,6 +27,8 @@ router = APIRouter()
              response_model=ProcessInfo)
 def start_process(sandbox_id: str, body: StartProcess,
                   who: TenantDep, manager: ManagerDep) -> ProcessInfo:
+    """Start a background process (optionally on a PTY); it outlives the request and is listed,
+    read, written and killed by id."""
     owned(manager, sandbox_id, who)
     return manager.processes.start(sandbox_id, body.cmd, envs=body.envs, cwd=body.cwd,
                                    context=body.context, caller=who).info()
@@ -34,6 +36,7 @@ def start_process(sandbox_id: str, body: StartProcess,
 
 @router.get("/v1/sandboxes/{sandbox_id}/processes", response_model=list[ProcessInfo])
 def list_processes(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> list[ProcessInfo]:
+    """The sandbox's background processes."""
     owned(manager, sandbox_id, who)
     return [p.info() for p in manager.processes.list(sandbox_id)]
 
@@ -41,6 +44,7 @@ def list_processes(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> list
 @router.get("/v1/sandboxes/{sandbox_id}/processes/{process_id}", response_model=ProcessInfo)
 def get_process(sandbox_id: str, process_id: str,
                 who: TenantDep, manager: ManagerDep) -> ProcessInfo:
+    """One background process: its command, state and exit code."""
     owned(manager, sandbox_id, who)
     return manager.processes.get(sandbox_id, process_id).info()
 
@@ -68,6 +72,7 @@ def process_output(sandbox_id: str, process_id: str,
              openapi_extra=_BINARY_BODY)
 async def process_input(sandbox_id: str, process_id: str, request: Request,
                         who: TenantDep, manager: ManagerDep) -> Response:
+    """Write the request body to the process's stdin (or its terminal)."""
     def target() -> Any:
         owned(manager, sandbox_id, who)
         return manager.processes.get(sandbox_id, process_id)
@@ -82,6 +87,7 @@ async def process_input(sandbox_id: str, process_id: str, request: Request,
 
 @router.post("/v1/sandboxes/{sandbox_id}/processes/{process_id}/kill", status_code=204)
 def kill_process(sandbox_id: str, process_id: str, who: TenantDep, manager: ManagerDep) -> Response:
+    """Kill a background process and its children."""
     owned(manager, sandbox_id, who)
     manager.processes.kill(sandbox_id, process_id)
     return Response(status_code=204)

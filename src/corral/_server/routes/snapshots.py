@@ -44,11 +44,13 @@ def restore(sandbox_id: str, body: Restore, who: TenantDep, manager: ManagerDep)
 
 @router.get("/v1/snapshots", response_model=list[SnapshotInfo])
 def list_snapshots(who: TenantDep, manager: ManagerDep) -> list[SnapshotInfo]:
+    """Your tenant's snapshots, newest first."""
     return manager.list_snapshots(tenant=scope(who))
 
 
 @router.get("/v1/snapshots/{ref}", response_model=SnapshotInfo)
 def get_snapshot(ref: str, who: TenantDep, manager: ManagerDep) -> SnapshotInfo:
+    """One snapshot, by id or name."""
     return manager.get_snapshot(ref, tenant=scope(who))
 
 

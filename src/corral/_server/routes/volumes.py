@@ -21,11 +21,13 @@ def create_volume(body: CreateVolume, who: TenantDep, manager: ManagerDep) -> Vo
 
 @router.get("/v1/volumes", response_model=list[VolumeInfo])
 def list_volumes(who: TenantDep, manager: ManagerDep) -> list[VolumeInfo]:
+    """Your tenant's volumes."""
     return manager.volumes.list(tenant=scope(who))
 
 
 @router.get("/v1/volumes/{ref}", response_model=VolumeInfo)
 def get_volume(ref: str, who: TenantDep, manager: ManagerDep) -> VolumeInfo:
+    """One volume, by id or name."""
     return manager.volumes.get(ref, tenant=scope(who))
 
 
