@@ -83,6 +83,9 @@ def metrics(ctx: click.Context, as_json: bool) -> None:
               help="Serve a Ray cluster of Corral nodes (HEAD:6379) instead of this host: "
                    "each sandbox is placed on a node and its calls relayed there. Needs Ray "
                    "token authentication (RAY_AUTH_MODE=token); see docs/cluster.md.")
+@click.option("--share-home", is_flag=True,
+              help="Start even if another Corral instance (corral serve, corral mcp) uses the "
+                   "data directory: both then reap and recover the same sandboxes.")
 @click.option("--check-config", is_flag=True,
               help="Check the configuration (settings, data directory, keys for a non-loopback "
                    "address, names, E2B and TLS options, the default tier's host checks, free "
@@ -94,7 +97,7 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
           allow_keyless: bool | None, e2b_port: int | None, e2b_domain: str | None,
           e2b_tls_cert: str | None, e2b_tls_key: str | None, e2b_tls_local: bool,
           ports_url: str | None, ports_domain: str | None, cluster: str | None,
-          check_config: bool) -> None:
+          share_home: bool, check_config: bool) -> None:
     """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics), and with
     --e2b-port the E2B dialect beside it; with --cluster, over a Ray cluster."""
     from .._control.manager import get_manager
@@ -166,10 +169,10 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
         from .preflight import check_service
 
         check_service(settings, host=host, ports=[port, *([e2b_port] if e2b_port else [])],
-                      host_names=names, allow_keyless=keyless, e2b=e2b)
+                      host_names=names, allow_keyless=keyless, e2b=e2b, share_home=share_home)
         return
     run_server(get_manager(settings), host=host, port=port, host_names=names,
-               allow_keyless=keyless, e2b=e2b)
+               allow_keyless=keyless, e2b=e2b, share_home=share_home)
 
 
 @click.command()

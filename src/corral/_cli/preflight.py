@@ -47,9 +47,10 @@ def _home_problem(settings: Settings) -> str | None:
 
 def check_service(settings: Settings, *, host: str, ports: Sequence[int],
                   host_names: Sequence[str], allow_keyless: bool,
-                  e2b: E2BListener | None) -> None:
+                  e2b: E2BListener | None, share_home: bool) -> None:
     """Print what was checked; exit 2 listing every problem, or return when all pass."""
     from .._control.manager import get_manager
+    from .._core.homelock import instances_using
     from .._server.serve import prepare
     from ..errors import CorralError
     from .host import tier_checks
@@ -60,6 +61,15 @@ def check_service(settings: Settings, *, host: str, ports: Sequence[int],
         problems.append(home)
     else:
         click.echo(f"ok    data directory {settings.home}", err=True)
+        others = instances_using(settings.home)
+        listed = "; ".join(other.describe() for other in others)
+        if others and not share_home:
+            problems.append(f"the data directory is in use by another Corral instance: "
+                            f"{listed} (stop it, give this service a data directory of its "
+                            "own, or pass --share-home)")
+        elif others:
+            click.echo(f"warn  sharing the data directory with {listed} (--share-home)",
+                       err=True)
         try:
             prepared = prepare(get_manager(settings), host=host, host_names=host_names,
                                allow_keyless=allow_keyless, e2b=e2b)

@@ -32,7 +32,7 @@ from types import TracebackType
 
 from ..errors import ConfigError
 
-__all__ = ["Holder", "InstanceLock", "hold_home"]
+__all__ = ["Holder", "InstanceLock", "hold_home", "instances_using"]
 
 _DIR = "instances"
 _GATE = ".gate"
@@ -144,6 +144,16 @@ def _live(directory: Path) -> list[Holder]:
         if holder is not None:
             found.append(holder)
     return found
+
+
+def instances_using(home: Path) -> list[Holder]:
+    """The Corral instances holding ``home`` now (``corral serve --check-config`` reports them
+    before a start that ``hold_home`` would refuse)."""
+    directory = home / _DIR
+    if not directory.is_dir():
+        return []
+    with _gate(directory):
+        return _live(directory)
 
 
 def hold_home(home: Path, command: str, *, share: bool = False,
