@@ -18,11 +18,13 @@ from pathlib import Path
 
 from ..errors import UsageError
 
-__all__ = ["SecretInfo", "SecretStore"]
+__all__ = ["HTTPS_PORT", "SecretInfo", "SecretStore"]
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _HOST_RE = re.compile(r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62}\.)*[A-Za-z0-9-]{1,63}(:\d{1,5})?$")
 _MAX_VALUE = 64 * 1024
+#: The port a host named without one is bound on.
+HTTPS_PORT = 443
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +66,17 @@ class SecretStore:
             raise UsageError("a secret's value must be a non-empty string without NUL bytes")
         if len(value.encode()) > _MAX_VALUE:
             raise UsageError(f"a secret's value is limited to {_MAX_VALUE} bytes")
-        clean_hosts = []
+        clean_hosts: builtins.list[str] = []
         for host in hosts:
             if not isinstance(host, str) or not _HOST_RE.match(host):
                 raise UsageError(f"invalid host {host!r}: use api.example.com, "
                                  "*.example.com or host:port")
-            clean_hosts.append(host.lower())
+            # A host without a port means HTTPS on 443, written out: a sandbox that reaches the
+            # host on another port (allowed as host:8443) sends the placeholder there
+            # unreplaced, and the binding must show that it does not cover that port. (Plain
+            # HTTP never carries a value: the gateway swaps only inside TLS it intercepts.)
+            named = [host.lower()] if ":" in host else [f"{host.lower()}:{HTTPS_PORT}"]
+            clean_hosts += [h for h in named if h not in clean_hosts]
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO secrets (name, value, hosts, created_at) "
