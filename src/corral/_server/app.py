@@ -10,6 +10,7 @@ error class carries.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +57,7 @@ from .routes import (
     snapshots,
     volumes,
 )
-from .schemas import _ERRORS
+from .schemas import _ERRORS, request_fields
 
 # The body limits are part of the service's contract; importable from here, as before.
 __all__ = ["BODY_LIMITS", "LOOPBACK_PORTS_DOMAIN", "MAX_COMMAND_BODY", "MAX_FILE_BODY",
@@ -196,8 +197,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
         if same is not None:
             return JSONResponse({"error": same.code, "message": same.message},
                                 status_code=same.status)
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                             for e in exc.errors())
+        problems = "; ".join(_problem_text(e) for e in exc.errors())
         return JSONResponse({"error": "invalid_request", "message": problems}, status_code=422)
 
     # Included in this order, the order of the OpenAPI document's paths.
@@ -244,12 +244,37 @@ def _field_rules(manager: Manager) -> dict[tuple[str, str], Callable[[Any], obje
     return rules
 
 
+def _problem_text(error: Mapping[str, Any]) -> str:
+    """One schema problem for a person: an unknown field names the fields that exist (a
+    misspelled ``command`` for ``cmd`` says so), a missing one says it is required."""
+    where = ".".join(str(part) for part in error["loc"])
+    if error.get("type") == "missing":
+        return f"{where}: required"
+    if error.get("type") == "extra_forbidden":
+        return f"{where}: not a field of this request{_close_field(error)}"
+    return f"{where}: {error['msg']}"
+
+
+_SAME_MEANING = {"command": "cmd", "cmds": "cmd", "env": "envs", "environment": "envs",
+                 "working_dir": "cwd", "workdir": "cwd", "ttl": "timeout"}
+
+
+def _close_field(error: Mapping[str, Any]) -> str:
+    name = str(error["loc"][-1])
+    if name in _SAME_MEANING:
+        return f" (did you mean {_SAME_MEANING[name]!r}?)"
+    close = difflib.get_close_matches(name, sorted(request_fields()), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _control_plane_error(rules: Mapping[tuple[str, str], Callable[[Any], object]],
                          problems: Sequence[Any]) -> CorralError | None:
     """What the control plane raises for the first schema problem, if it has a rule for it."""
     if not problems:
         return None
     first = problems[0]
+    if first.get("type") in ("missing", "extra_forbidden"):
+        return None  # about the body's shape, not a field's value: its "input" is the body
     loc = [str(part) for part in first.get("loc", ())]
     rule = rules.get((loc[0], loc[1])) if len(loc) > 1 else None
     if rule is None:

@@ -21,7 +21,7 @@ from .._core.resources import TIERS
 
 __all__ = ["ISOLATION_TIERS", "CreateCodeContext", "CreateSandbox", "ErrorOut", "Fork",
            "NetworkBody", "Restore", "RunCode", "RunCommand", "SetTimeout", "StartProcess",
-           "TakeSnapshot"]
+           "TakeSnapshot", "request_fields"]
 
 class _Strict(BaseModel):
     # strict: a JSON value of the wrong type is refused, never coerced ("5", true, "yes").
@@ -205,3 +205,14 @@ class StartProcess(_Strict):
 
 class SetTimeout(_Strict):
     timeout: _Seconds
+
+
+def request_fields() -> frozenset[str]:
+    """Every field a request body may have (an unknown one's message suggests the closest)."""
+    found: set[str] = set()
+    pending = list(_Strict.__subclasses__())
+    while pending:
+        model = pending.pop()
+        found.update(model.model_fields)
+        pending += model.__subclasses__()
+    return frozenset(found)
