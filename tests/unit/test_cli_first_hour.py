@@ -3,6 +3,7 @@ tables cut to 80 columns, and raw epoch numbers in human output."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -138,3 +139,18 @@ def test_snapshots_show_iso_times_and_whole_ids(monkeypatch: pytest.MonkeyPatch)
     assert result.exit_code == 0, result.output
     assert snapshot.id in result.output and snapshot.name in result.output
     assert _ISO_UTC.search(result.output)
+
+
+def test_help_loads_every_command_but_no_model_drill_or_template_stack() -> None:
+    # `corral --help` imports each command's module to list it: those modules import what
+    # they run when they run (the drill package, the tenants' store, rich, pydantic's models).
+    code = ("import sys, json\nfrom click.testing import CliRunner\n"
+            "from corral._cli.main import cli\n"
+            "assert CliRunner().invoke(cli, ['--help']).exit_code == 0\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    loaded = set(json.loads(out.stdout))
+    heavy = {"pydantic", "corral._drill", "corral._control.tenants", "corral._templates",
+             "rich", "corral.models"}
+    assert loaded.isdisjoint(heavy), sorted(loaded & heavy)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .. import errors
-from .._control.tenants import Ceiling, Tenant, TenantDirectory
 from .common import emit_json, handle_errors, json_option
+
+if TYPE_CHECKING:  # imported by the commands that run: `corral --help` loads this module
+    from .._control.tenants import Ceiling, Tenant
 
 __all__ = ["keys", "secrets", "tenants"]
 
@@ -148,6 +150,8 @@ def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[
 
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
                              max_lifetime)
+    from .._control.tenants import Ceiling, TenantDirectory
+
     tenant = TenantDirectory(get_manager(ctx.obj["settings"]).store).add_tenant(
         name, max_sandboxes=max_sandboxes, tiers=list(tiers) or None,
         commands_per_minute=commands_per_minute, ceiling=Ceiling.build(**fields),
@@ -181,6 +185,7 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
 
     A sandbox paused at its audit budget may be resumed once the budget is raised here."""
     from .._control.manager import get_manager
+    from .._control.tenants import Ceiling, TenantDirectory
 
     directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
@@ -213,6 +218,7 @@ def tenants_ls(ctx: click.Context, as_json: bool) -> None:
     (hosts, templates, isolation, resources, secrets: lists; max_lifetime_s: seconds) and an
     audit budget is null where the server default applies (0: none)."""
     from .._control.manager import get_manager
+    from .._control.tenants import TenantDirectory
 
     found = TenantDirectory(get_manager(ctx.obj["settings"]).store).tenants()
     if as_json:
@@ -260,6 +266,7 @@ def keys_create(ctx: click.Context, tenant: str | None, e2b: bool, operator: boo
     """Create a key for TENANT (or, with --operator, the operator's) and print it (it
     cannot be shown again)."""
     from .._control.manager import get_manager
+    from .._control.tenants import TenantDirectory
 
     directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
     if operator:
@@ -306,21 +313,35 @@ def secrets() -> None:
 
 @secrets.command(name="add")
 @click.argument("name")
-@click.option("--host", "hosts", multiple=True, metavar="HOST",
-              help="A host the value may be sent to (repeatable): api.example.com, *.example.com.")
+@click.option("--host", "hosts", multiple=True, metavar="HOST[:PORT]",
+              help="A host the value may be sent to over HTTPS (repeatable): api.example.com "
+                   "(port 443), api.example.com:8443, *.example.com.")
 @json_option
 @click.pass_context
 @handle_errors
 def secrets_add(ctx: click.Context, name: str, hosts: tuple[str, ...], as_json: bool) -> None:
-    """Register NAME with its value read from stdin (never from the command line)."""
+    """Register NAME with its value read from stdin (never from the command line).
+
+    Sandboxes given NAME see a placeholder; the egress gateway puts the value in its place only
+    in HTTPS requests to these hosts and ports (a host without a port: 443). An upstream that
+    echoes requests back (httpbin-style /headers or /anything, error pages quoting the
+    request, a debug endpoint) hands the real value to the sandbox: bind secrets only to hosts
+    that never reflect what they are sent.
+    """
     from .._control.manager import get_manager
 
     value = sys.stdin.read().rstrip("\n")
     info = get_manager(ctx.obj["settings"]).secrets.add(name, value, list(hosts))
     if as_json:
         emit_json({"name": info.name, "hosts": list(info.hosts)})
-    else:
-        click.echo(f"registered {info.name}", err=True)
+        return
+    where = ", ".join(info.hosts) or "no host (add --host: until then it is sent nowhere)"
+    click.echo(f"registered {info.name}: replaced in HTTPS requests to {where}; another port of "
+               "one of these hosts gets the placeholder, not the value (name it as "
+               "HOST:PORT)", err=True)
+    click.secho(f"warning: an upstream that echoes requests back (a /headers or /anything "
+                f"endpoint, an error page that quotes the request) hands {info.name}'s value "
+                "to the sandbox", err=True, fg="yellow")
 
 
 @secrets.command(name="ls")

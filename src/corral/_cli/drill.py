@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import io
 import sys
-from typing import get_args
 
 import click
 
-from .._drill.model import CATEGORIES
-from ..backends import BackendName
+from .._backends import BACKENDS  # the tier names, without the public models behind them
 from .common import EXIT_FAILED, emit_json, handle_errors, home_of, json_option
+
+
+class _Categories(click.Choice):  # type: ignore[type-arg]
+    """The drill's categories, read from ``_drill.model`` when first asked for: importing it
+    loads the whole drill package (~0.1 s), and `corral --help` loads this module."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from .._drill.model import CATEGORIES
+
+        return tuple(CATEGORIES)
+
+    @choices.setter
+    def choices(self, value: object) -> None:
+        """click's __init__ sets it; the drill's own list is the one."""
 
 __all__ = ["drill"]
 
@@ -18,7 +34,7 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
 
 
 @click.command()
-@click.option("--isolation", type=click.Choice(get_args(BackendName)), default=None,
+@click.option("--isolation", type=click.Choice(list(BACKENDS)), default=None,
               help="Isolation tier of the drill's sandboxes (default: the configured one).")
 @click.option("--template", default=None, help="Template of the drill's sandboxes.")
 @click.option("--resources", "-r", default="small", show_default=True,
@@ -53,7 +69,7 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
 @click.option("--case", "case_ids", multiple=True, metavar="ID",
               help="Only these cases (an id, or a prefix such as net or net.ip-literal).")
 @click.option("--category", "categories", multiple=True,
-              type=click.Choice(CATEGORIES),
+              type=_Categories(),
               help="Only these categories.")
 @click.option("--list", "list_only", is_flag=True, help="List the cases and exit.")
 @json_option

@@ -12,23 +12,17 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
 
 from .. import errors
-from .._templates import (
-    BUILTIN_SPECS,
-    BuiltTemplate,
-    TemplateSpec,
-    build_template,
-    check_name,
-    list_builds,
-    load_spec_file,
-    remove_builds,
-)
 from .common import emit_json, handle_errors, json_option, when
+
+if TYPE_CHECKING:  # imported by the commands that run: `corral --help` loads this module
+    from rich.console import Console
+
+    from .._templates import BuiltTemplate, TemplateSpec
 
 __all__ = ["templates"]
 
@@ -58,6 +52,8 @@ def templates() -> None:
 
 
 def _spec_from(name: str | None, spec_file: Path | None) -> TemplateSpec:
+    from .._templates import BUILTIN_SPECS, check_name, load_spec_file
+
     if spec_file is not None:
         return load_spec_file(spec_file, name=name)
     if name is None:
@@ -162,6 +158,10 @@ def build(ctx: click.Context, name: str | None, spec_file: Path | None,
     if spec.image is not None:  # a spec naming an image: the image, pulled as NAME
         ctx.invoke(pull, reference=spec.image, name=spec.name, as_json=as_json)
         return
+    from rich.console import Console
+
+    from .._templates import build_template
+
     templates_dir: Path = ctx.obj["settings"].home / "templates"
     console = Console(stderr=True)
     with _interruptible(f"building template {spec.name!r} was interrupted; nothing was kept",
@@ -182,6 +182,8 @@ def build(ctx: click.Context, name: str | None, spec_file: Path | None,
 def _build_dockerfile(ctx: click.Context, name: str | None, dockerfile: Path,
                       context_dir: Path | None, build_args: tuple[str, ...],
                       allow: tuple[str, ...], as_json: bool) -> None:
+    from rich.console import Console
+
     from .._control.manager import get_manager
     from .._images.build import build_dockerfile
     from .common import parse_pairs
@@ -250,6 +252,8 @@ def pull(ctx: click.Context, reference: str, name: str | None, as_json: bool) ->
     paths that leave the root, device nodes, setuid bits and file owners are refused or
     cleared. Sandboxes of the template get the image's Env and WorkingDir.
     """
+    from rich.console import Console
+
     from .._images.pull import pull_image
 
     settings = ctx.obj["settings"]
@@ -280,6 +284,8 @@ def pull(ctx: click.Context, reference: str, name: str | None, as_json: bool) ->
 def ls(ctx: click.Context, as_json: bool) -> None:
     """List templates: base and every build, newest first (the current one of each name is
     marked *, tags in brackets: `--template NAME:TAG` picks that build)."""
+    from .._templates import BUILTIN_SPECS, list_builds
+
     builds = list_builds(ctx.obj["settings"].home / "templates")
     if as_json:
         base: dict[str, Any] = {
@@ -327,6 +333,8 @@ def rm(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove every build of template NAME (refused while a sandbox uses it)."""
     if name == "base":
         raise errors.UsageError("template 'base' is the host's own system and cannot be removed")
+    from .._templates import check_name, remove_builds
+
     check_name(name)
     home: Path = ctx.obj["settings"].home
     users = _sandboxes_using(home, name)

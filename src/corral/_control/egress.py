@@ -9,12 +9,10 @@ import secrets as random
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._audit.auditor import Auditor
 from .._egress.addresses import parse_cidrs
-from .._egress.ca import CertificateAuthority
-from .._egress.gateway import BoundSecret, Decision, EgressContext, Gateway, ListenerHandle
 from .._egress.policy import NetworkPolicy, Rule
 from .._settings import Settings
 from ..backends import EgressEndpoint, IsolationBackend, SandboxSpec, WorkspaceFS
@@ -22,6 +20,12 @@ from ..errors import BackendError, CorralError, UsageError
 from .presets import PackageIndexes, check_names
 from .secrets import SecretStore
 from .store import Store
+
+if TYPE_CHECKING:
+    # Imported where used: the CA needs cryptography and the gateway asyncio, ssl and h11,
+    # ~50 ms of a CLI call that runs no command (`corral ls`, `corral info`).
+    from .._egress.ca import CertificateAuthority
+    from .._egress.gateway import Decision, EgressContext, Gateway, ListenerHandle
 
 __all__ = ["EgressBroker", "NetworkSpec", "network_spec", "policy_from"]
 
@@ -76,14 +80,31 @@ class EgressBroker:
         self._secrets = secret_store
         self._auditor = auditor
         self._cidrs = parse_cidrs(c for c in settings.egress_allow_cidrs.split(",") if c.strip())
-        # Made now, before any template is built, so every sandbox's trust bundle has it.
-        self.ca = CertificateAuthority(settings.home / "egress")
+        # Made now, before any template is built, so every sandbox's trust bundle has it; a
+        # CA already on disk is loaded when first used (the gateway's start).
+        self._ca_dir = settings.home / "egress"
+        self._ca: CertificateAuthority | None = None
+        if not ((self._ca_dir / "ca.pem").exists() and (self._ca_dir / "ca.key").exists()):
+            self._ca = self._load_ca()
         self.indexes = PackageIndexes(settings)
         self._gateway: Gateway | None = None
         self._lock = threading.Lock()
         # Each sandbox without network's refusing listener: (handle, proxy URL); ``_refuser``.
         self._refusers: dict[str, tuple[ListenerHandle, str]] = {}
         self._running: dict[str, list[str]] = {}  # each such sandbox's commands now running
+
+    def _load_ca(self) -> CertificateAuthority:
+        from .._egress.ca import CertificateAuthority
+
+        return CertificateAuthority(self._ca_dir)
+
+    @property
+    def ca(self) -> CertificateAuthority:
+        """The deployment's egress CA (made or loaded on first use)."""
+        with self._lock:
+            if self._ca is None:
+                self._ca = self._load_ca()
+            return self._ca
 
     def policy(self, network: NetworkSpec) -> NetworkPolicy:
         """``policy_from`` with this operator's package indexes for the presets."""
@@ -101,6 +122,8 @@ class EgressBroker:
         return result
 
     def _context(self, sandbox_id: str) -> EgressContext:
+        from .._egress.gateway import BoundSecret, EgressContext
+
         info = self._store.get(sandbox_id)
         if info is None or info.state != "running":
             return EgressContext(policy=NetworkPolicy.none())
@@ -133,11 +156,14 @@ class EgressBroker:
         self._auditor.count("corral_egress_decisions", verdict=decision.verdict)
 
     def gateway(self) -> Gateway:
+        from .._egress.gateway import Gateway
+
+        ca = self.ca  # first: it takes the lock too
         with self._lock:
             if self._gateway is None:
                 upstream_ca = self._settings.egress_upstream_ca
                 self._gateway = Gateway(
-                    lookup=self._context, report=self._report, ca=self.ca,
+                    lookup=self._context, report=self._report, ca=ca,
                     operator_cidrs=self._cidrs, pinned_hosts=self._settings.egress_hosts,
                     upstream_ca_file=str(upstream_ca) if upstream_ca else None)
             return self._gateway

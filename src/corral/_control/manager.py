@@ -18,7 +18,7 @@ import builtins
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .._audit.auditor import Auditor
 from .._settings import Settings
@@ -30,7 +30,6 @@ from .commands import Commands
 from .egress import EgressBroker, NetworkSpec
 from .files import AuditedFiles, Files
 from .intents import Intents
-from .interpreter import Interpreter
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .ports import Ports
@@ -44,6 +43,9 @@ from .snapshots import Snapshots
 from .store import Store
 from .tenants import Admission, Ceiling, CommandWindows, Tenant
 from .volumes import Volumes
+
+if TYPE_CHECKING:
+    from .interpreter import Interpreter
 
 __all__ = ["Manager", "get_manager"]
 
@@ -102,10 +104,23 @@ class Manager:
                                  intents=self.intents, volumes=self.volumes)
         self.file_access = Files(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor)
-        self.interpreter = Interpreter(sandboxes=self.sandboxes, processes=self.processes,
-                                       auditor=self.auditor)
+        self._interpreter: Interpreter | None = None
+        self._interpreter_lock = threading.Lock()
         self.ports = Ports(settings=settings, store=self.store, sandboxes=self.sandboxes,
                            auditor=self.auditor)
+
+    @property
+    def interpreter(self) -> Interpreter:
+        """The code interpreter's kernels and contexts, built on first use: its module and the
+        public models it loads are ~7 ms of every CLI call that runs no code. Under a lock:
+        two first calls at once must share one (its contexts live in it)."""
+        with self._interpreter_lock:
+            if self._interpreter is None:
+                from .interpreter import Interpreter
+
+                self._interpreter = Interpreter(sandboxes=self.sandboxes,
+                                                processes=self.processes, auditor=self.auditor)
+            return self._interpreter
 
     # -- start-up and backends ------------------------------------------------------------------
 
@@ -216,7 +231,8 @@ class Manager:
         way after ``DESTROY_WAIT_S`` (accepted: it finishes in the background, and the
         sandbox is gone for every caller already)."""
         done = self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
-        self.interpreter.forget_sandbox(sandbox_id)  # its kernels died with it
+        if self._interpreter is not None:  # built: it may hold kernels, which died with it
+            self._interpreter.forget_sandbox(sandbox_id)
         return done
 
     def _destroy(self, record: SandboxRecord, *, reason: str) -> None:

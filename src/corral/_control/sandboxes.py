@@ -23,7 +23,6 @@ from .._audit.budget import Overrun
 from .._backends._linux.template import template_version
 from .._core.owner import this_owner
 from .._core.resources import get_tier
-from .._images.pull import pull_image
 from .._settings import Settings
 from ..backends import IsolationBackend, Mount, SandboxSpec
 from ..errors import (
@@ -142,6 +141,8 @@ class Sandboxes:
                 raise UsageError("give an image, a template or a snapshot to start from, not "
                                  "two of them")
             # Only the host's operator (in-process, no caller) may name images on the host.
+            from .._images.pull import pull_image  # an image's create only
+
             pulled = pull_image(image, self._settings, allow_local=caller is None,
                                 on_progress=on_progress)
             template = pulled.template.name

@@ -14,6 +14,7 @@ given or its template changed.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -77,7 +78,8 @@ class NamespaceBackend(HostBackedBackend):
             # sandbox's); templates and helpers are directories, not mounts.
             self._launcher = CommandLauncher(
                 bwrap=bwrap, cgroups=cgroups,
-                launch_helper=ensure_launch_helper(self._settings.home / "helpers"),
+                launch_helper=functools.partial(ensure_launch_helper,
+                                                self._settings.home / "helpers"),
                 lean_hides=(self._store.root, self._store.layers_root,
                             self._volumes.root, self._settings.run_dir))
         return self._launcher

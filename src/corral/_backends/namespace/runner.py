@@ -25,6 +25,7 @@ import resource
 import selectors
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -135,17 +136,29 @@ def ensure_launch_helper(parent: Path) -> Path:
 class CommandLauncher:
     """Starts commands for one backend: the bwrap binary, the cgroup driver, the spawner thread."""
 
-    def __init__(self, bwrap: str, cgroups: CgroupDriver, launch_helper: Path,
+    def __init__(self, bwrap: str, cgroups: CgroupDriver,
+                 launch_helper: Path | Callable[[], Path],
                  lean_hides: tuple[Path, ...] = ()) -> None:
         self.bwrap = bwrap
         self.cgroups = cgroups
-        self.launch_helper = str(launch_helper)  # launch.c: see ensure_launch_helper
+        # launch.c (see ensure_launch_helper), or what builds it on the first command: a
+        # process that only sweeps and lists (`corral ls`) neither hashes nor compiles the
+        # seccomp filter it is checked against.
+        self._launch_helper = launch_helper
+        self._helper_lock = threading.Lock()
         self.spawner = netns.Spawner(lean_hides=lean_hides)
         self.setsid = shutil.which("setsid") or "setsid"
         # When a kill takes bwrap's outer process before the sandbox's init, the init is
         # re-parented; as a subreaper we get it (and reap it) instead of a host init that may
         # never reap (containers often run one that doesn't).
         linux.set_child_subreaper()
+
+    @property
+    def launch_helper(self) -> str:
+        with self._helper_lock:
+            if callable(self._launch_helper):
+                self._launch_helper = self._launch_helper()
+            return str(self._launch_helper)
 
     def run(self, launch: Launch, *,
             retire: Callable[[str], None] | None = None) -> ExecOutcome:
