@@ -125,8 +125,10 @@ def _wait_for_spares(home: Path) -> list[Path]:
     raise AssertionError("the service made no spare workspace after two creates")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
-def test_a_cleanly_stopped_service_leaves_nothing_mounted(signum: int) -> None:
+@pytest.mark.parametrize(("signum", "e2b"), [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                             (signal.SIGTERM, True)],
+                         ids=["sigterm", "ctrl-c", "sigterm-with-e2b"])
+def test_a_cleanly_stopped_service_leaves_nothing_mounted(signum: int, e2b: bool) -> None:
     with private_settings("corral-test-serve-stop-") as own:
         port = _free_port()
         env = {**os.environ, "CORRAL_HOME": str(own.home),
@@ -134,8 +136,8 @@ def test_a_cleanly_stopped_service_leaves_nothing_mounted(signum: int) -> None:
         env.pop("CORRAL_URL", None)
         process = subprocess.Popen(
             [sys.executable, "-m", "corral", "serve", "--host", "127.0.0.1", "--port",
-             str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            start_new_session=True)
+             str(port), *(["--e2b-port", str(_free_port())] if e2b else [])],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, process)
