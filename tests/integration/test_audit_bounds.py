@@ -10,6 +10,7 @@ The one long test is the 60 s flood the issue asks for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -339,3 +340,36 @@ def test_retention_prunes_destroyed_trails_by_age_and_size_and_never_a_live_one(
         assert report["live"] == 1 and mgr.auditor.path(live.id).exists()
         assert mgr.get(live.id).state == "running"
         mgr.destroy(live.id)
+
+
+def _started_twice(manager: Manager, sandbox_id: str) -> bool:
+    return [e["type"] for e in _events(manager, sandbox_id)].count("command.started") == 2
+
+
+def test_sandbox_destroyed_is_the_last_event_of_a_trail(
+        manager: Manager, isolation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A destroy kills running commands, whose threads record their ends: the destroy waits
+    for those records, so nothing follows ``sandbox.destroyed`` (CI once saw a background
+    command's ``command.finished`` after it, on gVisor, under load). The ends are recorded
+    half a second late here, as on a loaded host."""
+    from corral._audit.recorder import CommandRecorder
+
+    record = CommandRecorder.finished
+
+    def late(self: CommandRecorder, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(CommandRecorder, "finished", late)
+    for _ in range(2):
+        info = manager.create(isolation=isolation, timeout=300)
+        try:
+            manager.processes.start(info.id, ["sh", "-c", "echo started; exec sleep 300"])
+            manager.processes.start(info.id, ["sh", "-c", "trap '' TERM; sleep 300"])
+            _wait(functools.partial(_started_twice, manager, info.id), 60,
+                  "both commands' start")
+        finally:
+            manager.destroy(info.id)
+        types = [event["type"] for event in _events(manager, info.id)]
+        assert types[-1] == "sandbox.destroyed", types[-4:]
+        assert types.count("command.finished") == 2, types

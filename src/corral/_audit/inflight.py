@@ -52,6 +52,7 @@ class InFlight:
     def __init__(self, audit_dir: Path, owner: str) -> None:
         self._path = audit_dir / _DIR / owner
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
         self._fd: int | None = None
         self._open: set[str] = set()
         self._size = 0
@@ -72,6 +73,7 @@ class InFlight:
             if name not in self._open:
                 return
             self._open.discard(name)
+            self._settled.notify_all()
             assert self._fd is not None
             if not self._open:
                 try:
@@ -83,6 +85,16 @@ class InFlight:
             self._write(f"-{name}\n")
             if self._size > _COMPACT_BYTES:
                 self._compact()
+
+    def settle(self, sandbox_id: str, timeout_s: float) -> bool:
+        """Wait until none of ``sandbox_id``'s commands of this process is in flight (their
+        ends are in its trail), at most ``timeout_s``; whether none is. A destroy waits so
+        that ``sandbox.destroyed`` is its trail's last event: the commands it killed finish
+        on their own threads."""
+        prefix = f"{sandbox_id}."
+        with self._settled:
+            return self._settled.wait_for(
+                lambda: not any(name.startswith(prefix) for name in self._open), timeout_s)
 
     def _write(self, line: str) -> bool:
         try:

@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 #: trail: well under a second, seconds on a loaded host); past it, the destroy goes on in the
 #: background and the caller is told it is under way.
 DESTROY_WAIT_S = 10.0
+# The most a destroy waits for the commands it killed to record their ends.
+_SETTLE_S = 5.0
 
 
 def new_id(prefix: str = "sbx") -> str:
@@ -393,6 +395,12 @@ class Sandboxes:
         """One try of the whole destroy (on the destroy's own thread)."""
         self._egress.forget(info.id)  # its refusing listener, before its namespace goes
         self.backend(info).destroy(self.spec(info))
+        # The commands it killed record their ends on their own threads: first, so that
+        # sandbox.destroyed is the trail's last event (bounded: a runner slow to notice its
+        # process gone delays the record, never the destroy for long).
+        if not self._auditor.inflight.settle(info.id, _SETTLE_S):
+            logger.info("sandbox %s: a command's end was not recorded within %.0f s of its "
+                        "destroy", info.id, _SETTLE_S)
         self._store.delete(info.id)
         self._locks.remove(info.id)
         if info.layer is not None:
