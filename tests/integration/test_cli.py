@@ -188,8 +188,13 @@ def test_secrets_are_added_from_stdin_and_never_listed_with_values(corral) -> No
     value = "tok-" + "9" * 20
     added = corral("secrets", "add", "CLI_TOKEN", "--host", "api.example.com", stdin=value)
     assert added.returncode == 0, added.stderr
+    # A host without a port is bound on 443, written out, and the echo risk
+    # is said where the secret is added.
+    assert "api.example.com:443;" in added.stderr
+    assert "echoes requests back" in added.stderr
     listed = corral("secrets", "ls", "--json")
-    assert {"name": "CLI_TOKEN", "hosts": ["api.example.com"]}.items() <= next(
+    bound = ["api.example.com:443"]
+    assert {"name": "CLI_TOKEN", "hosts": bound}.items() <= next(
         s for s in json.loads(listed.stdout) if s["name"] == "CLI_TOKEN").items()
     assert value not in listed.stdout and value not in corral("secrets", "ls").stdout
     bad = corral("secrets", "add", "not a name", stdin="x")
