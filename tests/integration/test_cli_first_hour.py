@@ -160,3 +160,26 @@ def test_a_cleanly_stopped_service_leaves_nothing_mounted(signum: int, e2b: bool
         assert left == [], (left, stderr.decode(errors="replace")[-2000:])
         assert not [p.name for p in (own.home / "sandboxes").glob(".ready.*")] \
             if (own.home / "sandboxes").exists() else True
+
+
+_NO_NETWORK_COMMAND = """
+import sys
+from corral import Sandbox
+with Sandbox.create(home=sys.argv[1]) as sb:
+    assert sb.commands.run("true").exit_code == 0
+loaded = sorted(m for m in sys.modules if m.startswith(("cryptography", "corral._egress.ca")))
+print(",".join(loaded))
+"""
+
+
+def test_a_sandbox_without_network_loads_no_cryptography(settings: Settings) -> None:
+    """Its commands get a refusing listener, which intercepts nothing: the CA (cryptography)
+    and the upstream trust store are left for the first secret-bound connection (start-up)."""
+    env = {**os.environ, "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+    env.pop("CORRAL_URL", None)
+    for _ in range(2):  # a new home makes its CA at once (templates bundle it); then it is kept
+        done = subprocess.run([sys.executable, "-c", _NO_NETWORK_COMMAND, str(settings.home)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", done.stdout

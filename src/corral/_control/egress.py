@@ -158,12 +158,12 @@ class EgressBroker:
     def gateway(self) -> Gateway:
         from .._egress.gateway import Gateway
 
-        ca = self.ca  # first: it takes the lock too
         with self._lock:
             if self._gateway is None:
                 upstream_ca = self._settings.egress_upstream_ca
                 self._gateway = Gateway(
-                    lookup=self._context, report=self._report, ca=ca,
+                    # The CA when a connection is first intercepted (``ca`` takes the lock).
+                    lookup=self._context, report=self._report, ca=lambda: self.ca,
                     operator_cidrs=self._cidrs, pinned_hosts=self._settings.egress_hosts,
                     upstream_ca_file=str(upstream_ca) if upstream_ca else None)
             return self._gateway

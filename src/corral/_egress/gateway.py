@@ -30,13 +30,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h11
 
 from ..errors import BackendError
 from .addresses import Network, forbidden_reason
-from .ca import CertificateAuthority
 from .framing import Refused as _Refused
 from .framing import (
     body_framing,
@@ -48,6 +47,9 @@ from .framing import (
 )
 from .policy import NetworkPolicy, Rule, clip, is_ip_literal, normalize_host, parse_port
 from .refusals import explain, printable
+
+if TYPE_CHECKING:
+    from .ca import CertificateAuthority
 
 __all__ = ["BoundSecret", "Decision", "EgressContext", "Gateway", "ListenerHandle"]
 
@@ -151,21 +153,41 @@ class Gateway:
         *,
         lookup: Lookup,
         report: Report,
-        ca: CertificateAuthority,
+        ca: CertificateAuthority | Callable[[], CertificateAuthority],
         operator_cidrs: Sequence[Network] = (),
         pinned_hosts: dict[str, list[str]] | None = None,
         upstream_ca_file: str | None = None,
     ) -> None:
         self._lookup = lookup
         self._report = report
-        self._ca = ca
+        # The CA and the upstream TLS context are wanted only by intercepted connections (a
+        # secret-bound host): made on the first, so a gateway that only refuses (a sandbox
+        # without network) loads no cryptography and no system trust store, ~70 ms of every
+        # CLI command's start-up.
+        self._ca_source = ca
+        self._ca: CertificateAuthority | None = None
+        self._upstream_ca_file = upstream_ca_file
+        self._tls: ssl.SSLContext | None = None
         self._cidrs = tuple(operator_cidrs)
         self._pinned = {normalize_host(k): v for k, v in (pinned_hosts or {}).items()}
-        self._upstream_tls = ssl.create_default_context(cafile=upstream_ca_file)
-        self._upstream_tls.set_alpn_protocols(["http/1.1"])
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._run, name="corral-egress", daemon=True)
         self._thread.start()
+
+    def _authority(self) -> CertificateAuthority:
+        # On the loop's thread only: no lock.
+        if self._ca is None:
+            source = self._ca_source
+            self._ca = source() if callable(source) else source
+        return self._ca
+
+    @property
+    def _upstream_tls(self) -> ssl.SSLContext:
+        if self._tls is None:
+            context = ssl.create_default_context(cafile=self._upstream_ca_file)
+            context.set_alpn_protocols(["http/1.1"])
+            self._tls = context
+        return self._tls
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -475,7 +497,7 @@ class Gateway:
             # TLS layer; clients wait for the 200 after CONNECT in practice.
             raise _Refused(400, "early-data", "data sent before the tunnel was established")
         # TLS towards the sandbox with a leaf certificate for the host it asked for.
-        await writer.start_tls(self._ca.server_context(host))
+        await writer.start_tls(self._authority().server_context(host))
         conn = h11.Connection(h11.SERVER)
         try:
             request = await asyncio.wait_for(self._read_head(conn, reader), _HEAD_TIMEOUT_S)
