@@ -61,6 +61,7 @@ def setup(ctx: click.Context, dry_run: bool, tests: bool, service: bool, listen:
                                         also write corral.service, then
                                         systemctl enable --now corral
     """
+    from .._core.privileged import privileged_env
     from .._host.packages import groups_for, install
     from .._host.unit import UNIT_PATH, ServiceUnit
     from .host import check_lines, echo_tiers, tier_checks
@@ -88,7 +89,7 @@ def setup(ctx: click.Context, dry_run: bool, tests: bool, service: bool, listen:
         unit_written = str(target)
         progress(f"wrote {target}")
         if target == UNIT_PATH and Path("/run/systemd/system").is_dir():
-            subprocess.run(["systemctl", "daemon-reload"], check=False)
+            subprocess.run(["systemctl", "daemon-reload"], check=False, env=privileged_env())
     tiers = tier_checks(settings)
     ok = all(step.ok and (dry_run or not step.missing) for step in steps) and all(
         check.ok for check in tiers[settings.backend])

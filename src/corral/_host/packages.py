@@ -8,7 +8,6 @@ it leaves off, never silently skipped: ``corral doctor`` then says what is missi
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._core.privileged import privileged_env
 from ..errors import ConfigError
 
 __all__ = ["PackageGroup", "SetupStep", "groups_for", "install"]
@@ -64,6 +64,8 @@ TESTS = PackageGroup(
 
 _ALL = (HOST, MICROVM_BUILD, TIERS, TESTS)
 _MIN_QEMU_MAJOR = 10
+_PROXY_VARIABLES = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                    "NO_PROXY")
 
 
 def groups_for(*, tests: bool) -> list[PackageGroup]:
@@ -88,7 +90,8 @@ class SetupStep:
 def _installed(package: str) -> bool:
     try:
         status = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package],
-                                capture_output=True, text=True, check=False).stdout
+                                capture_output=True, text=True, check=False,
+                                env=privileged_env()).stdout
     except FileNotFoundError:
         return False
     return "install ok installed" in status
@@ -97,7 +100,7 @@ def _installed(package: str) -> bool:
 def _qemu_major() -> int:
     try:
         version = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True,
-                                 text=True, check=False).stdout
+                                 text=True, check=False, env=privileged_env()).stdout
     except FileNotFoundError:
         return 0
     found = re.search(r"QEMU emulator version (\d+)", version)
@@ -137,7 +140,9 @@ def _backports_configured() -> bool:
 
 
 def _apt(arguments: Sequence[str]) -> None:
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # The operator's proxy, if any, reaches the mirrors; nothing else of its environment.
+    env = privileged_env(inherit=_PROXY_VARIABLES)
+    env["DEBIAN_FRONTEND"] = "noninteractive"
     done = subprocess.run(["apt-get", *arguments], env=env, capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:

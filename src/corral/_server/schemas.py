@@ -77,6 +77,8 @@ Isolation: Any = Literal[ISOLATION_TIERS]
 
 
 class NetworkBody(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"allow": ["api.github.com"], "presets": ["pypi"]}]})
     allow: list[str] = Field(default_factory=list)
     deny: list[str] = Field(default_factory=list)
     presets: list[str] = Field(
@@ -95,11 +97,16 @@ class VolumeMount(_Strict):
 
 
 class CreateVolume(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"name": "cache", "size": "1G"}]})
     name: str = Field(min_length=1, max_length=63)
     size: int | str = Field(default="1G", description="Bytes, or 512M, 10G, 1GiB.")
 
 
 class CreateSandbox(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"template": "base", "resources": "small", "timeout": 600,
+         "labels": {"agent": "triage"},
+         "network": {"allow": ["pypi.org", "files.pythonhosted.org"]}}]})
     template: Template | None = Field(
         default=None, description="Root filesystem: base, or the snapshot's when starting "
                                   "from one.")
@@ -130,6 +137,7 @@ class CreateSandbox(_Strict):
 
 
 class TakeSnapshot(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"name": "before-refactor"}]})
     name: _SnapshotName | None = Field(
         default=None, description="A name unique among your snapshots (default: none).")
     memory: bool = Field(default=False, description=(
@@ -138,6 +146,7 @@ class TakeSnapshot(_Strict):
 
 
 class Fork(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"count": 2}]})
     count: int = Field(default=1, ge=1, le=_MAX_FORKS, description="How many sandboxes.")
     memory: bool = Field(default=False, description=(
         "Each child resumes the running sandbox's memory and processes (the microvm tier "
@@ -145,6 +154,7 @@ class Fork(_Strict):
 
 
 class ExposePort(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"public": False, "link_ttl": 3600}]})
     public: bool = Field(default=False, description=(
         "Reachable by anyone who has the URL, without credentials."))
     link_ttl: float | None = Field(default=None, gt=0, le=7 * 24 * 3600, description=(
@@ -155,6 +165,7 @@ _NO_BODY_EXPOSE = ExposePort()
 
 
 class Restore(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"snapshot": "before-refactor"}]})
     snapshot: _SnapshotRef
 
 
@@ -165,6 +176,8 @@ _NO_BODY_FORK = Fork()
 
 
 class RunCommand(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"cmd": "python3 -c 'print(6 * 7)'", "timeout": 30, "cwd": "/workspace"}]})
     cmd: _NonEmpty | Annotated[list[str], Field(min_length=1)] = Field(
         description="A shell string (bash -c) or an argv list.")
     timeout: _Seconds | None = None
@@ -179,6 +192,8 @@ class RunCommand(_Strict):
 
 
 class RunCode(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"code": "x = 6 * 7\nx", "language": "python"}]})
     code: str = Field(description="The cell's source.")
     context: str | None = Field(default=None, description="A context id (create_code_context); "
                                 "default: the sandbox's default context of `language`.")
@@ -189,6 +204,8 @@ class RunCode(_Strict):
 
 
 class CreateCodeContext(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"language": "python", "cwd": "/workspace"}]})
     language: str | None = Field(default=None, description=(
         "python (default), javascript (js), typescript (ts), r or bash."))
     cwd: str | None = Field(default=None, description=(
@@ -197,6 +214,8 @@ class CreateCodeContext(_Strict):
 
 
 class StartProcess(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"cmd": ["python3", "-m", "http.server", "8000"]}]})
     cmd: _NonEmpty | Annotated[list[str], Field(min_length=1)]
     envs: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
@@ -204,6 +223,7 @@ class StartProcess(_Strict):
 
 
 class SetTimeout(_Strict):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"timeout": 600}]})
     timeout: _Seconds
 
 
