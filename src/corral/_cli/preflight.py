@@ -53,7 +53,7 @@ def check_service(settings: Settings, *, host: str, ports: Sequence[int],
     from .._core.homelock import instances_using
     from .._server.serve import prepare
     from ..errors import CorralError
-    from .host import tier_checks
+    from .tiers import tier_checks
 
     problems: list[str] = []
     home = _home_problem(settings)

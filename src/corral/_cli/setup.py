@@ -64,7 +64,7 @@ def setup(ctx: click.Context, dry_run: bool, tests: bool, service: bool, listen:
     from .._core.privileged import privileged_env
     from .._host.packages import groups_for, install
     from .._host.unit import UNIT_PATH, ServiceUnit
-    from .host import check_lines, echo_tiers, tier_checks
+    from .tiers import check_lines, echo_tiers, tier_checks
 
     settings = ctx.obj["settings"]
     if os.geteuid() != 0 and not dry_run:
