@@ -28,8 +28,8 @@ class PackageGroup:
     name: str
     why: str
     packages: tuple[str, ...]
-    # "bookworm-backports": installed from there (newer than bookworm's own), when missing or
-    # older than ``min_versions``.
+    # "bookworm-backports": installed from there (newer than bookworm's own) when missing;
+    # ``_missing`` also counts a QEMU older than ``_MIN_QEMU_MAJOR`` as missing.
     suite: str | None = None
     tests_only: bool = False
 
