@@ -196,6 +196,13 @@ class Settings(BaseSettings):
                     "share between data directories: guest kernels, root images, warm "
                     "snapshots, empty formatted disks (each keyed by a hash of what made it).",
         examples=["/srv/cache/corral-microvm"])
+    microvm_cache_max_bytes: int = Field(
+        default=10 * 2**30, ge=0,
+        description="The most the microVM cache's root images and warm snapshots may add up "
+                    "to; beyond it, those least recently used (and not in the last 10 minutes) "
+                    "are removed after a root image build, and made again when next needed "
+                    "(0: no bound). Images of removed templates go whatever the bound.",
+        examples=[34359738368])
     microvm_warm: bool = Field(
         default=True,
         description="Restore new microVMs from the template's warm snapshot; off, every VM "

@@ -194,3 +194,18 @@ def test_mmdebstrap_argv_is_small_and_quotes_setup_commands() -> None:
     assert words[:2] == ["chroot", "$1"] and words[-3:] == ["/bin/sh", "-ec", s.setup[0]]
     assert "env" in words[2] and "-i" in words  # a clean environment, not the builder's
     assert argv.index("--customize-hook=sync-in '/t/files dir' /") < argv.index(hook)
+
+
+def test_a_failed_build_names_dpkg_s_cause_not_only_apt_s_summary() -> None:
+    from corral._templates.builder import _run
+    from corral.errors import BackendError
+
+    script = ("echo 'dpkg: error processing archive /var/cache/apt/archives/golang.deb "
+              "(--unpack):'; echo ' cannot copy extracted data for ./usr/lib/go/x to "
+              "/usr/lib/go/x.dpkg-new: failed to write (No space left on device)'; "
+              "echo 'E: Sub-process env returned an error code (1)'; exit 25")
+    with pytest.raises(BackendError) as refused:
+        _run(["sh", "-c", script], BUILTIN_SPECS["go"], lambda line: None)
+    message = str(refused.value)
+    assert "exited with 25" in message and "No space left on device" in message
+    assert "dpkg: error processing archive" in message

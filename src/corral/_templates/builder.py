@@ -147,13 +147,18 @@ def _run(argv: list[str], spec: TemplateSpec, progress: Progress) -> None:
             tail.append(line)
             if line.startswith("E: ") and line != "E: mmdebstrap failed to run":
                 apt_errors.append(line[3:])
+            elif line.startswith("dpkg: error") or "No space left on device" in line:
+                # apt's own E: line only says its dpkg "returned an error code"; the cause
+                # (a full disk, a failing maintainer script) is in dpkg's lines before it.
+                apt_errors.append(line)
             progress(line)
         code = proc.wait()
+        proc.stdout.close()
     except BaseException:
         _stop(proc)
         raise
     if code != 0:
-        detail = "; ".join(apt_errors[:5]) or "\n".join(tail)
+        detail = "; ".join(apt_errors[:8]) or "\n".join(tail)
         raise BackendError(f"building template {spec.name!r} failed (mmdebstrap exited with "
                            f"{code}): {detail}")
 

@@ -257,7 +257,13 @@ class MicrovmBackend(HostBackedBackend):
             # A host-backed template (``base``: the host's own /usr on the other tiers) cannot
             # be a VM's disk; this tier's base is a small Debian root of its own.
             template = self._vm_base_template()
-        return rootimage.root_image(template, self._settings.microvm_cache / "roots")
+        image = rootimage.root_image(template, self._settings.microvm_cache / "roots")
+        if image.build_s > 0:
+            from .cachesweep import sweep
+
+            sweep(self._settings.microvm_cache,
+                  max_bytes=self._settings.microvm_cache_max_bytes)
+        return image
 
     def _vm_base_template(self) -> Any:
         from ..._templates import BUILTIN_SPECS, build_template, current_build

@@ -252,6 +252,15 @@ def _load(cache: Path, key: str) -> RootImage | None:
         path = cache / f"{key}.ext4"
         if not path.is_file():
             return None
+        _touch(cache / f"{key}.json")
         return RootImage(path=path, key=key, size_bytes=int(meta["size_bytes"]), build_s=0.0)
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _touch(path: Path) -> None:
+    """Marks a cache entry used now: the cache sweep removes the least recently used first."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # a read-only cache is still a cache

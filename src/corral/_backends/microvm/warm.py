@@ -94,7 +94,13 @@ def find_warm(cache: Path, key: str) -> WarmSnapshot | None:
                             memory_mib=int(meta["memory_mib"]), build_s=0.0)
     except (OSError, ValueError, KeyError):
         return None
-    return snap if snap.ram.is_file() and snap.state.is_file() else None
+    if not (snap.ram.is_file() and snap.state.is_file()):
+        return None
+    try:
+        os.utime(path / "warm.json")  # used now: the cache sweep removes the least recent first
+    except OSError:
+        pass
+    return snap
 
 
 def warm_snapshot(kernel: GuestKernel, root_image: RootImage, memory_mib: int, cache: Path, *,
