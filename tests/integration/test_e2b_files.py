@@ -20,7 +20,7 @@ from corral._control.manager import Manager
 from corral._e2b.app import E2BApp, create_e2b_app
 from corral._e2b.connect import envelope
 from corral._e2b.files import signature
-from corral._e2b.ids import to_e2b
+from corral._ids import to_e2b
 from corral.models import SandboxInfo
 
 pytestmark = pytest.mark.needs_root

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from corral import _ids as ids
 from corral import read_audit
 from corral._control.manager import Manager
 from corral._control.tenants import TenantDirectory
-from corral._e2b import ids
 from corral._e2b.app import create_e2b_app
 from corral._e2b.target import ENVD_PORT
 

@@ -23,7 +23,7 @@ from websockets.sync.client import connect as ws_connect
 from corral._control.manager import Manager
 from corral._control.ports import MAX_PORTS
 from corral._control.tenants import Tenant, TenantDirectory
-from corral._e2b.ids import to_e2b
+from corral._ids import to_e2b
 from corral._server.app import create_app
 from corral._settings import Settings
 from corral.errors import QuotaExceeded

@@ -27,7 +27,7 @@ import pytest
 from corral._control.manager import Manager
 from corral._control.ports import PortURLs
 from corral._control.tenants import Tenant, TenantDirectory
-from corral._e2b.ids import to_e2b
+from corral._ids import to_e2b
 from corral._server.app import create_app
 from corral.models import SandboxInfo
 

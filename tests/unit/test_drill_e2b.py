@@ -20,7 +20,7 @@ from corral._drill.runner import run_drill, select_cases
 from corral._drill.service import E2B_DOMAIN, drill_ceiling
 from corral._drill.target import ServiceAccess
 from corral._e2b.app import E2BApp, E2BConfig, create_e2b_app
-from corral._e2b.ids import from_e2b
+from corral._ids import from_e2b
 from corral.models import CommandResult, Usage
 from corral.testing import memory_manager
 

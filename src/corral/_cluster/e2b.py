@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._control.store import Store
 from .._control.tenants import Tenant, TenantDirectory
 from .._e2b.app import _own_port
-from .._e2b.ids import from_e2b, to_e2b
+from .._ids import from_e2b, to_e2b
 from .._server.deps import scope as scope_of
 from .._server.guard import HostGuard, ServiceNames
 from .._server.relay import send_json

@@ -22,7 +22,7 @@ from typing import Any
 
 from .._audit.auditor import Auditor
 from .._core.secretfile import load_or_create_secret
-from .._e2b.ids import to_e2b
+from .._ids import to_e2b
 from .._settings import Settings
 from ..errors import BackendError, PortNotExposed, SandboxBusy, UsageError
 from ..models import PortInfo

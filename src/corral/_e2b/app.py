@@ -45,13 +45,13 @@ from starlette.types import Message, Receive, Scope, Send
 from .._control.manager import Manager
 from .._control.ports import Who
 from .._control.tenants import Tenant, TenantDirectory, local_tenant
+from .._ids import from_e2b, to_e2b
 from .._server.errorlog import PROXIED, ServerErrorLog
 from .._server.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
 from .._server.portproxy import PortProxy, Target
 from .._server.relay import send_json as _send_json
 from ..errors import AuthError, CorralError, SandboxNotFound
 from . import control, files, filesystem, jupyter, process, templates, watch
-from .ids import from_e2b, to_e2b
 from .state import E2BState
 from .target import ENVD_PORT, JUPYTER_PORT, SCOPE_KEY, TENANT_KEY, SandboxTarget
 from .tokens import SandboxTokens

@@ -32,6 +32,7 @@ from .._control.manager import Manager
 from .._control.presets import ceiling_network
 from .._control.tenants import Tenant
 from .._core.resources import get_tier
+from .._ids import from_e2b, to_e2b
 from .._server.errorlog import note
 from ..errors import (
     CorralError,
@@ -41,7 +42,6 @@ from ..errors import (
 )
 from ..models import SandboxInfo, SnapshotInfo
 from .connect import hinted
-from .ids import from_e2b, to_e2b
 from .state import E2BSandbox, E2BState
 from .target import TENANT_KEY
 from .tokens import SandboxTokens

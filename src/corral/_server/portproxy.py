@@ -35,7 +35,7 @@ from .._control.manager import Manager
 from .._control.ports import PortURLs, Who
 from .._control.records import SandboxRecord
 from .._control.tenants import TenantDirectory
-from .._e2b.ids import from_e2b
+from .._ids import from_e2b
 from ..errors import AuthError, CorralError, SandboxBusy, SandboxNotFound
 from .guard import ServiceNames
 from .preview import answer_headers, is_corral_credential, request_headers

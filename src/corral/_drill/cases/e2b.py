@@ -108,7 +108,7 @@ def _plant(ctx: DrillContext) -> E2BPlant:
 
 
 def _corral_id(e2b_id: str) -> str:
-    from ..._e2b.ids import from_e2b
+    from ..._ids import from_e2b
 
     found = from_e2b(e2b_id)
     if found is None:

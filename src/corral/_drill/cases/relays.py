@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import httpx
 
-from ..._e2b.ids import to_e2b
+from ..._ids import to_e2b
 from ..context import DrillContext
 from ..model import Case, Evidence, Outcome
 from ..preview import APP_PORT, PreviewPlant, plant_of

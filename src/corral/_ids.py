@@ -1,4 +1,4 @@
-"""Sandbox ids as the E2B SDKs see them.
+"""Sandbox ids as the E2B SDKs and port host names see them.
 
 Corral's ids (``sbx_<12 base36>``) hold an underscore, which is not valid in a DNS label, and
 domain mode puts the id in a host name (``49983-<id>.<domain>``). The E2B surface shows the same
