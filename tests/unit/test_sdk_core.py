@@ -221,3 +221,23 @@ def test_the_shared_pools_keep_alive_every_connection_they_may_open() -> None:
                  ahttp_pool("http://127.0.0.1:9", None, 5.0)):
         limits = pool.client._transport._pool
         assert limits._max_keepalive_connections >= limits._max_connections >= 100
+
+
+def test_the_async_embedded_transport_serves_every_call_of_the_protocol() -> None:
+    """Most of its calls are one generic worker-thread wrapper over the sync embedded
+    transport: each protocol call must exist there with the same parameters."""
+    from corral._sdk._aembedded import AsyncEmbeddedTransport
+    from corral._sdk._async.transport import AsyncTransport
+    from corral._sdk._embedded import EmbeddedTransport
+
+    def parameters(func: object) -> list[tuple[str, object]]:
+        return [(p.name, p.kind) for p in inspect.signature(func).parameters.values()]  # type: ignore[arg-type]
+
+    calls = [name for name, member in vars(AsyncTransport).items()
+             if inspect.isfunction(member) and not name.startswith("_")]
+    assert len(calls) > 40
+    for name in calls:
+        own = vars(AsyncEmbeddedTransport).get(name)
+        served = own if own is not None else getattr(EmbeddedTransport, name, None)
+        assert served is not None, f"AsyncEmbeddedTransport does not serve {name}"
+        assert parameters(served) == parameters(getattr(AsyncTransport, name)), name

@@ -3,32 +3,24 @@ control plane blocks: SQLite, flock, waiting for a command), so the event loop n
 
 from __future__ import annotations
 
-import builtins
 import functools
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-from .._audit.log import AuditTrail
 from ..backends import OutputCallback
 from ..models import (
-    CodeContext,
     CommandResult,
     Execution,
-    FileEntry,
-    PortInfo,
-    SandboxInfo,
-    SnapshotInfo,
-    VolumeInfo,
 )
 from ._embedded import EmbeddedTransport, embedded_target
-from ._wire import AsyncCodeCallback, AsyncOutputCallback, CodeItem, ProcessInfo, adeliver
+from ._wire import AsyncCodeCallback, AsyncOutputCallback, CodeItem, adeliver
 
 if TYPE_CHECKING:
     from .._control.manager import Manager
@@ -39,6 +31,10 @@ __all__ = ["AsyncEmbeddedTransport", "aopen_transport", "ausing_transport"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
+
+
+async def _in_thread(func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    return await anyio.to_thread.run_sync(functools.partial(func, *args, **kwargs))
 
 
 def _forward(callback: AsyncOutputCallback | None,
@@ -79,64 +75,31 @@ def _forward_code(callback: AsyncCodeCallback | None,
 
 
 class AsyncEmbeddedTransport:
-    """``EmbeddedTransport``'s calls, each in a worker thread."""
+    """``EmbeddedTransport``'s calls, each in a worker thread.
+
+    One generic wrapper (``__getattr__``) serves every call that only needs its thread; the
+    methods written here are the ones that need more: callbacks run on the caller's event
+    loop, their own thread limiter, iterators drained a thread hop at a time.
+    ``tests/unit/test_sdk_core.py`` checks that every call of ``AsyncTransport`` is served.
+    """
 
     def __init__(self, manager: Manager, *, caller: Tenant | None = None) -> None:
         self.sync = EmbeddedTransport(manager, caller=caller)
 
-    @staticmethod
-    async def _call(func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        return await anyio.to_thread.run_sync(functools.partial(func, *args, **kwargs))
+    def __getattr__(self, name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+        # Not for "sync" itself (looked up here before __init__ has set it: no recursion).
+        call = None if name.startswith("_") or name == "sync" else getattr(self.sync, name)
+        if not callable(call):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+        @functools.wraps(call)
+        async def in_a_worker_thread(*args: Any, **kwargs: Any) -> Any:
+            return await _in_thread(call, *args, **kwargs)
+
+        return in_a_worker_thread
 
     def sibling(self) -> AsyncEmbeddedTransport:
         return self
-
-    async def create(self, **kwargs: Any) -> SandboxInfo:
-        return await self._call(self.sync.create, **kwargs)
-
-    async def get(self, sandbox_id: str) -> SandboxInfo:
-        return await self._call(self.sync.get, sandbox_id)
-
-    async def list(self) -> builtins.list[SandboxInfo]:
-        return await self._call(self.sync.list)
-
-    async def destroy(self, sandbox_id: str) -> None:
-        await self._call(self.sync.destroy, sandbox_id)
-
-    async def set_timeout(self, sandbox_id: str, timeout: float) -> SandboxInfo:
-        return await self._call(self.sync.set_timeout, sandbox_id, timeout)
-
-    async def set_network(self, sandbox_id: str, network: Any) -> SandboxInfo:
-        return await self._call(self.sync.set_network, sandbox_id, network)
-
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        return await self._call(self.sync.pause, sandbox_id)
-
-    async def expose_port(self, sandbox_id: str, port: int, *, public: bool,
-                          link_ttl: float | None) -> PortInfo:
-        return await self._call(self.sync.expose_port, sandbox_id, port, public=public,
-                                link_ttl=link_ttl)
-
-    async def list_ports(self, sandbox_id: str) -> builtins.list[PortInfo]:
-        return await self._call(self.sync.list_ports, sandbox_id)
-
-    async def unexpose_port(self, sandbox_id: str, port: int) -> None:
-        await self._call(self.sync.unexpose_port, sandbox_id, port)
-
-    async def create_volume(self, name: str, size: int | str) -> VolumeInfo:
-        return await self._call(self.sync.create_volume, name, size)
-
-    async def get_volume(self, ref: str) -> VolumeInfo:
-        return await self._call(self.sync.get_volume, ref)
-
-    async def list_volumes(self) -> builtins.list[VolumeInfo]:
-        return await self._call(self.sync.list_volumes)
-
-    async def delete_volume(self, ref: str) -> None:
-        await self._call(self.sync.delete_volume, ref)
-
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
-        return await self._call(self.sync.resume, sandbox_id)
 
     async def run(self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None,
                   envs: Mapping[str, str] | None, cwd: str | None, stdin: str | bytes | None,
@@ -158,34 +121,13 @@ class AsyncEmbeddedTransport:
             abandoned.set()
             raise
 
-    async def kill_command(self, sandbox_id: str, command_id: str) -> None:
-        await self._call(self.sync.kill_command, sandbox_id, command_id)
-
-    async def start_process(self, sandbox_id: str, cmd: str | Sequence[str], *,
-                            envs: Mapping[str, str] | None, cwd: str | None,
-                            context: Mapping[str, Any] | None) -> ProcessInfo:
-        return await self._call(self.sync.start_process, sandbox_id, cmd, envs=envs, cwd=cwd,
-                                context=context)
-
-    async def get_process(self, sandbox_id: str, process_id: str) -> ProcessInfo:
-        return await self._call(self.sync.get_process, sandbox_id, process_id)
-
-    async def list_processes(self, sandbox_id: str) -> builtins.list[ProcessInfo]:
-        return await self._call(self.sync.list_processes, sandbox_id)
-
     async def process_output(self, sandbox_id: str, process_id: str, offset: int, *,
                              follow: bool, wait_s: float | None
                              ) -> AsyncIterator[tuple[int, str, str]]:
-        events = await self._call(self.sync.process_output, sandbox_id, process_id, offset,
+        events = await _in_thread(self.sync.process_output, sandbox_id, process_id, offset,
                                   follow=follow, wait_s=wait_s)
         async for event in _drain(events):
             yield event
-
-    async def send_process(self, sandbox_id: str, process_id: str, data: bytes) -> None:
-        await self._call(self.sync.send_process, sandbox_id, process_id, data)
-
-    async def kill_process(self, sandbox_id: str, process_id: str) -> None:
-        await self._call(self.sync.kill_process, sandbox_id, process_id)
 
     async def run_code(self, sandbox_id: str, code: str, *, context_id: str | None,
                        language: str | None, envs: Mapping[str, str] | None,
@@ -203,81 +145,16 @@ class AsyncEmbeddedTransport:
             abandoned.set()
             raise
 
-    async def create_code_context(self, sandbox_id: str, *, language: str | None,
-                                  cwd: str | None) -> CodeContext:
-        return await self._call(self.sync.create_code_context, sandbox_id, language=language,
-                                cwd=cwd)
-
-    async def list_code_contexts(self, sandbox_id: str) -> builtins.list[CodeContext]:
-        return await self._call(self.sync.list_code_contexts, sandbox_id)
-
-    async def restart_code_context(self, sandbox_id: str, context_id: str) -> CodeContext:
-        return await self._call(self.sync.restart_code_context, sandbox_id, context_id)
-
-    async def remove_code_context(self, sandbox_id: str, context_id: str) -> None:
-        await self._call(self.sync.remove_code_context, sandbox_id, context_id)
-
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return await self._call(self.sync.read_file, sandbox_id, path)
-
-    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> FileEntry:
-        return await self._call(self.sync.write_file, sandbox_id, path, data)
-
-    async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
-        return await self._call(self.sync.list_files, sandbox_id, path)
-
-    async def stat_file(self, sandbox_id: str, path: str) -> FileEntry:
-        return await self._call(self.sync.stat_file, sandbox_id, path)
-
-    async def file_exists(self, sandbox_id: str, path: str) -> bool:
-        return await self._call(self.sync.file_exists, sandbox_id, path)
-
-    async def remove_file(self, sandbox_id: str, path: str) -> None:
-        await self._call(self.sync.remove_file, sandbox_id, path)
-
-    async def make_dir(self, sandbox_id: str, path: str) -> bool:
-        return await self._call(self.sync.make_dir, sandbox_id, path)
-
-    async def rename_file(self, sandbox_id: str, src: str, dst: str) -> FileEntry:
-        return await self._call(self.sync.rename_file, sandbox_id, src, dst)
-
-    async def upload(self, sandbox_id: str, path: str, stream: BinaryIO) -> dict[str, int]:
-        return await self._call(self.sync.upload, sandbox_id, path, stream)
-
     async def download(self, sandbox_id: str, path: str, *, gzip: bool
                        ) -> AsyncIterator[bytes]:
-        chunks = await self._call(self.sync.download, sandbox_id, path, gzip=gzip)
+        chunks = await _in_thread(self.sync.download, sandbox_id, path, gzip=gzip)
         async for chunk in _drain(chunks):
             yield chunk
 
-    async def audit_trail(self, sandbox_id: str, *, types: Sequence[str] | None,
-                          since: float | None, until: float | None,
-                          command: str | None) -> AuditTrail:
-        return await self._call(self.sync.audit_trail, sandbox_id, types=types, since=since,
-                                until=until, command=command)
-
-    async def snapshot(self, sandbox_id: str, *, name: str | None,
-                       memory: bool = False) -> SnapshotInfo:
-        return await self._call(self.sync.snapshot, sandbox_id, name=name, memory=memory)
-
-    async def fork(self, sandbox_id: str, count: int, *,
-                   memory: bool = False) -> builtins.list[SandboxInfo]:
-        return await self._call(self.sync.fork, sandbox_id, count, memory=memory)
-
-    async def restore(self, sandbox_id: str, snapshot: str) -> SandboxInfo:
-        return await self._call(self.sync.restore, sandbox_id, snapshot)
-
-    async def get_snapshot(self, ref: str) -> SnapshotInfo:
-        return await self._call(self.sync.get_snapshot, ref)
-
-    async def list_snapshots(self) -> builtins.list[SnapshotInfo]:
-        return await self._call(self.sync.list_snapshots)
-
-    async def delete_snapshot(self, ref: str) -> None:
-        await self._call(self.sync.delete_snapshot, ref)
-
     async def aclose(self) -> None:
         """Nothing to release: the manager is shared by the process."""
+
+
 
 
 _DONE = object()

@@ -1,8 +1,8 @@
 """The embedded transport: the control plane in this process, called directly.
 
-``_aembedded.AsyncEmbeddedTransport`` runs each of these same calls in a worker thread. The two
-are written by hand (not generated): this one *is* the call, the async one wraps it, one line
-per method. ``caller`` is who asks (a tenant and its ceiling; the operator when ``None``), as
+``_aembedded.AsyncEmbeddedTransport`` runs each of these same calls in a worker thread: this
+one *is* the call, the async one wraps it (one generic wrapper, plus the few calls with
+callbacks or iterators). ``caller`` is who asks (a tenant and its ceiling; the operator when ``None``), as
 the service passes for an API key. Importing this loads neither anyio nor httpx (the CLI's
 embedded start-up); the HTTP transport is imported when a URL is used.
 """
