@@ -108,6 +108,9 @@ class Manager:
         self._interpreter_lock = threading.Lock()
         self.ports = Ports(settings=settings, store=self.store, sandboxes=self.sandboxes,
                            auditor=self.auditor)
+        # What the services hold per sandbox goes with it, on every destroy path.
+        self.sandboxes.on_destroyed(self.processes.drop)
+        self.sandboxes.on_destroyed(self._forget_kernels)
 
     @property
     def interpreter(self) -> Interpreter:
@@ -230,10 +233,17 @@ class Manager:
         """Destroy the sandbox: True once it is gone, False when its destroy is still under
         way after ``DESTROY_WAIT_S`` (accepted: it finishes in the background, and the
         sandbox is gone for every caller already)."""
-        done = self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
+        return self.sandboxes.destroy(self.sandboxes.get(sandbox_id), reason="requested")
+
+    def on_destroyed(self, callback: Callable[[str], None]) -> Callable[[], None]:
+        """Have ``callback(sandbox_id)`` called at the end of every destroy, whichever path
+        asked for it (a surface's own per-sandbox state goes with it); returns the call that
+        unsubscribes it. See ``Sandboxes.on_destroyed``."""
+        return self.sandboxes.on_destroyed(callback)
+
+    def _forget_kernels(self, sandbox_id: str) -> None:
         if self._interpreter is not None:  # built: it may hold kernels, which died with it
             self._interpreter.forget_sandbox(sandbox_id)
-        return done
 
     def _destroy(self, record: SandboxRecord, *, reason: str) -> None:
         # For the test and drill fixtures that clean up store rows in whatever state: they

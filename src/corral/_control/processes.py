@@ -386,6 +386,17 @@ class ProcessTable:
         """True while a background process of the sandbox has not exited."""
         return any(p.state != "exited" for p in self.list(sandbox_id))
 
+    def drop(self, sandbox_id: str) -> None:
+        """Forget a destroyed sandbox's processes (its destroy killed them)."""
+        with self._lock:
+            gone = [p for p in self._processes.values() if p.sandbox_id == sandbox_id]
+            for process in gone:
+                del self._processes[process.id]
+            self._pids.pop(sandbox_id, None)
+        for process in gone:
+            if process._deadline is not None:
+                process._deadline.cancel()
+
     def kill(self, sandbox_id: str, process_id: str) -> None:
         process = self.get(sandbox_id, process_id)
         if process.state == "exited":

@@ -10,6 +10,7 @@ up anything but its own sandbox.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -97,6 +98,10 @@ class Sandboxes:
         # this service (the call goes up; the dependency does not).
         self._ready = ready
         self._destroyer = Destroyer(self._destroy_now)
+        # What else holds something per sandbox (kernels, background processes, a surface's
+        # own state): told at the end of every destroy, whichever path asked for it.
+        self._on_destroyed: builtins.list[Callable[[str], None]] = []
+        self._listeners_lock = threading.Lock()
         # Recorded with each row it creates: a create cut short by this process's death is
         # then told from one under way (``Recovery``).
         self._owner = this_owner()
@@ -364,6 +369,20 @@ class Sandboxes:
         self._store.set_state(info.id, "destroying")
         return self._destroyer.start(info, reason)
 
+    def on_destroyed(self, callback: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``callback(sandbox_id)`` at the end of every destroy (requested, expired,
+        idle, reaped, over its audit budget, finished after a crash), on the destroy's own
+        thread; it must be quick and must not raise (what it raises is logged). Returns the
+        call that unsubscribes it."""
+        with self._listeners_lock:
+            self._on_destroyed.append(callback)
+
+        def unsubscribe() -> None:
+            with self._listeners_lock, contextlib.suppress(ValueError):
+                self._on_destroyed.remove(callback)
+
+        return unsubscribe
+
     def destroy_due(self, sandbox_id: str) -> bool:
         """Whether the reaper should destroy ``sandbox_id`` now (no destroy under way, and
         a failed one far enough behind)."""
@@ -409,6 +428,17 @@ class Sandboxes:
         self._auditor.close_log(info.id)
         self._auditor.count("corral_sandboxes_destroyed", reason=reason)
         logger.info("destroyed sandbox %s (%s)", info.id, reason)
+        self._tell_destroyed(info.id)
+
+    def _tell_destroyed(self, sandbox_id: str) -> None:
+        """The listeners, last: the sandbox is gone by now, whatever they do."""
+        with self._listeners_lock:
+            listeners = builtins.list(self._on_destroyed)
+        for listener in listeners:
+            try:
+                listener(sandbox_id)
+            except Exception:  # one listener's failure neither stops the others nor the destroy
+                logger.exception("a destroy listener failed for sandbox %s", sandbox_id)
 
 
 def wait_all(jobs: builtins.list[DestroyJob], wait_s: float) -> builtins.list[DestroyJob]:

@@ -4,7 +4,8 @@ E2B's create takes things Corral's sandboxes do not have: environment variables 
 command (``envVars``), the template name as the caller gave it (``code-interpreter-v1``, reported
 back as ``templateID``), whether internet access was asked for. They live in a small SQLite file
 of their own (``e2b.db``) so Corral's store and its schema know nothing of this dialect; a row
-goes with its sandbox (``forget``) and rows of sandboxes that no longer exist are ignored.
+goes with its sandbox, on every path that destroys it (``follow_destroys``: E2B's kill, any
+other surface's, expiry, the reaper), and rows of sandboxes that no longer exist are ignored.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["E2BSandbox", "E2BState"]
+if TYPE_CHECKING:
+    from .._control.manager import Manager
+
+__all__ = ["E2BSandbox", "E2BState", "follow_destroys"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -46,6 +51,7 @@ class E2BState:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
+        self._unsubscribe: Callable[[], None] | None = None
 
     def remember(self, sandbox: E2BSandbox) -> None:
         with self._lock:
@@ -76,5 +82,15 @@ class E2BState:
             self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
 
     def close(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         with self._lock:
             self._db.close()
+
+
+def follow_destroys(state: E2BState, manager: Manager) -> None:
+    """Have ``state`` forget each sandbox ``manager`` destroys, whoever destroys it, until
+    ``state`` is closed."""
+    if state._unsubscribe is None:
+        state._unsubscribe = manager.on_destroyed(state.forget)

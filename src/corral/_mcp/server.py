@@ -197,14 +197,20 @@ class CorralMCP:
         self._unowned_snapshots: set[str] = set()  # likewise, deleted at shutdown
         self._closed = False
         self._opened: AsyncTransport | None = None
+        self._unsubscribe: Callable[[], None] | None = None
 
     async def _transport(self) -> AsyncTransport:
         """One transport for the server's life: the control plane in-process (with the MCP
         caller, so its ceiling is enforced there), or the service at ``CORRAL_URL``."""
         if self._opened is None:
             target = await anyio.to_thread.run_sync(embedded_target, self.home, None, None)
-            self._opened = (AsyncHTTPTransport(*target) if isinstance(target, tuple)
-                            else AsyncEmbeddedTransport(target, caller=self.caller))
+            if isinstance(target, tuple):
+                self._opened = AsyncHTTPTransport(*target)
+            else:
+                self._opened = AsyncEmbeddedTransport(target, caller=self.caller)
+                # A session's sandbox destroyed by anyone (its TTL, the reaper, the CLI in
+                # this process) is forgotten at once; the next call makes a new one.
+                self._unsubscribe = target.on_destroyed(self._forget)
         return self._opened
 
     async def _connect(self, sandbox_id: str) -> AsyncSandbox:
@@ -282,6 +288,9 @@ class CorralMCP:
             if ids or snapshots:
                 await self._destroy_ids(ids)
                 await self._delete_snapshots(snapshots)
+            if self._unsubscribe is not None:
+                self._unsubscribe()
+                self._unsubscribe = None
             if self._opened is not None:
                 await self._opened.aclose()
                 self._opened = None
@@ -338,8 +347,9 @@ class CorralMCP:
             session.snapshots.update(snapshots)
 
     def _forget(self, sandbox_id: str) -> None:
+        """Drop a destroyed sandbox from the sessions (also on a destroy's own thread)."""
         self._unowned.discard(sandbox_id)
-        for session in self._sessions.values():
+        for session in list(self._sessions.values()):
             session.owned.discard(sandbox_id)
             if session.sandbox is not None and session.sandbox.id == sandbox_id:
                 session.sandbox = None
