@@ -9,9 +9,10 @@ The tree::
     │   ├── HostRefused        a Host header the service does not answer to (DNS rebinding)
     │   └── OriginRefused      a browser Origin that may not drive the service (CSRF, WebSocket)
     ├── UsageError             the caller misused an object (also a RuntimeError)
+    │   └── InvalidRequest     a request of the wrong shape: unknown, missing or mistyped field
     ├── SandboxError
     │   ├── SandboxNotFound
-    │   ├── SandboxExpired     its TTL has passed; it has been destroyed
+    │   │   └── SandboxExpired its TTL has passed; it has been destroyed
     │   ├── SandboxLost        the cluster node it lived on is gone (``corral serve --cluster``)
     │   └── SandboxBusy        being created or destroyed by someone else
     ├── SnapshotError
@@ -65,6 +66,7 @@ __all__ = [
     "ImageError",
     "ImageRefused",
     "InterpreterUnavailable",
+    "InvalidRequest",
     "OriginRefused",
     "PathRefused",
     "PolicyError",
@@ -110,6 +112,11 @@ class ConfigError(CorralError):
 class UsageError(CorralError, RuntimeError):
     code = "usage_error"
     status = 400
+
+
+class InvalidRequest(UsageError):
+    code = "invalid_request"
+    status = 422
 
 
 class SandboxError(CorralError):
