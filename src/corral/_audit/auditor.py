@@ -96,7 +96,6 @@ class Auditor:
         self.output_limit_bytes = output_limit_bytes
         self._secrets = secrets
         self._placeholders = placeholders
-        self._extra_literals: set[str] = set()
         self.metrics = Metrics(counters)
         self._logs: dict[str, AuditLog] = {}
         self._lock = threading.Lock()
@@ -127,16 +126,12 @@ class Auditor:
                     on_write=functools.partial(self._wrote, sandbox_id))
             return log
 
-    def add_literals(self, values: Iterable[str]) -> None:
-        """More strings to redact (placeholders handed to sandboxes, for example)."""
-        self._extra_literals.update(values)
-
     def redactor(self, sandbox_id: str | None = None) -> Redactor:
         # Read per use: another process may have registered a secret a moment ago.
         # Secret values: all of them (cached, re-read when the secret store changes). Placeholders:
         # the sandbox's own, the only ones its commands can print.
         placeholders = [] if sandbox_id is None else self._placeholders.placeholders(sandbox_id)
-        return Redactor([*self._secrets.values(), *placeholders, *self._extra_literals])
+        return Redactor([*self._secrets.values(), *placeholders])
 
     # -- writing ------------------------------------------------------------------------------
 

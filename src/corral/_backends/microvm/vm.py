@@ -433,10 +433,6 @@ class Vm:
         return self._files.channel
 
     @property
-    def serial_path(self) -> Path:
-        return self._files.serial
-
-    @property
     def alive(self) -> bool:
         """QEMU's process exists and is not a zombie."""
         return bool(self.pid) and _alive(self.pid)
