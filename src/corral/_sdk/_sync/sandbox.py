@@ -3,14 +3,15 @@
 """The SDK façade: a sandbox with ``commands``, ``processes``, ``files``, ``network`` and
 ``audit``, over a transport.
 
-``_async/sandbox.py`` (``Sandbox``) is written by hand; ``_sync/sandbox.py`` (``Sandbox``)
-is generated from it by ``scripts/unasync`` and checked in CI (``scripts/unasync --check``).
+The async façade is written by hand; the sync one is generated from it by
+``scripts/unasync`` and checked in CI (``scripts/unasync --check``).
 Why generated rather than two façades over a shared core: the façade *is* the public API
 (signatures and docstrings are what users read), and a shared core still leaves one method per
 operation on each side to keep in step by eye; httpcore's answer (write async, generate sync)
 makes drift impossible rather than unlikely. What is not I/O (bodies, parsing, error mapping,
 the command stream) lives once in ``_wire``; what differs by more than ``await`` lives in
-``_io`` and the two hand-written embedded transports (``_embedded``, ``_embedded``).
+``_io`` and the embedded transports (the sync one is the call; the async one runs it in a
+worker thread).
 
 One pattern, as in E2B: ``create()`` returns the sandbox, which is a context manager::
 
