@@ -31,7 +31,6 @@ from starlette.concurrency import run_in_threadpool
 
 from .._control.manager import Manager
 from .._control.tenants import LOCAL_TENANT, Tenant, TenantDirectory
-from .._drill.model import Category as DrillCategory
 from .._server.deps import ManagerDep, TenantDep
 from .._server.guard import UI_HEADER
 from .._templates.catalog import list_builds
@@ -234,6 +233,7 @@ def _ui_router() -> APIRouter:
         """Run the drill against this service's own configuration, in a process of its own
         (``corral drill --json``), as the operator; one at a time."""
         _operator(who)
+        drills.check(manager, body.categories)
         return drills.start(manager, body.categories)
 
     @router.get("/ui/api/drill/{run_id}")
@@ -324,8 +324,13 @@ def _operator(who: Tenant) -> None:
                           "--operator`, or the keyless service on loopback)")
 
 
+# A category's spelling; which names exist is the drill's to say (``check``), so the
+# dashboard does not import the drill package.
+_CategoryName = Annotated[str, Field(min_length=1, max_length=40, pattern=r"^[a-z0-9][a-z0-9-]*$")]
+
+
 class DrillRequest(BaseModel):
-    categories: list[DrillCategory] = Field(default_factory=list, max_length=16,
+    categories: list[_CategoryName] = Field(default_factory=list, max_length=16,
                                             description="Only these categories (all if empty).")
 
 
@@ -337,19 +342,33 @@ class _Drills:
         self._lock = threading.Lock()
         self._runs: dict[str, dict[str, Any]] = {}
 
+    def check(self, manager: Manager, categories: Sequence[str]) -> None:
+        """Refuse unknown category names with the drill's own message (``corral drill --list``
+        with them, which lists cases and starts nothing), before a run is started."""
+        if not categories:
+            return
+        try:
+            done = subprocess.run(_drill_argv(categories, "--list"), env=_drill_env(manager),
+                                  capture_output=True, stdin=subprocess.DEVNULL,
+                                  timeout=_DRILL_CHECK_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise SandboxBusy("the drill did not list its cases in "
+                              f"{_DRILL_CHECK_TIMEOUT_S} s; try again") from exc
+        if done.returncode == 0:
+            return
+        said = [line.strip() for line in done.stderr.decode(errors="replace").splitlines()
+                if line.strip().startswith("Error:")]
+        raise UsageError((said[-1].removeprefix("Error:").strip() if said else
+                          f"the drill refused these categories (exit {done.returncode})")[:500])
+
     def start(self, manager: Manager, categories: Sequence[str]) -> dict[str, Any]:
         with self._lock:
             if any(run["state"] == "running" for run in self._runs.values()):
                 raise SandboxBusy("a drill is running already: wait for its report")
             run_id = f"drill_{secrets.token_hex(6)}"
-            settings = manager.settings
-            env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
-            env |= {"CORRAL_HOME": str(settings.home), "CORRAL_UID_START":
-                    str(settings.uid_start), "CORRAL_UID_COUNT": str(settings.uid_count)}
-            argv = [sys.executable, "-m", "corral", "drill", "--json",
-                    *(arg for c in categories for arg in ("--category", c))]
-            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(_drill_argv(categories), env=_drill_env(manager),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL)
             run = {"id": run_id, "state": "running", "started_at": time.time(),
                    "categories": list(categories), "report": None, "error": None}
             self._runs = {k: v for k, v in self._runs.items() if v["state"] == "running"}
@@ -383,8 +402,21 @@ class _Drills:
         return dict(run)
 
 
+def _drill_argv(categories: Sequence[str], *extra: str) -> list[str]:
+    return [sys.executable, "-m", "corral", "drill", "--json", *extra,
+            *(arg for c in categories for arg in ("--category", c))]
+
+
+def _drill_env(manager: Manager) -> dict[str, str]:
+    settings = manager.settings
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    return env | {"CORRAL_HOME": str(settings.home), "CORRAL_UID_START":
+                  str(settings.uid_start), "CORRAL_UID_COUNT": str(settings.uid_count)}
+
+
 drills = _Drills()
 _DRILL_TIMEOUT_S = 900
+_DRILL_CHECK_TIMEOUT_S = 60
 
 
 def _haystack(info: SandboxInfo) -> str:
