@@ -44,10 +44,6 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-async function* lines(answer) {
-  for await (const batch of lineBatches(answer)) yield* batch;
-}
-
 async function* lineBatches(answer) {
   // The lines each read brought, together: a long trail's page is drawn in one go.
   for await (const batch of rawLineBatches(answer)) {
@@ -231,14 +227,18 @@ async function sandboxPage(id, signal) {
     try { const said = await fn(); if (said) notice.textContent = said; }
     catch (failure) { if (!signal.aborted) status.textContent = `${what}: ${failure.message}`; }
   };
+  // What this page runs shows beside the button, streamed (newest first); the timeline shows
+  // those commands' start and end but not their output again (`mine`: by the run's token in
+  // its context). After a reload the timeline shows all of it, from the audit trail.
+  const runs = el("ol", { class: "runs", "aria-label": "Runs from this page" });
+  const mine = new Map();
   const run = el("form", { class: "row", onsubmit: (event) => {
     event.preventDefault();
-    act("Run", async () => {
-      const answer = await api(`/v1/sandboxes/${id}/commands`, { method: "POST", signal,
-        json: { cmd: command.value, stream: true, context: { source: "dashboard" } } });
-      for await (const _ of lines(answer)) { /* the timeline shows it */ }
-    });
+    if (!command.value.trim()) return;
+    runCommand(id, command.value, runs, mine, signal);
   } }, command, el("button", { class: "primary", type: "submit", text: "Run" }));
+  const ports = el("div", { class: "panel", "aria-label": "Exposed ports" });
+  const processes = el("div", { class: "panel", "aria-label": "Background processes" });
   const button = (text, fn, cls) => el("button", { type: "button", text, class: cls, onclick: fn });
   const actions = el("div", { class: "row", role: "toolbar", "aria-label": "Actions" },
     button("Terminal", () => act("Terminal", () => openTerminal(id, terminal, signal))),
@@ -264,7 +264,8 @@ async function sandboxPage(id, signal) {
       location.hash = "#/sandboxes";
       return "";
     }), "danger"));
-  page(id, facts, el("h2", { text: "Act" }), run, actions, status, notice, terminal,
+  page(id, facts, el("h2", { text: "Act" }), run, runs, actions, status, notice, terminal,
+       el("h2", { text: "Ports" }), ports, el("h2", { text: "Background processes" }), processes,
        el("h2", { text: "Files" }), files, el("h2", { text: "Snapshots and forks" }), family,
        el("h2", { text: "Timeline" }), timeline);
 
@@ -283,8 +284,12 @@ async function sandboxPage(id, signal) {
   } catch (failure) {
     if (failure instanceof Unauthorized) throw failure;
     facts.replaceChildren(el("p", { class: "muted", text: "This sandbox is gone; its audit trail remains." }));
-    run.remove(); actions.remove(); files.previousSibling.remove(); files.remove();
+    run.remove(); runs.remove(); actions.remove();
+    for (const box of [ports, processes, files]) { box.previousSibling.remove(); box.remove(); }
   }
+  // Ports and processes: read again when the trail says they changed (a command or process
+  // started or ended, a port exposed or not), and every 30 s (fresh signed links).
+  const live = ports.isConnected ? liveLists(id, ports, processes, signal, act) : { changed() {} };
   showFamily(id, family, signal, facts.isConnected ? act : null).catch(() => { family.textContent = ""; });
   // The trail's last events, then what comes: a long trail (an agent's day) renders at once.
   const commands = new Map();
@@ -299,10 +304,204 @@ async function sandboxPage(id, signal) {
           `(the last ${TIMELINE_TAIL} are); the whole trail: \`corral replay ${id}\` or GET /v1/sandboxes/${id}/audit.` }));
       }
       first = false;
-      drawn.append(...render(event, commands));
+      drawn.append(...render(event, commands, mine));
+      live.changed(event.type);
     }
     timeline.append(drawn);
   }
+}
+
+// -- the Run button's output ------------------------------------------------------------------
+
+const OUTPUT_KEEP = 256 * 1024;  // characters of one run's output kept on the page (the last ones)
+const RUNS_KEPT = 5;
+
+function runCommand(id, cmd, runs, mine, signal) {
+  const token = `run_${crypto.getRandomValues(new Uint32Array(2)).join("")}`;
+  const shown = runView(id, cmd, signal);
+  runs.prepend(shown.node);
+  mine.set(token, shown);
+  while (runs.children.length > RUNS_KEPT) {
+    const dropped = runs.lastElementChild;
+    for (const [key, view] of mine) if (view.node === dropped && view.over) mine.delete(key);
+    dropped.remove();
+  }
+  (async () => {
+    const answer = await api(`/v1/sandboxes/${id}/commands`, { method: "POST", signal,
+      json: { cmd, stream: true, context: { source: "dashboard", run: token } } });
+    for await (const batch of lineBatches(answer)) {
+      for (const line of batch) {
+        const event = JSON.parse(line);
+        if (event.type === "stdout" || event.type === "stderr") shown.write(event.type, event.data);
+        else if (event.type === "truncated") shown.write(event.stream, event.data || "");
+        else if (event.type === "result") shown.end(event);
+        else if (event.type === "error") shown.fail(`${event.message} (${event.error})`);
+      }
+      shown.flush();
+    }
+    if (!shown.over) shown.fail("the stream broke off before the command's end (the timeline " +
+                                "shows it from the audit trail)");
+  })().catch((failure) => {
+    if (signal.aborted) return;
+    shown.fail(failure.status ? `refused: ${failure.message}` : failure.message);
+  });
+}
+
+function outputBox() {
+  // Tenant-controlled bytes: text nodes only, never markup; only the last OUTPUT_KEEP
+  // characters stay on the page, so a flood cannot freeze the tab.
+  const out = el("pre", { class: "out", "aria-label": "output" });
+  const cut = el("p", { class: "muted", hidden: true });
+  let kept = 0;
+  let dropped = 0;
+  return {
+    out, cut,
+    write(stream, text) {
+      if (!text) return;
+      const last = out.lastElementChild;
+      const stick = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
+      if (last && last.dataset.stream === stream) last.firstChild.appendData(text);
+      else out.append(el("span", { class: stream === "stderr" ? "stderr" : "stdout", "data-stream": stream, text }));
+      kept += text.length;
+      while (kept > OUTPUT_KEEP && out.firstElementChild) {
+        const first = out.firstElementChild;
+        const size = first.firstChild.length;
+        const gone = Math.min(size, kept - OUTPUT_KEEP);
+        if (gone === size) first.remove();
+        else first.firstChild.deleteData(0, gone);
+        kept -= gone;
+        dropped += gone;
+      }
+      if (stick) out.scrollTop = out.scrollHeight;
+    },
+    flush() {
+      if (!dropped) return;
+      cut.hidden = false;
+      cut.textContent = `The first ${dropped.toLocaleString()} characters are not shown here (the last ` +
+        `${OUTPUT_KEEP / 1024} KiB are); the audit trail keeps what the service captured.`;
+    },
+  };
+}
+
+function runView(id, cmd, signal) {
+  const box = outputBox();
+  const result = el("span", { class: "muted", "aria-live": "polite", text: " running…" });
+  const tools = el("span");
+  const node = el("li", { class: "command run" }, el("code", { text: cmd }), result, tools, box.cut, box.out);
+  const view = {
+    node, over: false,
+    write: box.write,
+    flush: box.flush,
+    started(commandId) {  // the trail named the command: it can be killed by that id
+      if (view.over) return;
+      tools.replaceChildren(" ", el("button", { type: "button", class: "small", text: "Kill",
+        "aria-label": "Kill this command", onclick: async (event) => {
+          event.target.disabled = true;
+          try { await api(`/v1/sandboxes/${id}/commands/${commandId}/kill`, { method: "POST", signal }); }
+          catch (failure) { if (!signal.aborted) view.fail(`kill: ${failure.message}`, false); }
+        } }));
+    },
+    end(r) {
+      view.over = true;
+      tools.replaceChildren();
+      for (const stream of ["stdout", "stderr"]) {  // what the events did not carry (a cut notice)
+        if (r[`${stream}_tail`]) view.write(stream, r[`${stream}_tail`]);
+      }
+      view.flush();
+      const seconds = typeof r.duration_s === "number" ? ` · ${r.duration_s.toFixed(3)} s` : "";
+      const why = r.timed_out ? " · timed out" : r.usage && r.usage.oom_killed ? " · out of memory"
+        : r.exit_code > 128 ? ` · killed (signal ${r.exit_code - 128})` : "";
+      result.replaceChildren(" ", el("span", { class: "exit", "data-exit-code": r.exit_code,
+                                               text: `exit ${r.exit_code}` }), `${seconds}${why}`);
+      if (r.exit_code !== 0 || r.timed_out) node.classList.add("failed");
+    },
+    fail(message, final = true) {
+      if (final) { view.over = true; tools.replaceChildren(); }
+      node.classList.add("failed");
+      result.replaceChildren(" ", el("span", { class: "error", role: "alert", text: message }));
+    },
+  };
+  return view;
+}
+
+// -- ports and background processes ------------------------------------------------------------
+
+const LISTS_EVERY_MS = 30_000;
+
+function liveLists(id, ports, processes, signal, act) {
+  let timer = null;
+  let waiting = Promise.resolve();
+  const load = () => {
+    waiting = waiting.then(() => Promise.all([
+      showPorts(id, ports, signal).catch((f) => { if (!signal.aborted) ports.textContent = f.message; }),
+      showProcesses(id, processes, signal, act, soon).catch((f) => { if (!signal.aborted) processes.textContent = f.message; }),
+    ]));
+    return waiting;
+  };
+  function soon() {
+    clearTimeout(timer);
+    if (!signal.aborted) timer = setTimeout(load, 200);
+  }
+  load();
+  const every = setInterval(soon, LISTS_EVERY_MS);
+  signal.addEventListener("abort", () => { clearTimeout(timer); clearInterval(every); });
+  return {
+    changed(type) {
+      if (["port.exposed", "port.unexposed", "command.started", "command.finished"].includes(type)) soon();
+    },
+  };
+}
+
+function previewLink(port) {
+  // A port's host URL is an origin of its own, never the dashboard's: opened in a new tab,
+  // with no opener and no referrer. A private port's link carries its signature (it sets the
+  // port's cookie there and drops it from the address). Without a host URL, the path URL: the
+  // service serves its pages in an opaque origin (docs/ports-and-volumes.md, Origins).
+  let href = port.host_url;
+  if (href && !port.public && port.signed_url) href += new URL(port.signed_url).search;
+  href = href || port.signed_url || port.url;
+  if (!href) return el("span", { class: "muted", text: "no URL: the service's address is not known here" });
+  const url = new URL(href, location.href);
+  if (url.protocol !== "http:" && url.protocol !== "https:") return el("span", { class: "muted", text: "—" });
+  return el("a", { href: url.href, target: "_blank", rel: "noopener noreferrer",
+                   text: `${url.origin}${url.pathname}` });
+}
+
+async function showPorts(id, box, signal) {
+  const ports = await (await api(`/v1/sandboxes/${id}/ports`, { signal })).json();
+  if (!ports.length) {
+    box.replaceChildren(el("p", { class: "muted", text: "No exposed port. `corral ports expose " +
+      `${id} PORT\` or POST /v1/sandboxes/${id}/ports/PORT serves one.` }));
+    return;
+  }
+  box.replaceChildren(el("ul", { class: "files" }, ports.sort((a, b) => a.port - b.port).map((p) =>
+    el("li", { "data-port": p.port }, el("code", { text: String(p.port) }), " ",
+       pill(p.public ? "public" : "private", p.public ? "warn" : "ok"), " ", previewLink(p)))));
+}
+
+async function showProcesses(id, box, signal, act, again) {
+  const procs = await (await api(`/v1/sandboxes/${id}/processes`, { signal })).json();
+  if (!procs.length) {
+    box.replaceChildren(el("p", { class: "muted", text: "No background process." }));
+    return;
+  }
+  // Redrawn under a keyboard user's focus: it stays on the same process's button.
+  const focused = box.contains(document.activeElement) ? document.activeElement.dataset.process : null;
+  procs.sort((a, b) => b.started_at - a.started_at);
+  box.replaceChildren(el("ul", { class: "files" }, procs.map((p) => el("li", { "data-process": p.id },
+    el("code", { text: p.argv.join(" ") }), " ", pill(p.state === "exited" ? `exited ${p.exit_code ?? "?"}` : p.state,
+      p.state === "exited" ? (p.exit_code === 0 ? "ok" : "bad") : "running"),
+    el("span", { class: "muted", text: ` ${p.id} · started ${ago(p.started_at)} ago${p.error ? ` · ${p.error}` : ""}` }),
+    p.state === "exited" ? null : el("button", { type: "button", class: "small", text: "Kill",
+      "aria-label": `Kill ${p.id}`, "data-process": p.id, onclick: (event) => {
+        event.target.disabled = true;
+        act("Kill", async () => {
+          await api(`/v1/sandboxes/${id}/processes/${p.id}/kill`, { method: "POST", signal });
+          again();
+          return `Killed ${p.id}.`;
+        });
+      } })))));
+  if (focused) box.querySelector(`button[data-process="${CSS.escape(focused)}"]`)?.focus();
 }
 
 async function showFiles(id, path, box, signal) {
@@ -432,23 +631,27 @@ function summary(data, keys) {
     .map((k) => `${k} ${typeof data[k] === "object" ? JSON.stringify(data[k]) : data[k]}`).join(" · ");
 }
 
-function render(event, commands) {
+function render(event, commands, mine = new Map()) {
   const d = event.data || {};
   const item = (kind, cls, ...rest) => el("li", { class: cls, "data-type": event.type },
     el("span", { class: "when", text: clock(event.ts) }), el("span", { class: "kind", text: kind }), ...rest);
   switch (event.type) {
     case "command.started": {
-      const out = el("pre", { class: "out", "aria-label": "output" });
+      const ours = mine.get(d.context && d.context.run);  // run from this page: output beside Run
+      const box = ours ? null : outputBox();
       const result = el("span", { class: "muted", text: " running…" });
       const context = d.context ? el("div", { class: "muted", text: `context ${JSON.stringify(d.context)}` }) : null;
-      const node = item("command", "command", el("code", { text: (d.argv || []).join(" ") }), result, context, out);
-      commands.set(event.command, { out, result, node });
+      const node = item("command", "command", el("code", { text: (d.argv || []).join(" ") }), result, context,
+        box ? [box.cut, box.out] : el("div", { class: "muted", text: "Output: beside the Run button, above." }));
+      commands.set(event.command, { box, result, node });
+      if (ours) ours.started(event.command);
       return [node];
     }
     case "command.output": {
       const known = commands.get(event.command);
-      if (!known) return [];
-      known.out.append(el("span", { class: d.stream === "stderr" ? "stderr" : "", text: d.text }));
+      if (!known || !known.box) return [];
+      known.box.write(d.stream === "stderr" ? "stderr" : "stdout", d.text);
+      known.box.flush();
       return [];
     }
     case "command.finished": {
