@@ -28,12 +28,13 @@ from ..backends import ExecRequest, OutputCallback, ProcessIO
 from ..errors import CommandNotFound, SandboxBusy
 from ..models import CommandResult, ResourceTier
 from . import validate
+from .admission import Admission
 from .egress import EgressBroker
 from .locks import WorkspaceLocks
 from .records import SandboxRecord
 from .sandboxes import Sandboxes
 from .store import Store
-from .tenants import Admission, Tenant
+from .tenants import Tenant
 
 __all__ = ["Commands"]
 

@@ -25,6 +25,7 @@ from .._settings import Settings
 from ..backends import IsolationBackend, OutputCallback, ProcessIO, SandboxSpec
 from ..errors import SandboxNotFound
 from ..models import CommandResult, SandboxInfo, SnapshotInfo
+from .admission import Admission, CommandWindows
 from .auditbudget import AuditBudgets
 from .commands import Commands
 from .egress import EgressBroker, NetworkSpec
@@ -41,7 +42,7 @@ from .sandboxes import Sandboxes
 from .secrets import SecretStore
 from .snapshots import Snapshots
 from .store import Store
-from .tenants import Admission, Ceiling, CommandWindows, Tenant
+from .tenants import Ceiling, Tenant
 from .volumes import Volumes
 
 if TYPE_CHECKING:

@@ -24,11 +24,11 @@ from .._audit.budget import Overrun
 from .._backends._linux.template import template_version
 from .._core.owner import this_owner
 from .._core.resources import get_tier
+from .._egress.policy import NetworkPolicy
 from .._settings import Settings
 from ..backends import IsolationBackend, Mount, SandboxSpec
 from ..errors import (
     CorralError,
-    QuotaExceeded,
     SandboxBusy,
     SandboxExpired,
     SandboxNotFound,
@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..models import SnapshotInfo
 from . import validate
+from .admission import Admission, check_sandbox_count
 from .auditbudget import AuditBudgets
 from .destroyer import Destroyer, DestroyJob
 from .egress import EgressBroker, NetworkSpec
@@ -46,10 +47,9 @@ from .memimages import capable, check_resumable
 from .records import SandboxRecord
 from .registry import BackendRegistry
 from .store import Store
-from .tenants import Admission, Tenant
-from .tenants import check as check_ceiling
+from .tenants import Tenant
 
-__all__ = ["DESTROY_WAIT_S", "Sandboxes", "find_snapshot", "new_id"]
+__all__ = ["DESTROY_WAIT_S", "CreatePlan", "Sandboxes", "find_snapshot", "new_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,31 @@ def find_snapshot(store: Store, ref: str, *, tenant: str | None) -> SnapshotInfo
         raise SnapshotNotFound(f"snapshot {ref!r} does not exist; `corral snapshots ls` "
                                "lists them")
     return snap
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CreatePlan:
+    """A create the caller is allowed (``Sandboxes.plan_create``): what remains is to do it.
+    ``template`` is None for an image's, named once it is pulled."""
+
+    caller: Tenant | None
+    tenant: str
+    template: str | None
+    image: str | None
+    resources: str
+    ttl_s: float
+    labels: dict[str, str]
+    policy: NetworkPolicy
+    secrets: tuple[str, ...]
+    placeholders: dict[str, str]
+    idle_timeout: float | None
+    isolation: str
+    backend: IsolationBackend
+    layer: str | None
+    memory_image: str | None
+    limit: int | None
+    mounts: tuple[Mapping[str, Any], ...]
+    origin: dict[str, Any]
 
 
 class Sandboxes:
@@ -140,27 +165,37 @@ class Sandboxes:
         sealed workspace it starts from (and ``memory_image``, the memory it resumes, for a
         memory fork), and ``origin``, added to its ``sandbox.created`` event. ``image``: an
         image reference, pulled first unless already (``corral._images``). ``mounts``: the
-        volumes and data mounts, as ``Volumes.mounts`` checked them."""
-        tier = get_tier(resources)
-        pulled = None
-        if image is not None:
-            if template is not None or snapshot is not None:
-                raise UsageError("give an image, a template or a snapshot to start from, not "
-                                 "two of them")
-            # Only the host's operator (in-process, no caller) may name images on the host.
-            from .._images.pull import pull_image  # an image's create only
+        volumes and data mounts, as ``Volumes.mounts`` checked them.
 
-            pulled = pull_image(image, self._settings, allow_local=caller is None,
-                                on_progress=on_progress)
-            template = pulled.template.name
+        Planned, then carried out: everything that can refuse the caller (validation, its
+        tiers, ceiling and sandbox count) is decided before anything is pulled or written."""
+        plan = self.plan_create(
+            template=template, resources=resources, timeout=timeout, labels=labels,
+            network=network, secrets=secrets, tenant=tenant, max_for_tenant=max_for_tenant,
+            idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot, caller=caller,
+            parent_layer=parent_layer, origin=origin, memory_image=memory_image, image=image,
+            mounts=mounts)
+        return self._carry_out(plan, on_progress=on_progress)
+
+    def plan_create(
+        self, *, template: str | None, resources: str, timeout: float | None,
+        labels: Mapping[str, str] | None, network: NetworkSpec,
+        secrets: Sequence[str] | None, tenant: str | None, max_for_tenant: int | None,
+        idle_timeout: float | None, isolation: str | None, snapshot: str | None,
+        caller: Tenant | None, parent_layer: str | None = None,
+        origin: Mapping[str, Any] | None = None, memory_image: str | None = None,
+        image: str | None = None, mounts: Sequence[Mapping[str, Any]] = (),
+    ) -> CreatePlan:
+        """What ``create`` will do, or what refuses it: reads the store and the tier's
+        registry, writes nothing and pulls nothing."""
+        tier = get_tier(resources)
+        if image is not None and (template is not None or snapshot is not None):
+            raise UsageError("give an image, a template or a snapshot to start from, not "
+                             "two of them")
         if tenant is None:
             tenant = caller.name if caller is not None else "local"
-        if caller is not None and not caller.is_local:
-            if max_for_tenant is None:
-                max_for_tenant = caller.max_sandboxes
-            if resources not in caller.tiers:
-                raise QuotaExceeded(f"tenant {caller.name!r} may not use the {resources!r} tier "
-                                    f"(allowed: {', '.join(caller.tiers)})")
+        self._admission.check_tier(caller, resources)
+        limit = self._admission.sandbox_limit(caller, max_for_tenant)
         asked_isolation = isolation
         isolation = validate.isolation(self._settings.backend if isolation is None
                                        else isolation)
@@ -179,36 +214,67 @@ class Sandboxes:
             # A memory image is a running machine: it resumes only on the tier that made it.
             isolation = memory["isolation"] if asked_isolation is None else isolation
             origin = {**(origin or {}), "memory_image": memory_image}
-        template = "base" if template is None else template
+        if image is None:
+            template = validate.template("base" if template is None else template)
         policy = self._egress.policy(network)
         names = validate.secret_names(secrets)
         placeholders = self._egress.placeholders_for(names)
         if idle_timeout is not None:
             idle_timeout = validate.ttl(idle_timeout, tier.max_ttl_s)
-        template = validate.template(template)
         ceiling = self._admission.ceiling_for(caller)
         ttl = tier.ttl_s if timeout is None else validate.ttl(timeout, tier.max_ttl_s)
         if timeout is None and ceiling.max_lifetime_s is not None:
             ttl = min(ttl, float(ceiling.max_lifetime_s))  # the default fits the ceiling
-        check_ceiling(ceiling, tenant=caller.name if caller else tenant, template=template,
-                      isolation=isolation, resources=resources, network=policy,
-                      secrets=names, lifetime_s=ttl)
+        if image is not None:
+            self._admission.check_image(caller=caller, tenant=tenant, image=image)
+        self._admission.check_create(caller=caller, tenant=tenant, template=template,
+                                     isolation=isolation, resources=resources, network=policy,
+                                     secrets=names, lifetime_s=ttl)
         if memory is not None:  # before loading a tier it could never resume on
-            check_resumable(memory, snapshot=snapshot or str(memory_image), template=template,
-                            resources=resources, isolation=isolation)
+            check_resumable(memory, snapshot=snapshot or str(memory_image),
+                            template=template or "", resources=resources, isolation=isolation)
         backend = self._backends.get(isolation)
         if memory is not None:
             capable(backend, "starting from a memory snapshot")
         clean_labels = validate.labels(labels)
-        self._ready()
+        self._ready()  # recovery first: what expired meanwhile no longer counts
+        if limit is not None:  # told now, before a pull; decided again in the insert
+            check_sandbox_count(tenant, self._store.count_sandboxes(tenant), limit)
+        return CreatePlan(
+            caller=caller, tenant=tenant, template=template, image=image,
+            resources=resources, ttl_s=ttl, labels=clean_labels, policy=policy,
+            secrets=tuple(names), placeholders=placeholders, idle_timeout=idle_timeout,
+            isolation=isolation, backend=backend, layer=layer, memory_image=memory_image,
+            limit=limit, mounts=tuple(mounts), origin=dict(origin or {}))
+
+    def _carry_out(self, plan: CreatePlan, *,
+                   on_progress: Callable[[str], None] | None) -> SandboxRecord:
+        """``plan`` done: the image pulled (unless already), the row inserted (the sandbox
+        count decided for good in its transaction), the tier's sandbox made."""
+        template, pulled = plan.template, None
+        if plan.image is not None:
+            # Only the host's operator (in-process, no caller) may name images on the host.
+            from .._images.pull import pull_image  # an image's create only
+
+            pulled = pull_image(plan.image, self._settings, allow_local=plan.caller is None,
+                                on_progress=on_progress)
+            template = pulled.template.name
+            # Its name is its digest, known now: the one part of the ceiling judged this late.
+            self._admission.check_create(
+                caller=plan.caller, tenant=plan.tenant, template=template,
+                isolation=plan.isolation, resources=plan.resources, network=plan.policy,
+                secrets=plan.secrets, lifetime_s=plan.ttl_s)
+        assert template is not None
+        backend = plan.backend
         version = template_version(template, self.templates_dir)
         info = self._store.insert(
-            sandbox_id=new_id(), template=template, resources=resources, ttl_s=ttl,
-            labels=clean_labels, allocate_uid=backend.allocate_uid,
-            network=policy.to_json(), secrets=placeholders,
-            tenant=tenant, max_for_tenant=max_for_tenant, idle_timeout=idle_timeout,
-            isolation=isolation, layer=layer, memory_image=memory_image,
-            template_version=version, mounts=mounts, creator=self._owner,
+            sandbox_id=new_id(), template=template, resources=plan.resources,
+            ttl_s=plan.ttl_s, labels=plan.labels, allocate_uid=backend.allocate_uid,
+            network=plan.policy.to_json(), secrets=plan.placeholders,
+            tenant=plan.tenant, admit=self._admission.sandbox_slot(plan.tenant, plan.limit),
+            idle_timeout=plan.idle_timeout, isolation=plan.isolation, layer=plan.layer,
+            memory_image=plan.memory_image, template_version=version, mounts=plan.mounts,
+            creator=self._owner,
         )
         try:
             backend.create(self.spec(info))
@@ -217,17 +283,20 @@ class Sandboxes:
             raise
         self._store.set_state(info.id, "running")
         info = dataclasses.replace(info, state="running")
+        tier = get_tier(plan.resources)
         self._auditor.event(info.id, "sandbox.created", {
             "template": template, "template_version": version,
             **({"image": pulled.reference} if pulled is not None else {}),
-            "resources": resources, "uid": info.uid,
-            "expires_at": info.expires_at, "labels": clean_labels, "limits": tier.to_dict(),
-            "backend": backend.name, "isolation": isolation, "network": policy.to_json(),
-            "secrets": sorted(placeholders), "tenant": tenant,
-            **({"mounts": [dict(m) for m in mounts]} if mounts else {}), **(origin or {}),
+            "resources": plan.resources, "uid": info.uid,
+            "expires_at": info.expires_at, "labels": plan.labels, "limits": tier.to_dict(),
+            "backend": backend.name, "isolation": plan.isolation,
+            "network": plan.policy.to_json(), "secrets": sorted(plan.placeholders),
+            "tenant": plan.tenant,
+            **({"mounts": [dict(m) for m in plan.mounts]} if plan.mounts else {}),
+            **plan.origin,
         })
         self._auditor.count("corral_sandboxes_created")
-        logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, resources)
+        logger.info("created sandbox %s (uid %d, %s)", info.id, info.uid, plan.resources)
         return info
 
     def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxRecord:
@@ -266,9 +335,8 @@ class Sandboxes:
         info = self.get(sandbox_id)
         ttl = validate.ttl(timeout, get_tier(info.resources).max_ttl_s)
         # The ceiling bounds the whole life, so extending again and again cannot pass it.
-        check_ceiling(self._admission.ceiling_for(caller),
-                      tenant=caller.name if caller else info.tenant,
-                      lifetime_s=time.time() + ttl - info.created_at)
+        self._admission.check_lifetime(caller=caller, tenant=info.tenant,
+                                       lifetime_s=time.time() + ttl - info.created_at)
         self._store.set_expiry(sandbox_id, time.time() + ttl)
         info = self.get(sandbox_id)
         self._auditor.event(sandbox_id, "sandbox.timeout_changed",
@@ -279,8 +347,7 @@ class Sandboxes:
                     caller: Tenant | None) -> SandboxRecord:
         policy = self._egress.policy(network)
         info = self.get(sandbox_id)
-        check_ceiling(self._admission.ceiling_for(caller),
-                      tenant=caller.name if caller else info.tenant, network=policy)
+        self._admission.check_network(caller=caller, tenant=info.tenant, network=policy)
         self._store.set_network(sandbox_id, policy.to_json())
         self._auditor.event(sandbox_id, "sandbox.policy_changed", {"network": policy.to_json()})
         return self.get(sandbox_id)

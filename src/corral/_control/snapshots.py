@@ -28,6 +28,7 @@ from ..errors import (
 )
 from ..models import SnapshotInfo
 from . import validate
+from .admission import Admission
 from .egress import network_spec, policy_from
 from .intents import Intents
 from .layers import Layers
@@ -37,7 +38,7 @@ from .processes import ProcessTable
 from .records import SandboxRecord
 from .sandboxes import Sandboxes, find_snapshot, new_id
 from .store import Store
-from .tenants import Admission, Tenant
+from .tenants import Tenant
 
 __all__ = ["Snapshots", "is_running"]
 
@@ -192,7 +193,7 @@ class Snapshots:
         validate.fork_count(count)
         if caller is not None and not caller.is_local:
             tenant = caller.name if tenant is None else tenant
-            max_for_tenant = caller.max_sandboxes if max_for_tenant is None else max_for_tenant
+        max_for_tenant = self._admission.sandbox_limit(caller, max_for_tenant)
         info = self._sandboxes.get(sandbox_id, tenant=tenant)
         self._check_policy(info, caller)  # before sealing: a refused fork changes nothing
         if memory:

@@ -233,7 +233,7 @@ class Store:
         self, *, sandbox_id: str, template: str, resources: str, ttl_s: float,
         labels: dict[str, str], allocate_uid: Callable[[set[int]], int],
         network: dict[str, object] | None = None, secrets: dict[str, str] | None = None,
-        tenant: str = "local", max_for_tenant: int | None = None,
+        tenant: str = "local", admit: Callable[[int], None] | None = None,
         idle_timeout: float | None = None, isolation: str = "namespace",
         layer: str | None = None, memory_image: str | None = None,
         template_version: str | None = None,
@@ -243,7 +243,9 @@ class Store:
         picks among the ones not recorded here, inside the insert's transaction. Its volume
         mounts (``mounts`` of kind ``volume``) are claimed in the same transaction: one
         writer or any number of readers per volume, so two creates racing for a volume
-        cannot both win.
+        cannot both win. ``admit`` (admission's judge of the tenant's sandbox count) is
+        called with that count in the same transaction, so two creates racing for the last
+        slot cannot both pass it either; it refuses by raising, and nothing is written.
 
         Raises:
             QuotaExceeded: the tier has no uid left.
@@ -251,13 +253,8 @@ class Store:
         """
         now = time.time()
         with self._tx() as db:
-            if max_for_tenant is not None:
-                count = db.execute("SELECT COUNT(*) FROM sandboxes WHERE tenant = ?",
-                                   (tenant,)).fetchone()[0]
-                if count >= max_for_tenant:
-                    raise QuotaExceeded(
-                        f"tenant {tenant!r} already has {count} sandboxes, its limit; destroy "
-                        "one or ask the operator for a higher limit")
+            if admit is not None:
+                admit(self._count_sandboxes(db, tenant))
             for mount in mounts:
                 if mount["kind"] == "volume":
                     self._claim_volume(db, mount["source"], sandbox_id,
@@ -283,6 +280,17 @@ class Store:
             idle_timeout=idle_timeout, last_active=now, isolation=isolation, layer=layer,
             memory_image=memory_image, template_version=template_version,
             mounts=[dict(m) for m in mounts], creator=creator)
+
+    def count_sandboxes(self, tenant: str) -> int:
+        """How many sandboxes ``tenant`` has (in any state)."""
+        with self._lock:
+            return self._count_sandboxes(self._db, tenant)
+
+    @staticmethod
+    def _count_sandboxes(db: sqlite3.Connection, tenant: str) -> int:
+        count: int = db.execute("SELECT COUNT(*) FROM sandboxes WHERE tenant = ?",
+                                (tenant,)).fetchone()[0]
+        return count
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:

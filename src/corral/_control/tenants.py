@@ -1,4 +1,5 @@
-"""Tenants: who the caller is, what it may ask for (its ceiling) and how fast (its quotas).
+"""Tenants: who the caller is, what it may ask for (its ceiling) and how much (its quotas,
+applied by ``admission``).
 
 The control plane enforces all of it, so the HTTP service, MCP, the SDK and the CLI get the
 same rules. A *ceiling* is the operator's bound on the policy a caller may give a sandbox: the
@@ -18,9 +19,6 @@ import hashlib
 import hmac
 import re
 import secrets
-import threading
-import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,11 +26,11 @@ from typing import Any
 from .._core.resources import TIERS
 from .._egress.policy import DEFAULT_PORTS, NetworkPolicy, Rule
 from .._settings import Settings
-from ..errors import AuthError, CeilingExceeded, QuotaExceeded, UsageError
+from ..errors import AuthError, CeilingExceeded, UsageError
 from .store import Store
 
-__all__ = ["LOCAL_TENANT", "Admission", "Ceiling", "CommandWindows", "Tenant", "TenantDirectory",
-           "check", "covers", "local_tenant", "new_key"]
+__all__ = ["LOCAL_TENANT", "Ceiling", "Tenant", "TenantDirectory", "check", "covers",
+           "local_tenant", "new_key"]
 
 LOCAL_TENANT = "local"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -205,31 +203,6 @@ def check(ceiling: Ceiling, *, tenant: str = LOCAL_TENANT, template: str | None 
             f"a lifetime of {lifetime_s:.0f} s is over it (pass a shorter timeout, or the "
             "operator raises it with `corral tenants set --max-lifetime` or "
             "CORRAL_CEILING_MAX_LIFETIME_S)")
-
-
-class CommandWindows:
-    """Sliding one-minute windows of code starts per tenant (commands, processes, terminals)."""
-
-    def __init__(self) -> None:
-        self._windows: dict[str, deque[float]] = {}
-        self._lock = threading.Lock()
-
-    def count(self, tenant: Tenant) -> None:
-        """Count one start; refuse it past the tenant's rate. The local tenant is not counted."""
-        if tenant.is_local:
-            return
-        now = time.monotonic()
-        with self._lock:
-            window = self._windows.setdefault(tenant.name, deque())
-            while window and window[0] < now - 60:
-                window.popleft()
-            if len(window) >= tenant.commands_per_minute:
-                wait = 60 - (now - window[0])
-                raise QuotaExceeded(
-                    f"tenant {tenant.name!r} reached {tenant.commands_per_minute} commands per "
-                    f"minute (commands, background processes and terminals count alike); "
-                    f"retry in {wait:.0f} s")
-            window.append(now)
 
 
 def _digest(secret: str) -> str:
@@ -409,31 +382,3 @@ class TenantDirectory:
         if found is None or not hmac.compare_digest(found[1], _digest(secret)):
             raise AuthError("unknown or revoked API key")
         return self._tenant_named(found[0])
-
-
-class Admission:
-    """The tenancy rules the control plane applies to every call: ceilings and the
-    commands-per-minute quota, the same for every surface."""
-
-    def __init__(self, default: Ceiling) -> None:
-        self.ceiling = default  # the operator's (CORRAL_CEILING_*), for callers without one
-        self.starts = CommandWindows()
-
-    def ceiling_for(self, caller: Tenant | None) -> Ceiling:
-        """The caller's ceiling, the server default filling the fields it leaves open."""
-        return self.ceiling if caller is None else caller.ceiling.over(self.ceiling)
-
-    def admit(self, caller: Tenant | None) -> None:
-        """Count one start of code (command, background process, terminal) against the
-        caller's commands-per-minute; the one quota path every surface goes through."""
-        if caller is not None:
-            self.starts.count(caller)
-
-    def check_policy(self, *, caller: Tenant | None, tenant: str, template: str,
-                     isolation: str, resources: str, network: NetworkPolicy,
-                     secrets: Sequence[str]) -> None:
-        """Refuse to carry an existing sandbox's policy on (fork, restore) beyond the ceiling
-        the caller has now: it may have been created under a wider one."""
-        check(self.ceiling_for(caller), tenant=caller.name if caller else tenant,
-              template=template, isolation=isolation, resources=resources,
-              network=network, secrets=sorted(secrets))
