@@ -1,4 +1,4 @@
-"""The microVM guest agent (``agent.py`` + ``run.c``), run for real on the host.
+"""The microVM guest agent (the ``corral._guest`` zipapp + ``run.c``), run for real on the host.
 
 The agent runs as root under ``unshare --mount --pid --net`` (loopback up, a fresh ``/run``)
 over a socketpair, with a temporary directory as its workspace and a fresh group under the
@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 
-from corral._backends.microvm import agent as agent_mod
+from corral._backends.microvm import rootimage
+from corral._guest import fs, protocol, workspace
 
 pytestmark = pytest.mark.needs_root
 
-AGENT = Path(agent_mod.__file__)
-RUN_C = AGENT.with_name("run.c")
+RUN_C = Path(rootimage.__file__).with_name("run.c")
 CGROUP2 = "/sys/fs/cgroup/unified"
 PYTHON = "/usr/bin/python3"
 WAIT = 20.0
@@ -57,6 +57,8 @@ def run_binary() -> Iterator[Path]:
     binary = out / "run"
     subprocess.run(["gcc", "-static", "-Os", "-Wall", "-Wextra", "-Werror", "-o", str(binary),
                     str(RUN_C)], check=True, timeout=120)
+    # The agent as the guest gets it: the zipapp the root image build writes.
+    (out / rootimage.AGENT).write_bytes(rootimage.agent_zipapp())
     yield binary
     shutil.rmtree(out, ignore_errors=True)
 
@@ -191,7 +193,7 @@ def guest(run_binary: Path) -> Iterator[Guest]:
          # A /run of its own: the agent writes the guest's /run/corral (its sandbox id, the
          # filters it compiles), which must not land in the host's.
          'mount -t tmpfs -o mode=0755 tmpfs /run && ip link set lo up && exec "$0" -I -S "$1"',
-         PYTHON, str(AGENT)],
+         PYTHON, str(run_binary.with_name(rootimage.AGENT))],
         env=env, pass_fds=(theirs.fileno(),))
     theirs.close()
     client = Client(ours)
@@ -382,7 +384,7 @@ def test_a_command_not_reading_stdin_never_stalls_the_agent(guest: Guest) -> Non
 def test_output_is_streamed_in_bounded_chunks(guest: Guest) -> None:
     result = guest.client.run(["head", "-c", "3000000", "/dev/zero"])
     assert len(result["stdout"]) == 3_000_000 and result["stdout"].count(0) == 3_000_000
-    assert max(result["chunks"]) <= agent_mod.CHUNK and len(result["chunks"]) > 10
+    assert max(result["chunks"]) <= protocol.CHUNK and len(result["chunks"]) > 10
 
 
 def test_many_commands_at_once(guest: Guest) -> None:
@@ -641,7 +643,7 @@ def test_walk_is_sorted_bounded_and_batched(guest: Guest) -> None:
             continue
         batches.append(message["ok"])
         break
-    assert len(batches) == 2 and len(batches[0]) == agent_mod.BATCH_ENTRIES
+    assert len(batches) == 2 and len(batches[0]) == fs.BATCH_ENTRIES
     entries = [e for batch in batches for e in batch]
     assert [e["path"] for e in entries[:3]] == ["d", "d/f0000", "d/f0001"]
     assert entries[-1] == {**entries[-1], "path": "link", "kind": "symlink",
@@ -649,7 +651,7 @@ def test_walk_is_sorted_bounded_and_batched(guest: Guest) -> None:
     assert len(entries) == 2502 and entries[1]["size"] == 2
     deep = guest.workspace / "deep"
     path = deep
-    for _ in range(agent_mod.MAX_WALK_DEPTH + 2):
+    for _ in range(workspace.MAX_WALK_DEPTH + 2):
         path = path / "d"
     path.mkdir(parents=True)
     too_deep = c.request("fs.walk", path="deep")

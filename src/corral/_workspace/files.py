@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Literal
 
 from .._core import linux
+from .._guest import fsrules
+from .._guest.fsrules import WORKSPACE, shown_name
 from ..backends import TreeItem
 from ..errors import FileError, FileNotFound, PathRefused, QuotaExceeded
 from ..models import FileEntry
@@ -34,7 +36,6 @@ from .removal import remove_tree
 __all__ = ["MAX_FILE_BYTES", "MAX_WALK_DEPTH", "WORKSPACE", "TreeItem", "WorkspaceFiles",
            "shown_name", "to_relative"]
 
-WORKSPACE = "/workspace"
 MAX_FILE_BYTES = 256 * 1024 * 1024
 MAX_WALK_DEPTH = 256
 _RESOLVE = linux.RESOLVE_BENEATH | linux.RESOLVE_NO_MAGICLINKS | linux.RESOLVE_NO_XDEV
@@ -43,50 +44,16 @@ _RESOLVE = linux.RESOLVE_BENEATH | linux.RESOLVE_NO_MAGICLINKS | linux.RESOLVE_N
 def to_relative(path: str) -> str:
     """Map a sandbox path (``/workspace/a``, ``a``, ``./a``) to one relative to the workspace.
 
-    Returns ``"."`` for the workspace itself.
+    Returns ``"."`` for the workspace itself. The rules are ``corral._guest.fsrules``'s, which
+    the microVM guest agent applies too.
 
     Raises:
         PathRefused: absolute outside ``/workspace``, ``..`` escaping it, NUL bytes, not a string.
     """
-    if not isinstance(path, str) or not path:
-        raise PathRefused(f"path must be a non-empty string, got {path!r}")
-    if "\x00" in path:
-        raise PathRefused("path contains a NUL byte")
     try:
-        encoded = path.encode()
-    except UnicodeEncodeError:
-        raise PathRefused(
-            f"path '{shown_name(path)}' is not valid UTF-8; file calls take UTF-8 paths (a "
-            r"listing shows other bytes escaped as \xNN): rename the entry with a command in "
-            "the sandbox, or remove its parent directory") from None
-    if len(encoded) > 4096:
-        raise PathRefused("path is longer than 4096 bytes")
-    if path.startswith("/"):
-        normal = posixpath.normpath(path)
-        if normal == WORKSPACE:
-            return "."
-        if not normal.startswith(WORKSPACE + "/"):
-            raise PathRefused(f"{path!r} is outside {WORKSPACE}; only {WORKSPACE} is reachable")
-        rel = normal[len(WORKSPACE) + 1:]
-    else:
-        rel = posixpath.normpath(path)
-    if rel == ".." or rel.startswith("../"):
-        raise PathRefused(f"{path!r} climbs out of {WORKSPACE} with '..'")
-    return rel
-
-
-def shown_name(name: str) -> str:
-    """``name`` as Corral reports it: valid UTF-8 always, so it survives JSON and terminals.
-
-    The OS hands names over decoded with ``surrogateescape``; a byte that is not UTF-8 (which
-    the sandbox can put in any name) is shown as ``\\xNN`` instead of a lone surrogate that
-    no UTF-8 encoder (the API's JSON among them) accepts.
-    """
-    try:
-        raw = name.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # a surrogate no decoder made: the caller typed it
-        return name.encode("utf-8", "backslashreplace").decode("utf-8")
-    return raw.decode("utf-8", "backslashreplace")
+        return fsrules.to_relative(path)
+    except fsrules.FileRuleError as exc:
+        raise PathRefused(exc.message) from None
 
 
 def _temp_name() -> str:
@@ -105,41 +72,22 @@ def _staged(dir_fd: int, tmp: str) -> Iterator[None]:
         raise
 
 
-def _display(rel: str) -> str:
-    return WORKSPACE if rel == "." else f"{WORKSPACE}/{shown_name(rel)}"
+_display = fsrules.display
+# An error kind of the file rules as the Corral error the host raises (the rest: FileError).
+_ERRORS: dict[str, type[FileError]] = {"not_found": FileNotFound, "refused": PathRefused}
 
 
 @contextlib.contextmanager
 def _mapped(rel: str) -> Iterator[None]:
     """Turn OS errors into Corral errors that name the sandbox path."""
-    shown = _display(rel)
     try:
         yield
     except OSError as exc:
-        code = exc.errno
-        if code == errno.ENOENT:
-            raise FileNotFound(f"{shown} does not exist") from None
-        if code in (errno.EXDEV, errno.ELOOP):
-            raise PathRefused(
-                f"{shown} goes through a symlink that leaves {WORKSPACE} (or is a symlink where a "
-                "file or directory is needed); refused"
-            ) from None
-        if code in (errno.ENOSPC, errno.EDQUOT):
-            raise QuotaExceeded(
-                f"the workspace is full while writing {shown}; delete files or use a larger "
-                "resource tier"
-            ) from None
-        if code == errno.ENOTDIR:
-            raise FileError(f"a component of {shown} is not a directory") from None
-        if code == errno.EISDIR:
-            raise FileError(f"{shown} is a directory") from None
-        if code == errno.EEXIST:
-            raise FileError(f"{shown} already exists and is not a directory") from None
-        if code == errno.ENOTEMPTY:
-            raise FileError(f"{shown} is not empty") from None
-        if code == errno.ENAMETOOLONG:
-            raise PathRefused(f"a name in {shown} is too long") from None
-        raise FileError(f"{shown}: {exc.strerror}") from exc
+        error = fsrules.os_error(rel, exc)
+        if error.kind == "no_space":
+            raise QuotaExceeded(error.message) from None
+        raise _ERRORS.get(error.kind, FileError)(error.message) from (
+            exc if error.unmapped else None)
 
 
 def _entry(name: str, rel: str, st: os.stat_result) -> FileEntry:

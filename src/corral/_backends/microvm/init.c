@@ -140,7 +140,7 @@ int main(void) {
     pid_t agent = fork();
     if (agent < 0) die("fork");
     if (agent == 0) {
-        char *argv[] = {"/usr/bin/python3", "-I", "-S", "/corral/agent.py", NULL};
+        char *argv[] = {"/usr/bin/python3", "-I", "-S", "/corral/agent.pyz", NULL};
         char *envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME=/workspace",
                         "LANG=C.UTF-8", NULL};
         execve(argv[0], argv, envp);

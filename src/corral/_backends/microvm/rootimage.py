@@ -2,11 +2,13 @@
 
 The image is the template's built root with its curated ``/etc`` (users, hosts, the egress CA)
 in place of the build's own, plus the guest skeleton: ``/corral/init`` (PID 1, static),
-``/corral/run`` (the per-command launcher, static, when ``run.c`` exists), ``/corral/agent.py``
-and the mount points the guest needs on a read-only root. It is made with ``mkfs.ext4 -d`` (no
-journal: the guest mounts it read-only, and QEMU opens it read-only) and cached by a key over
-what went in, so every sandbox of a template shares one file and a change to the template, its
-``/etc``, the skeleton sources or this recipe makes a new image next to the old one.
+``/corral/run`` (the per-command launcher, static, when ``run.c`` exists), ``/corral/agent.pyz``
+(the guest agent: the ``corral._guest`` package as a zipapp, ``agent_zipapp``) and the mount
+points the guest needs on a read-only root. It is made with ``mkfs.ext4 -d`` (no journal: the
+guest mounts it read-only, and QEMU opens it read-only) and cached by a key over what went in,
+so every sandbox of a template shares one file and a change to the template, its ``/etc``, the
+skeleton sources (the guest package's among them) or this recipe makes a new image next to the
+old one.
 
 Layout of the cache directory::
 
@@ -18,6 +20,7 @@ Layout of the cache directory::
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -25,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +36,8 @@ from ..._core.privileged import privileged_env
 from ...errors import BackendError, BackendUnavailable, UsageError
 from .._linux.template import BaseTemplate
 
-__all__ = ["BASE_SPEC", "RootImage", "images_dir", "root_image", "skeleton_sources",
-           "template_name"]
+__all__ = ["AGENT", "BASE_SPEC", "RootImage", "agent_zipapp", "images_dir", "root_image",
+           "skeleton_sources", "template_name"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,11 @@ log = logging.getLogger(__name__)
 BASE_SPEC = "microvm-base"
 _RECIPE = "2"  # bump when the steps below change what comes out
 _HERE = Path(__file__).parent
+_GUEST = _HERE.parent.parent / "_guest"  # the corral._guest package
+AGENT = "agent.pyz"  # its name in /corral; init.c starts it
+# The zipapp's entry: the package is ``_guest`` in the archive (its imports are relative).
+_ZIP_MAIN = b"from _guest.__main__ import main\n\nmain()\n"
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip can say: no build's own time
 _MOUNT_POINTS = ("workspace", "home/user", "proc", "sys", "dev", "tmp", "run", "corral")
 _MARGIN_BYTES = 64 << 20
 _STEP_TIMEOUT_S = 600
@@ -66,11 +75,38 @@ def images_dir(home: Path) -> Path:
 
 
 def skeleton_sources() -> dict[str, Path]:
-    """The guest pieces that go into ``/corral``, by their name there (``run`` only if written)."""
-    sources = {"init": _HERE / "init.c", "agent.py": _HERE / "agent.py"}
+    """The guest pieces that go into ``/corral``, by their name there: the C programs (``run``
+    only if written) and ``agent.pyz``, made from the ``corral._guest`` package directory."""
+    sources = {"init": _HERE / "init.c", AGENT: _GUEST}
     if (_HERE / "run.c").is_file():
         sources["run"] = _HERE / "run.c"
     return sources
+
+
+def agent_zipapp() -> bytes:
+    """The guest agent as the one file the guest's python3 runs (``python3 -I -S
+    /corral/agent.pyz``): the modules of ``corral._guest`` as the package ``_guest``, and a
+    ``__main__`` that runs it.
+
+    The same sources give the same bytes (the image key hashes them): names in a fixed order,
+    one fixed time and mode. It is written with ``zipfile`` rather than
+    ``zipapp.create_archive``, which stamps each file's own mtime and its ``__main__`` with the
+    time of the build; the format is the same.
+    """
+    members = [("__main__.py", _ZIP_MAIN)]
+    members += [(f"_guest/{path.name}", path.read_bytes())
+                for path in sorted(_GUEST.glob("*.py"))]
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in members:
+            info = zipfile.ZipInfo(name, date_time=_ZIP_TIME)
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, data)
+    return buffer.getvalue()
+
+
+def _skeleton_bytes(name: str, source: Path) -> bytes:
+    return agent_zipapp() if name == AGENT else source.read_bytes()
 
 
 def _template_parts(template: BaseTemplate | Path) -> tuple[Path, Path]:
@@ -106,7 +142,7 @@ def _key(root: Path, etc: Path) -> str:
     digest = hashlib.sha256()
     parts = [_RECIPE.encode(), _identity(root), str(etc.resolve()).encode()]
     for name, source in sorted(skeleton_sources().items()):
-        parts += [name.encode(), source.read_bytes()]
+        parts += [name.encode(), _skeleton_bytes(name, source)]
     for part in parts:
         digest.update(len(part).to_bytes(8, "big") + part)
     return digest.hexdigest()[:16]
@@ -171,7 +207,7 @@ def _stage(root: Path, etc: Path, tree: Path) -> None:
                  f"compile the guest's /corral/{name} from {source.name}")
             os.chmod(corral / name, 0o755)
         else:
-            shutil.copyfile(source, corral / name)
+            (corral / name).write_bytes(_skeleton_bytes(name, source))
             os.chmod(corral / name, 0o644)
 
 
