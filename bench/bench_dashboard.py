@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sandbox import emit_report, log, summarize  # noqa: E402
 
 from corral._control.manager import get_manager  # noqa: E402
-from corral._server.app import create_app  # noqa: E402
+from corral._serve.app import create_app  # noqa: E402
 from corral._settings import Settings  # noqa: E402
 
 ROUNDS = 5

@@ -13,7 +13,7 @@ import pytest
 
 from corral import Sandbox
 from corral._control.manager import Manager
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral.testing import asgi_transport
 
 from ..integration import conftest as integration

@@ -10,7 +10,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from corral._control.manager import Manager
-from corral._server.app import create_app
+from corral._serve.app import create_app
 
 __all__ = ["Server", "free_port"]
 

@@ -26,7 +26,7 @@ import websockets.sync.client
 from corral import Sandbox
 from corral._control.manager import Manager
 from corral._control.tenants import TenantDirectory
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral._settings import Settings
 
 from ..browser import chromium_page, save_screenshot

@@ -24,7 +24,7 @@ from corral._control.manager import Manager
 from corral._control.ports import MAX_PORTS
 from corral._control.tenants import Tenant, TenantDirectory
 from corral._ids import to_e2b
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral._settings import Settings
 from corral.errors import QuotaExceeded
 from corral.models import PortInfo, SandboxInfo

@@ -28,7 +28,7 @@ from corral._control.manager import Manager
 from corral._control.ports import PortURLs
 from corral._control.tenants import Tenant, TenantDirectory
 from corral._ids import to_e2b
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral.models import SandboxInfo
 
 from ..browser import chromium_page

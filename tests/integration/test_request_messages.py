@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from corral._control.manager import Manager
-from corral._server.app import create_app
+from corral._serve.app import create_app
 
 pytestmark = pytest.mark.needs_root
 

@@ -37,8 +37,8 @@ from schemathesis.specs.openapi import checks
 
 from corral._control.manager import Manager
 from corral._control.ports import PortURLs
+from corral._serve.app import create_app
 from corral._server import app as app_module
-from corral._server.app import create_app
 from corral._settings import Settings
 from corral.errors import CorralError
 

@@ -30,7 +30,7 @@ from corral import (
     UsageError,
 )
 from corral._control.manager import Manager
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral._server.auth import TenantDirectory
 from corral._settings import Settings
 
@@ -537,7 +537,7 @@ def test_idle_sandboxes_are_reaped_busy_ones_are_not(where: dict[str, str], mana
 
 def test_listening_beyond_loopback_needs_keys(manager: Manager) -> None:
     from corral import ConfigError
-    from corral._server.serve import serve
+    from corral._serve.run import serve
 
     assert manager.store.live_key_count() == 0
     with pytest.raises(ConfigError, match="without API keys"):

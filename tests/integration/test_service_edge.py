@@ -432,7 +432,7 @@ def test_serve_help_says_why_keyless_is_dangerous() -> None:
 
 
 def test_service_names_match_host_and_port_exactly() -> None:
-    from corral._server.guard import ServiceNames
+    from corral._http.guard import ServiceNames
 
     names = ServiceNames.of("127.0.0.1", ["corral.test", "proxy.test:8443", " "])
     own = 8080

@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
-from corral._backends._linux.template import load_template, require_template
+from corral._backends._linux.template import load_template
 from corral._settings import Settings
+from corral._templates.roots import require_template
 from corral.errors import UsageError
 
 pytestmark = [pytest.mark.needs_root, pytest.mark.timeout(900)]

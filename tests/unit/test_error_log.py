@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 from corral._control.manager import Manager
 from corral._control.tenants import TenantDirectory
 from corral._e2b.app import E2BConfig, create_e2b_app
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral.backends import SandboxSpec
 from corral.errors import BackendError
 from corral.testing import memory_manager

@@ -23,7 +23,7 @@ from corral._cli.main import cli
 from corral._control.manager import Manager
 from corral._control.store import Store
 from corral._sdk._embedded import EmbeddedTransport
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral.errors import (
     QuotaExceeded,
     SandboxBusy,

@@ -1,5 +1,5 @@
-"""The rules of what crosses between a client and a sandbox's app (``_server.preview``), and
-the framing a relay refuses (``_server.relay.framing_refusal``), without a sandbox."""
+"""The rules of what crosses between a client and a sandbox's app (``_http.preview``), and
+the framing a relay refuses (``_http.relay.framing_refusal``), without a sandbox."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 
 from corral._cluster.peer import new_secret, sign_caller
 from corral._control.tenants import local_tenant, new_key
-from corral._server.preview import (
+from corral._http.preview import (
     SHARED_ORIGIN_CSP,
     answer_headers,
     is_corral_credential,
     request_headers,
 )
-from corral._server.relay import framing_refusal
+from corral._http.relay import framing_refusal
 from corral._ui.session import UISessions
 
 

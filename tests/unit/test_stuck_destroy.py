@@ -21,7 +21,7 @@ from corral._control.records import SandboxRecord
 from corral._control.tenants import TenantDirectory
 from corral._e2b.app import E2BConfig, create_e2b_app
 from corral._ids import from_e2b
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral.backends import SandboxSpec
 from corral.errors import BackendError, SandboxNotFound
 from corral.testing import memory_manager

@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from corral._control.manager import Manager
-from corral._server.app import create_app
+from corral._serve.app import create_app
 from corral.testing import memory_manager
 
 BASE = "http://127.0.0.1"

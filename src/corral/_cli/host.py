@@ -99,8 +99,8 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
     """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics), and with
     --e2b-port the E2B dialect beside it; with --cluster, over a Ray cluster."""
     from .._control.manager import get_manager
-    from .._server.serve import E2BListener
-    from .._server.serve import serve as run_server
+    from .._serve.run import E2BListener
+    from .._serve.run import serve as run_server
 
     settings: Settings = ctx.obj["settings"]
     if e2b_tls_local:

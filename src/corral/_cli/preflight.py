@@ -15,7 +15,7 @@ import click
 from .common import EXIT_USAGE
 
 if TYPE_CHECKING:
-    from .._server.serve import E2BListener
+    from .._serve.run import E2BListener
     from .._settings import Settings
 
 __all__ = ["check_service"]
@@ -51,7 +51,7 @@ def check_service(settings: Settings, *, host: str, ports: Sequence[int],
     """Print what was checked; exit 2 listing every problem, or return when all pass."""
     from .._control.manager import get_manager
     from .._core.homelock import instances_using
-    from .._server.serve import prepare
+    from .._serve.run import prepare
     from ..errors import CorralError
     from .tiers import tier_checks
 

@@ -30,13 +30,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .._control.store import Store
 from .._control.tenants import Tenant, TenantDirectory
 from .._e2b.app import _own_port
+from .._http.deps import scope as scope_of
+from .._http.guard import HostGuard, ServiceNames
+from .._http.relay import send_json
 from .._ids import from_e2b, to_e2b
-from .._server.deps import scope as scope_of
-from .._server.guard import HostGuard, ServiceNames
-from .._server.relay import send_json
 from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound
+from .fanout import GatewayError
 from .gateway import Cluster
-from .service import _Error, _Gateway, _read_body
+from .service import _Gateway, _read_body
 
 __all__ = ["create_cluster_e2b_app"]
 
@@ -76,7 +77,7 @@ class _E2BGateway:
             return
         try:
             await self._dispatch(scope, receive, send)
-        except (CorralError, _Error) as exc:
+        except (CorralError, GatewayError) as exc:
             await send_json(send, exc.status, {"code": exc.status, "message": exc.message})
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -90,11 +91,11 @@ class _E2BGateway:
                 await self._to_sandbox(scope, receive, send, by_host.group(1), None)
                 return
             if name != self._api_host and not self._names.allows(host, _own_port(scope)):
-                raise _Error(421, "misdirected_request", f"Host {host[:80]!r} is neither "
+                raise GatewayError(421, "misdirected_request", f"Host {host[:80]!r} is neither "
                              f"{self._api_host} nor <port>-<sandbox>.{self._domain}")
         if _SANDBOX_PATH.fullmatch(path):
             if named is None:
-                raise _Error(400, "invalid_request", "through a Corral cluster gateway, name "
+                raise GatewayError(400, "invalid_request", "through a Corral cluster gateway, name "
                              "the sandbox with the E2b-Sandbox-Id header (E2B SDKs >= 2.7 do, "
                              "with E2B_SANDBOX_URL set); signed URLs and domain mode are not "
                              "served here")
@@ -104,7 +105,7 @@ class _E2BGateway:
             caller = await run_in_threadpool(self._tenants.authenticate_key,
                                              _header(scope, b"x-api-key"))
         except AuthError as exc:
-            raise _Error(401, exc.code, exc.message) from None
+            raise GatewayError(401, exc.code, exc.message) from None
         method = scope.get("method", "GET")
         if path in ("/sandboxes", "/v2/sandboxes") and method == "POST":
             await self._create(scope, receive, send, caller)
@@ -116,13 +117,13 @@ class _E2BGateway:
             snapshot = from_e2b(path.removeprefix("/templates/"))
             if snapshot is not None and snapshot.startswith("snap_"):  # its copies first
                 await run_in_threadpool(self._core._drop_copies, snapshot, scope_of(caller))
-            answers = await self._core._fan_out("DELETE", path, caller, service=self._service)
+            answers = await self._core.nodes.fan_out("DELETE", path, caller, service=self._service)
             hit = [a for a in answers if a.status_code != 404]
             await self._core._send_answer(send, (hit or answers)[0])
         else:  # the rest is the same on every node (health, what is not offered)
-            alive = await self._core._alive_nodes()
+            alive = await self._core.nodes.alive_nodes()
             if not alive:
-                raise _Error(503, "backend_unavailable", "no cluster node is alive")
+                raise GatewayError(503, "backend_unavailable", "no cluster node is alive")
             node_id = alive[0]
             await self._core._relay(scope, receive, send, node_id, "", caller, self._service)
 
@@ -168,7 +169,7 @@ class _E2BGateway:
     async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
         """Every node's answer in one list. Paging is per node, so the gateway asks each for
         everything and passes no next token on."""
-        answers = await self._core._fan_out("GET", path, caller, query, service=self._service)
+        answers = await self._core.nodes.fan_out("GET", path, caller, query, service=self._service)
         # Nodes' copies of other nodes' snapshots are theirs: the caller sees the originals.
         hidden = {to_e2b(i) for i in await run_in_threadpool(self._cluster.state.copy_ids)} \
             if path == "/snapshots" else set()

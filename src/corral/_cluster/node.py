@@ -252,7 +252,7 @@ class _Services:
     def __init__(self, manager: Manager, tenants: PeerTenants, host: str) -> None:
         from .._control.recovery import Reaper
         from .._e2b.app import E2BConfig, create_e2b_app
-        from .._server.app import create_app
+        from .._serve.app import create_app
 
         self._manager, self._tenants, self._host = manager, tenants, host
         self.urls: dict[str, str] = {}

@@ -11,7 +11,7 @@ import uvicorn
 
 from .._control.recovery import Reaper
 from .._control.store import Store
-from .._server.app import is_loopback
+from .._http.keys import is_loopback
 from .._settings import Settings
 from ..errors import ConfigError
 
@@ -71,7 +71,7 @@ def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
         if e2b_port is None:
             uvicorn.Server(native).run()
         else:
-            from .._server.serve import _serve_both, _Sibling
+            from .._serve.run import Sibling, serve_both
             from .e2b import create_cluster_e2b_app
 
             e2b = uvicorn.Config(create_cluster_e2b_app(cluster, store, listen_host=host,
@@ -79,7 +79,7 @@ def serve_cluster(address: str, settings: Settings, *, host: str, port: int,
                                  host=host, port=e2b_port, log_level="info",
                                  access_log=False, lifespan="on",
                                  ssl_certfile=e2b_tls_cert, ssl_keyfile=e2b_tls_key)
-            asyncio.run(_serve_both(uvicorn.Server(native), _Sibling(e2b)))
+            asyncio.run(serve_both(uvicorn.Server(native), Sibling(e2b)))
     finally:
         reconciler.stop()
         store.close()

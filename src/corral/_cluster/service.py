@@ -37,10 +37,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._control import validate
 from .._control.store import Store
 from .._control.tenants import Tenant, TenantDirectory
-from .._server.app import is_loopback, is_protected, key_authenticator
-from .._server.bodies import BODY_LIMITS
-from .._server.deps import scope as scope_of
-from .._server.guard import (
+from .._http.bodies import BODY_LIMITS
+from .._http.deps import scope as scope_of
+from .._http.guard import (
     Authenticate,
     BodyLimit,
     HostGuard,
@@ -48,7 +47,8 @@ from .._server.guard import (
     ServiceNames,
     scope_tenant,
 )
-from .._server.relay import (
+from .._http.keys import is_loopback, is_protected, key_authenticator
+from .._http.relay import (
     HOP_HEADERS,
     HttpRelay,
     Refusal,
@@ -60,8 +60,8 @@ from .._server.relay import (
 from .._ui.routes import install_pages
 from .._ui.session import UISessions
 from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound, UsageError
+from .fanout import GatewayError, NodeFanout
 from .gateway import Cluster
-from .peer import sign_caller
 from .ui import GatewayUI
 
 __all__ = ["create_cluster_app"]
@@ -76,15 +76,8 @@ _PAGES = frozenset({"/ui", "/ui/", "/docs", "/ui/session", "/ui/api/me"})
 # Request headers the gateway never passes on: the caller's credentials are replaced by a
 # signed caller token; Origin was judged here (the node would judge it against its names).
 _NOT_PASSED = HOP_HEADERS | {b"host", b"authorization", b"origin"}
-_NODE_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 # What of a node's whole answer the gateway passes on (it sets the length itself).
 _ANSWER_HEADERS = frozenset({"content-type", "x-corral-torn-tail", "link", "x-total-count"})
-
-
-class _Error(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -92,7 +85,7 @@ async def _read_body(receive: Receive) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _Error(400, "invalid_request", "the client went away mid-request")
+            raise GatewayError(400, "invalid_request", "the client went away mid-request")
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -105,22 +98,11 @@ class _Gateway:
                  pages: ASGIApp | None = None) -> None:
         self._cluster = cluster
         self._tenants = tenants
-        self._secret = cluster.state.peer_secret()
-        self._client: httpx.AsyncClient | None = None
+        self.nodes = NodeFanout(cluster)
         self._pages = pages  # the dashboard's page, assets, /docs, sign-in (``_ui``)
-        self._ui = GatewayUI(self, tenants)
+        self._ui = GatewayUI(self.nodes, tenants)
 
     # -- the pieces ---------------------------------------------------------------------------
-
-    def _token(self, tenant: Tenant) -> bytes:
-        return f"Bearer {sign_caller(tenant, self._secret)}".encode()
-
-    def _credential(self, tenant: Tenant, service: str) -> tuple[bytes, bytes]:
-        """The header that names the caller to the node's ``service``: Corral's API takes
-        it as a bearer token, E2B's control plane as its API key."""
-        if service.startswith("e2b"):
-            return b"x-api-key", sign_caller(tenant, self._secret).encode()
-        return b"authorization", self._token(tenant)
 
     def _headers(self, scope: Scope, caller: Tenant | None,
                  service: str = "http") -> list[tuple[bytes, bytes]]:
@@ -130,14 +112,8 @@ class _Gateway:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k not in dropped or
                    k == b"host"]
         if caller is not None:
-            headers.append(self._credential(caller, service))
+            headers.append(self.nodes.credential(caller, service))
         return headers
-
-    async def _url(self, node_id: str, service: str = "http") -> str:
-        known = self._cluster.cached_services(node_id)
-        if known is None:
-            known = await run_in_threadpool(self._cluster.services, node_id)
-        return known[service]
 
     async def _node_for(self, sandbox_id: str, owner: str | None) -> str:
         # From memory on the event loop when it can be (a thread hop costs more than the
@@ -147,40 +123,10 @@ class _Gateway:
             return known
         return await run_in_threadpool(self._cluster.node_for, sandbox_id, owner)
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=_NODE_TIMEOUT)
-        return self._client
-
-    async def _ask(self, node_id: str, method: str, path: str, caller: Tenant, *,
-                   query: bytes = b"", body: bytes | None = None,
-                   service: str = "http") -> httpx.Response:
-        """One whole request to a node (what the gateway reads itself)."""
-        url = await self._url(node_id, service)
-        name, value = self._credential(caller, service)
-        headers = {name.decode(): value.decode()}
-        if body is not None:
-            headers["content-type"] = "application/json"
-        target = f"{url}{path}" + (f"?{query.decode('latin-1')}" if query else "")
-        try:
-            return await self._http().request(method, target, content=body, headers=headers)
-        except httpx.TransportError as exc:
-            raise _Error(502, "node_unreachable", f"cluster node {node_id[:12]} did not "
-                         f"answer ({exc.__class__.__name__}); try again") from None
-
-    async def _alive_nodes(self) -> list[str]:
-        return [n.node_id for n in await run_in_threadpool(self._cluster.nodes)]
-
-    async def _fan_out(self, method: str, path: str, caller: Tenant, query: bytes = b"",
-                       service: str = "http") -> list[httpx.Response]:
-        nodes = await self._alive_nodes()
-        return list(await asyncio.gather(*(self._ask(n, method, path, caller, query=query,
-                                                     service=service) for n in nodes)))
-
     async def _holder(self, kind: str, ref: str, caller: Tenant) -> str | None:
         """The node that holds a snapshot or volume of the caller's, if any does."""
-        nodes = await self._alive_nodes()
-        answers = await asyncio.gather(*(self._ask(n, "GET", f"/v1/{kind}/{ref}", caller)
+        nodes = await self.nodes.alive_nodes()
+        answers = await asyncio.gather(*(self.nodes.ask(n, "GET", f"/v1/{kind}/{ref}", caller)
                                          for n in nodes))
         for node_id, answer in zip(nodes, answers, strict=True):
             if answer.status_code == 200:
@@ -205,7 +151,7 @@ class _Gateway:
             return
         try:
             await self._dispatch(scope, receive, send)
-        except (CorralError, _Error) as exc:
+        except (CorralError, GatewayError) as exc:
             status = exc.status
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008,
@@ -219,15 +165,14 @@ class _Gateway:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self._client is not None:
-                    await self._client.aclose()
+                await self.nodes.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope.get("method", "GET")
         if path == "/healthz":
-            nodes = await self._alive_nodes()
+            nodes = await self.nodes.alive_nodes()
             await send_json(send, 200, {"status": "ok", "nodes": len(nodes)})
             return
         port = _PORT.fullmatch(path)
@@ -238,13 +183,13 @@ class _Gateway:
             await self._pages(scope, receive, send)
             return
         if path == "/openapi.json":  # every node's API is the same: /docs reads it
-            nodes = await self._alive_nodes()
+            nodes = await self.nodes.alive_nodes()
             if not nodes:
-                raise _Error(503, "backend_unavailable", "no cluster node is alive")
+                raise GatewayError(503, "backend_unavailable", "no cluster node is alive")
             await self._relay(scope, receive, send, nodes[0], "", None)
             return
         if not is_protected(path):
-            raise _Error(404, "not_found", "Not Found")
+            raise GatewayError(404, "not_found", "Not Found")
         caller = scope_tenant(scope)
         if path.startswith("/ui/api/"):
             await self._ui(scope, receive, send, caller, lambda sandbox_id: self._relay_sandbox(
@@ -256,7 +201,7 @@ class _Gateway:
             elif method == "GET":
                 await self._list(send, "/v1/sandboxes", caller, scope.get("query_string", b""))
             else:
-                raise _Error(405, "method_not_allowed", "Method Not Allowed")
+                raise GatewayError(405, "method_not_allowed", "Method Not Allowed")
             return
         found = _SANDBOX.fullmatch(path)
         if found is not None:
@@ -276,14 +221,14 @@ class _Gateway:
         if by_ref is not None and method in ("GET", "DELETE"):
             if by_ref.group(1) == "snapshots" and method == "DELETE":
                 await run_in_threadpool(self._drop_copies, by_ref.group(2), scope_of(caller))
-            answers = await self._fan_out(method, path, caller)
+            answers = await self.nodes.fan_out(method, path, caller)
             hit = [a for a in answers if a.status_code != 404]
             await self._send_answer(send, (hit or answers)[0] if answers else _no_node())
             return
         if path == "/metrics":
             await self._metrics(send, caller)
             return
-        raise _Error(404, "not_found", "Not Found")
+        raise GatewayError(404, "not_found", "Not Found")
 
     # -- what spans nodes ---------------------------------------------------------------------
 
@@ -327,7 +272,7 @@ class _Gateway:
             if admitted.snapshot is not None and admitted.snapshot != snapshot:
                 name = naming or (lambda request, local: {**request, "snapshot": local})
                 body = json.dumps(name(json.loads(body), admitted.snapshot)).encode()
-            answer = await self._ask(admitted.node_id, "POST", path, caller, body=body,
+            answer = await self.nodes.ask(admitted.node_id, "POST", path, caller, body=body,
                                      service=service)
             made: Any = answer.json() if answer.status_code in (200, 201) else None
             sandbox_id = made_id(made) if isinstance(made, dict) else None
@@ -341,7 +286,7 @@ class _Gateway:
     async def _create_volume(self, receive: Receive, send: Send, caller: Tenant) -> None:
         body = await _read_body(receive)
         node_id = await run_in_threadpool(self._cluster.place, caller.name)
-        await self._send_answer(send, await self._ask(node_id, "POST", "/v1/volumes", caller,
+        await self._send_answer(send, await self.nodes.ask(node_id, "POST", "/v1/volumes", caller,
                                                       body=body))
 
     def _drop_copies(self, ref: str, owner: str | None) -> None:
@@ -350,7 +295,7 @@ class _Gateway:
             self._cluster.drop_copies_of(ref, owner)
 
     async def _list(self, send: Send, path: str, caller: Tenant, query: bytes) -> None:
-        answers = await self._fan_out("GET", path, caller, query)
+        answers = await self.nodes.fan_out("GET", path, caller, query)
         # Nodes' copies of other nodes' snapshots are theirs: the caller sees the originals.
         hidden = await run_in_threadpool(self._cluster.state.copy_ids) \
             if path == "/v1/snapshots" else set()
@@ -369,9 +314,9 @@ class _Gateway:
         try:
             request = json.loads(body or b"{}")
         except ValueError:
-            raise _Error(400, "invalid_request", "the fork request is not JSON") from None
+            raise GatewayError(400, "invalid_request", "the fork request is not JSON") from None
         if not isinstance(request, dict) or set(request) - {"count", "memory"}:
-            raise _Error(422, "invalid_request", "a fork takes {\"count\": N, \"memory\": "
+            raise GatewayError(422, "invalid_request", "a fork takes {\"count\": N, \"memory\": "
                          "false}")
         count = validate.fork_count(request.get("count", 1))
         memory = request.get("memory", False)
@@ -386,8 +331,8 @@ class _Gateway:
 
     async def _metrics(self, send: Send, caller: Tenant) -> None:
         """Every node's counters, each line labelled with its node."""
-        nodes = await self._alive_nodes()
-        answers = await asyncio.gather(*(self._ask(n, "GET", "/metrics", caller)
+        nodes = await self.nodes.alive_nodes()
+        answers = await asyncio.gather(*(self.nodes.ask(n, "GET", "/metrics", caller)
                                          for n in nodes))
         lines: list[str] = []
         seen: set[str] = set()
@@ -446,13 +391,13 @@ class _Gateway:
         try:
             node_id = await run_in_threadpool(self._cluster.node_for, sandbox_id, None)
         except SandboxNotFound:
-            raise _Error(404, "sandbox_not_found", f"sandbox {sandbox_id} does not exist, or "
+            raise GatewayError(404, "sandbox_not_found", f"sandbox {sandbox_id} does not exist, or "
                          "its port is not exposed") from None
         await self._relay(scope, receive, send, node_id, sandbox_id, caller)
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send, node_id: str,
                      sandbox_id: str, caller: Tenant | None, service: str = "http") -> int:
-        url = urlsplit(await self._url(node_id, service))
+        url = urlsplit(await self.nodes.url(node_id, service))
         headers = self._headers(scope, caller, service)
         # The WebSocket relay writes the handshake from the scope's headers (so the client's
         # Origin and key stay here); the HTTP relay reads only the client's framing from it.
@@ -476,7 +421,7 @@ class _Gateway:
             sock = await _connect(url.hostname or "127.0.0.1", url.port or 80)
         except OSError as exc:
             refusal = await broken(exc)
-            raise _Error(refusal.status, refusal.code, refusal.message) from None
+            raise GatewayError(refusal.status, refusal.code, refusal.message) from None
         try:
             if isinstance(relay, WebSocketRelay):
                 await relay.run(sock, target, headers)
@@ -574,7 +519,7 @@ def create_cluster_app(cluster: Cluster, store: Store, *, listen_host: str = "12
 class _PortsFirst:
     """An exposed port's requests go to the node that holds the sandbox before the gateway's
     own guards (body limits, keys, Origin), which judge the service's requests, not an app's
-    (as ``_server.portproxy.PortRouting`` on one host): the node's port proxy admits them and
+    (as ``_http.portproxy.PortRouting`` on one host): the node's port proxy admits them and
     keeps Corral's credentials from the app. Only the Host is judged here (DNS rebinding),
     and the framing (the relay rebuilds it)."""
 

@@ -17,20 +17,18 @@ import contextlib
 import json
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from .._control.tenants import LOCAL_TENANT, Tenant, TenantDirectory
-from .._server.relay import send_json
+from .._http.relay import send_json
 from .._ui.routes import PAGE_MAX, sandbox_page
 from ..errors import PolicyError, UsageError
 from ..models import SandboxInfo
-
-if TYPE_CHECKING:
-    from .service import _Gateway
+from .fanout import NodeFanout
 
 __all__ = ["GatewayUI"]
 
@@ -39,10 +37,10 @@ _SUBSCRIBE_S = 5.0
 
 
 class GatewayUI:
-    """``/ui/api/*`` over the cluster, for ``_Gateway``."""
+    """``/ui/api/*`` over the cluster: the gateway's routing hands it these paths."""
 
-    def __init__(self, core: _Gateway, tenants: TenantDirectory) -> None:
-        self._core = core
+    def __init__(self, nodes: NodeFanout, tenants: TenantDirectory) -> None:
+        self._nodes = nodes
         self._tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, caller: Tenant,
@@ -77,7 +75,7 @@ class GatewayUI:
         offset = number("offset", 0, 0, 10**9)
         limit = number("limit", 100, 1, PAGE_MAX)
         q = (query.get("q") or [""])[0][:200]
-        answers = await self._core._fan_out("GET", "/v1/sandboxes", caller)
+        answers = await self._nodes.fan_out("GET", "/v1/sandboxes", caller)
         infos: list[SandboxInfo] = []
         for answer in answers:
             if answer.status_code == 200:
@@ -87,7 +85,7 @@ class GatewayUI:
 
     async def _egress(self, send: Send, caller: Tenant) -> None:
         groups: dict[tuple[str, str, str], dict[str, Any]] = {}
-        for answer in await self._core._fan_out("GET", "/ui/api/egress", caller,
+        for answer in await self._nodes.fan_out("GET", "/ui/api/egress", caller,
                                                 query=b"limit=200"):
             if answer.status_code != 200:
                 continue
@@ -103,8 +101,8 @@ class GatewayUI:
         await send_json(send, 200, {"groups": ranked[:20]})
 
     async def _templates(self, send: Send, caller: Tenant) -> None:
-        nodes = await self._core._alive_nodes()
-        answers = await asyncio.gather(*(self._core._ask(n, "GET", "/ui/api/templates", caller)
+        nodes = await self._nodes.alive_nodes()
+        answers = await asyncio.gather(*(self._nodes.ask(n, "GET", "/ui/api/templates", caller)
                                          for n in nodes))
         builds: list[dict[str, Any]] = []
         for node_id, answer in zip(nodes, answers, strict=True):
@@ -116,7 +114,7 @@ class GatewayUI:
         if not caller.is_local:
             raise PolicyError("only the operator may do this (a key from `corral keys create "
                               "--operator` on the gateway's data directory)")
-        records = await run_in_threadpool(self._core._cluster.state.records)
+        records = await run_in_threadpool(self._nodes.cluster.state.records)
         keys = await run_in_threadpool(self._tenants.keys)
 
         def rows() -> list[dict[str, Any]]:
@@ -142,14 +140,14 @@ class GatewayUI:
     async def _stream(self, receive: Receive, send: Send, caller: Tenant) -> None:
         """Every node's live-list stream, merged: one comment once all of them listen, then
         each node's change events as they come."""
-        nodes = await self._core._alive_nodes()
+        nodes = await self._nodes.alive_nodes()
         changes: asyncio.Queue[str] = asyncio.Queue(maxsize=10_000)
         listening = [asyncio.Event() for _ in nodes]
 
         async def pump(node_id: str, subscribed: asyncio.Event) -> None:
-            url = await self._core._url(node_id)
-            name, value = self._core._credential(caller, "http")
-            async with self._core._http().stream(
+            url = await self._nodes.url(node_id)
+            name, value = self._nodes.credential(caller, "http")
+            async with self._nodes.http().stream(
                     "GET", f"{url}/ui/api/stream",
                     headers={name.decode(): value.decode()}) as answer:
                 async for line in answer.aiter_lines():

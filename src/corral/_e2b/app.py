@@ -45,11 +45,11 @@ from starlette.types import Message, Receive, Scope, Send
 from .._control.manager import Manager
 from .._control.ports import Who
 from .._control.tenants import Tenant, TenantDirectory, local_tenant
+from .._http.errorlog import PROXIED, ServerErrorLog
+from .._http.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
+from .._http.portproxy import PortProxy, Target
+from .._http.relay import send_json as _send_json
 from .._ids import from_e2b, to_e2b
-from .._server.errorlog import PROXIED, ServerErrorLog
-from .._server.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
-from .._server.portproxy import PortProxy, Target
-from .._server.relay import send_json as _send_json
 from ..errors import AuthError, CorralError, SandboxNotFound
 from . import control, files, filesystem, jupyter, process, templates, watch
 from .state import E2BState

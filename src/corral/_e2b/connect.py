@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import errors
-from .._server.errorlog import note
+from .._http.errorlog import note
 
 __all__ = [
     "CODE_STATUS",

@@ -33,7 +33,7 @@ from .._control.presets import ceiling_network
 from .._control.tenants import Tenant
 from .._core.resources import get_tier
 from .._ids import from_e2b, to_e2b
-from .._server.errorlog import note
+from .._http.errorlog import note
 from ..errors import (
     CorralError,
     SandboxNotFound,

@@ -33,7 +33,7 @@ from starlette.routing import BaseRoute, Route
 from .._control.files import AuditedFiles
 from .._control.manager import Manager
 from .._core.resources import get_tier
-from .._server.errorlog import note
+from .._http.errorlog import note
 from .._workspace.files import MAX_FILE_BYTES
 from ..errors import (
     CorralError,

@@ -37,7 +37,7 @@ from .._control.interpreter import (
     ResultEvent,
 )
 from .._control.manager import Manager
-from .._server.errorlog import note
+from .._http.errorlog import note
 from ..errors import ContextNotFound, CorralError, InterpreterUnavailable, PathRefused
 from ..models import RESULT_MIME, CodeContext
 from . import paths

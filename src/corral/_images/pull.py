@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .._backends._linux.template import executable_in_root
 from .._core.privileged import privileged_env
 from .._settings import Settings
 from .._templates.catalog import (
@@ -50,6 +49,7 @@ from .._templates.catalog import (
     set_current,
     split_reference,
 )
+from .._templates.roots import executable_in_root
 from .._templates.spec import check_reference
 from ..errors import BackendUnavailable, ImageError, UsageError
 from .config import ImageConfig, parse_config

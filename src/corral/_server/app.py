@@ -1,17 +1,16 @@
 """The HTTP API (FastAPI): the embedded control plane, per tenant, over JSON and NDJSON.
 
-This module assembles the app: the issue-11 middlewares (``guard.py``), the error handlers, and
-one router per resource (``routes/``). Endpoints are plain functions run in the thread pool
-(the control plane is synchronous); command
-output streams as NDJSON lines ``{"type": "stdout"|"stderr", "data": ...}`` ending with
-``{"type": "result", ...}``. Errors are ``{"error": <code>, "message": ...}`` with the status the
-error class carries.
+This module assembles the app: the issue-11 middlewares (``corral._http.guard``), the error
+handlers, and one router per resource (``routes/``). Endpoints are plain functions run in the
+thread pool (the control plane is synchronous); command output streams as NDJSON lines
+``{"type": "stdout"|"stderr", "data": ...}`` ending with ``{"type": "result", ...}``. Errors
+are ``{"error": <code>, "message": ...}`` with the status the error class carries. The
+dashboard is mounted on it by ``corral._serve.app``, not here.
 """
 
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,20 +21,13 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .._backends._linux.template import require_template
 from .._control import validate
 from .._control.manager import Manager
 from .._control.ports import PortURLs
-from .._control.store import Store
 from .._core.resources import get_tier
-from .._ui.routes import install as install_ui
-from .._ui.session import UISessions
-from .._workspace.files import to_relative
-from ..errors import AuthError, CorralError, SandboxNotFound
-from .auth import Tenant, TenantDirectory
-from .bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
-from .errorlog import ServerErrorLog, note
-from .guard import (
+from .._http.bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
+from .._http.errorlog import ServerErrorLog, note
+from .._http.guard import (
     AnyName,
     Authenticate,
     BodyLimit,
@@ -44,8 +36,13 @@ from .guard import (
     OwnerFirst,
     ServiceNames,
 )
+from .._http.keys import is_loopback, is_protected, key_authenticator
+from .._http.portproxy import PortProxy, PortRouting
+from .._templates.roots import require_template
+from .._workspace.files import to_relative
+from ..errors import CorralError, SandboxNotFound
+from .auth import Tenant, TenantDirectory
 from .openapi import TAGS, describe
-from .portproxy import PortProxy, PortRouting
 from .routes import (
     audit,
     code,
@@ -71,41 +68,6 @@ logger = logging.getLogger(__name__)
 LOOPBACK_PORTS_DOMAIN = "localhost"
 
 
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def is_protected(path: str) -> bool:
-    # Everything but the health check, the API's own description and the dashboard's page
-    # and assets needs a key (or a dashboard session).
-    return path.startswith(("/v1/", "/ui/api/")) or path == "/metrics"
-
-
-def key_authenticator(store: Store, tenants: TenantDirectory, *, loopback: bool,
-                   allow_keyless: bool) -> Any:
-    """Auth is required beyond loopback, and on loopback as soon as any key exists, or ever
-    existed (unless ``allow_keyless``): revoking the last key must not silently reopen it."""
-
-    def check(header: str | None) -> Tenant:
-        required = not loopback or store.live_key_count() > 0
-        if not required and not allow_keyless and store.keys_have_existed():
-            if not header:
-                raise AuthError(
-                    "an API key is required: every key of this service has been revoked, and "
-                    "it does not reopen without keys. Create one (`corral keys create "
-                    "TENANT`), or restart it with `corral serve --allow-keyless`")
-            required = True
-        return tenants.authenticate(header, auth_required=required)
-
-    async def authenticate(header: str | None) -> Tenant:
-        return await run_in_threadpool(check, header)
-
-    return authenticate
-
-
 def _owner_check(manager: Manager) -> Any:
     """Whether a sandbox is the tenant's, from the store alone (no side effects: expiry and
     state are the route's own full check)."""
@@ -124,14 +86,17 @@ def _owner_check(manager: Manager) -> Any:
 
 def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
                host_names: Sequence[str] = (), allow_keyless: bool = False,
-               ports_domain: str | None = None,
-               tenants: TenantDirectory | None = None) -> FastAPI:
+               ports_domain: str | None = None, tenants: TenantDirectory | None = None,
+               sessions: Callable[[str], Tenant] | None = None) -> FastAPI:
     """The API for ``manager``. Auth is required unless listening on loopback with no keys
     (and none ever, unless ``allow_keyless``). It answers to ``host_names`` besides the listen
     address, ``localhost``, ``127.0.0.1`` and ``[::1]``. Raises ValueError for a malformed
     name. ``tenants``: who callers are, instead of the keys in ``manager``'s store (a cluster
     node's: the gateways' signed callers); with it, every call needs one, and any Host is
-    answered (``AnyName``: the gateway judged it)."""
+    answered (``AnyName``: the gateway judged it). ``sessions``: the tenant a dashboard
+    session cookie belongs to (``corral._serve`` passes the dashboard's; used only with this
+    service's own keys). The dashboard's pages are not this module's: ``corral._serve.app``
+    mounts them."""
     own_keys = tenants is None
     tenants = tenants or TenantDirectory(manager.store)
     rules = _field_rules(manager)
@@ -151,10 +116,9 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     # add_middleware wraps: the last added runs first (Host, body, key, Origin, owner).
     app.add_middleware(OwnerFirst, check=_owner_check(manager))
     app.add_middleware(OriginGuard, names=names)
-    sessions = UISessions(lambda: manager.settings.home, tenants) if own_keys else None
     app.add_middleware(Authenticate, protected=is_protected, authenticate=key_authenticator(
         manager.store, tenants, loopback=loopback, allow_keyless=allow_keyless),
-        session=None if sessions is None else _session_authenticator(sessions))
+        session=_session_authenticator(sessions) if sessions and own_keys else None)
     app.add_middleware(BodyLimit, limits=BODY_LIMITS)
     app.add_middleware(HostGuard, names=names)
     # Inside the port routing: a sandbox's app's own 5xx answers are not the service's.
@@ -209,13 +173,12 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
         """200 with `{"status": "ok"}` while the service runs; needs no key."""
         return {"status": "ok"}
 
-    install_ui(app, sessions)
     return app
 
 
-def _session_authenticator(sessions: UISessions) -> Any:
+def _session_authenticator(sessions: Callable[[str], Tenant]) -> Any:
     async def authenticate(cookie: str) -> Tenant:
-        return await run_in_threadpool(sessions.tenant, cookie)
+        return await run_in_threadpool(sessions, cookie)
 
     return authenticate
 

@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse
 
 from .._audit.recorder import new_command_id
 from .._control.manager import Manager
+from .._http.guard import scope_tenant
 from ..backends import ProcessIO
 from ..errors import CorralError, UsageError
-from .guard import scope_tenant
 
 __all__ = ["serve_terminal"]
 

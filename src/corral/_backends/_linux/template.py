@@ -25,25 +25,20 @@ import functools
 import hashlib
 import os
 import shutil
-import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..._images.config import ImageConfig
-from ..._templates.builtin import BUILTIN_SPECS
-from ..._templates.catalog import BuiltTemplate, current_build, list_builds
-from ..._templates.spec import check_reference
-from ...errors import UsageError
+from ..._templates.roots import current_template, executable_in_root, not_built
 
-__all__ = ["SANDBOX_GID", "SANDBOX_UID", "TEMPLATES", "BaseTemplate", "load_template",
-           "build_root_template", "executable_in_root", "require_template", "template_python",
-           "template_version"]
+# temporary: removed when _control/sandboxes.py imports corral._templates.roots (issue 39)
+from ..._templates.roots import template_version as template_version  # noqa: I001
 
-# The names a sandbox may ask for without a spec file: the host system and the built-in specs
-# (these still have to be built once, see require_template). Any built name works too.
-TEMPLATES = ("base", *BUILTIN_SPECS)
+__all__ = ["SANDBOX_GID", "SANDBOX_UID", "BaseTemplate", "build_root_template", "load_template",
+           "template_python"]
+
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 _VERSION = "4"
@@ -243,46 +238,6 @@ def _system_of(root: Path, names: tuple[str, ...]) -> tuple[tuple[str, str, str]
     return tuple(system)
 
 
-def _not_built(name: str, templates_dir: Path) -> UsageError:
-    # The name is the caller's: echoed (and logged) at most 64 characters of it.
-    name = name if len(name) <= 64 else name[:64] + "..."
-    if name in BUILTIN_SPECS:
-        return UsageError(
-            f"template {name!r} is not built on this host yet; build it once with "
-            f"`corral templates build {name}`, then create the sandbox again")
-    built: list[str] = []
-    with contextlib.suppress(OSError):
-        built = sorted({b.name for b in list_builds(templates_dir)})
-    available = ", ".join(["base", *built]) if built else "base"
-    return UsageError(
-        f"unknown template {name!r}; available here: {available}. Build one with "
-        f"`corral templates build {' | '.join(BUILTIN_SPECS)}` or from a spec with "
-        "`corral templates build --file SPEC.toml`")
-
-
-def _current(name: str, templates_dir: Path) -> BuiltTemplate:
-    try:
-        check_reference(name)
-    except UsageError:
-        raise _not_built(name, templates_dir) from None
-    build = current_build(templates_dir, name)
-    if build is None:
-        raise _not_built(name, templates_dir)
-    return build
-
-
-def require_template(name: str, templates_dir: Path) -> None:
-    """Raise ``UsageError`` unless a sandbox can be created from template ``name`` now."""
-    if name != "base":
-        _current(name, templates_dir)
-
-
-def template_version(name: str, templates_dir: Path) -> str | None:
-    """The version of ``name`` a sandbox created now gets (``BuiltTemplate.version``; None for
-    ``base``, the host's own). Raises ``UsageError`` like ``require_template``."""
-    return None if name == "base" else _current(name, templates_dir).version
-
-
 def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = None) -> BaseTemplate:
     """Return the template ``name``, making its curated ``/etc`` on first use.
 
@@ -296,12 +251,12 @@ def load_template(name: str, templates_dir: Path, *, extra_ca: bytes | None = No
                            source_state=_host_etc_state())
         return BaseTemplate(etc=etc, system=_system_of(Path("/"), _SYSTEM_DIRS),
                             masked_proc=masked)
-    build = _current(name, templates_dir)
+    build = current_template(name, templates_dir)
     try:
         etc = _curated_etc(build.path, _copy_built_etc(build.root / "etc"), extra_ca)
     except FileNotFoundError:
         # Removed (`corral templates rm`) while we looked; never recreate its directory.
-        raise _not_built(name, templates_dir) from None
+        raise not_built(name, templates_dir) from None
     if build.image is None:
         return BaseTemplate(etc=etc,
                             system=_system_of(build.root, _SYSTEM_DIRS + _BUILT_EXTRA_DIRS),
@@ -328,43 +283,6 @@ def _python_in(root: Path) -> str | None:
         if executable_in_root(root, path):
             return path
     return None
-
-
-def executable_in_root(root: Path, path: str, hops: int = 40) -> bool:
-    """Is ``path`` an executable file inside ``root``, its symlinks resolved within ``root``
-    (as they resolve inside the sandbox), never on the host?"""
-    parts = [p for p in path.split("/") if p]
-    resolved: list[str] = []
-    while parts and hops > 0:
-        part = parts.pop(0)
-        if part == "..":
-            if resolved:
-                resolved.pop()
-            continue
-        if part == ".":
-            continue
-        here = root.joinpath(*resolved, part)
-        try:
-            st = os.lstat(here)
-        except OSError:
-            return False
-        if stat.S_ISLNK(st.st_mode):
-            hops -= 1
-            target = os.readlink(here)
-            if target.startswith("/"):
-                resolved = []
-            parts = [p for p in target.split("/") if p] + parts
-            continue
-        resolved.append(part)
-        if parts and not stat.S_ISDIR(st.st_mode):
-            return False
-    if parts:
-        return False
-    try:
-        st = os.lstat(root.joinpath(*resolved))
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and bool(st.st_mode & 0o111)
 
 
 def build_root_template(root: Path) -> BaseTemplate:

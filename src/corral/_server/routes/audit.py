@@ -11,9 +11,9 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from ..._audit.log import follow_batches, tail_offset
 from ..._audit.metrics import render
 from ..._control.manager import Manager
+from ..._http.deps import ManagerDep, TenantDep
 from ...errors import SandboxNotFound
 from ..auth import Tenant
-from ..deps import ManagerDep, TenantDep
 from ..params import FloatText, IntText
 from ..schemas import _NDJSON
 

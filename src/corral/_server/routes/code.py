@@ -14,10 +14,10 @@ from fastapi.responses import StreamingResponse
 from ..._control.interpreter import CodeEvent, event_line
 from ..._control.manager import Manager
 from ..._control.tenants import Tenant
+from ..._http.deps import ManagerDep, TenantDep, owned
+from ..._http.errorlog import log_stream_error
 from ...errors import CorralError
 from ...models import CodeContext
-from ..deps import ManagerDep, TenantDep, owned
-from ..errorlog import log_stream_error
 from ..schemas import _NDJSON, CreateCodeContext, RunCode
 
 __all__ = ["router"]

@@ -13,11 +13,11 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from ..._control.manager import Manager
+from ..._http.deps import ManagerDep, TenantDep, owned
+from ..._http.errorlog import log_stream_error
 from ...backends import OutputCut
 from ...errors import CorralError
 from ...models import CommandResult
-from ..deps import ManagerDep, TenantDep, owned
-from ..errorlog import log_stream_error
 from ..schemas import _NDJSON, RunCommand
 
 __all__ = ["router"]

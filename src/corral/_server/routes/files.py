@@ -13,8 +13,8 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..._core.resources import get_tier
-from ..bodies import MAX_FILE_BODY, read_body, write_some
-from ..deps import ManagerDep, TenantDep, owned
+from ..._http.bodies import MAX_FILE_BODY, read_body, write_some
+from ..._http.deps import ManagerDep, TenantDep, owned
 from ..schemas import _BINARY, _BINARY_BODY, _PathQuery
 
 __all__ = ["router"]

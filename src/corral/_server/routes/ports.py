@@ -1,4 +1,4 @@
-"""Exposed ports: expose, list, unexpose. The proxy itself is ``_server.portproxy``."""
+"""Exposed ports: expose, list, unexpose. The proxy itself is ``_http.portproxy``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Request, Response
 
 from ..._control.ports import PortURLs
+from ..._http.deps import ManagerDep, TenantDep, scope
 from ...models import PortInfo
-from ..deps import ManagerDep, TenantDep, scope
 from ..params import FloatText, IntText
 from ..schemas import _NO_BODY_EXPOSE, ExposePort
 

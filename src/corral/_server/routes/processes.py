@@ -12,9 +12,9 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..._control.manager import Manager
+from ..._http.bodies import MAX_FILE_BODY, read_body
+from ..._http.deps import ManagerDep, TenantDep, owned
 from ...models import ProcessInfo
-from ..bodies import MAX_FILE_BODY, read_body
-from ..deps import ManagerDep, TenantDep, owned
 from ..schemas import _BINARY_BODY, _NDJSON, StartProcess
 from ..terminal import serve_terminal
 

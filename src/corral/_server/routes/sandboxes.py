@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
+from ..._http.deps import ManagerDep, TenantDep, owned
 from ...models import SandboxInfo
-from ..deps import ManagerDep, TenantDep, owned
 from ..schemas import CreateSandbox, NetworkBody, SetTimeout
 
 __all__ = ["router"]

@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Response
 
+from ..._http.deps import ManagerDep, TenantDep, scope
 from ...models import SandboxInfo, SnapshotInfo
-from ..deps import ManagerDep, TenantDep, scope
 from ..schemas import _NO_BODY_FORK, _NO_BODY_SNAPSHOT, Fork, Restore, TakeSnapshot
 
 __all__ = ["router"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
+from ..._http.deps import ManagerDep, TenantDep, scope
 from ...models import VolumeInfo
-from ..deps import ManagerDep, TenantDep, scope
 from ..schemas import CreateVolume
 
 __all__ = ["router"]

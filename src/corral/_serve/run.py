@@ -1,4 +1,5 @@
-"""Running the service: uvicorn, the reaper, refusing to listen beyond loopback without keys."""
+"""Running the service: uvicorn for the native API and the E2B dialect's listener beside it, the
+reaper, refusing to listen beyond loopback without keys."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from fastapi import FastAPI
 from .._control.manager import Manager
 from .._control.recovery import Reaper
 from .._core.homelock import hold_home
+from .._http.keys import is_loopback
 from ..errors import ConfigError
-from .app import create_app, is_loopback
+from .app import create_app
 
-__all__ = ["E2BListener", "Prepared", "Reaper", "prepare", "preview_problems", "serve"]
+__all__ = ["E2BListener", "Prepared", "Reaper", "Sibling", "prepare", "preview_problems", "serve",
+           "serve_both"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,10 @@ class E2BListener:
     templates: str = ""
 
 
-class _Sibling(uvicorn.Server):
-    # The native server owns the process's signals; this one stops when it does.
+class Sibling(uvicorn.Server):
+    """A second listener in the process (the E2B dialect's): the native server owns the
+    process's signals, and this one stops when it does."""
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
@@ -44,7 +49,7 @@ class _Sibling(uvicorn.Server):
 
 def _e2b_config(manager: Manager, listener: E2BListener, host: str,
                 host_names: Sequence[str]) -> uvicorn.Config:
-    from .._e2b.app import E2BConfig, create_e2b_app
+    from .._e2b.app import E2BConfig, create_e2b_app  # only with the listener: start-up time
 
     if listener.domain and not (listener.tls_cert and listener.tls_key):
         raise ConfigError("--e2b-domain needs --e2b-tls-cert and --e2b-tls-key: E2B's SDKs "
@@ -92,7 +97,8 @@ def _same_site(name: str, domain: str) -> bool:
     return "." in tail and (domain == tail or domain.endswith("." + tail))
 
 
-async def _serve_both(native: uvicorn.Server, e2b: uvicorn.Server) -> None:
+async def serve_both(native: uvicorn.Server, e2b: uvicorn.Server) -> None:
+    """Serve ``native`` and, beside it, ``e2b`` (a :class:`Sibling`); both stop with the first."""
     sibling = asyncio.create_task(e2b.serve())
     try:
         await native.serve()
@@ -173,7 +179,7 @@ def _run(manager: Manager, app: FastAPI, e2b_config: uvicorn.Config | None, *, h
             else:
                 native = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
                                                        log_level="info", access_log=False))
-                asyncio.run(_serve_both(native, _Sibling(e2b_config)))
+                asyncio.run(serve_both(native, Sibling(e2b_config)))
     finally:
         reaper.stop()
         # The spare workspaces (mounts, loop devices), the resident helpers and the data
