@@ -99,7 +99,16 @@ def test_run_streams_the_commands_output_beside_the_button(service: Service) -> 
             entry.get_by_text(re.compile(r"exit 3 ·")).wait_for()
             assert entry.locator("pre.out").inner_text().split() == ["a", "b"]
             assert page.locator("ol.runs li").count() == 0
+    finally:
+        sandbox.kill()
+    assert blocked == [], f"the page tried to reach off the machine: {blocked}"
 
+
+def test_a_run_is_killed_from_its_button_and_a_refusal_says_why(service: Service) -> None:
+    sandbox = Sandbox.create(url=service.server.url, api_key=service.keys["alpha"])
+    blocked: list[str] = []
+    try:
+        with _sandbox_page(service, "alpha", sandbox, blocked) as page:
             # Killed from its own Kill button (the command's id, from the trail).
             _run(page, "echo waiting; " + _UNTIL.format(name="never"))
             run = page.locator("ol.runs li.run").first

@@ -288,7 +288,8 @@ async function sandboxPage(id, signal) {
     for (const box of [ports, processes, files]) { box.previousSibling.remove(); box.remove(); }
   }
   // Ports and processes: read again when the trail says they changed (a command or process
-  // started or ended, a port exposed or not), and every 30 s (fresh signed links).
+  // started or ended, a port exposed or not), and every 30 s while the tab is seen (fresh
+  // signed links, and what no event announced).
   const live = ports.isConnected ? liveLists(id, ports, processes, signal, act) : { changed() {} };
   showFamily(id, family, signal, facts.isConnected ? act : null).catch(() => { family.textContent = ""; });
   // The trail's last events, then what comes: a long trail (an agent's day) renders at once.
@@ -443,7 +444,7 @@ function liveLists(id, ports, processes, signal, act) {
     if (!signal.aborted) timer = setTimeout(load, 200);
   }
   load();
-  const every = setInterval(soon, LISTS_EVERY_MS);
+  const every = setInterval(() => { if (!document.hidden) soon(); }, LISTS_EVERY_MS);
   signal.addEventListener("abort", () => { clearTimeout(timer); clearInterval(every); });
   return {
     changed(type) {
