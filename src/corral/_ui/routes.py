@@ -31,8 +31,8 @@ from starlette.concurrency import run_in_threadpool
 
 from .._control.manager import Manager
 from .._control.tenants import LOCAL_TENANT, Tenant, TenantDirectory
-from .._server.deps import ManagerDep, TenantDep
-from .._server.guard import UI_HEADER
+from .._http.deps import ManagerDep, TenantDep
+from .._http.guard import UI_HEADER
 from .._templates.catalog import list_builds
 from ..errors import (
     AuthError,

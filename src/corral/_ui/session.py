@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._control.tenants import Tenant, TenantDirectory
-from .._server.guard import session_cookie_name
+from .._http.guard import session_cookie_name
 from ..errors import AuthError
 
 __all__ = ["SESSION_S", "UISessions", "session_cookie_name"]
