@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl
@@ -33,7 +33,6 @@ from .._control.presets import ceiling_network
 from .._control.tenants import Tenant
 from .._core.resources import get_tier
 from .._ids import from_e2b, to_e2b
-from .._http.errorlog import note
 from ..errors import (
     CorralError,
     SandboxNotFound,
@@ -41,9 +40,14 @@ from ..errors import (
     SnapshotNotFound,
 )
 from ..models import SandboxInfo, SnapshotInfo
-from .connect import hinted
+from .common import (
+    E2BHTTPError,
+    endpoint,
+    json_body,
+    manager_of,
+    tenant_of,
+)
 from .state import E2BSandbox, E2BState
-from .target import TENANT_KEY
 from .tokens import SandboxTokens
 
 logger = logging.getLogger(__name__)
@@ -58,67 +62,6 @@ _MAX_PAGE = 100
 _UNSUPPORTED_CREATE = {
     "mcp": "MCP gateways inside sandboxes",
 }
-
-
-class E2BHTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
-
-
-def _from_corral(exc: CorralError) -> JSONResponse:
-    note(exc)  # a 5xx made of it is logged with its class and message
-    status = exc.status if exc.status in (400, 401, 403, 404, 409, 429, 500, 503) else (
-        500 if exc.status >= 500 else 400)
-    return _error(status, hinted(exc))
-
-
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _endpoint(fn: Handler) -> Handler:
-    async def endpoint(request: Request) -> Response:
-        try:
-            return await fn(request)
-        except E2BHTTPError as exc:
-            return _error(exc.status, exc.message)
-        except CorralError as exc:
-            return _from_corral(exc)
-
-    return endpoint
-
-
-# -- what a request carries --------------------------------------------------------------------
-
-
-def _manager(request: Request) -> Manager:
-    manager: Manager = request.app.state.manager
-    return manager
-
-
-def _tenant(request: Request) -> Tenant:
-    tenant = request.scope.get(TENANT_KEY)
-    if not isinstance(tenant, Tenant):
-        raise E2BHTTPError(401, "this request was not authenticated")
-    return tenant
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise E2BHTTPError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise E2BHTTPError(400, "the request body must be a JSON object")
-    return body
 
 
 def _sandbox_id(request: Request) -> str:
@@ -287,7 +230,7 @@ def _network(request: Request, body: Mapping[str, Any], tenant: Tenant) -> dict[
                                "addresses or ranges")
     internet = None
     if body.get("allow_internet_access") is True or body.get("allowInternetAccess") is True:
-        manager = _manager(request)
+        manager = manager_of(request)
         # With pip and npm pointed at the operator's index when the ceiling covers it, so a
         # kernel's `!pip install` finds packages where the tenant may reach them.
         internet = ceiling_network(manager.settings, manager.ceiling_for(tenant).hosts)
@@ -327,11 +270,11 @@ def _lifecycle_notice(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-@_endpoint
+@endpoint
 async def create_sandbox(request: Request) -> Response:
-    body = await _json_body(request)
-    tenant = _tenant(request)
-    manager = _manager(request)
+    body = await json_body(request)
+    tenant = tenant_of(request)
+    manager = manager_of(request)
     for key, what in _UNSUPPORTED_CREATE.items():
         if body.get(key):
             raise E2BHTTPError(400, f"{key}: Corral does not offer {what}")
@@ -372,9 +315,9 @@ async def create_sandbox(request: Request) -> Response:
 # -- read ------------------------------------------------------------------------------------------
 
 
-@_endpoint
+@endpoint
 async def get_sandbox(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     info = await run_in_threadpool(_owned, manager, tenant, _sandbox_id(request))
     return JSONResponse(_detail(request, info, request.app.state.e2b.get(info.id)))
 
@@ -402,7 +345,7 @@ def _next_token(info: SandboxInfo) -> str:
 
 
 async def _list(request: Request, *, paginated: bool) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     query = request.query_params
     wanted = _metadata_filter(query.get("metadata"))
     states = {s.strip() for s in (query.get("state") or "").split(",") if s.strip()}
@@ -447,12 +390,12 @@ def _parse_limit(raw: str | None) -> int:
     return value
 
 
-@_endpoint
+@endpoint
 async def list_sandboxes_v2(request: Request) -> Response:
     return await _list(request, paginated=True)
 
 
-@_endpoint
+@endpoint
 async def list_sandboxes_v1(request: Request) -> Response:
     return await _list(request, paginated=False)
 
@@ -460,9 +403,9 @@ async def list_sandboxes_v1(request: Request) -> Response:
 # -- change -------------------------------------------------------------------------------------
 
 
-@_endpoint
+@endpoint
 async def kill_sandbox(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
 
     def kill() -> None:
@@ -474,11 +417,11 @@ async def kill_sandbox(request: Request) -> Response:
     return Response(status_code=204)
 
 
-@_endpoint
+@endpoint
 async def set_timeout(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await _json_body(request)
+    body = await json_body(request)
     timeout = _int_field(body, "timeout", low=1)
     if timeout is None:
         raise E2BHTTPError(400, "timeout (seconds) is required")
@@ -492,9 +435,9 @@ async def set_timeout(request: Request) -> Response:
 
 
 async def _connect(request: Request, *, resume_only: bool) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await _json_body(request)
+    body = await json_body(request)
     # E2B's resume takes autoPause too (SDK 1.x's resume(auto_pause=))
     notice = _lifecycle_notice(body)
     timeout = _int_field(body, "timeout", low=1)
@@ -517,21 +460,21 @@ async def _connect(request: Request, *, resume_only: bool) -> Response:
                         headers={"X-Corral-Notice": notice} if notice else None)
 
 
-@_endpoint
+@endpoint
 async def connect_sandbox(request: Request) -> Response:
     return await _connect(request, resume_only=False)
 
 
-@_endpoint
+@endpoint
 async def resume_sandbox(request: Request) -> Response:
     return await _connect(request, resume_only=True)
 
 
-@_endpoint
+@endpoint
 async def pause_sandbox(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    await _json_body(request)
+    await json_body(request)
 
     def pause() -> None:
         info = _owned(manager, tenant, corral_id)
@@ -543,9 +486,9 @@ async def pause_sandbox(request: Request) -> Response:
     return Response(status_code=204)
 
 
-@_endpoint
+@endpoint
 async def sandbox_metrics(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
     query = request.query_params
     start, end = _epoch(query.get("start")), _epoch(query.get("end"))
@@ -687,11 +630,11 @@ class MetricSamples:
                 min(size, stat.f_blocks * stat.f_frsize))
 
 
-@_endpoint
+@endpoint
 async def update_network(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await _json_body(request)
+    body = await json_body(request)
     network = _network(request, {"network": body, **body}, tenant)
 
     def change() -> None:
@@ -705,11 +648,11 @@ async def update_network(request: Request) -> Response:
 # -- snapshots and forks --------------------------------------------------------------------
 
 
-@_endpoint
+@endpoint
 async def create_snapshot(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await _json_body(request)
+    body = await json_body(request)
     name = body.get("name")
     if name is not None and not isinstance(name, str):
         raise E2BHTTPError(400, "name must be a string")
@@ -732,9 +675,9 @@ def _memory_field(body: dict[str, Any]) -> bool:
     return memory
 
 
-@_endpoint
+@endpoint
 async def list_snapshots(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     query = request.query_params
     sandbox = from_e2b(query.get("sandboxID") or "") if query.get("sandboxID") else None
     name = query.get("name")
@@ -756,9 +699,9 @@ async def list_snapshots(request: Request) -> Response:
     return JSONResponse([_snapshot(s) for s in page], headers=headers)
 
 
-@_endpoint
+@endpoint
 async def delete_snapshot(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     snapshot = from_e2b(request.path_params["template_id"])
     if snapshot is None or not snapshot.startswith("snap_"):
         raise E2BHTTPError(404, "no such snapshot; Corral's E2B surface deletes snapshots only "
@@ -776,11 +719,11 @@ async def delete_snapshot(request: Request) -> Response:
     return Response(status_code=204)
 
 
-@_endpoint
+@endpoint
 async def fork_sandbox(request: Request) -> Response:
-    manager, tenant = _manager(request), _tenant(request)
+    manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await _json_body(request)
+    body = await json_body(request)
     count = _int_field(body, "count", low=1, high=100, default=1) or 1
     timeout = _int_field(body, "timeout", low=1)
     memory = _memory_field(body)
@@ -805,7 +748,7 @@ async def fork_sandbox(request: Request) -> Response:
                         status_code=201)
 
 
-@_endpoint
+@endpoint
 async def not_offered(request: Request) -> Response:
     what = request.url.path.split("/")[1]
     raise E2BHTTPError(404 if request.method == "GET" else 501,

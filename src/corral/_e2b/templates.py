@@ -53,7 +53,7 @@ from .._control.tenants import Tenant
 from .._images.reference import ImagePolicy, parse_reference
 from .._templates.catalog import TAG, current_build, name_lock, pointer, set_current
 from ..errors import CorralError
-from .control import E2BHTTPError, _endpoint, _json_body, _manager, _tenant
+from .common import E2BHTTPError, endpoint, json_body, manager_of, tenant_of
 from .target import TENANT_KEY
 from .template_build import (
     LEVELS,
@@ -159,7 +159,7 @@ def _registry(request: Request) -> _Registry:
     state = request.app.state
     registry = getattr(state, "e2b_templates", None)
     if registry is None:
-        registry = _Registry(_manager(request).settings.home)
+        registry = _Registry(manager_of(request).settings.home)
         state.e2b_templates = registry
     assert isinstance(registry, _Registry)
     return registry
@@ -181,7 +181,7 @@ def resolve(request: Request, template_id: str) -> str | None:
             tag and not TAG.fullmatch(tag)):
         return None
     reference = _reference(tenant.name, name, tag)
-    templates_dir = _templates_dir(_manager(request))
+    templates_dir = _templates_dir(manager_of(request))
     if current_build(templates_dir, reference) is not None:
         return reference
     if current_build(templates_dir, internal_name(tenant.name, name)) is not None:
@@ -232,10 +232,10 @@ def _name_and_tags(request: Request, body: dict[str, Any]) -> tuple[str, tuple[s
     return name, tuple(dict.fromkeys(tags))
 
 
-@_endpoint
+@endpoint
 async def request_build(request: Request) -> Response:
-    tenant, manager = _tenant(request), _manager(request)
-    body = await _json_body(request)
+    tenant, manager = tenant_of(request), manager_of(request)
+    body = await json_body(request)
     name, tags = _name_and_tags(request, body)
     internal = internal_name(tenant.name, name)
     allowed = manager.ceiling_for(tenant).templates
@@ -253,9 +253,9 @@ async def request_build(request: Request) -> Response:
                          "aliases": [name]}, status_code=202)
 
 
-@_endpoint
+@endpoint
 async def alias_exists(request: Request) -> Response:
-    tenant, manager = _tenant(request), _manager(request)
+    tenant, manager = tenant_of(request), manager_of(request)
     alias = request.path_params["alias"]
     name, _, tag = alias.partition(":")
     if not _NAME.fullmatch(name) or (tag and not TAG.fullmatch(tag)):
@@ -277,9 +277,9 @@ def _files_hash(request: Request) -> str:
     return str(files_hash)
 
 
-@_endpoint
+@endpoint
 async def upload_link(request: Request) -> Response:
-    tenant, registry = _tenant(request), _registry(request)
+    tenant, registry = tenant_of(request), _registry(request)
     files_hash = _files_hash(request)
     template_id = request.path_params["template_id"]
     if not registry.has_template(tenant.name, template_id):
@@ -307,9 +307,9 @@ async def upload_link(request: Request) -> Response:
                         status_code=201)
 
 
-@_endpoint
+@endpoint
 async def upload(request: Request) -> Response:
-    tenant, registry = _tenant(request), _registry(request)
+    tenant, registry = tenant_of(request), _registry(request)
     files_hash = _files_hash(request)
     token = request.query_params.get("token", "")
     with registry.lock:
@@ -369,9 +369,9 @@ def _evict(kept: Path) -> None:
 # -- 3. start -----------------------------------------------------------------------------------
 
 
-@_endpoint
+@endpoint
 async def trigger_build(request: Request) -> Response:
-    tenant, manager, registry = _tenant(request), _manager(request), _registry(request)
+    tenant, manager, registry = tenant_of(request), manager_of(request), _registry(request)
     build = registry.get(tenant.name, request.path_params["template_id"],
                          request.path_params["build_id"])
     with registry.lock:
@@ -379,7 +379,7 @@ async def trigger_build(request: Request) -> Response:
             raise E2BHTTPError(409, f"build {build.id} was already started")
         build.triggered = True
     try:
-        plan = _checked_plan(manager, registry, tenant, await _json_body(request), build.id)
+        plan = _checked_plan(manager, registry, tenant, await json_body(request), build.id)
     except (E2BHTTPError, CorralError) as exc:
         _fail(build, exc.message, "base")  # a refused build is over: it holds no slot
         raise
@@ -487,9 +487,9 @@ def _query_level(request: Request) -> Level | None:
     raise E2BHTTPError(400, f"level must be one of {', '.join(LEVELS)}")
 
 
-@_endpoint
+@endpoint
 async def build_status(request: Request) -> Response:
-    tenant, registry = _tenant(request), _registry(request)
+    tenant, registry = tenant_of(request), _registry(request)
     build = registry.get(tenant.name, request.path_params["template_id"],
                          request.path_params["build_id"])
     offset = _query_int(request, "logsOffset", 0, 10**9)
@@ -529,10 +529,10 @@ def _tag_list(value: object) -> list[str]:
     return list(dict.fromkeys(value))
 
 
-@_endpoint
+@endpoint
 async def assign_tags(request: Request) -> Response:
-    tenant, manager = _tenant(request), _manager(request)
-    body = await _json_body(request)
+    tenant, manager = tenant_of(request), manager_of(request)
+    body = await json_body(request)
     name, tag = _owned_name(body.get("target"), "target")
     tags = _tag_list(body.get("tags"))
     templates_dir = _templates_dir(manager)
@@ -551,10 +551,10 @@ async def assign_tags(request: Request) -> Response:
     return JSONResponse({"tags": tags, "buildID": _build_uuid(build_hash)}, status_code=201)
 
 
-@_endpoint
+@endpoint
 async def remove_tags(request: Request) -> Response:
-    tenant, manager = _tenant(request), _manager(request)
-    body = await _json_body(request)
+    tenant, manager = tenant_of(request), manager_of(request)
+    body = await json_body(request)
     name, _ = _owned_name(body.get("name"), "name")
     tags = _tag_list(body.get("tags"))
     templates_dir = _templates_dir(manager)
@@ -572,9 +572,9 @@ async def remove_tags(request: Request) -> Response:
     return Response(status_code=204)
 
 
-@_endpoint
+@endpoint
 async def list_tags(request: Request) -> Response:
-    tenant, manager = _tenant(request), _manager(request)
+    tenant, manager = tenant_of(request), manager_of(request)
     name, _ = _owned_name(request.path_params["template_id"], "template")
     templates_dir = _templates_dir(manager)
     internal = internal_name(tenant.name, name)
