@@ -23,9 +23,10 @@ from click.testing import CliRunner
 from corral import read_audit
 from corral._audit.events import AuditEvent
 from corral._core.resources import TIERS
+from corral._drill.context import drill_ceiling
 from corral._drill.model import CATEGORIES, DrillReport
 from corral._drill.runner import run_drill, select_cases
-from corral._drill.service import CEILING_SECRET, E2B_DOMAIN, UPSTREAM_HOST, drill_ceiling
+from corral._drill.service import CEILING_SECRET, E2B_DOMAIN, UPSTREAM_HOST
 from corral._drill.target import SdkTarget, ServiceAccess
 from corral._drill.upstream import UPSTREAM_ADDRESS
 from corral._e2b.app import E2BConfig, create_e2b_app

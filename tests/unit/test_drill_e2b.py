@@ -15,9 +15,10 @@ from corral._audit.events import AuditEvent
 from corral._control.manager import Manager
 from corral._control.tenants import TenantDirectory
 from corral._core.resources import TIERS
+from corral._drill.context import drill_ceiling
 from corral._drill.model import DrillReport
 from corral._drill.runner import run_drill, select_cases
-from corral._drill.service import E2B_DOMAIN, drill_ceiling
+from corral._drill.service import E2B_DOMAIN
 from corral._drill.target import ServiceAccess
 from corral._e2b.app import E2BApp, E2BConfig, create_e2b_app
 from corral._ids import from_e2b

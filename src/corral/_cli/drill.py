@@ -49,7 +49,7 @@ _STYLE = {"held": "green", "breached": "bold red", "error": "yellow", "skipped":
               help="A second tenant's key, for the cross-tenant cases.")
 @click.option("--ceiling-api-key", default=None, envvar="CORRAL_DRILL_CEILING_API_KEY",
               help="A key of a tenant held to the drill's ceiling (the caller cases; see "
-              "corral._drill.service.drill_ceiling).")
+              "corral._drill.context.drill_ceiling).")
 @click.option("--quota-api-key", default=None, envvar="CORRAL_DRILL_QUOTA_API_KEY",
               help="A key of a tenant with a small commands-per-minute quota.")
 @click.option("--upstream-host", default=None, envvar="CORRAL_DRILL_UPSTREAM_HOST",

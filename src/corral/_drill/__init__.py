@@ -7,7 +7,8 @@ reports held / breached / error with the audit events and gateway decisions that
 Every attack is bounded by its own construction: capped loops and sizes, loopback-only targets.
 """
 
-from .model import Case, CaseResult, DrillReport, Evidence, Outcome
+from .case import Case
+from .model import CaseResult, DrillReport, Evidence, Outcome
 from .runner import run_drill
 
 __all__ = ["Case", "CaseResult", "DrillReport", "Evidence", "Outcome", "run_drill"]

@@ -9,16 +9,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .._control.tenants import Ceiling
 from ..models import CommandResult
 from .canary import Canary, Hit
 from .model import Evidence, Outcome
 from .target import DrillSandbox, DrillTarget, ServiceAccess
 
 if TYPE_CHECKING:
-    from .cases.e2b import E2BPlant
+    from .e2bplant import E2BPlant
     from .preview import PreviewPlant
 
-__all__ = ["BAIT_RULES", "DrillContext", "POISONED_DOCUMENT", "bait_rules"]
+__all__ = ["BAIT_RULES", "DrillContext", "POISONED_DOCUMENT", "bait_rules", "drill_ceiling"]
 
 # Added to the operator's allow rules for the attacker sandbox: names that never resolve
 # (.invalid) to probe the gateway's rule matching, and (see ``bait_rules``) ``localhost`` on the
@@ -30,6 +31,13 @@ BAIT_RULES = (BAIT_ALLOWED, f"*.{BAIT_ALLOWED}", BAIT_BOUND)
 
 def bait_rules(canary_port: int) -> list[str]:
     return [*BAIT_RULES, f"localhost:{canary_port}"]
+
+
+def drill_ceiling() -> Ceiling:
+    """The ceiling the caller cases try to get beyond: one bait host, ``base``, the namespace
+    tier, ``small``, no secrets, an hour."""
+    return Ceiling(hosts=(BAIT_ALLOWED,), templates=("base",), isolation=("namespace",),
+                   resources=("small",), secrets=(), max_lifetime_s=3600)
 
 POISONED_DOCUMENT = """\
 # Project notes

@@ -1,14 +1,11 @@
-"""The drill's vocabulary: cases, their outcomes, the evidence behind them, the report."""
+"""The drill's vocabulary: categories, outcomes, the evidence behind them, each case's result,
+the report (a case itself is ``case.Case``: it names the context it runs in)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from .context import DrillContext
+from typing import Any, Literal
 
 Verdict = Literal["held", "breached", "error", "skipped"]
 Category = Literal["network", "credentials", "filesystem", "privilege", "resources", "control",
@@ -39,22 +36,6 @@ class Outcome:
     verdict: Verdict
     observed: str
     evidence: tuple[Evidence, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Case:
-    """One attack: what it tries, what counts as held, and how to run it.
-
-    ``needs`` names what the case requires of the target ("python3", "admin" for host-side
-    planting, "service" for the HTTP control plane); a target without it reports ``skipped``.
-    """
-
-    id: str
-    category: Category
-    tries: str
-    held_when: str
-    run: Callable[[DrillContext], Outcome]
-    needs: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

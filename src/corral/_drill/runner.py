@@ -8,9 +8,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from .canary import Canary, host_address
+from .case import Case
 from .cases import all_cases
 from .context import BAIT_BOUND, POISONED_DOCUMENT, DrillContext, bait_rules
-from .model import Case, CaseResult, DrillReport, Outcome
+from .model import CaseResult, DrillReport, Outcome
 from .target import DrillTarget, ServiceAccess
 
 __all__ = ["run_drill", "select_cases"]
@@ -99,7 +100,7 @@ def _planted(target: DrillTarget, allow: Sequence[str]) -> Iterator[DrillContext
             if access is not None:
                 ctx.service_sandbox = _service_sandbox(access)
                 if access.e2b_url is not None and access.e2b_api_key is not None:
-                    from .cases.e2b import E2BPlant
+                    from .e2bplant import E2BPlant
 
                     ctx.e2b = E2BPlant(access)
                 if access.api_key is not None and access.other_api_key is not None:

@@ -20,17 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._control.tenants import Ceiling
 from .._core.resources import TIERS
 from .._settings import Settings
-from .context import BAIT_ALLOWED
+from .context import BAIT_ALLOWED, drill_ceiling
 from .target import ServiceAccess
 from .upstream import UPSTREAM_ADDRESS
 
 if TYPE_CHECKING:
     from .._e2b.app import E2BApp
 
-__all__ = ["CEILING_SECRET", "E2B_DOMAIN", "UPSTREAM_HOST", "drill_ceiling", "local_service"]
+__all__ = ["CEILING_SECRET", "E2B_DOMAIN", "UPSTREAM_HOST", "local_service"]
 
 # The name the drill's service pins to the drill's upstream (an operator setting; a sandbox
 # still has to allow it).
@@ -39,13 +38,6 @@ UPSTREAM_HOST = "upstream.drill.invalid"
 E2B_DOMAIN = "e2b.drill.invalid"
 # A secret the ceiling tenant's ceiling does not let it bind.
 CEILING_SECRET = "CORRAL_DRILL_CEILING_SECRET"
-
-
-def drill_ceiling() -> Ceiling:
-    """The ceiling the caller cases try to get beyond: one bait host, ``base``, the namespace
-    tier, ``small``, no secrets, an hour."""
-    return Ceiling(hosts=(BAIT_ALLOWED,), templates=("base",), isolation=("namespace",),
-                   resources=("small",), secrets=(), max_lifetime_s=3600)
 
 
 @dataclass(slots=True)

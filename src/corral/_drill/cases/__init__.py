@@ -3,7 +3,7 @@ its module's ``CASES``: an id, what it tries, what counts as held, and a functio
 
 from __future__ import annotations
 
-from ..model import Case
+from ..case import Case
 
 __all__ = ["all_cases"]
 

@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 
 from ..._settings import Settings
+from ..case import Case
 from ..context import BAIT_ALLOWED, DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 
 # The documented size of a line (docs/audit.md): a repeated event written in full, a summary,
 # each data bound plus the envelope. Constants here, not imported: the drill is the

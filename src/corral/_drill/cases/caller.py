@@ -33,8 +33,9 @@ import httpx
 
 from ..._core.privileged import privileged_env
 from ...errors import CommandError, CorralError
+from ..case import Case
 from ..context import BAIT_ALLOWED, DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 
 Run = Callable[[DrillContext], Outcome]
 SERVICE = frozenset({"service"})

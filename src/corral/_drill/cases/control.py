@@ -9,8 +9,9 @@ from typing import Any
 
 import httpx
 
+from ..case import Case
 from ..context import DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 
 Run = Callable[[DrillContext], Outcome]
 SERVICE = frozenset({"service"})

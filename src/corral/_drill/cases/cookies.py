@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 import httpx
 
+from ..case import Case
 from ..context import DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 from ..preview import plant_of
 
 Run = Callable[[DrillContext], Outcome]

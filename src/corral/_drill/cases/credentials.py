@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..case import Case
 from ..context import DrillContext
-from ..model import Case, Outcome
+from ..model import Outcome
 
 Run = Callable[[DrillContext], Outcome]
 

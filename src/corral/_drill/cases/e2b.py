@@ -27,15 +27,15 @@ from typing import Any, Literal
 
 import httpx
 
-from ..context import DrillContext
-from ..model import Case, Evidence, Outcome, Verdict
-from ..target import ServiceAccess
+from ..case import Case
+from ..context import DrillContext, drill_ceiling
+from ..e2bplant import TIMEOUT, E2BPlant, Which
+from ..model import Evidence, Outcome, Verdict
 from .caller import _CLAIMED, send_oversized
 
-__all__ = ["CASES", "E2BPlant"]
+__all__ = ["CASES"]
 
 Run = Callable[[DrillContext], Outcome]
-Which = Literal["a", "a2", "b"]
 
 ENVD_PORT = 49983
 JUPYTER_PORT = 49999
@@ -43,62 +43,7 @@ E2B = frozenset({"e2b"})
 OTHER = frozenset({"e2b", "e2b-other"})
 CEILING = frozenset({"e2b", "e2b-ceiling"})
 DOMAIN = frozenset({"e2b", "e2b-domain"})
-_TIMEOUT = 10.0  # no answer on loopback within this is a hang, not a slow server
 _GONE_MESSAGE = "The sandbox was not found"
-
-
-class E2BPlant:
-    """The sandboxes the E2B cases attack, made through the E2B API on first use: two of the
-    first tenant (``a``, ``a2``) and one of the second (``b``); and everything a case made."""
-
-    def __init__(self, access: ServiceAccess) -> None:
-        assert access.e2b_url is not None
-        self.access = access
-        self.url = access.e2b_url
-        self._named: dict[str, dict[str, Any]] = {}
-        self._made: list[tuple[str, str]] = []  # (key, E2B id), killed by ``close``
-
-    def client(self, key: str | None, timeout: float = _TIMEOUT) -> httpx.Client:
-        headers = {"X-API-KEY": key} if key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
-
-    def key(self, which: Literal["a", "b", "ceiling"]) -> str:
-        key = {"a": self.access.e2b_api_key, "b": self.access.e2b_other_api_key,
-               "ceiling": self.access.e2b_ceiling_api_key}[which]
-        if key is None:
-            raise RuntimeError(f"the drill was given no E2B key for tenant {which}")
-        return key
-
-    def create(self, key: str, body: Mapping[str, Any] | None = None) -> httpx.Response:
-        """E2B's create (``POST /v2/sandboxes``); a sandbox it makes is killed at the end."""
-        with self.client(key, timeout=60) as api:
-            response = api.post("/v2/sandboxes", json={
-                "templateID": "base", "timeout": 600, "metadata": {"corral-drill": "e2b"},
-                **(body or {})})
-        if response.status_code == 201:
-            self._made.append((key, str(response.json()["sandboxID"])))
-        return response
-
-    def sandbox(self, which: Which) -> dict[str, Any]:
-        """The create answer (``sandboxID``, ``envdAccessToken``, ...) of a named sandbox."""
-        if which not in self._named:
-            response = self.create(self.key("b" if which == "b" else "a"))
-            if response.status_code != 201:
-                raise RuntimeError(f"tenant {which[0]} could not create a sandbox on the E2B "
-                                   f"surface: {response.status_code} {response.text[:160]}")
-            self._named[which] = response.json()
-        return self._named[which]
-
-    def kill(self, key: str, e2b_id: str) -> int:
-        with self.client(key) as api:
-            return api.delete(f"/sandboxes/{e2b_id}").status_code
-
-    def close(self) -> None:
-        for key, e2b_id in reversed(self._made):
-            with contextlib.suppress(httpx.HTTPError):
-                self.kill(key, e2b_id)
-        self._made.clear()
-        self._named.clear()
 
 
 def _plant(ctx: DrillContext) -> E2BPlant:
@@ -229,7 +174,7 @@ def _trail(ctx: DrillContext, corral_id: str) -> list[dict[str, Any]] | None:
     assert ctx.service is not None
     headers = ({"Authorization": f"Bearer {ctx.service.api_key}"}
                if ctx.service.api_key else {})
-    with httpx.Client(base_url=ctx.service.url, headers=headers, timeout=_TIMEOUT) as api:
+    with httpx.Client(base_url=ctx.service.url, headers=headers, timeout=TIMEOUT) as api:
         response = api.get(f"/v1/sandboxes/{corral_id}/audit")
     if response.status_code != 200:
         return None
@@ -505,7 +450,7 @@ def _gone(ctx: DrillContext) -> Outcome:
             response = _plane(plant, sid, "GET" if body is None else "POST", path,
                               token=token, body=body)
         except httpx.TimeoutException:
-            return Outcome("breached", f"{path} for {sid} hung (no answer in {_TIMEOUT} s)")
+            return Outcome("breached", f"{path} for {sid} hung (no answer in {TIMEOUT} s)")
         shape = _body(response)
         answers.append((response, response.status_code == 502 and shape == {
             "sandboxId": sid, "message": _GONE_MESSAGE, "code": 502}))
@@ -568,8 +513,6 @@ def _internet(tenant: Literal["a", "ceiling"]) -> Run:
     the sandbox gets at most the hosts its tenant's ceiling lists (none for the first tenant,
     the drill's one bait host for the ceiling tenant)."""
     def run(ctx: DrillContext) -> Outcome:
-        from ..service import drill_ceiling
-
         assert ctx.service is not None
         plant = _plant(ctx)
         native_key = ctx.service.api_key if tenant == "a" else ctx.service.ceiling_api_key
@@ -706,7 +649,7 @@ def _by_host(plant: E2BPlant, host: str, method: str, path: str, *,
     """One request to the domain-mode listener naming ``host`` (as `<port>-<id>.<domain>`
     would arrive through DNS and TLS; the routing is by the header alone)."""
     access = plant.access
-    with httpx.Client(base_url=access.e2b_domain_url or plant.url, timeout=_TIMEOUT) as api:
+    with httpx.Client(base_url=access.e2b_domain_url or plant.url, timeout=TIMEOUT) as api:
         return api.request(method, path, headers={"Host": host, **(headers or {})},
                            json=body if body is not None else None)
 

@@ -9,8 +9,9 @@ import tarfile
 from collections.abc import Callable
 
 from ...errors import CorralError
+from ..case import Case
 from ..context import DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 from ..target import tar_bytes
 
 Run = Callable[[DrillContext], Outcome]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..case import Case
 from ..context import BAIT_ALLOWED, BAIT_BOUND, DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 
 Run = Callable[[DrillContext], Outcome]
 

@@ -18,8 +18,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ..case import Case
 from ..context import DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 from ..preview import plant_of
 
 Run = Callable[[DrillContext], Outcome]

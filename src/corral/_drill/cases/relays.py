@@ -15,8 +15,9 @@ from collections.abc import Callable
 import httpx
 
 from ..._ids import to_e2b
+from ..case import Case
 from ..context import DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 from ..preview import APP_PORT, PreviewPlant, plant_of
 
 Run = Callable[[DrillContext], Outcome]

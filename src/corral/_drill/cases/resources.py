@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ..case import Case
 from ..context import DrillContext
-from ..model import Case, Evidence, Outcome
+from ..model import Evidence, Outcome
 from ..target import DrillSandbox
 
 Run = Callable[[DrillContext], Outcome]
