@@ -34,24 +34,59 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from .._settings import Settings
 from .._templates.catalog import BuiltTemplate, locked, read_build, split_reference
 from .._templates.spec import check_reference
 from ..errors import ImageError, UsageError
+from ..models import CommandResult, SandboxInfo
 from .config import ImageConfig
 from .pull import LayerCache, images_dir, make_build, pull_image
 from .unpack import LayerContent, LayerLimits, SafeTree, compose_root, path_components
 
-if TYPE_CHECKING:
-    from .._control.manager import Manager
-
-__all__ = ["BuildResult", "build_dockerfile"]
+__all__ = ["BuildHost", "BuildResult", "build_dockerfile"]
 
 Progress = Callable[[str], None]
+
+
+class _Record(Protocol):
+    @property
+    def uid(self) -> int: ...
+
+
+class _Records(Protocol):
+    def get(self, sandbox_id: str) -> _Record: ...
+
+
+class _Commands(Protocol):
+    def run(self, sandbox_id: str, cmd: Sequence[str], *, timeout: float | None = None,
+            envs: Mapping[str, str] | None = None, cwd: str | None = None,
+            on_stdout: Callable[[str], None] | None = None,
+            on_stderr: Callable[[str], None] | None = None,
+            build_root: str | None = None) -> CommandResult: ...
+
+
+class BuildHost(Protocol):
+    """What a Dockerfile build asks of the control plane (the Manager is one): a sandbox to run
+    the ``RUN`` steps in, its uid, a command in it over a build root, and its destroy."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def sandboxes(self) -> _Records: ...
+
+    @property
+    def commands(self) -> _Commands: ...
+
+    def create(self, *, template: str | None = None, resources: str = "small",
+               timeout: float | None = None, network: Any = None) -> SandboxInfo: ...
+
+    def destroy(self, sandbox_id: str) -> bool: ...
 
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _IGNORED = frozenset({"LABEL", "EXPOSE", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK", "VOLUME"})
@@ -402,7 +437,7 @@ class _State:
 
 
 class _Builder:
-    def __init__(self, manager: Manager, dockerfile: Path, context: Path,
+    def __init__(self, manager: BuildHost, dockerfile: Path, context: Path,
                  network: Any, progress: Progress, work: Path) -> None:
         self._manager = manager
         self._settings = manager.settings
@@ -599,7 +634,7 @@ class _Builder:
         _chown_tree(stage, self._uid)
 
 
-def build_dockerfile(manager: Manager, dockerfile: Path, *, name: str,
+def build_dockerfile(manager: BuildHost, dockerfile: Path, *, name: str,
                      context: Path | None = None, build_args: Mapping[str, str] | None = None,
                      network: Any = None, on_progress: Progress | None = None) -> BuildResult:
     """Build ``dockerfile`` into template ``name`` (see the module doc).
@@ -626,7 +661,7 @@ def build_dockerfile(manager: Manager, dockerfile: Path, *, name: str,
                       network, progress, started)
 
 
-def _build(manager: Manager, dockerfile: Path, context: Path, steps: list[_Instruction],
+def _build(manager: BuildHost, dockerfile: Path, context: Path, steps: list[_Instruction],
            name: str, tag: str | None, given: dict[str, str], network: Any,
            progress: Progress, started: float) -> BuildResult:
     variables: dict[str, str] = {}
