@@ -21,11 +21,11 @@ from typing import Any
 
 from .._audit.auditor import Auditor
 from .._audit.budget import Overrun
-from .._backends._linux.template import template_version
 from .._core.owner import this_owner
 from .._core.resources import get_tier
 from .._egress.policy import NetworkPolicy
 from .._settings import Settings
+from .._templates.roots import template_version
 from ..backends import IsolationBackend, Mount, SandboxSpec
 from ..errors import (
     CorralError,
