@@ -5,6 +5,7 @@ Over the memory backend: no root."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,3 +168,25 @@ def test_the_rules_in_one_place() -> None:
     rules.admit(local_tenant())
     assert isinstance(rules.starts, CommandWindows)
     assert admission.__all__ == ["Admission", "CommandWindows", "check_sandbox_count"]
+
+
+@pytest.mark.parametrize(("ask", "ceiling"), [
+    ({"network": {"allow": ["pypi.org"]}}, "hosts ceiling"),
+    ({"template": "python"}, "template ceiling"),
+])
+def test_mcp_against_a_remote_service_applies_its_ceiling_by_the_same_rule(
+        ask: dict[str, Any], ceiling: str) -> None:
+    from corral._mcp.sessions import CorralMCP
+    from corral._sdk._async.http import AsyncHTTPTransport
+
+    async def main() -> None:
+        state = CorralMCP(None, "stdio")
+        # Nothing listens there: a refusal must come before any request.
+        state._opened = AsyncHTTPTransport("http://127.0.0.1:9")
+        try:
+            with pytest.raises(CeilingExceeded, match=ceiling):
+                await state.create(**ask)
+        finally:
+            await state.shutdown()
+
+    asyncio.run(main())

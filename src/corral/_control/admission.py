@@ -15,8 +15,10 @@ written for a caller that is refused):
 - its **commands per minute** (``admit``: commands, background processes and terminals).
 
 The local tenant (the operator on this host) has no quotas; its ceiling is the server's
-default (``CORRAL_CEILING_*``) unless it was given one (``corral mcp``'s: see
-``_mcp.server.mcp_ceiling``).
+default (``CORRAL_CEILING_*``) unless it was given one (``corral mcp``'s, ``mcp_ceiling``: the
+MCP server's caller is the local tenant with that ceiling, so the control plane applies it like
+any tenant's; against a remote service, which cannot know it, the MCP server applies it with
+``Admission.check_create`` before asking).
 
 Elsewhere, and why: a volume's count and bytes per tenant are decided in the store's own
 transaction (``Store.add_volume``) against the operator's settings; a cluster gateway's limits
@@ -91,10 +93,12 @@ class Admission:
         return self.ceiling if caller is None else caller.ceiling.over(self.ceiling)
 
     def check_create(self, *, caller: Tenant | None, tenant: str, template: str | None,
-                     isolation: str, resources: str, network: NetworkPolicy,
-                     secrets: Iterable[str], lifetime_s: float) -> None:
+                     isolation: str | None, resources: str | None,
+                     network: NetworkPolicy | None, secrets: Iterable[str] = (),
+                     lifetime_s: float | None) -> None:
         """A new sandbox's policy, within the caller's ceiling (``template`` None: an
-        image's, judged by ``check_image`` first and by name once it is known)."""
+        image's, judged by ``check_image`` first and by name once it is known; any None:
+        the service's default, judged where it is chosen)."""
         check(self.ceiling_for(caller), tenant=_who(caller, tenant), template=template,
               isolation=isolation, resources=resources, network=network,
               secrets=secrets, lifetime_s=lifetime_s)

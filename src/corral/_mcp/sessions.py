@@ -22,7 +22,8 @@ from mcp_types import CallToolResult, TextContent
 from pydantic import BaseModel, ConfigDict
 
 from .. import errors
-from .._control.tenants import Ceiling, check, local_tenant
+from .._control.admission import Admission
+from .._control.tenants import LOCAL_TENANT, Ceiling, local_tenant
 from .._egress.policy import NetworkPolicy
 from .._sdk._aembedded import AsyncEmbeddedTransport
 from .._sdk._async.http import AsyncHTTPTransport
@@ -231,13 +232,15 @@ class CorralMCP:
         """A sandbox made on the caller's behalf, within the MCP ceiling."""
         transport = await self.opened()
         if isinstance(transport, AsyncHTTPTransport):
-            # A remote service enforces its own tenant's ceiling; this one is applied first.
+            # A remote service applies its key's tenant's ceiling and cannot know this one
+            # (its create takes none), so the control plane's rule is applied here first.
             network = kwargs.get("network")
-            check(self.ceiling, template=kwargs.get("template"),
-                  isolation=kwargs.get("isolation"), resources=kwargs.get("resources"),
-                  lifetime_s=kwargs.get("timeout"),
-                  network=NetworkPolicy.build(network["allow"]) if isinstance(network, dict)
-                  else None)
+            Admission(self.ceiling).check_create(
+                caller=None, tenant=LOCAL_TENANT, template=kwargs.get("template"),
+                isolation=kwargs.get("isolation"), resources=kwargs.get("resources"),
+                lifetime_s=kwargs.get("timeout"),
+                network=NetworkPolicy.build(network["allow"]) if isinstance(network, dict)
+                else None)
         return await AsyncSandbox.create(transport=transport, **kwargs)
 
     async def check_open(self, sb: AsyncSandbox) -> None:
