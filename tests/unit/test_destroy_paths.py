@@ -243,3 +243,23 @@ def test_a_failing_listener_never_breaks_the_destroy(manager: Manager,
     other = manager.create().id
     manager.destroy(other)
     assert heard == [held.sandbox_id, other]
+
+
+def test_mcp_says_the_session_sandbox_expired_even_once_forgotten(
+        manager: Manager, mcp_over: Any) -> None:
+    mcp, state = mcp_over
+
+    async def main() -> None:
+        first = (await _call(mcp, "list_files"))["sandbox_id"]
+        manager.store.set_expiry(first, time.time() - 1)
+        # The look-up inside the call destroys it, and the listener forgets it meanwhile.
+        expired = await mcp.call_tool("list_files", {})
+        assert expired.is_error
+        data = dict(expired.structured_content or {})
+        assert data["code"] == "sandbox_expired", data
+        assert "the session's next call creates a new session sandbox" in data["message"]
+        assert _session_sandbox(state) is None
+        assert (await _call(mcp, "list_files"))["sandbox_id"] != first
+        await state.shutdown()
+
+    asyncio.run(main())

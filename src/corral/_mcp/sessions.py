@@ -294,10 +294,11 @@ class CorralMCP:
         except errors.CorralError as exc:
             key = self.session_key(ctx) if sandbox_id is None else None
             session = self._sessions.get(key) if key is not None else None
-            if (isinstance(exc, errors.SandboxNotFound) and session is not None
-                    and session.sandbox is not None):
-                # The session sandbox expired (TTL) or was removed: the next call gets a new one.
-                self.forget(session.sandbox.id)
+            if isinstance(exc, errors.SandboxNotFound) and session is not None:
+                # The session sandbox expired (TTL) or was removed: the next call gets a new
+                # one. Its destroy's listener may have forgotten it already (``forget``).
+                if session.sandbox is not None:
+                    self.forget(session.sandbox.id)
                 return _error(exc.code, f"{exc.message}; the session's next call creates a new "
                                         "session sandbox (its files are gone)")
             return _error(exc.code, exc.message)
