@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import posixpath
 import secrets
 import stat as stat_mod
 from collections.abc import Iterator
@@ -24,7 +23,15 @@ from dataclasses import dataclass
 
 from .channel import Lane
 from .config import USER_ID
-from .fsrules import WORKSPACE, FileRuleError, display, os_error, shown_name, to_relative
+from .fsrules import (
+    WORKSPACE,
+    Beneath,
+    FileRuleError,
+    display,
+    os_error,
+    shown_name,
+    to_relative,
+)
 from .protocol import AgentError, Message, b64
 from .system import openat2, syncfs_fd
 
@@ -44,12 +51,15 @@ def _relative(path: object) -> str:
 
 @contextlib.contextmanager
 def _mapped(rel: str) -> Iterator[None]:
-    """OS errors as the protocol's error kinds, naming the sandbox path (``fsrules``)."""
+    """OS errors and the file rules' refusals as the protocol's error kinds, naming the
+    sandbox path (``fsrules``)."""
     try:
         yield
     except OSError as exc:
         error = os_error(rel, exc)
         raise AgentError(error.kind, error.message) from None
+    except FileRuleError as exc:
+        raise AgentError(exc.kind, exc.message) from None
 
 
 def _kind(mode: int) -> str:
@@ -86,63 +96,22 @@ class WriteHandle:
     lane: Lane
 
 
-class Files:
-    def __init__(self, root: str) -> None:
-        self.root = root
+class _Root(Beneath):
+    """The rules' lookups, with the guest's word for a workspace it cannot open at all."""
 
-    @contextlib.contextmanager
-    def _root_fd(self) -> Iterator[int]:
+    def open_root(self) -> int:
         try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            return super().open_root()
         except OSError as exc:
             raise AgentError("io", f"the workspace is not available: {exc.strerror}") from None
-        try:
-            yield fd
-        finally:
-            os.close(fd)
 
-    def _open(self, root_fd: int, rel: str, flags: int) -> int:
-        for _ in range(16):
-            try:
-                return openat2(root_fd, rel, flags)
-            except OSError as exc:
-                if exc.errno != errno.EAGAIN:  # a concurrent rename; the kernel asks to retry
-                    raise
-        raise AgentError("io", f"{display(rel)} kept changing while being opened; try again")
 
-    @contextlib.contextmanager
-    def _parent(self, rel: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
-        if rel == ".":
-            raise AgentError("refused", f"this operation needs a path inside {WORKSPACE}, not "
-                             f"{WORKSPACE}")
-        parent, leaf = posixpath.split(rel)
-        with self._root_fd() as root_fd:
-            if create and parent:
-                self._make_dirs(root_fd, parent)
-            fd = self._open(root_fd, parent or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            yield fd, leaf
-        finally:
-            os.close(fd)
+class Files:
+    """The ``fs.*`` ops' work on the workspace at ``root`` (the real path: a symlink's target
+    is compared with it)."""
 
-    def _make_dirs(self, root_fd: int, rel: str) -> bool:
-        made = False
-        parts = [p for p in rel.split("/") if p not in ("", ".")]
-        fd = os.dup(root_fd)
-        try:
-            for i, part in enumerate(parts):
-                try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    os.chown(part, USER_ID, USER_ID, dir_fd=fd, follow_symlinks=False)
-                    made = True
-                except FileExistsError:
-                    pass
-                nxt = self._open(root_fd, "/".join(parts[: i + 1]), os.O_RDONLY | os.O_DIRECTORY)
-                os.close(fd)
-                fd = nxt
-        finally:
-            os.close(fd)
-        return made
+    def __init__(self, root: str) -> None:
+        self._at = _Root(os.path.realpath(root), USER_ID, openat2)
 
     def _stat_entry(self, dir_fd: int, leaf: str, rel: str) -> Message:
         st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
@@ -151,9 +120,9 @@ class Files:
     def stat(self, path: object) -> Message:
         rel = _relative(path)
         if rel == ".":
-            with self._root_fd() as fd:
+            with self._at.root_fd() as fd:
                 return _entry("workspace", WORKSPACE, os.fstat(fd))
-        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+        with _mapped(rel), self._at.parent(rel) as (dir_fd, leaf):
             return self._stat_entry(dir_fd, leaf, rel)
 
     def exists(self, path: object) -> bool:
@@ -167,7 +136,7 @@ class Files:
 
     def readlink(self, path: object) -> str:
         rel = _relative(path)
-        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+        with _mapped(rel), self._at.parent(rel) as (dir_fd, leaf):
             try:
                 return shown_name(os.readlink(leaf, dir_fd=dir_fd))
             except OSError as exc:
@@ -184,8 +153,8 @@ class Files:
         if length > MAX_READ:
             raise AgentError("too_large", f"fs.read reads at most {MAX_READ} bytes at a time; "
                              "read the file in chunks")
-        with _mapped(rel), self._root_fd() as root_fd:
-            fd = self._open(root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
+        with _mapped(rel), self._at.root_fd() as root_fd:
+            fd = self._at.open(root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
             try:
                 st = os.fstat(fd)
                 if stat_mod.S_ISDIR(st.st_mode):
@@ -199,8 +168,8 @@ class Files:
 
     def listing(self, path: object) -> Iterator[Message]:
         rel = _relative(path)
-        with _mapped(rel), self._root_fd() as root_fd:
-            fd = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+        with _mapped(rel), self._at.root_fd() as root_fd:
+            fd = self._at.open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 with os.scandir(fd) as it:
                     names = sorted(item.name for item in it)
@@ -220,8 +189,8 @@ class Files:
     def walk(self, path: object) -> Iterator[Message]:
         """Depth first, sorted, parents first; never follows a link, never leaves the tree."""
         rel = _relative(path)
-        with _mapped(rel), self._root_fd() as root_fd:
-            top = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+        with _mapped(rel), self._at.root_fd() as root_fd:
+            top = self._at.open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
         count = 0
         # An explicit stack: a hostile tree may nest deeper than Python's recursion limit.
         stack: list[tuple[int, str, Iterator[str]]] = []
@@ -283,12 +252,12 @@ class Files:
         rel = _relative(path)
         if rel == ".":
             return False
-        with _mapped(rel), self._root_fd() as root_fd:
-            return self._make_dirs(root_fd, rel)
+        with _mapped(rel), self._at.root_fd() as root_fd:
+            return self._at.make_dirs(root_fd, rel)
 
     def remove(self, path: object) -> None:
         rel = _relative(path)
-        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+        with _mapped(rel), self._at.parent(rel) as (dir_fd, leaf):
             st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
             if stat_mod.S_ISDIR(st.st_mode):
                 self._remove_tree(dir_fd, leaf)
@@ -329,9 +298,9 @@ class Files:
 
     def rename(self, src: object, dst: object) -> Message:
         rel_src, rel_dst = _relative(src), _relative(dst)
-        with _mapped(rel_src), self._parent(rel_src) as (src_fd, src_leaf):
+        with _mapped(rel_src), self._at.parent(rel_src) as (src_fd, src_leaf):
             os.stat(src_leaf, dir_fd=src_fd, follow_symlinks=False)
-            with _mapped(rel_dst), self._parent(rel_dst, create=True) as (dst_fd, dst_leaf):
+            with _mapped(rel_dst), self._at.parent(rel_dst, create=True) as (dst_fd, dst_leaf):
                 os.rename(src_leaf, dst_leaf, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
                 return self._stat_entry(dst_fd, dst_leaf, rel_dst)
 
@@ -341,7 +310,7 @@ class Files:
                 or len(target.encode("utf-8", "surrogateescape")) > 4095):
             raise AgentError("refused", f"symlink target {target!r} for {display(rel)} is "
                              "not usable")
-        with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
+        with _mapped(rel), self._at.parent(rel, create=True) as (dir_fd, leaf):
             tmp = f".corral-tmp-{secrets.token_hex(6)}"
             os.symlink(target, tmp, dir_fd=dir_fd)
             try:
@@ -353,40 +322,13 @@ class Files:
                 raise
             return self._stat_entry(dir_fd, leaf, rel)
 
-    def _symlink_target(self, dir_fd: int, leaf: str, rel: str) -> str | None:
-        try:
-            st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        if not stat_mod.S_ISLNK(st.st_mode):
-            return None
-        with self._root_fd() as root_fd:
-            try:
-                fd = self._open(root_fd, rel, os.O_PATH)
-            except FileNotFoundError:
-                link = os.readlink(leaf, dir_fd=dir_fd)
-                joined = link if link.startswith("/") else posixpath.join(
-                    posixpath.dirname(rel), link)
-                if joined.startswith("/"):
-                    raise AgentError("refused", f"{display(rel)} is an absolute symlink; "
-                                     "refused") from None
-                return _relative(joined)
-            try:
-                real = os.readlink(f"/proc/self/fd/{fd}")
-            finally:
-                os.close(fd)
-        inside = os.path.relpath(real, os.path.realpath(self.root))
-        if inside == "." or inside.startswith(".."):
-            raise AgentError("refused", f"{display(rel)} is a symlink that leaves {WORKSPACE}")
-        return inside
-
     def write_begin(self, path: object, mode: object, follow: bool, lane: Lane) -> WriteHandle:
         if not isinstance(mode, int) or isinstance(mode, bool):
             raise AgentError("protocol", "fs.write_begin: mode must be an integer")
         rel = _relative(path)
         for _ in range(8):  # symlink hops, like the kernel's own nesting limit
-            with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
-                target = self._symlink_target(dir_fd, leaf, rel) if follow else None
+            with _mapped(rel), self._at.parent(rel, create=True) as (dir_fd, leaf):
+                target = self._at.symlink_target(dir_fd, leaf, rel) if follow else None
                 if target is None:
                     tmp = f".corral-tmp-{secrets.token_hex(6)}"
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW

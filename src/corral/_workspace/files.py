@@ -17,7 +17,6 @@ import contextlib
 import errno
 import functools
 import os
-import posixpath
 import secrets
 import stat as stat_mod
 from collections.abc import Iterable, Iterator
@@ -28,7 +27,7 @@ from .._core import linux
 from .._guest import fsrules
 from .._guest.fsrules import WORKSPACE, shown_name
 from ..backends import TreeItem
-from ..errors import FileError, FileNotFound, PathRefused, QuotaExceeded
+from ..errors import CorralError, FileError, FileNotFound, PathRefused, QuotaExceeded
 from ..models import FileEntry
 from .inotify import InotifyWatch
 from .removal import remove_tree
@@ -39,6 +38,10 @@ __all__ = ["MAX_FILE_BYTES", "MAX_WALK_DEPTH", "WORKSPACE", "TreeItem", "Workspa
 MAX_FILE_BYTES = 256 * 1024 * 1024
 MAX_WALK_DEPTH = 256
 _RESOLVE = linux.RESOLVE_BENEATH | linux.RESOLVE_NO_MAGICLINKS | linux.RESOLVE_NO_XDEV
+
+
+def _openat2(dir_fd: int, path: str, flags: int) -> int:
+    return linux.openat2(dir_fd, path, flags, 0, _RESOLVE)
 
 
 def to_relative(path: str) -> str:
@@ -77,17 +80,23 @@ _display = fsrules.display
 _ERRORS: dict[str, type[FileError]] = {"not_found": FileNotFound, "refused": PathRefused}
 
 
+def _host_error(error: fsrules.FileRuleError) -> CorralError:
+    if error.kind == "no_space":
+        return QuotaExceeded(error.message)
+    return _ERRORS.get(error.kind, FileError)(error.message)
+
+
 @contextlib.contextmanager
 def _mapped(rel: str) -> Iterator[None]:
-    """Turn OS errors into Corral errors that name the sandbox path."""
+    """Turn OS errors and the file rules' refusals into Corral errors that name the sandbox
+    path."""
     try:
         yield
     except OSError as exc:
         error = fsrules.os_error(rel, exc)
-        if error.kind == "no_space":
-            raise QuotaExceeded(error.message) from None
-        raise _ERRORS.get(error.kind, FileError)(error.message) from (
-            exc if error.unmapped else None)
+        raise _host_error(error) from (exc if error.unmapped else None)
+    except fsrules.FileRuleError as exc:
+        raise _host_error(exc) from None
 
 
 def _entry(name: str, rel: str, st: os.stat_result) -> FileEntry:
@@ -113,69 +122,14 @@ class WorkspaceFiles:
         self._root = root
         self._uid = uid
         self._max = max_file_bytes
-
-    @contextlib.contextmanager
-    def _root_fd(self) -> Iterator[int]:
-        fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
-
-    def _open(self, root_fd: int, rel: str, flags: int) -> int:
-        for _ in range(16):
-            try:
-                return linux.openat2(root_fd, rel, flags, 0, _RESOLVE)
-            except OSError as exc:
-                if exc.errno != errno.EAGAIN:  # a concurrent rename; the kernel asks to retry
-                    raise
-        raise FileError(f"{_display(rel)} kept changing while being opened; try again")
-
-    @contextlib.contextmanager
-    def _parent(self, rel: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
-        if rel == ".":
-            raise PathRefused(f"this operation needs a path inside {WORKSPACE}, not {WORKSPACE}")
-        parent, leaf = posixpath.split(rel)
-        with self._root_fd() as root_fd:
-            if create and parent:
-                self._make_dirs(root_fd, parent)
-            fd = self._open(root_fd, parent or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            yield fd, leaf
-        finally:
-            os.close(fd)
-
-    def _make_dirs(self, root_fd: int, rel: str) -> bool:
-        """mkdir -p, one component at a time; True if anything was made.
-
-        Each prefix is opened from the root with the same ``RESOLVE_BENEATH`` rules as any other
-        lookup, so a symlink on the way is followed when it stays inside and refused (EXDEV)
-        when it leads out.
-        """
-        made = False
-        parts = [p for p in rel.split("/") if p not in ("", ".")]
-        fd = os.dup(root_fd)
-        try:
-            for i, part in enumerate(parts):
-                try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    os.chown(part, self._uid, self._uid, dir_fd=fd, follow_symlinks=False)
-                    made = True
-                except FileExistsError:
-                    pass
-                nxt = self._open(root_fd, "/".join(parts[: i + 1]), os.O_RDONLY | os.O_DIRECTORY)
-                os.close(fd)
-                fd = nxt
-        finally:
-            os.close(fd)
-        return made
+        self._at = fsrules.Beneath(str(root), uid, _openat2)
 
     # -- public operations -------------------------------------------------------------------
 
     def read(self, path: str) -> bytes:
         rel = to_relative(path)
-        with _mapped(rel), self._root_fd() as root_fd:
-            fd = self._open(root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
+        with _mapped(rel), self._at.root_fd() as root_fd:
+            fd = self._at.open(root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
             try:
                 st = os.fstat(fd)
                 if stat_mod.S_ISDIR(st.st_mode):
@@ -233,8 +187,8 @@ class WorkspaceFiles:
         """
         rel = to_relative(path)
         for _ in range(8):  # symlink hops, like the kernel's own limit on nesting
-            with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
-                target = self._symlink_target(dir_fd, leaf, rel) if follow_symlinks else None
+            with _mapped(rel), self._at.parent(rel, create=True) as (dir_fd, leaf):
+                target = self._at.symlink_target(dir_fd, leaf, rel) if follow_symlinks else None
                 if target is None:
                     return self._replace(dir_fd, leaf, rel, chunks, mode, mtime)
             rel = target
@@ -254,46 +208,13 @@ class WorkspaceFiles:
         rel = to_relative(path)
         if not target or "\x00" in target or len(target.encode("utf-8", "surrogateescape")) > 4095:
             raise PathRefused(f"symlink target {target!r} for {_display(rel)} is not usable")
-        with _mapped(rel), self._parent(rel, create=True) as (dir_fd, leaf):
+        with _mapped(rel), self._at.parent(rel, create=True) as (dir_fd, leaf):
             tmp = _temp_name()
             os.symlink(target, tmp, dir_fd=dir_fd)
             with _staged(dir_fd, tmp):
                 os.chown(tmp, self._uid, self._uid, dir_fd=dir_fd, follow_symlinks=False)
                 os.rename(tmp, leaf, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
-
-    def _symlink_target(self, dir_fd: int, leaf: str, rel: str) -> str | None:
-        """If ``leaf`` is a symlink, where it leads (relative to the root); else None.
-
-        Raises PathRefused when it leads out. Only a hint for where to write: if the sandbox
-        swaps the link afterwards, the rename replaces the link itself and writes through nothing.
-        """
-        try:
-            st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        if not stat_mod.S_ISLNK(st.st_mode):
-            return None
-        with self._root_fd() as root_fd:
-            try:
-                fd = self._open(root_fd, rel, os.O_PATH)
-            except FileNotFoundError:
-                # Dangling: it resolves inside (else EXDEV) but names nothing yet; follow the
-                # text of the link, which must itself stay inside.
-                link = os.readlink(leaf, dir_fd=dir_fd)
-                base = posixpath.dirname(rel)
-                joined = link if link.startswith("/") else posixpath.join(base, link)
-                if joined.startswith("/"):
-                    raise PathRefused(f"{_display(rel)} is an absolute symlink; refused") from None
-                return to_relative(joined)
-            try:
-                host_path = os.readlink(f"/proc/self/fd/{fd}")
-            finally:
-                os.close(fd)
-        inside = os.path.relpath(host_path, self._root)
-        if inside.startswith(".."):
-            raise PathRefused(f"{_display(rel)} is a symlink that leaves {WORKSPACE}")
-        return inside
 
     def _replace(self, dir_fd: int, leaf: str, rel: str, chunks: Iterable[bytes], mode: int,
                  mtime: float | None = None) -> FileEntry:
@@ -328,8 +249,8 @@ class WorkspaceFiles:
             FileError: ``path`` is not a directory, or the tree is over ``MAX_WALK_DEPTH`` deep.
         """
         rel = to_relative(path)
-        with _mapped(rel), self._root_fd() as root_fd:
-            top = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+        with _mapped(rel), self._at.root_fd() as root_fd:
+            top = self._at.open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
         try:
             yield from self._walk_dir(top, "", rel, 0)
         finally:
@@ -381,8 +302,8 @@ class WorkspaceFiles:
 
     def list(self, path: str = WORKSPACE) -> list[FileEntry]:
         rel = to_relative(path)
-        with _mapped(rel), self._root_fd() as root_fd:
-            fd = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+        with _mapped(rel), self._at.root_fd() as root_fd:
+            fd = self._at.open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 entries = []
                 with os.scandir(fd) as it:
@@ -396,9 +317,9 @@ class WorkspaceFiles:
     def stat(self, path: str) -> FileEntry:
         rel = to_relative(path)
         if rel == ".":
-            with self._root_fd() as fd:
+            with self._at.root_fd() as fd:
                 return _entry("workspace", rel, os.fstat(fd))
-        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+        with _mapped(rel), self._at.parent(rel) as (dir_fd, leaf):
             return _entry(leaf, rel, os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False))
 
     def exists(self, path: str) -> bool:
@@ -415,7 +336,7 @@ class WorkspaceFiles:
     def remove(self, path: str) -> None:
         """Remove a file, symlink or directory tree."""
         rel = to_relative(path)
-        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+        with _mapped(rel), self._at.parent(rel) as (dir_fd, leaf):
             st = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
             if stat_mod.S_ISDIR(st.st_mode):
                 # Not shutil.rmtree: it recurses, and a sandbox can nest deeper than the stack.
@@ -427,9 +348,9 @@ class WorkspaceFiles:
         """Move ``src`` to ``dst`` (parents of ``dst`` are created); an existing file at ``dst``
         is replaced, a non-empty directory is not. Symlinks are moved, never followed."""
         rel_src, rel_dst = to_relative(src), to_relative(dst)
-        with _mapped(rel_src), self._parent(rel_src) as (src_fd, src_leaf):
+        with _mapped(rel_src), self._at.parent(rel_src) as (src_fd, src_leaf):
             os.stat(src_leaf, dir_fd=src_fd, follow_symlinks=False)  # a clear "does not exist"
-            with _mapped(rel_dst), self._parent(rel_dst, create=True) as (dst_fd, dst_leaf):
+            with _mapped(rel_dst), self._at.parent(rel_dst, create=True) as (dst_fd, dst_leaf):
                 os.rename(src_leaf, dst_leaf, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
                 return _entry(dst_leaf, rel_dst,
                               os.stat(dst_leaf, dir_fd=dst_fd, follow_symlinks=False))
@@ -439,12 +360,12 @@ class WorkspaceFiles:
         rel = to_relative(path)
         if rel == ".":
             return False
-        with _mapped(rel), self._root_fd() as root_fd:
-            return self._make_dirs(root_fd, rel)
+        with _mapped(rel), self._at.root_fd() as root_fd:
+            return self._at.make_dirs(root_fd, rel)
 
     def readlink(self, path: str) -> str:
         rel = to_relative(path)
-        with _mapped(rel), self._parent(rel) as (dir_fd, leaf):
+        with _mapped(rel), self._at.parent(rel) as (dir_fd, leaf):
             try:
                 return shown_name(os.readlink(leaf, dir_fd=dir_fd))
             except OSError as exc:
