@@ -227,7 +227,7 @@ def test_cold_boot_is_the_guest_kernel_with_no_devices_but_its_disks(
     assert {"/proc", "/sys", "/sys/fs/cgroup", "/dev", "/dev/pts", "/tmp", "/run"} <= set(mounts)
     # Init and the agent are never the guest OOM killer's pick (a command's own PID namespace
     # may hide them: then nothing to check from here).
-    code, out = agent.run("for p in $(pgrep -x -f '/usr/bin/python3 -I -S /corral/agent.py'); "
+    code, out = agent.run("for p in $(pgrep -x -f '/usr/bin/python3 -I -S /corral/agent.pyz'); "
                           "do cat /proc/$p/oom_score_adj; done; "
                           "[ \"$(cat /proc/1/cmdline | tr '\\0' ' ')\" = '/corral/init ' ] && "
                           "cat /proc/1/oom_score_adj; true")

@@ -347,8 +347,9 @@ class _Drills:
         with them, which lists cases and starts nothing), before a run is started."""
         if not categories:
             return
+        env = _drill_env(manager)
         try:
-            done = subprocess.run(_drill_argv(categories, "--list"), env=_drill_env(manager),
+            done = subprocess.run(_drill_argv(categories, "--list"), env=env,
                                   capture_output=True, stdin=subprocess.DEVNULL,
                                   timeout=_DRILL_CHECK_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
@@ -366,7 +367,8 @@ class _Drills:
             if any(run["state"] == "running" for run in self._runs.values()):
                 raise SandboxBusy("a drill is running already: wait for its report")
             run_id = f"drill_{secrets.token_hex(6)}"
-            proc = subprocess.Popen(_drill_argv(categories), env=_drill_env(manager),
+            env = _drill_env(manager)
+            proc = subprocess.Popen(_drill_argv(categories), env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL)
             run = {"id": run_id, "state": "running", "started_at": time.time(),
@@ -408,6 +410,9 @@ def _drill_argv(categories: Sequence[str], *extra: str) -> list[str]:
 
 
 def _drill_env(manager: Manager) -> dict[str, str]:
+    """The drill is Corral itself (``python -m corral drill``): it gets the service's own
+    environment (the operator's, never a caller's), with this service's data directory and
+    uid range in place of any other ``CORRAL_*``."""
     settings = manager.settings
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     return env | {"CORRAL_HOME": str(settings.home), "CORRAL_UID_START":
