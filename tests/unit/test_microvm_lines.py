@@ -84,3 +84,20 @@ def test_vm_read_line_keeps_what_follows_and_bounds_a_line(
     assert Vm.read_line(guest, ours, buffer, deadline, "next") == {"next": 2}  # type: ignore[arg-type]
     with pytest.raises(BackendError, match="longer than"):
         Vm.read_line(guest, ours, buffer, deadline, "more")  # type: ignore[arg-type]
+
+
+def test_a_command_whose_time_ran_out_before_it_started_is_a_timeout_not_a_failure() -> None:
+    """On a busy host the guest may see a command's deadline pass before its program starts:
+    that is the caller's timeout (exit 124), as on the other tiers, not the VM failing."""
+    import time
+
+    from corral._backends._linux.process_io import OutputStream
+    from corral._backends.microvm.backend import MicrovmBackend
+    from corral.backends import ExecRequest
+
+    request = ExecRequest(argv=["sleep", "10"], cwd="/workspace", env={}, timeout_s=0.5)
+    outcome = MicrovmBackend._failed(
+        request, {"kind": "timeout", "message": "the command did not start before its timeout"},
+        OutputStream("stdout", 1024, None), OutputStream("stderr", 1024, None),
+        time.monotonic())
+    assert outcome.timed_out and outcome.exit_code == 124

@@ -262,7 +262,9 @@ def _await_start(proc: subprocess.Popen[bytes], info_r: int, cgroup: str,
         if not ready:
             write_text(os.path.join(cgroup, "cgroup.kill"), "1")
             proc.wait()
-            raise AgentError("io", "the command did not start before its timeout")
+            # A command's time counts from its request: on a busy host its start alone may
+            # use it all, which is a timeout like any other (exit 124), not the VM failing.
+            raise AgentError("timeout", "the command did not start before its timeout")
         chunk = os.read(info_r, 4096)
         if not chunk:
             break

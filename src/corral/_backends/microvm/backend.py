@@ -522,6 +522,10 @@ class MicrovmBackend(HostBackedBackend):
             return MicrovmBackend._outcome(
                 {"code": NOT_FOUND_EXIT_CODE, "wall_s": time.monotonic() - started},
                 out, err, started)
+        if kind == "timeout":  # its time ran out before it could start (a busy host)
+            return MicrovmBackend._outcome(
+                {"code": TIMEOUT_EXIT_CODE, "timed_out": True,
+                 "wall_s": time.monotonic() - started}, out, err, started)
         if kind == "cwd":
             raise CommandError(message)
         if kind == "e2big":
