@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 
 from corral._control import admission
-from corral._control.admission import Admission, CommandWindows, check_sandbox_count
+from corral._control.admission import (
+    Admission,
+    CommandWindows,
+    check_sandbox_count,
+    volume_slot,
+)
 from corral._control.manager import Manager
 from corral._control.store import Store
 from corral._control.tenants import Ceiling, Tenant, TenantDirectory, local_tenant
@@ -167,7 +172,8 @@ def test_the_rules_in_one_place() -> None:
         rules.admit(acme)
     rules.admit(local_tenant())
     assert isinstance(rules.starts, CommandWindows)
-    assert admission.__all__ == ["Admission", "CommandWindows", "check_sandbox_count"]
+    assert admission.__all__ == ["Admission", "CommandWindows", "check_sandbox_count",
+                                 "volume_slot"]
 
 
 @pytest.mark.parametrize(("ask", "ceiling"), [
@@ -190,3 +196,14 @@ def test_mcp_against_a_remote_service_applies_its_ceiling_by_the_same_rule(
             await state.shutdown()
 
     asyncio.run(main())
+
+
+def test_volume_quotas_are_judged_by_admission() -> None:
+    assert volume_slot("local", 10, max_count=1, max_bytes=1) is None  # the operator
+    judge = volume_slot("acme", 100, max_count=2, max_bytes=250)
+    assert judge is not None
+    judge(1, 150)
+    with pytest.raises(QuotaExceeded, match="already has 2 volumes"):
+        judge(2, 0)
+    with pytest.raises(QuotaExceeded, match="would add up to 251 bytes"):
+        judge(1, 151)

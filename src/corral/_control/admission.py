@@ -20,9 +20,11 @@ MCP server's caller is the local tenant with that ceiling, so the control plane 
 any tenant's; against a remote service, which cannot know it, the MCP server applies it with
 ``Admission.check_create`` before asking).
 
-Elsewhere, and why: a volume's count and bytes per tenant are decided in the store's own
-transaction (``Store.add_volume``) against the operator's settings; a cluster gateway's limits
-are its placement's (``_cluster``), and each node's control plane applies these rules again.
+- its **volumes** (``volume_slot``): how many and how many bytes in all, judged inside the
+  store's transaction that records a new one, as sandboxes are.
+
+Elsewhere, and why: a cluster gateway's limits are its placement's (``_cluster``), and each
+node's control plane applies these rules again.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 from .._egress.policy import NetworkPolicy
 from ..errors import CeilingExceeded, QuotaExceeded
-from .tenants import Ceiling, Tenant, check
+from .tenants import LOCAL_TENANT, Ceiling, Tenant, check
 
-__all__ = ["Admission", "CommandWindows", "check_sandbox_count"]
+__all__ = ["Admission", "CommandWindows", "check_sandbox_count", "volume_slot"]
 
 # An image's template is named after its digest (``corral._images.pull``).
 _IMAGE_TEMPLATE_PREFIX = "img-"
@@ -44,6 +46,27 @@ _IMAGE_TEMPLATE_PREFIX = "img-"
 
 def _who(caller: Tenant | None, tenant: str) -> str:
     return caller.name if caller is not None else tenant
+
+
+def volume_slot(tenant: str, size_bytes: int, *, max_count: int | None,
+                max_bytes: int | None) -> Callable[[int, int], None] | None:
+    """The judge of ``tenant``'s volumes (their count and bytes in all, before the new one of
+    ``size_bytes``) for the store's transaction; None for the operator (no quotas)."""
+    if tenant == LOCAL_TENANT:
+        return None
+
+    def judge(count: int, total: int) -> None:
+        if max_count is not None and count >= max_count:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} already has {count} volumes, its limit "
+                "(CORRAL_VOLUMES_PER_TENANT); delete one first")
+        if max_bytes is not None and total + size_bytes > max_bytes:
+            raise QuotaExceeded(
+                f"tenant {tenant!r}'s volumes would add up to {total + size_bytes} "
+                f"bytes, over its {max_bytes} (CORRAL_VOLUME_BYTES_PER_TENANT); "
+                "delete or shrink one first")
+
+    return judge
 
 
 def check_sandbox_count(tenant: str, count: int, limit: int) -> None:

@@ -5,6 +5,15 @@ An expired sandbox is destroyed the next time anything looks at it (and by the r
 sandbox never outlives its TTL as something usable. Destroys run on threads of their own
 (``destroyer``): a caller waits for one at most ``DESTROY_WAIT_S`` and a stuck one never holds
 up anything but its own sandbox.
+
+A destroy is one sequence whichever path asks for it (a request on any surface, expiry seen on
+a look-up, the reaper at a lifetime's or an idle timeout's end, an audit budget, one finished
+after a crash): mark it ``destroying`` (hidden at once, finished by the next start if this one
+dies), the tier's destroy, the trail's last commands settled, the row and lock gone, layers
+collected, ``sandbox.destroyed``; then the ``on_destroyed`` listeners, which drop what else
+holds something per sandbox (the interpreter's contexts, the process table, the E2B surface's
+state, MCP's sessions). Create is planned first (``plan_create``: everything that can refuse
+the caller), then carried out (pull, insert, the tier's create).
 """
 
 from __future__ import annotations

@@ -368,22 +368,17 @@ class Store:
     # -- volumes ----------------------------------------------------------------------------
 
     def add_volume(self, volume_id: str, *, name: str, tenant: str, size_bytes: int,
-                   max_count: int | None = None, max_bytes: int | None = None) -> None:
-        """Record a volume; with ``max_count``/``max_bytes``, only within the tenant's quota
-        (checked in the same transaction, so concurrent creates cannot pass it together)."""
+                   admit: Callable[[int, int], None] | None = None) -> None:
+        """Record a volume. ``admit`` (admission's judge of the tenant's quota) is called
+        with the tenant's volume count and bytes in all in the same transaction, so
+        concurrent creates cannot pass it together; it refuses by raising."""
         try:
             with self._tx() as db:
-                count, total = db.execute("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM "
-                                          "volumes WHERE tenant = ?", (tenant,)).fetchone()
-                if max_count is not None and count >= max_count:
-                    raise QuotaExceeded(
-                        f"tenant {tenant!r} already has {count} volumes, its limit "
-                        "(CORRAL_VOLUMES_PER_TENANT); delete one first")
-                if max_bytes is not None and total + size_bytes > max_bytes:
-                    raise QuotaExceeded(
-                        f"tenant {tenant!r}'s volumes would add up to {total + size_bytes} "
-                        f"bytes, over its {max_bytes} (CORRAL_VOLUME_BYTES_PER_TENANT); "
-                        "delete or shrink one first")
+                if admit is not None:
+                    count, total = db.execute(
+                        "SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM volumes "
+                        "WHERE tenant = ?", (tenant,)).fetchone()
+                    admit(count, total)
                 db.execute("INSERT INTO volumes (id, name, tenant, size_bytes, created_at) "
                            "VALUES (?, ?, ?, ?, ?)",
                            (volume_id, name, tenant, size_bytes, time.time()))

@@ -30,6 +30,7 @@ from ..errors import (
     VolumeNotFound,
 )
 from ..models import VolumeInfo
+from .admission import volume_slot
 from .registry import BackendRegistry
 from .sandboxes import new_id
 from .store import Store
@@ -104,13 +105,12 @@ class Volumes:
                              f"{self._settings.volume_max_bytes // 2**20}M "
                              f"(CORRAL_VOLUME_MAX_BYTES), not {size_bytes} bytes")
         volume_id = new_id("vol")
-        limits = {} if tenant == "local" else {  # the operator's own are not a tenant's
-            "max_count": self._settings.volumes_per_tenant,
-            "max_bytes": self._settings.volume_bytes_per_tenant}
+        admit = volume_slot(tenant, size_bytes, max_count=self._settings.volumes_per_tenant,
+                            max_bytes=self._settings.volume_bytes_per_tenant)
         intent = self._begin("volume.create", volume_id)
         try:
             self._store.add_volume(volume_id, name=name, tenant=tenant, size_bytes=size_bytes,
-                                   **limits)
+                                   admit=admit)
             failpoint("volume.recorded")
             try:
                 self._storage().create_volume(volume_id, size_bytes)
