@@ -207,3 +207,13 @@ def test_volume_quotas_are_judged_by_admission() -> None:
         judge(2, 0)
     with pytest.raises(QuotaExceeded, match="would add up to 251 bytes"):
         judge(1, 151)
+
+
+def test_a_fork_past_the_quota_is_refused_before_anything_is_sealed(manager: Manager) -> None:
+    acme = _tenant(manager, max_sandboxes=3)
+    parent = manager.create(caller=acme)
+    with pytest.raises(QuotaExceeded, match="3 more would pass it"):
+        manager.fork(parent.id, 3, caller=acme)
+    assert manager.store.layer_ids() == set()
+    assert [s.id for s in manager.list(tenant="acme")] == [parent.id]
+    assert len(manager.fork(parent.id, 2, caller=acme)) == 2

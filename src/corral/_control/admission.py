@@ -69,12 +69,17 @@ def volume_slot(tenant: str, size_bytes: int, *, max_count: int | None,
     return judge
 
 
-def check_sandbox_count(tenant: str, count: int, limit: int) -> None:
-    """Refuse one more sandbox to ``tenant``, which has ``count`` of its ``limit``."""
-    if count >= limit:
+def check_sandbox_count(tenant: str, count: int, limit: int, *, adding: int = 1) -> None:
+    """Refuse ``adding`` more sandboxes to ``tenant``, which has ``count`` of its ``limit``."""
+    if count + adding <= limit:
+        return
+    if adding == 1:
         raise QuotaExceeded(
             f"tenant {tenant!r} already has {count} sandboxes, its limit; destroy "
             "one or ask the operator for a higher limit")
+    raise QuotaExceeded(
+        f"tenant {tenant!r} has {count} sandboxes and may have {limit}; {adding} more would "
+        "pass it: destroy some, ask for fewer or ask the operator for a higher limit")
 
 
 class CommandWindows:

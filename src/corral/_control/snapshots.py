@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..models import SnapshotInfo
 from . import validate
-from .admission import Admission
+from .admission import Admission, check_sandbox_count
 from .egress import network_spec, policy_from
 from .intents import Intents
 from .layers import Layers
@@ -196,6 +196,9 @@ class Snapshots:
         max_for_tenant = self._admission.sandbox_limit(caller, max_for_tenant)
         info = self._sandboxes.get(sandbox_id, tenant=tenant)
         self._check_policy(info, caller)  # before sealing: a refused fork changes nothing
+        if max_for_tenant is not None:  # so is a fork past the quota (each insert decides)
+            check_sandbox_count(info.tenant, self._store.count_sandboxes(info.tenant),
+                                max_for_tenant, adding=count)
         if memory:
             capable(self._sandboxes.backend(info), "fork(memory=True)")  # before sealing too
         children: list[SandboxRecord] = []
