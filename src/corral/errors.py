@@ -9,7 +9,7 @@ The tree::
     │   ├── HostRefused        a Host header the service does not answer to (DNS rebinding)
     │   └── OriginRefused      a browser Origin that may not drive the service (CSRF, WebSocket)
     ├── UsageError             the caller misused an object (also a RuntimeError)
-    │   └── InvalidRequest     a request of the wrong shape: unknown, missing or mistyped field
+    │   └── InvalidRequestError a request of the wrong shape: unknown, missing or mistyped field
     ├── SandboxError
     │   ├── SandboxNotFound
     │   │   └── SandboxExpired its TTL has passed; it has been destroyed
@@ -66,7 +66,7 @@ __all__ = [
     "ImageError",
     "ImageRefused",
     "InterpreterUnavailable",
-    "InvalidRequest",
+    "InvalidRequestError",
     "OriginRefused",
     "PathRefused",
     "PolicyError",
@@ -114,7 +114,7 @@ class UsageError(CorralError, RuntimeError):
     status = 400
 
 
-class InvalidRequest(UsageError):
+class InvalidRequestError(UsageError):
     code = "invalid_request"
     status = 422
 

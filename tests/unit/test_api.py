@@ -28,6 +28,8 @@ PUBLIC = [
     "AsyncFanOut", "FanOut", "Rollout", "SandboxLost",
     # issue 36: a full data disk, refused the same way on every surface (HTTP 507)
     "DiskFullError",
+    # issue 39: a request of the wrong shape, refused the same way on every surface (422)
+    "InvalidRequestError",
 ]
 
 

@@ -1,5 +1,5 @@
 """The request models: each refusal is the control plane rule's own error and words, and a
-request of the wrong shape is one ``InvalidRequest`` naming the field."""
+request of the wrong shape is one ``InvalidRequestError`` naming the field."""
 
 from __future__ import annotations
 
@@ -18,26 +18,26 @@ from corral._control.requests import (
     StartProcess,
     TakeSnapshot,
 )
-from corral.errors import CommandError, CorralError, InvalidRequest, PathRefused, UsageError
+from corral.errors import CommandError, CorralError, InvalidRequestError, PathRefused, UsageError
 
 REFUSED: list[tuple[type[requests.Request], dict[str, Any], type[CorralError], str]] = [
     (SetTimeout, {"timeout": "5"}, UsageError,
      "timeout must be a positive number of seconds, got '5'"),
     (SetTimeout, {"timeout": True}, UsageError, "positive number of seconds, got True"),
     (SetTimeout, {"timeout": -1}, UsageError, "positive number of seconds, got -1"),
-    (SetTimeout, {}, InvalidRequest, "timeout: required"),
+    (SetTimeout, {}, InvalidRequestError, "timeout: required"),
     (Restore, {"snapshot": ""}, UsageError, "a snapshot is named by its id or name"),
     (Restore, {"snapshot": 7}, UsageError, "a snapshot is named by its id or name, not 7"),
     (TakeSnapshot, {"name": "snap_0123456789ab"}, UsageError, "not shaped like a snapshot id"),
     (Fork, {"count": 0}, UsageError, "count must be an integer from 1 to 64, not 0"),
-    (Fork, {"count": 2, "memory": "yes"}, InvalidRequest, "memory: Input should be a valid"),
+    (Fork, {"count": 2, "memory": "yes"}, InvalidRequestError, "memory: Input should be a valid"),
     (RunCommand, {"cmd": ""}, CommandError, "the command is empty"),
     (RunCommand, {"cmd": ["ls", 3]}, CommandError, "argv[1] is int, not str"),
     (RunCommand, {"cmd": "ls", "cwd": "../.."}, PathRefused, ""),
     (RunCommand, {"cmd": "ls", "envs": {"1A": "x"}}, CommandError,
      "invalid environment variable name '1A'"),
-    (RunCommand, {"command": "ls"}, InvalidRequest, "did you mean 'cmd'?"),
-    (StartProcess, {"cmd": "ls", "workdir": "/tmp"}, InvalidRequest, "did you mean 'cwd'?"),
+    (RunCommand, {"command": "ls"}, InvalidRequestError, "did you mean 'cmd'?"),
+    (StartProcess, {"cmd": "ls", "workdir": "/tmp"}, InvalidRequestError, "did you mean 'cwd'?"),
     (CreateSandbox, {"resources": "huge"}, UsageError, "unknown resource tier 'huge'"),
     (CreateSandbox, {"isolation": "docker"}, UsageError, "unknown isolation tier 'docker'"),
     (CreateSandbox, {"labels": {"a b": "x"}}, UsageError, "invalid label name 'a b'"),
@@ -67,7 +67,7 @@ def test_what_passes_is_kept_as_given() -> None:
 
 
 def test_a_non_object_is_refused_clearly() -> None:
-    with pytest.raises(InvalidRequest, match="must be a JSON object, not list"):
+    with pytest.raises(InvalidRequestError, match="must be a JSON object, not list"):
         SetTimeout.parse([600])
 
 

@@ -8,7 +8,7 @@ value (``PlainValidator``), so a value of the wrong type is refused by the contr
 rule ("timeout must be a positive number of seconds, got '5'"), never coerced.
 
 ``parse`` turns any refusal into a ``CorralError``: the rule's own error when a rule refused,
-``InvalidRequest`` (422) naming the field when the request's shape is wrong (an unknown field
+``InvalidRequestError`` (422) naming the field when the request's shape is wrong (an unknown field
 suggests the one that was meant). ``refusal`` does the same for a ``ValidationError`` raised
 elsewhere (FastAPI's body parsing).
 """
@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 from .._core.resources import get_tier
-from ..errors import CorralError, InvalidRequest
+from ..errors import CorralError, InvalidRequestError
 from . import validate
 
 __all__ = ["CreateCodeContext", "CreateSandbox", "CreateVolume", "ExposePort", "Fork",
@@ -49,7 +49,7 @@ def _string_map(name: str) -> Callable[[Any], object]:
     def check(value: Any) -> None:
         if not isinstance(value, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            raise InvalidRequest(f"{name} must be an object of string values")
+            raise InvalidRequestError(f"{name} must be an object of string values")
 
     return check
 
@@ -92,7 +92,7 @@ class Request(BaseModel):
     def parse(cls, data: Any) -> Self:
         """The request from its JSON-shaped ``data``, or the ``CorralError`` that refuses it."""
         if not isinstance(data, Mapping):
-            raise InvalidRequest(f"the request must be a JSON object, not "
+            raise InvalidRequestError(f"the request must be a JSON object, not "
                                  f"{type(data).__name__}")
         try:
             return cls.model_validate(data)
@@ -292,10 +292,10 @@ def problem_text(error: Mapping[str, Any]) -> str:
 def refusal(exc: ValidationError | Sequence[Mapping[str, Any]]) -> CorralError:
     """The ``CorralError`` for a request's validation problems: the control plane rule's own
     error if a rule refused (a rule's ``ValueError`` subclass rides in the problem's context),
-    otherwise ``InvalidRequest`` listing every shape problem."""
+    otherwise ``InvalidRequestError`` listing every shape problem."""
     problems = exc.errors() if isinstance(exc, ValidationError) else list(exc)
     for problem in problems:
         raised = (problem.get("ctx") or {}).get("error")
         if isinstance(raised, CorralError):
             return raised
-    return InvalidRequest("; ".join(problem_text(p) for p in problems))
+    return InvalidRequestError("; ".join(problem_text(p) for p in problems))

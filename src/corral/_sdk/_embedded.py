@@ -2,9 +2,9 @@
 
 ``_aembedded.AsyncEmbeddedTransport`` runs each of these same calls in a worker thread: this
 one *is* the call, the async one wraps it (one generic wrapper, plus the few calls with
-callbacks or iterators). ``caller`` is who asks (a tenant and its ceiling; the operator when ``None``), as
-the service passes for an API key. Importing this loads neither anyio nor httpx (the CLI's
-embedded start-up); the HTTP transport is imported when a URL is used.
+callbacks or iterators). ``caller`` is who asks (a tenant and its ceiling; the operator when
+``None``), as the service passes for an API key. Importing this loads neither anyio nor
+httpx (the CLI's embedded start-up); the HTTP transport is imported when a URL is used.
 """
 
 from __future__ import annotations
