@@ -73,7 +73,21 @@ def test_a_non_object_is_refused_clearly() -> None:
 
 def test_the_schema_shows_the_types_the_rules_accept() -> None:
     props = RunCommand.model_json_schema()["properties"]
-    assert {"type": "string"} in props["cmd"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in props["cmd"]["anyOf"]
     assert SetTimeout.model_json_schema()["properties"]["timeout"]["type"] == "number"
     assert Fork.model_json_schema()["properties"]["count"]["maximum"] == 64
     assert {"cmd", "timeout", "snapshot", "count"} <= requests.request_fields()
+
+
+@pytest.mark.parametrize(("model", "data", "words"), [
+    (CreateSandbox, {"labels": ["a"]}, "labels: Input should be a valid dictionary"),
+    (CreateSandbox, {"secrets": ["A", 3]}, "secrets.1: Input should be a valid string"),
+    (RunCommand, {"cmd": "ls", "envs": ["A=1"]}, "envs: Input should be a valid dictionary"),
+    (RunCommand, {"cmd": "ls", "context": "run-7"}, "context must be a mapping, not str"),
+    (CreateSandbox, {"template": 7}, "template must be a string, not int"),
+])
+def test_a_value_of_a_type_no_rule_expected_is_refused_by_its_type(
+        model: type[requests.Request], data: dict[str, Any], words: str) -> None:
+    with pytest.raises(CorralError) as refused:
+        model.parse(data)
+    assert words in refused.value.message, refused.value.message

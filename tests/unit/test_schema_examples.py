@@ -6,11 +6,11 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from corral._server import schemas
+from corral._control import requests
 
 
 def _request_models() -> list[type[pydantic.BaseModel]]:
-    found, pending = [], list(schemas._Strict.__subclasses__())
+    found, pending = [], list(requests.Request.__subclasses__())
     while pending:
         model = pending.pop()
         found.append(model)

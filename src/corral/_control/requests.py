@@ -19,9 +19,18 @@ import difflib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+)
 
-from .._core.resources import get_tier
+from .._backends import BACKENDS
+from .._core.resources import TIERS, get_tier
 from ..errors import CorralError, InvalidRequestError
 from . import validate
 
@@ -31,11 +40,23 @@ __all__ = ["CreateCodeContext", "CreateSandbox", "CreateVolume", "ExposePort", "
 
 
 def _rule(check: Callable[[Any], object], schema_type: Any) -> PlainValidator:
-    """The field is refused by ``check`` (a ``validate`` rule) and kept as given when it
-    passes; ``schema_type`` is what the OpenAPI document shows."""
+    """The field is refused by ``check`` (a ``validate`` rule, its words first) and by its
+    type (``schema_type``, strict: what the OpenAPI document shows), and kept as given."""
+    adapter: TypeAdapter[Any] = TypeAdapter(schema_type, config=ConfigDict(strict=True))
 
-    def run(value: Any) -> Any:
-        check(value)
+    def run(value: Any, info: ValidationInfo) -> Any:
+        try:
+            check(value)
+        except CorralError:
+            raise
+        except (TypeError, AttributeError, ValueError):
+            pass  # a value of a type the rule never expected: the type check says what
+        try:
+            adapter.validate_python(value)
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            where = ".".join(str(part) for part in (info.field_name, *problem["loc"]))
+            raise InvalidRequestError(f"{where}: {problem['msg']}") from None
         return value
 
     return PlainValidator(run, json_schema_input_type=schema_type)
@@ -75,12 +96,18 @@ def _stdin(value: Any) -> None:
     validate.command(["true"], None, None, value)
 
 
-_Seconds = Annotated[float, _rule(_seconds("timeout"), float)]
-_OptionalSeconds = Annotated[float | None, _rule(_optional(_seconds("timeout")), float | None)]
-_Command = Annotated[str | list[str], _rule(_command, str | list[str])]
+# Each rule's schema type says what the OpenAPI document shows (the rule's own shape, which
+# tests/integration/test_schemathesis.py holds against what the server refuses).
+_PositiveFloat = Annotated[float, Field(gt=0)]
+_NonEmpty = Annotated[str, Field(min_length=1)]
+_Seconds = Annotated[float, _rule(_seconds("timeout"), _PositiveFloat)]
+_OptionalSeconds = Annotated[float | None, _rule(_optional(_seconds("timeout")),
+                                                 _PositiveFloat | None)]
+_Command = Annotated[str | list[str], _rule(
+    _command, _NonEmpty | Annotated[list[str], Field(min_length=1)])]
 _Envs = Annotated[dict[str, str], _rule(_envs, dict[str, str])]
 _Cwd = Annotated[str | None, _rule(_cwd, str | None)]
-_SnapshotRef = Annotated[str, _rule(validate.snapshot_ref, str)]
+_SnapshotRef = Annotated[str, _rule(validate.snapshot_ref, _NonEmpty)]
 
 
 class Request(BaseModel):
@@ -112,9 +139,9 @@ class Restore(Request):
 
 class TakeSnapshot(Request):
     model_config = ConfigDict(json_schema_extra={"examples": [{"name": "before-refactor"}]})
-    name: Annotated[str | None, _rule(validate.snapshot_name, str | None)] = Field(
-        default=None, description="A name unique among your snapshots (default: none).",
-        json_schema_extra={"pattern": validate.SNAPSHOT_NAME_PATTERN})
+    name: Annotated[str | None, _rule(validate.snapshot_name, Annotated[
+        str, Field(pattern=validate.SNAPSHOT_NAME_PATTERN)] | None)] = Field(
+        default=None, description="A name unique among your snapshots (default: none).")
     memory: bool = Field(default=False, description=(
         "Also save the running sandbox's memory and processes, while commands run (the "
         "microvm tier only; 400 on another)."))
@@ -122,9 +149,9 @@ class TakeSnapshot(Request):
 
 class Fork(Request):
     model_config = ConfigDict(json_schema_extra={"examples": [{"count": 2}]})
-    count: Annotated[int, _rule(validate.fork_count, int)] = Field(
-        default=1, description=f"How many sandboxes (1 to {validate.MAX_FORKS}).",
-        json_schema_extra={"minimum": 1, "maximum": validate.MAX_FORKS})
+    count: Annotated[int, _rule(validate.fork_count, Annotated[
+        int, Field(ge=1, le=validate.MAX_FORKS)])] = Field(
+        default=1, description="How many sandboxes.")
     memory: bool = Field(default=False, description=(
         "Each child resumes the running sandbox's memory and processes (the microvm tier "
         "only; 400 on another)."))
@@ -161,25 +188,27 @@ class CreateSandbox(Request):
         {"template": "base", "resources": "small", "timeout": 600,
          "labels": {"agent": "triage"},
          "network": {"allow": ["pypi.org", "files.pythonhosted.org"]}}]})
-    template: Annotated[str | None, _rule(_optional(validate.template), str | None)] = Field(
+    template: Annotated[str | None, _rule(_optional(validate.template),
+                                          _NonEmpty | None)] = Field(
         default=None, description="Root filesystem: base, or the snapshot's when starting "
                                   "from one.")
-    resources: Annotated[str, _rule(get_tier, str)] = Field(
-        default="small", description="Resource tier: `corral doctor` and the tiers table name "
-                                     "them (small, medium, large).")
+    resources: Annotated[str, _rule(get_tier, Literal[tuple(TIERS)])] = Field(
+        default="small", description="Resource tier (limits per sandbox and command).")
     timeout: _OptionalSeconds = Field(default=None, description="Lifetime in seconds.")
     idle_timeout: Annotated[float | None, _rule(_optional(_seconds("idle_timeout")),
-                                                float | None)] = Field(
+                                                _PositiveFloat | None)] = Field(
         default=None, description="Destroy after this many seconds without activity.")
     labels: Annotated[dict[str, str], _rule(validate.labels, dict[str, str])] = Field(
         default_factory=dict)
     network: NetworkRequest | Literal["none"] = "none"
     secrets: Annotated[list[str], _rule(validate.secret_names, list[str])] = Field(
         default_factory=list)
-    isolation: Annotated[str | None, _rule(_optional(validate.isolation), str | None)] = Field(
+    isolation: Annotated[str | None, _rule(_optional(validate.isolation),
+                                           Literal[tuple(BACKENDS)] | None)] = Field(
         default=None, description="Isolation tier (default: the server's); `corral doctor` "
                                   "says which this host supports.")
-    snapshot: Annotated[str | None, _rule(_optional(validate.snapshot_ref), str | None)] = Field(
+    snapshot: Annotated[str | None, _rule(_optional(validate.snapshot_ref),
+                                          _NonEmpty | None)] = Field(
         default=None, description="Start from this snapshot's workspace (id or name).")
     image: str | None = Field(
         default=None, min_length=1, max_length=1024,

@@ -10,9 +10,8 @@ dashboard is mounted on it by ``corral._serve.app``, not here.
 
 from __future__ import annotations
 
-import difflib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,10 +20,9 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .._control import validate
 from .._control.manager import Manager
 from .._control.ports import PortURLs
-from .._core.resources import get_tier
+from .._control.requests import refusal
 from .._http.bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
 from .._http.errorlog import ServerErrorLog, note
 from .._http.guard import (
@@ -38,8 +36,6 @@ from .._http.guard import (
 )
 from .._http.keys import is_loopback, is_protected, key_authenticator
 from .._http.portproxy import PortProxy, PortRouting
-from .._templates.roots import require_template
-from .._workspace.files import to_relative
 from ..errors import CorralError, SandboxNotFound
 from .auth import Tenant, TenantDirectory
 from .openapi import TAGS, describe
@@ -54,7 +50,7 @@ from .routes import (
     snapshots,
     volumes,
 )
-from .schemas import _ERRORS, request_fields
+from .schemas import _ERRORS
 
 # The body limits are part of the service's contract; importable from here, as before.
 __all__ = ["BODY_LIMITS", "LOOPBACK_PORTS_DOMAIN", "MAX_COMMAND_BODY", "MAX_FILE_BODY",
@@ -99,7 +95,6 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     mounts them."""
     own_keys = tenants is None
     tenants = tenants or TenantDirectory(manager.store)
-    rules = _field_rules(manager)
     loopback = is_loopback(listen_host) and own_keys
     names = ServiceNames.of(listen_host, host_names) if own_keys else AnyName()
     # /docs is the dashboard module's, from assets in the package; ReDoc would need a CDN.
@@ -155,14 +150,11 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # Limits the embedded SDK refuses with a specific error are refused with the same one
-        # here, so both transports raise the same exception class.
-        same = _control_plane_error(rules, exc.errors())
-        if same is not None:
-            return JSONResponse({"error": same.code, "message": same.message},
-                                status_code=same.status)
-        problems = "; ".join(_problem_text(e) for e in exc.errors())
-        return JSONResponse({"error": "invalid_request", "message": problems}, status_code=422)
+        # The request models' own refusal: a control plane rule's error (the class the
+        # embedded SDK raises), or the shape's problems as one InvalidRequestError.
+        refused = refusal(exc.errors())
+        return JSONResponse({"error": refused.code, "message": refused.message},
+                            status_code=refused.status)
 
     # Included in this order, the order of the OpenAPI document's paths.
     for module in (sandboxes, snapshots, commands, processes, code, files, ports, volumes, audit):
@@ -183,67 +175,3 @@ def _session_authenticator(sessions: Callable[[str], Tenant]) -> Any:
     return authenticate
 
 
-def _field_rules(manager: Manager) -> dict[tuple[str, str], Callable[[Any], object]]:
-    """The control plane's own rule for each request field the schema constrains, so a value
-    the schema refuses is refused with the control plane's error and message (the same class
-    the embedded SDK raises), not a second copy of them here."""
-
-    def template(value: Any) -> None:
-        require_template(validate.template(value), manager.settings.home / "templates")
-
-    rules: dict[tuple[str, str], Callable[[Any], object]] = {
-        ("body", "cmd"): lambda value: validate.command(value, None, None, None),
-        ("body", "resources"): get_tier,
-        ("body", "template"): template,
-        ("body", "timeout"): validate.positive_seconds,
-        ("body", "idle_timeout"): lambda value: validate.positive_seconds(value, "idle_timeout"),
-        ("body", "isolation"): validate.isolation,
-        ("body", "snapshot"): validate.snapshot_ref,
-        ("body", "count"): validate.fork_count,
-        ("body", "name"): validate.snapshot_name,
-    }
-    for name in ("path", "src", "dst"):
-        rules[("query", name)] = to_relative
-    return rules
-
-
-def _problem_text(error: Mapping[str, Any]) -> str:
-    """One schema problem for a person: an unknown field names the fields that exist (a
-    misspelled ``command`` for ``cmd`` says so), a missing one says it is required."""
-    where = ".".join(str(part) for part in error["loc"])
-    if error.get("type") == "missing":
-        return f"{where}: required"
-    if error.get("type") == "extra_forbidden":
-        return f"{where}: not a field of this request{_close_field(error)}"
-    return f"{where}: {error['msg']}"
-
-
-_SAME_MEANING = {"command": "cmd", "cmds": "cmd", "env": "envs", "environment": "envs",
-                 "working_dir": "cwd", "workdir": "cwd", "ttl": "timeout"}
-
-
-def _close_field(error: Mapping[str, Any]) -> str:
-    name = str(error["loc"][-1])
-    if name in _SAME_MEANING:
-        return f" (did you mean {_SAME_MEANING[name]!r}?)"
-    close = difflib.get_close_matches(name, sorted(request_fields()), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _control_plane_error(rules: Mapping[tuple[str, str], Callable[[Any], object]],
-                         problems: Sequence[Any]) -> CorralError | None:
-    """What the control plane raises for the first schema problem, if it has a rule for it."""
-    if not problems:
-        return None
-    first = problems[0]
-    if first.get("type") in ("missing", "extra_forbidden"):
-        return None  # about the body's shape, not a field's value: its "input" is the body
-    loc = [str(part) for part in first.get("loc", ())]
-    rule = rules.get((loc[0], loc[1])) if len(loc) > 1 else None
-    if rule is None:
-        return None
-    try:
-        rule(first.get("input"))
-    except CorralError as exc:
-        return exc
-    return None

@@ -13,12 +13,13 @@ from fastapi.responses import StreamingResponse
 
 from ..._control.interpreter import CodeEvent, event_line
 from ..._control.manager import Manager
+from ..._control.requests import CreateCodeContext, RunCode
 from ..._control.tenants import Tenant
 from ..._http.deps import ManagerDep, TenantDep, owned
 from ..._http.errorlog import log_stream_error
 from ...errors import CorralError
 from ...models import CodeContext
-from ..schemas import _NDJSON, CreateCodeContext, RunCode
+from ..schemas import _NDJSON
 
 __all__ = ["router"]
 

@@ -13,12 +13,13 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from ..._control.manager import Manager
+from ..._control.requests import RunCommand
 from ..._http.deps import ManagerDep, TenantDep, owned
 from ..._http.errorlog import log_stream_error
 from ...backends import OutputCut
 from ...errors import CorralError
 from ...models import CommandResult
-from ..schemas import _NDJSON, RunCommand
+from ..schemas import _NDJSON
 
 __all__ = ["router"]
 

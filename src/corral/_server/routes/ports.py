@@ -7,14 +7,16 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Request, Response
 
 from ..._control.ports import PortURLs
+from ..._control.requests import ExposePort
 from ..._http.deps import ManagerDep, TenantDep, scope
 from ...models import PortInfo
 from ..params import FloatText, IntText
-from ..schemas import _NO_BODY_EXPOSE, ExposePort
 
 __all__ = ["router"]
 
 router = APIRouter()
+# A POST without a body exposes a private port (the models are frozen: one shared default).
+_NO_BODY = ExposePort()
 
 PortPath = Annotated[int, IntText]
 
@@ -30,7 +32,7 @@ def _urls(request: Request, manager: ManagerDep) -> PortURLs:
              response_model=PortInfo)
 def expose_port(sandbox_id: str, port: PortPath, request: Request, who: TenantDep,
                 manager: ManagerDep,
-                body: Annotated[ExposePort, Body()] = _NO_BODY_EXPOSE) -> PortInfo:
+                body: Annotated[ExposePort, Body()] = _NO_BODY) -> PortInfo:
     """Serve the sandbox's port through the proxy (idempotent); private unless ``public``.
     The answer holds its URLs, its token and a signed link for a browser."""
     return manager.ports.expose(sandbox_id, port, public=body.public,

@@ -12,10 +12,11 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..._control.manager import Manager
+from ..._control.requests import StartProcess
 from ..._http.bodies import MAX_FILE_BODY, read_body
 from ..._http.deps import ManagerDep, TenantDep, owned
 from ...models import ProcessInfo
-from ..schemas import _BINARY_BODY, _NDJSON, StartProcess
+from ..schemas import _BINARY_BODY, _NDJSON
 from ..terminal import serve_terminal
 
 __all__ = ["router"]

@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
+from ..._control.requests import CreateSandbox, NetworkRequest, SetTimeout
 from ..._http.deps import ManagerDep, TenantDep, owned
 from ...models import SandboxInfo
-from ..schemas import CreateSandbox, NetworkBody, SetTimeout
 
 __all__ = ["router"]
 
@@ -72,7 +72,7 @@ def set_timeout(sandbox_id: str, body: SetTimeout,
 
 
 @router.put("/v1/sandboxes/{sandbox_id}/network", response_model=SandboxInfo)
-def set_network(sandbox_id: str, body: NetworkBody,
+def set_network(sandbox_id: str, body: NetworkRequest,
                 who: TenantDep, manager: ManagerDep) -> SandboxInfo:
     """Replace the sandbox's network policy (allowed hosts, secrets bound to hosts) while it
     runs."""

@@ -6,13 +6,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Response
 
+from ..._control.requests import Fork, Restore, TakeSnapshot
 from ..._http.deps import ManagerDep, TenantDep, scope
 from ...models import SandboxInfo, SnapshotInfo
-from ..schemas import _NO_BODY_FORK, _NO_BODY_SNAPSHOT, Fork, Restore, TakeSnapshot
 
 __all__ = ["router"]
 
 router = APIRouter()
+# A POST without a body takes one unnamed snapshot, or makes one fork (the models are
+# frozen: one shared default each).
+_NO_BODY_SNAPSHOT = TakeSnapshot()
+_NO_BODY_FORK = Fork()
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/snapshots", status_code=201,

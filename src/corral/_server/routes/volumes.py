@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
+from ..._control.requests import CreateVolume
 from ..._http.deps import ManagerDep, TenantDep, scope
 from ...models import VolumeInfo
-from ..schemas import CreateVolume
 
 __all__ = ["router"]
 
