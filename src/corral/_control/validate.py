@@ -174,7 +174,10 @@ def context(value: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
 def positive_seconds(value: object, name: str = "timeout") -> float:
     """A duration: a positive number of seconds (not a bool, not a string)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
+        # 0 and 0.0 read the same: surfaces that parse JSON numbers as floats say it alike.
+        shown = f"{value:g}" if isinstance(value, int | float) and not isinstance(
+            value, bool) else repr(value)
+        raise UsageError(f"{name} must be a positive number of seconds, got {shown}")
     return float(value)
 
 
@@ -193,11 +196,10 @@ def command_timeout(timeout: float | None, tier: ResourceTier) -> float:
 
 def ttl(timeout: float, max_ttl: float, *, name: str = "timeout") -> float:
     """A lifetime (``timeout``, ``idle_timeout``) in seconds, within ``max_ttl``."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise UsageError(f"{name} must be a number of seconds, not {timeout!r}")
-    if not 0 < timeout <= max_ttl:
-        raise UsageError(f"{name} must be between 0 and {max_ttl:g} seconds, got {timeout:g}")
-    return float(timeout)
+    seconds = positive_seconds(timeout, name)  # the request models' rule, and its words
+    if seconds > max_ttl:
+        raise UsageError(f"{name} must be at most {max_ttl:g} seconds, got {seconds:g}")
+    return seconds
 
 
 def labels(values: Mapping[str, str] | None) -> dict[str, str]:

@@ -52,7 +52,7 @@ from .._http.relay import send_json as _send_json
 from .._ids import from_e2b, to_e2b
 from ..errors import AuthError, CorralError, SandboxNotFound
 from . import control, files, filesystem, jupyter, process, templates, watch
-from .state import E2BState
+from .state import E2BState, follow_destroys
 from .target import ENVD_PORT, JUPYTER_PORT, SCOPE_KEY, TENANT_KEY, SandboxTarget
 from .tokens import SandboxTokens
 
@@ -191,6 +191,7 @@ class E2BApp:
         self.tenants = tenants or TenantDirectory(manager.store)
         self.tokens = SandboxTokens(manager.settings.home)
         self.e2b = E2BState(manager.settings.home / "e2b.db")
+        follow_destroys(self.e2b, manager)  # forgotten on every destroy path, not only kill
         # Any other port of a sandbox (E2B's get_host) goes through Corral's port proxy.
         self.ports = PortProxy(manager, self.tenants, host_form=False)
         self.state = State()
