@@ -4,6 +4,7 @@ request carries (the Manager, the authenticated tenant, a JSON object body)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -48,6 +49,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 def endpoint(fn: Handler) -> Handler:
     """``fn`` answering E2BHTTPError and CorralError in E2B's error shape."""
 
+    @functools.wraps(fn)
     async def answer(request: Request) -> Response:
         try:
             return await fn(request)
