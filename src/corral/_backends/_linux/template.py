@@ -33,9 +33,6 @@ from pathlib import Path
 from ..._images.config import ImageConfig
 from ..._templates.roots import current_template, executable_in_root, not_built
 
-# temporary: removed when _control/sandboxes.py imports corral._templates.roots (issue 39)
-from ..._templates.roots import template_version as template_version  # noqa: I001
-
 __all__ = ["SANDBOX_GID", "SANDBOX_UID", "BaseTemplate", "build_root_template", "load_template",
            "template_python"]
 
