@@ -5,7 +5,7 @@ A port is private unless its owner makes it public. Credentials are derived, not
 port's token and its signed links are HMACs of (sandbox, port, the exposure's nonce) under a
 secret of the data directory, so they survive restarts, a token of one port never opens
 another, and unexposing a port (which forgets its nonce) revokes every credential of it at
-once. The proxy itself (``corral._server.portproxy``) is a surface; what it may reach and what
+once. The proxy itself (``corral._http.portproxy``) is a surface; what it may reach and what
 is recorded is decided here, below every surface.
 """
 
