@@ -96,7 +96,7 @@ def test_egress_keeps_long_host_names_whole_in_a_pipe(monkeypatch: pytest.Monkey
                                "verdict": "denied", "rule": "not-allowed", "bytes_up": 0,
                                "bytes_down": 0})]
     auditor = SimpleNamespace(trail=lambda *a, **k: _Trail(events))
-    monkeypatch.setattr("corral._control.manager.get_manager",
+    monkeypatch.setattr("corral._control.plane.get_manager",
                         lambda settings: SimpleNamespace(auditor=auditor))
     monkeypatch.setenv("COLUMNS", "80")
     result = CliRunner().invoke(cli, ["egress", "sbx_000000000001"])

@@ -11,7 +11,7 @@ from .. import errors
 from .common import emit_json, handle_errors, json_option
 
 if TYPE_CHECKING:  # imported by the commands that run: `corral --help` loads this module
-    from .._control.tenants import Ceiling, Tenant
+    from .._control.plane import Ceiling, Tenant
 
 __all__ = ["keys", "secrets", "tenants"]
 
@@ -87,7 +87,7 @@ def _audit_options(fn: Any) -> Any:
 def _bytes(value: str | None, option: str) -> int | None:
     if value is None:
         return None
-    from .._control.volumes import parse_size
+    from .._control.plane import parse_size
 
     try:
         return parse_size(value)
@@ -146,11 +146,11 @@ def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[
                 audit_sandbox_max: str | None, as_json: bool) -> None:
     """Add (or replace) a tenant; ceiling options not given set no bound of its own, audit
     budgets not given follow the server's default."""
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
                              max_lifetime)
-    from .._control.tenants import Ceiling, TenantDirectory
+    from .._control.plane import Ceiling, TenantDirectory
 
     tenant = TenantDirectory(get_manager(ctx.obj["settings"]).store).add_tenant(
         name, max_sandboxes=max_sandboxes, tiers=list(tiers) or None,
@@ -184,8 +184,7 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
     """Change a tenant: only what is given changes (each ceiling option replaces that field).
 
     A sandbox paused at its audit budget may be resumed once the budget is raised here."""
-    from .._control.manager import get_manager
-    from .._control.tenants import Ceiling, TenantDirectory
+    from .._control.plane import Ceiling, TenantDirectory, get_manager
 
     directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
@@ -217,8 +216,7 @@ def tenants_ls(ctx: click.Context, as_json: bool) -> None:
     audit_max_bytes, audit_sandbox_max_bytes}, where ceiling holds only the fields it bounds
     (hosts, templates, isolation, resources, secrets: lists; max_lifetime_s: seconds) and an
     audit budget is null where the server default applies (0: none)."""
-    from .._control.manager import get_manager
-    from .._control.tenants import TenantDirectory
+    from .._control.plane import TenantDirectory, get_manager
 
     found = TenantDirectory(get_manager(ctx.obj["settings"]).store).tenants()
     if as_json:
@@ -237,7 +235,7 @@ def tenants_ls(ctx: click.Context, as_json: bool) -> None:
 @handle_errors
 def tenants_rm(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove a tenant and revoke its keys."""
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     if not get_manager(ctx.obj["settings"]).store.remove_tenant(name):
         raise errors.UsageError(f"no tenant named {name!r}; `corral tenants ls` lists them")
@@ -265,8 +263,7 @@ def keys_create(ctx: click.Context, tenant: str | None, e2b: bool, operator: boo
                 as_json: bool) -> None:
     """Create a key for TENANT (or, with --operator, the operator's) and print it (it
     cannot be shown again)."""
-    from .._control.manager import get_manager
-    from .._control.tenants import TenantDirectory
+    from .._control.plane import TenantDirectory, get_manager
 
     directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
     if operator:
@@ -296,7 +293,7 @@ def keys_revoke(ctx: click.Context, key_id: str, as_json: bool) -> None:
     Example:
       corral keys revoke ck_0123456789ab
     """
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     revoked = (key_id[:16] if key_id.startswith("e2b_")
                else key_id.removeprefix("ck_")[:12])
@@ -328,7 +325,7 @@ def secrets_add(ctx: click.Context, name: str, hosts: tuple[str, ...], as_json: 
     request, a debug endpoint) hands the real value to the sandbox: bind secrets only to hosts
     that never reflect what they are sent.
     """
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     value = sys.stdin.read().rstrip("\n")
     info = get_manager(ctx.obj["settings"]).secrets.add(name, value, list(hosts))
@@ -350,7 +347,7 @@ def secrets_add(ctx: click.Context, name: str, hosts: tuple[str, ...], as_json: 
 @handle_errors
 def secrets_ls(ctx: click.Context, as_json: bool) -> None:
     """List secret names and hosts (never values)."""
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     infos = get_manager(ctx.obj["settings"]).secrets.list()
     if as_json:
@@ -368,7 +365,7 @@ def secrets_ls(ctx: click.Context, as_json: bool) -> None:
 @handle_errors
 def secrets_rm(ctx: click.Context, name: str, as_json: bool) -> None:
     """Forget a secret."""
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     if not get_manager(ctx.obj["settings"]).secrets.remove(name):
         raise errors.UsageError(f"no secret named {name!r}; `corral secrets ls` lists them")

@@ -42,7 +42,7 @@ def replay(ctx: click.Context, sandbox_id: str, types: tuple[str, ...], since: s
     from rich.console import Console
 
     from .._audit.log import follow as follow_log
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
     from .replay import parse_time, render_event, type_filter
 
     wanted = type_filter(types)
@@ -93,7 +93,7 @@ def egress(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
     Refusals beyond the first few of an interval are counted per rule: such a row (an
     egress.summary event) shows the count and one sample request.
     """
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     trail = get_manager(ctx.obj["settings"]).auditor.trail(
         sandbox_id, types=["egress.decision", "egress.summary"])
@@ -145,7 +145,7 @@ def _duration(value: str | None, option: str) -> float | None:
 def _size(value: str | None, option: str) -> int | None:
     if value is None:
         return None
-    from .._control.volumes import parse_size
+    from .._control.plane import parse_size
 
     try:
         return parse_size(value)
@@ -176,7 +176,7 @@ def audit_prune(ctx: click.Context, older_than: str | None, max_total: str | Non
     --json: {dry_run, max_age_s, max_total_bytes, removed: [{sandbox, bytes, age_s,
     reason: "age"|"size"}], removed_bytes, kept, kept_bytes, live, live_bytes, unsettled}.
     """
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     settings = ctx.obj["settings"]
     age = _duration(older_than, "--older-than")
@@ -210,7 +210,7 @@ def audit_usage(ctx: click.Context, as_json: bool) -> None:
     bytes, budget_bytes}]} (budget 0: none).
     """
     from .._audit.budget import trail_size
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     manager = get_manager(ctx.obj["settings"])
     rows: list[dict[str, Any]] = []

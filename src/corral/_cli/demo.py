@@ -50,7 +50,7 @@ ESCAPES: list[tuple[str, str]] = [
 
 def _host_uid(home: Path | None, sandbox_id: str) -> int:
     """The sandbox's host uid: the operator's business, so in the store, not in SandboxInfo."""
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
     from .._settings import Settings
 
     settings = Settings(home=home) if home is not None else Settings()

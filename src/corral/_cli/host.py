@@ -26,7 +26,7 @@ def metrics(ctx: click.Context, as_json: bool) -> None:
     --json: a list of {name, type, help, samples: [{name, labels, value}]}, one per metric.
     """
     from .._audit.metrics import render
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     text = render(get_manager(ctx.obj["settings"]).store)
     if not as_json:
@@ -98,7 +98,7 @@ def serve(ctx: click.Context, host: str, port: int, host_names: tuple[str, ...],
           share_home: bool, check_config: bool) -> None:
     """Run the HTTP API (OpenAPI at /docs and /openapi.json, Prometheus at /metrics), and with
     --e2b-port the E2B dialect beside it; with --cluster, over a Ray cluster."""
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
     from .._serve.run import E2BListener
     from .._serve.run import serve as run_server
 
@@ -186,7 +186,7 @@ def reap(ctx: click.Context, as_json: bool) -> None:
     the service's reaper does. Run it from cron or a systemd timer so expired sandboxes are
     removed even when nothing else runs.
     """
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
 
     removed = get_manager(ctx.obj["settings"]).recover()
     if as_json:

@@ -49,7 +49,7 @@ def check_service(settings: Settings, *, host: str, ports: Sequence[int],
                   host_names: Sequence[str], allow_keyless: bool,
                   e2b: E2BListener | None, share_home: bool) -> None:
     """Print what was checked; exit 2 listing every problem, or return when all pass."""
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
     from .._core.homelock import instances_using
     from .._serve.run import prepare
     from ..errors import CorralError

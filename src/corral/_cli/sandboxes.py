@@ -45,7 +45,7 @@ def _command_from(args: Sequence[str]) -> str | list[str]:
 
 def _image_command(ctx: click.Context, sb: Sandbox) -> list[str]:
     """The image's Entrypoint + Cmd, for `corral run --image REF` without a command."""
-    from .._control.commands import image_config
+    from .._control.plane import image_config
 
     config = image_config(ctx.obj["settings"].home / "templates", sb.get_info().template)
     if config is None or not config.argv:

@@ -184,7 +184,7 @@ def _build_dockerfile(ctx: click.Context, name: str | None, dockerfile: Path,
                       allow: tuple[str, ...], as_json: bool) -> None:
     from rich.console import Console
 
-    from .._control.manager import get_manager
+    from .._control.plane import get_manager
     from .._images.build import build_dockerfile
     from .common import parse_pairs
 
@@ -315,7 +315,7 @@ def _sandboxes_using(home: Path, name: str) -> list[str]:
     db = home / "corral.db"
     if not db.exists():
         return []
-    from .._control.store import Store
+    from .._control.plane import Store
 
     store = Store(db)
     try:

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._control.manager import Manager
+from .._control.plane import Manager
 from ..errors import SnapshotNotFound, UsageError
 
 __all__ = ["EXPORT_LABEL", "Exported", "SnapshotCopies", "export_snapshot"]

@@ -27,8 +27,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .._control.store import Store
-from .._control.tenants import Tenant, TenantDirectory
+from .._control.plane import Store, Tenant, TenantDirectory
 from .._e2b.app import _own_port
 from .._http.deps import scope as scope_of
 from .._http.guard import HostGuard, ServiceNames

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 from starlette.concurrency import run_in_threadpool
 
-from .._control.tenants import Tenant
+from .._control.plane import Tenant
 from .gateway import Cluster
 from .peer import sign_caller
 

@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .._audit.log import AuditTrail
-from .._control.egress import network_spec
-from .._control.tenants import Tenant
+from .._control.plane import Tenant, network_spec
 from .._settings import Settings
 from ..errors import (
     BackendUnavailable,

@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._control.manager import Manager, get_manager
-from .._control.tenants import Tenant
+from .._control.plane import Manager, Tenant, get_manager
 from .._settings import Settings
 from .._templates.catalog import list_builds
 from ..errors import ConfigError, SandboxNotFound, SnapshotNotFound
@@ -250,7 +249,7 @@ class _Services:
     the kernel picked, and the reaper that destroys what expires (as ``corral serve`` runs)."""
 
     def __init__(self, manager: Manager, tenants: PeerTenants, host: str) -> None:
-        from .._control.recovery import Reaper
+        from .._control.plane import Reaper
         from .._e2b.app import E2BConfig, create_e2b_app
         from .._serve.app import create_app
 

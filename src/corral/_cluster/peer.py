@@ -24,8 +24,7 @@ import secrets
 import time
 from typing import Any
 
-from .._control.store import Store
-from .._control.tenants import Ceiling, Tenant, TenantDirectory
+from .._control.plane import Ceiling, Store, Tenant, TenantDirectory
 from ..errors import AuthError, UsageError
 
 __all__ = ["PEER_PREFIX", "PeerTenants", "new_secret", "sign_caller", "verify_caller"]

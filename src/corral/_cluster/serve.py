@@ -9,8 +9,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from .._control.recovery import Reaper
-from .._control.store import Store
+from .._control.plane import Reaper, Store
 from .._http.keys import is_loopback
 from .._settings import Settings
 from ..errors import ConfigError

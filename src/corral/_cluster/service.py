@@ -34,9 +34,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .._control import validate
-from .._control.store import Store
-from .._control.tenants import Tenant, TenantDirectory
+from .._control.plane import Store, Tenant, TenantDirectory, validate
 from .._http.bodies import BODY_LIMITS
 from .._http.deps import scope as scope_of
 from .._http.guard import (

@@ -23,7 +23,7 @@ from urllib.parse import parse_qs
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from .._control.tenants import LOCAL_TENANT, Tenant, TenantDirectory
+from .._control.plane import LOCAL_TENANT, Tenant, TenantDirectory
 from .._http.relay import send_json
 from .._ui.routes import PAGE_MAX, sandbox_page
 from ..errors import PolicyError, UsageError

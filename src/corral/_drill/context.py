@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .._control.tenants import Ceiling
+from .._control.plane import Ceiling
 from ..models import CommandResult
 from .canary import Canary, Hit
 from .model import Evidence, Outcome

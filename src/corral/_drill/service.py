@@ -75,7 +75,7 @@ def _start(app: Any, name: str) -> _Running:
 
 @contextlib.contextmanager
 def local_service(settings: Settings) -> Iterator[ServiceAccess]:
-    from .._control import manager as manager_mod
+    from .._control import plane as manager_mod
     from .._e2b.app import E2BConfig, create_e2b_app
     from .._serve.app import create_app
     from .._server.auth import TenantDirectory

@@ -199,7 +199,7 @@ class SdkTarget:
         return made
 
     def _manager(self) -> Any:
-        from .._control.manager import get_manager
+        from .._control.plane import get_manager
         from .._settings import Settings
 
         return get_manager(Settings(home=self._home) if self._home else Settings())

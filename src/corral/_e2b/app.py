@@ -42,9 +42,7 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 from starlette.types import Message, Receive, Scope, Send
 
-from .._control.manager import Manager
-from .._control.ports import Who
-from .._control.tenants import Tenant, TenantDirectory, local_tenant
+from .._control.plane import Manager, Tenant, TenantDirectory, Who, local_tenant
 from .._http.errorlog import PROXIED, ServerErrorLog
 from .._http.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
 from .._http.portproxy import PortProxy, Target

@@ -12,8 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .._control.manager import Manager
-from .._control.tenants import Tenant
+from .._control.plane import Manager, Tenant
 from .._http.errorlog import note
 from ..errors import CorralError
 from .connect import hinted

@@ -27,10 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .._control.manager import Manager
-from .._control.presets import ceiling_network
+from .._control.plane import Manager, Tenant, ceiling_network
 from .._control.requests import Fork, SetTimeout
-from .._control.tenants import Tenant
 from .._core.resources import get_tier
 from .._ids import from_e2b, to_e2b
 from ..errors import (
@@ -279,7 +277,7 @@ async def create_sandbox(request: Request) -> Response:
         raise E2BHTTPError(400, "metadata and envVars must be objects of strings")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
         raise E2BHTTPError(400, "envVars must map names to string values")
-    from .._control import validate
+    from .._control.plane import validate
 
     validate.command(["true"], None, envs, None)  # the same rules as any command's env
     network = _network(request, body, tenant)

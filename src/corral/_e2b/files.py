@@ -30,8 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from .._control.files import AuditedFiles
-from .._control.manager import Manager
+from .._control.plane import AuditedFiles, Manager
 from .._core.resources import get_tier
 from .._http.errorlog import note
 from .._workspace.files import MAX_FILE_BYTES

@@ -17,8 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
-from .._control.files import AuditedFiles
-from .._control.manager import Manager
+from .._control.plane import AuditedFiles, Manager
 from ..errors import FileError, FileNotFound, PathRefused
 from ..models import FileEntry
 from . import paths

@@ -28,15 +28,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from .._control.interpreter import (
+from .._control.plane import (
     CodeEvent,
     CountEvent,
     EndEvent,
     ErrorEvent,
+    Manager,
     OutputEvent,
     ResultEvent,
 )
-from .._control.manager import Manager
 from .._http.errorlog import note
 from ..errors import ContextNotFound, CorralError, InterpreterUnavailable, PathRefused
 from ..models import RESULT_MIME, CodeContext

@@ -21,8 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
-from .._control.manager import Manager
-from .._control.processes import MAX_PTY_SIZE, BackgroundProcess
+from .._control.plane import MAX_PTY_SIZE, BackgroundProcess, Manager
 from ..errors import CommandError, CorralError, FileNotFound, PathRefused, SandboxNotFound
 from . import paths
 from .connect import ConnectError, client_stream, route, server_stream, unary

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .._control.manager import Manager
+    from .._control.plane import Manager
 
 __all__ = ["E2BSandbox", "E2BState", "follow_destroys"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
-from .._control.tenants import Tenant
+from .._control.plane import Tenant
 
 __all__ = ["ENVD_PORT", "JUPYTER_PORT", "SandboxTarget", "target_of"]
 

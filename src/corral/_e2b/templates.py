@@ -47,9 +47,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .._control.manager import Manager
-from .._control.presets import ceiling_network
-from .._control.tenants import Tenant
+from .._control.plane import Manager, Tenant, ceiling_network
 from .._images.reference import ImagePolicy, parse_reference
 from .._templates.catalog import TAG, current_build, name_lock, pointer, set_current
 from ..errors import CorralError

@@ -23,7 +23,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
-from .._control.files import AuditedFiles
+from .._control.plane import AuditedFiles
 from ..backends import DirWatch, WatchEvent
 from ..errors import FileError
 from . import filesystem as fs

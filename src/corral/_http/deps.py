@@ -6,8 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from .._control.manager import Manager
-from .._control.tenants import Tenant
+from .._control.plane import Manager, Tenant
 from ..models import SandboxInfo
 from .guard import scope_tenant
 

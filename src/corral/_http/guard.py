@@ -27,7 +27,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .._control.tenants import Tenant
+from .._control.plane import Tenant
 from ..errors import AuthError, CorralError, HostRefused, OriginRefused, TooLarge
 
 __all__ = [

@@ -8,8 +8,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from .._control.store import Store
-from .._control.tenants import Tenant, TenantDirectory
+from .._control.plane import Store, Tenant, TenantDirectory
 from ..errors import AuthError
 
 __all__ = ["is_loopback", "is_protected", "key_authenticator"]

@@ -31,10 +31,7 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .._control.manager import Manager
-from .._control.ports import PortURLs, Who
-from .._control.records import SandboxRecord
-from .._control.tenants import TenantDirectory
+from .._control.plane import Manager, PortURLs, SandboxRecord, TenantDirectory, Who
 from .._ids import from_e2b
 from ..errors import AuthError, CorralError, SandboxBusy, SandboxNotFound
 from .guard import ServiceNames

@@ -57,7 +57,7 @@ import anyio
 from mcp.server.mcpserver import MCPServer
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from .._control.tenants import Ceiling
+from .._control.plane import Ceiling
 from .._core.homelock import InstanceLock, hold_home
 from .lifeline import die_with_parent, watch_parent
 from .sessions import DEFAULT_CEILING, CorralMCP, Transport, mcp_ceiling

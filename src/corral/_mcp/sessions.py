@@ -22,8 +22,7 @@ from mcp_types import CallToolResult, TextContent
 from pydantic import BaseModel, ConfigDict
 
 from .. import errors
-from .._control.admission import Admission
-from .._control.tenants import LOCAL_TENANT, Ceiling, local_tenant
+from .._control.plane import LOCAL_TENANT, Admission, Ceiling, local_tenant
 from .._egress.policy import NetworkPolicy
 from .._sdk._aembedded import AsyncEmbeddedTransport
 from .._sdk._async.http import AsyncHTTPTransport

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._control.tenants import Ceiling
+from .._control.plane import Ceiling
 
 __all__ = ["Where", "allowed_text"]
 

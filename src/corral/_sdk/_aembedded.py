@@ -23,8 +23,7 @@ from ._embedded import EmbeddedTransport, embedded_target
 from ._wire import AsyncCodeCallback, AsyncOutputCallback, CodeItem, adeliver
 
 if TYPE_CHECKING:
-    from .._control.manager import Manager
-    from .._control.tenants import Tenant
+    from .._control.plane import Manager, Tenant
     from ._async.transport import AsyncTransport
 
 __all__ = ["AsyncEmbeddedTransport", "aopen_transport", "ausing_transport"]

@@ -33,8 +33,7 @@ from ..models import (
 from ._wire import CodeItem, ProcessInfo, code_item, shaped
 
 if TYPE_CHECKING:
-    from .._control.manager import Manager
-    from .._control.tenants import Tenant
+    from .._control.plane import Manager, Tenant
     from ._sync.transport import Transport
 
 __all__ = ["EmbeddedTransport", "embedded_target", "open_transport", "using_transport"]
@@ -147,7 +146,7 @@ class EmbeddedTransport:
     def run_code(self, sandbox_id: str, code: str, *, context_id: str | None,
                  language: str | None, envs: Mapping[str, str] | None, timeout: float | None,
                  on_event: Callable[[CodeItem], object] | None) -> Execution:
-        from .._control.interpreter import CodeEvent, event_line
+        from .._control.plane import CodeEvent, event_line
 
         def forward(event: CodeEvent) -> None:
             # The wire's own dicts: embedded and remote callbacks get the very same items.
@@ -258,7 +257,7 @@ def embedded_target(home: str | Path | None, url: str | None,
         key = api_key or (settings.api_key.get_secret_value() if settings.api_key else None)
         return target, key
     try:
-        from .._control.manager import get_manager
+        from .._control.plane import get_manager
 
         return get_manager(settings)
     except ModuleNotFoundError as exc:

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
-from .._control.manager import Manager
-from .._control.tenants import TenantDirectory
+from .._control.plane import Manager, TenantDirectory
 from .._server.app import create_app as create_api
 from .._ui.routes import install as install_ui
 from .._ui.session import UISessions

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
-from .._control.manager import Manager
-from .._control.recovery import Reaper
+from .._control.plane import Manager, Reaper
 from .._core.homelock import hold_home
 from .._http.keys import is_loopback
 from ..errors import ConfigError

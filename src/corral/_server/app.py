@@ -20,8 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .._control.manager import Manager
-from .._control.ports import PortURLs
+from .._control.plane import Manager, PortURLs
 from .._control.requests import refusal
 from .._http.bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
 from .._http.errorlog import ServerErrorLog, note

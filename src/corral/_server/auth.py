@@ -3,6 +3,6 @@ re-exported here because the service's callers (tests, the drill) import them fr
 
 from __future__ import annotations
 
-from .._control.tenants import LOCAL_TENANT, Ceiling, Tenant, TenantDirectory, new_key
+from .._control.plane import LOCAL_TENANT, Ceiling, Tenant, TenantDirectory, new_key
 
 __all__ = ["LOCAL_TENANT", "Ceiling", "Tenant", "TenantDirectory", "new_key"]

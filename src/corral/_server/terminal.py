@@ -11,7 +11,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from .._audit.recorder import new_command_id
-from .._control.manager import Manager
+from .._control.plane import Manager
 from .._http.guard import scope_tenant
 from ..backends import ProcessIO
 from ..errors import CorralError, UsageError

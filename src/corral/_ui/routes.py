@@ -29,8 +29,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from .._control.manager import Manager
-from .._control.tenants import LOCAL_TENANT, Tenant, TenantDirectory
+from .._control.plane import LOCAL_TENANT, Manager, Tenant, TenantDirectory
 from .._http.deps import ManagerDep, TenantDep
 from .._http.guard import UI_HEADER
 from .._templates.catalog import list_builds

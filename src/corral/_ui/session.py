@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .._control.tenants import Tenant, TenantDirectory
+from .._control.plane import Tenant, TenantDirectory
 from .._http.guard import session_cookie_name
 from ..errors import AuthError
 

@@ -12,7 +12,7 @@ from .backend import MemoryBackend, MemoryFS, MemoryVMBackend
 from .transport import asgi_transport, async_asgi_transport
 
 if TYPE_CHECKING:
-    from .._control.manager import Manager
+    from .._control.plane import Manager
 
 __all__ = ["MemoryBackend", "MemoryFS", "MemoryVMBackend", "asgi_transport",
            "async_asgi_transport", "memory_manager"]
@@ -25,7 +25,7 @@ def memory_manager(home: str | Path, *, backend: MemoryBackend | None = None,
     snapshots), in ``home``; no root needed. Pass it to ``create_app`` and ``asgi_transport``
     to drive the HTTP API in-process, or use it embedded. ``settings`` are
     :class:`corral._settings.Settings` fields. Close it when done."""
-    from .._control.manager import Manager
+    from .._control.plane import Manager
     from .._settings import Settings
 
     return Manager(Settings(home=Path(home), **settings),  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from ..._audit.log import follow_batches, tail_offset
 from ..._audit.metrics import render
-from ..._control.manager import Manager
+from ..._control.plane import Manager
 from ..._http.deps import ManagerDep, TenantDep
 from ...errors import SandboxNotFound
 from ..auth import Tenant

@@ -11,10 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
-from ..._control.interpreter import CodeEvent, event_line
-from ..._control.manager import Manager
+from ..._control.plane import CodeEvent, Manager, Tenant, event_line
 from ..._control.requests import CreateCodeContext, RunCode
-from ..._control.tenants import Tenant
 from ..._http.deps import ManagerDep, TenantDep, owned
 from ..._http.errorlog import log_stream_error
 from ...errors import CorralError

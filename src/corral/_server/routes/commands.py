@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
-from ..._control.manager import Manager
+from ..._control.plane import Manager
 from ..._control.requests import RunCommand
 from ..._http.deps import ManagerDep, TenantDep, owned
 from ..._http.errorlog import log_stream_error

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Request, Response
 
-from ..._control.ports import PortURLs
+from ..._control.plane import PortURLs
 from ..._control.requests import ExposePort
 from ..._http.deps import ManagerDep, TenantDep, scope
 from ...models import PortInfo

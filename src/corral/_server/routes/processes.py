@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request, Response, WebSocket
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..._control.manager import Manager
+from ..._control.plane import Manager
 from ..._control.requests import StartProcess
 from ..._http.bodies import MAX_FILE_BODY, read_body
 from ..._http.deps import ManagerDep, TenantDep, owned
