@@ -34,7 +34,7 @@ from .intents import Intents
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .ports import Ports
-from .processes import EmbeddedProcessAPI, ProcessTable
+from .processes import ProcessTable
 from .records import SandboxRecord
 from .recovery import Recovery
 from .registry import BackendRegistry
@@ -42,7 +42,7 @@ from .sandboxes import Sandboxes
 from .secrets import SecretStore
 from .snapshots import Snapshots
 from .store import Store
-from .tenants import Ceiling, Tenant
+from .tenants import Ceiling, Tenant, TenantDirectory
 from .volumes import Volumes
 
 if TYPE_CHECKING:
@@ -197,6 +197,20 @@ class Manager:
             idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot,
             caller=caller, image=image, on_progress=on_progress, mounts=mounts).public()
 
+    @property
+    def tenants(self) -> TenantDirectory:
+        """Tenants and their API keys: who the HTTP surfaces' callers are."""
+        return TenantDirectory(self.store)
+
+    def record(self, sandbox_id: str) -> SandboxRecord | None:
+        """The sandbox's stored record, read with no side effect (``get`` applies its lifetime
+        and destroys it when it is over; a guard's owner check must not)."""
+        return self.store.get(sandbox_id)
+
+    def records(self) -> builtins.list[SandboxRecord]:
+        """Every stored record, those past their lifetime included (``list`` leaves them out)."""
+        return self.store.list()
+
     def get(self, sandbox_id: str, *, tenant: str | None = None) -> SandboxInfo:
         """The sandbox; with ``tenant``, only if it belongs to that tenant (else not found)."""
         return self.sandboxes.get(sandbox_id, tenant=tenant).public()
@@ -294,9 +308,6 @@ class Manager:
     def kill_command(self, sandbox_id: str, command_id: str) -> None:
         """Kill a running command (from any process); its run() returns exit code 137."""
         self.commands.kill(sandbox_id, command_id)
-
-    def process_api(self) -> EmbeddedProcessAPI:
-        return EmbeddedProcessAPI(self.processes)
 
     # -- snapshots --------------------------------------------------------------------------------
 

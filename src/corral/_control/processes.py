@@ -31,8 +31,7 @@ from ..models import CommandResult, ProcessInfo
 if TYPE_CHECKING:
     from .tenants import Tenant
 
-__all__ = ["MAX_PTY_SIZE", "BackgroundProcess", "CommandRunner", "EmbeddedProcessAPI",
-           "ProcessTable"]
+__all__ = ["MAX_PTY_SIZE", "BackgroundProcess", "CommandRunner", "ProcessTable"]
 
 _KEEP_BYTES = 4 * 1024 * 1024
 _KEEP_EXITED = 100
@@ -403,31 +402,3 @@ class ProcessTable:
             return
         process.kill_requested = True
         self._runner.kill(sandbox_id, process.command_id)
-
-
-class EmbeddedProcessAPI:
-    """The dict-shaped calls the SDK makes, the same as the remote client's."""
-
-    def __init__(self, table: ProcessTable) -> None:
-        self._table = table
-
-    def start(self, sandbox_id: str, cmd: str | Sequence[str], **kwargs: Any) -> dict[str, Any]:
-        return self._table.start(sandbox_id, cmd, **kwargs).to_dict()
-
-    def get(self, sandbox_id: str, process_id: str) -> dict[str, Any]:
-        return self._table.get(sandbox_id, process_id).to_dict()
-
-    def list(self, sandbox_id: str) -> list[dict[str, Any]]:
-        return [p.to_dict() for p in self._table.list(sandbox_id)]
-
-    def output(self, sandbox_id: str, process_id: str, offset: int = 0, *,
-               follow: bool = False, wait_s: float | None = None
-               ) -> Iterator[tuple[int, str, str]]:
-        return self._table.get(sandbox_id, process_id).output(offset, follow=follow,
-                                                               wait_s=wait_s)
-
-    def send(self, sandbox_id: str, process_id: str, data: bytes) -> None:
-        self._table.get(sandbox_id, process_id).send(data)
-
-    def kill(self, sandbox_id: str, process_id: str) -> None:
-        self._table.kill(sandbox_id, process_id)

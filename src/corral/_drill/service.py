@@ -78,7 +78,6 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
     from .._control import plane as manager_mod
     from .._e2b.app import E2BConfig, create_e2b_app
     from .._serve.app import create_app
-    from .._server.auth import TenantDirectory
 
     home = Path(tempfile.mkdtemp(prefix="corral-drill-service-"))
     count = min(64, settings.uid_count)
@@ -94,7 +93,7 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
     e2b_app: E2BApp | None = None
     e2b_domain_app: E2BApp | None = None
     try:
-        tenants = TenantDirectory(manager.store)
+        tenants = manager.tenants
         keys = []
         # The first tenant's E2B cases keep a few sandboxes of their own beside the drill's.
         for name, most in (("drill-a", 8), ("drill-b", 4)):
@@ -132,7 +131,7 @@ def local_service(settings: Settings) -> Iterator[ServiceAccess]:
         for app in (e2b_app, e2b_domain_app):
             if app is not None:
                 app.e2b.close()  # lifespan is off: its shutdown would have closed it
-        for info in manager.store.list():
+        for info in manager.records():
             with contextlib.suppress(Exception):
                 manager._destroy(info, reason="drill finished")
         with contextlib.suppress(Exception):

@@ -186,7 +186,7 @@ class E2BApp:
         # A cluster node's (``tenants`` given) answers any Host: its gateway judged it.
         self.names = ServiceNames.of(config.listen_host, config.host_names) if tenants is \
             None else AnyName()
-        self.tenants = tenants or TenantDirectory(manager.store)
+        self.tenants = tenants or manager.tenants
         self.tokens = SandboxTokens(manager.settings.home)
         self.e2b = E2BState(manager.settings.home / "e2b.db")
         follow_destroys(self.e2b, manager)  # forgotten on every destroy path, not only kill
@@ -431,7 +431,7 @@ class E2BApp:
             return None
 
     def _sandbox_of_token(self, token: str) -> str | None:
-        for record in self.manager.store.list():
+        for record in self.manager.records():
             if record.state != "destroying" and self.tokens.check_envd(record.id, token):
                 return to_e2b(record.id)
         return None

@@ -24,7 +24,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     cluster node (``tenants`` given: the gateways' signed callers) serves the pages without
     sessions: its gateway holds them."""
     sessions = None if tenants is not None else UISessions(
-        lambda: manager.settings.home, TenantDirectory(manager.store))
+        lambda: manager.settings.home, manager.tenants)
     app = create_api(manager, listen_host=listen_host, host_names=host_names,
                      allow_keyless=allow_keyless, ports_domain=ports_domain, tenants=tenants,
                      sessions=None if sessions is None else sessions.tenant)

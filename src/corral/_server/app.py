@@ -68,7 +68,7 @@ def _owner_check(manager: Manager) -> Any:
     state are the route's own full check)."""
 
     def check(who: Tenant, sandbox_id: str) -> None:
-        info = manager.store.get(sandbox_id)
+        info = manager.record(sandbox_id)
         if info is None or (who.name != "local" and info.tenant != who.name):
             raise SandboxNotFound(f"sandbox {sandbox_id[:40]} does not exist; `corral ls` "
                                   "lists them")
@@ -93,7 +93,7 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
     service's own keys). The dashboard's pages are not this module's: ``corral._serve.app``
     mounts them."""
     own_keys = tenants is None
-    tenants = tenants or TenantDirectory(manager.store)
+    tenants = tenants or manager.tenants
     loopback = is_loopback(listen_host) and own_keys
     names = ServiceNames.of(listen_host, host_names) if own_keys else AnyName()
     # /docs is the dashboard module's, from assets in the package; ReDoc would need a CDN.

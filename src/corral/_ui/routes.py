@@ -29,7 +29,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from .._control.plane import LOCAL_TENANT, Manager, Tenant, TenantDirectory
+from .._control.plane import LOCAL_TENANT, Manager, Tenant
 from .._http.deps import ManagerDep, TenantDep
 from .._http.guard import UI_HEADER
 from .._templates.catalog import list_builds
@@ -213,16 +213,16 @@ def _ui_router() -> APIRouter:
         """Every tenant with its limits, its live sandboxes and its keys' ids (operator)."""
         _operator(who)
         live: dict[str, int] = {}
-        for record in manager.store.list():
+        for record in manager.records():
             live[record.tenant] = live.get(record.tenant, 0) + 1
         keys: dict[str, list[dict[str, Any]]] = {}
-        for key in TenantDirectory(manager.store).keys():
+        for key in manager.tenants.keys():
             keys.setdefault(key["tenant"], []).append(key)
         rows = [{"name": t.name, "max_sandboxes": t.max_sandboxes, "tiers": list(t.tiers),
                  "commands_per_minute": t.commands_per_minute,
                  "ceiling": t.ceiling.to_json(), "live_sandboxes": live.get(t.name, 0),
                  "keys": keys.get(t.name, [])}
-                for t in TenantDirectory(manager.store).tenants()]
+                for t in manager.tenants.tenants()]
         rows.append({"name": LOCAL_TENANT, "operator": True, "live_sandboxes": live.get(
             LOCAL_TENANT, 0), "keys": keys.get(LOCAL_TENANT, [])})
         return rows
@@ -452,7 +452,7 @@ async def _changes(request: Request, manager: Manager, tenant: str,
                 yield b": keep-alive\n\n"
                 continue
             if sandbox_id not in mine:
-                record = await run_in_threadpool(manager.store.get, sandbox_id)
+                record = await run_in_threadpool(manager.record, sandbox_id)
                 if record is None:
                     continue  # gone before we knew whose: never shown, nothing to remove
                 mine[sandbox_id] = operator or record.tenant == tenant
