@@ -7,7 +7,7 @@ these are the ones a real kernel and the E2B app make worth running for real."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,9 +20,20 @@ from corral._e2b.state import E2BState, follow_destroys
 from corral._ids import from_e2b
 from corral.errors import SandboxExpired
 
+from ..conftest import managed, private_settings
+
 pytestmark = pytest.mark.needs_root
 
 _BOUND_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def manager() -> Iterator[Manager]:
+    """A data directory of this module's own: the E2B case makes a tenant and an API key, and a
+    key in the session's shared store ends keyless loopback for every module after it (the
+    last CI run: 29 401s in the modules that followed)."""
+    with private_settings("corral-test-destroy-") as settings, managed(settings) as mgr:
+        yield mgr
 
 
 def _until(condition: Callable[[], bool]) -> bool:

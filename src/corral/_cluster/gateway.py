@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .._audit.log import AuditTrail
-from .._control.plane import Tenant, network_spec
+from .._control.plane import Tenant, check_sandbox_count, network_spec
 from .._settings import Settings
 from ..errors import (
     BackendUnavailable,
@@ -473,10 +473,8 @@ class Cluster:
             return
         if live is None:
             live = self._counts(tenant)[2]
-        if live + adding > max_for_tenant:
-            raise QuotaExceeded(
-                f"tenant {tenant or 'local'} has {live} sandboxes in the cluster and may have "
-                f"{max_for_tenant}: destroy some first")
+        # The control plane's rule and words, with the cluster's count.
+        check_sandbox_count(tenant or "local", live, max_for_tenant, adding=adding)
 
     def capacity(self, *, max_age_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """Every alive node's ``describe()`` (sandboxes, free memory and disk, templates

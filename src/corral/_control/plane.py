@@ -9,7 +9,7 @@ in one place. The import contract ``control-plane-facade`` in ``pyproject.toml``
 from __future__ import annotations
 
 from . import validate
-from .admission import Admission
+from .admission import Admission, check_sandbox_count
 from .commands import image_config
 from .egress import network_spec
 from .files import AuditedFiles
@@ -54,6 +54,7 @@ __all__ = [
     "TenantDirectory",
     "Who",
     "ceiling_network",
+    "check_sandbox_count",
     "event_line",
     "get_manager",
     "image_config",
