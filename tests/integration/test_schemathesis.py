@@ -37,6 +37,7 @@ from schemathesis.specs.openapi import checks
 
 from corral._control.manager import Manager
 from corral._control.ports import PortURLs
+from corral._control.tenants import TenantDirectory
 from corral._serve.app import create_app
 from corral._server import app as app_module
 from corral._settings import Settings
@@ -57,8 +58,9 @@ NO_SANDBOX = "sbx_000000000000"  # well-formed, never created
 # serves exactly this. (`schemathesis.pytest.from_fixture`, which would load it from the running
 # server, fails on pytest 9.2: it sets `Function._nodeid`, which pytest 9.2 no longer has.)
 # (Its ports: a service on loopback sets its own ports domain as it is built.)
-_NO_PLANE = SimpleNamespace(store=None, ports=SimpleNamespace(
-    urls=PortURLs(domain="ports.test"), configure=lambda urls: None))
+_NO_PLANE = SimpleNamespace(store=None, tenants=TenantDirectory(None),  # type: ignore[arg-type]
+                            ports=SimpleNamespace(urls=PortURLs(domain="ports.test"),
+                                                  configure=lambda urls: None))
 OPENAPI = create_app(_NO_PLANE).openapi()  # type: ignore[arg-type]
 
 
