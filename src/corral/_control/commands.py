@@ -163,7 +163,9 @@ class Commands:
         start is counted (last, so a refused command does not use up the quota)."""
         command = validate.command(cmd, cwd, envs, stdin)
         validate.context(context)
-        info = self._sandboxes.get(sandbox_id)
+        # A caller reaches only its tenant's sandboxes, as if the others did not exist: the
+        # surfaces need no check of their own before a run.
+        info = self._sandboxes.get(sandbox_id, tenant=None if caller is None else caller.scope)
         image = None if build else image_config(self._sandboxes.templates_dir, info.template)
         if image is not None:
             command = _with_image(command, image, cwd_given=cwd is not None)

@@ -33,6 +33,7 @@ from .files import AuditedFiles, Files
 from .intents import Intents
 from .layers import Layers
 from .locks import WorkspaceLocks
+from .owners import Owners
 from .ports import Ports
 from .processes import ProcessTable
 from .records import SandboxRecord
@@ -103,6 +104,7 @@ class Manager:
                                  processes=self.processes, backends=self._registry,
                                  layers=layers, auditor=self.auditor, settings=settings,
                                  intents=self.intents, volumes=self.volumes)
+        self.owners = Owners(self.store)
         self.file_access = Files(store=self.store, sandboxes=self.sandboxes,
                                  auditor=self.auditor)
         self._interpreter: Interpreter | None = None
@@ -206,6 +208,12 @@ class Manager:
         """The sandbox's stored record, read with no side effect (``get`` applies its lifetime
         and destroys it when it is over; a guard's owner check must not)."""
         return self.store.get(sandbox_id)
+
+    def owner(self, sandbox_id: str, *, known_only: bool = False) -> str | None:
+        """The tenant the sandbox was made for; None if there is no such sandbox (or, with
+        ``known_only``, if it is not yet remembered: then nothing is read, and an event loop
+        may ask). No side effect: its lifetime is ``get``'s to apply."""
+        return self.owners.known(sandbox_id) if known_only else self.owners.of(sandbox_id)
 
     def records(self) -> builtins.list[SandboxRecord]:
         """Every stored record, those past their lifetime included (``list`` leaves them out)."""

@@ -141,6 +141,12 @@ class Tenant:
         """The operator on this host (keyless service, embedded SDK, CLI): no quotas."""
         return self.name == LOCAL_TENANT
 
+    @property
+    def scope(self) -> str | None:
+        """The tenant whose sandboxes this caller may reach; None (all of them) for the
+        operator."""
+        return None if self.is_local else self.name
+
 
 def local_tenant(ceiling: Ceiling | None = None) -> Tenant:
     """The operator's tenant; the server default ceiling applies unless ``ceiling`` is given."""
