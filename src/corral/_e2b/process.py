@@ -25,6 +25,7 @@ from .._control.plane import MAX_PTY_SIZE, BackgroundProcess, Manager
 from ..errors import CommandError, CorralError, FileNotFound, PathRefused, SandboxNotFound
 from . import paths
 from .connect import ConnectError, client_stream, route, server_stream, unary
+from .state import E2BState
 from .target import SandboxTarget, target_of
 
 __all__ = ["end_event", "requested_user", "routes", "timeout_of"]
@@ -215,7 +216,7 @@ def _cwd(manager: Manager, target: SandboxTarget, cwd: str | None) -> str:
 
 
 def _start(manager: Manager, target: SandboxTarget, message: Message,
-           timeout: float | None, sandbox_envs: Mapping[str, str]) -> BackgroundProcess:
+           timeout: float | None, state: E2BState) -> BackgroundProcess:
     argv, envs, cwd = _config(message)
     pty = _pty_size(message)
     tag = message.get("tag")
@@ -228,7 +229,7 @@ def _start(manager: Manager, target: SandboxTarget, message: Message,
     run_in = _cwd(manager, target, cwd)
     # envd's environment: PATH (the sandbox's), HOME and USER of the user, the sandbox's
     # envVars from create, then the request's.
-    environment = {"HOME": paths.HOME, "USER": _USER, **sandbox_envs, **envs}
+    environment = {"HOME": paths.HOME, "USER": _USER, **state.envs(target.sandbox_id), **envs}
     try:
         process = manager.processes.start(
             target.sandbox_id, argv, envs=environment, cwd=run_in, context=_CONTEXT,
@@ -253,6 +254,13 @@ def _find(manager: Manager, target: SandboxTarget, message: Mapping[str, Any]
     except CorralError:
         what = f"pid {pid}" if pid is not None else f"tag {tag!r}"
         raise ConnectError("not_found", f"process with {what} not found") from None
+
+
+def _may_have_been_ended(process: BackgroundProcess) -> bool:
+    """Whether the process may have died with its sandbox: it failed, was signalled (a
+    destroy's SIGKILL, the lifetime's end) or exited with a signal's status."""
+    result = process.result
+    return result is None or process.signaled or result.exit_code >= 128
 
 
 def _gone_check(manager: Manager, target: SandboxTarget) -> None:
@@ -293,12 +301,15 @@ async def _follow(manager: Manager, target: SandboxTarget, process: BackgroundPr
     finally:
         unwatch()
     # A sandbox that ended under the process (kill, TTL) is a gone sandbox to the SDK, not a
-    # command that died: the stream ends `unavailable` "...was not found", no end event.
-    try:
-        await run_in_threadpool(_gone_check, manager, target)
-    except SandboxNotFound:
-        raise SandboxNotFound(f"sandbox {target.e2b_id} ended while the process ran") \
-            from None
+    # command that died: the stream ends `unavailable` "...was not found", no end event. Only
+    # a process that did not end on its own can have been ended so: one that exited with a
+    # status below 128 ended first, and its end is the truth (no store read, no thread).
+    if _may_have_been_ended(process):
+        try:
+            await run_in_threadpool(_gone_check, manager, target)
+        except SandboxNotFound:
+            raise SandboxNotFound(f"sandbox {target.e2b_id} ended while the process ran") \
+                from None
     if process.deadline_passed and process.signaled:
         # envd ends a process killed at its connect-timeout-ms deadline with this error, not
         # an end event; older SDKs tell a timeout only from it.
@@ -314,7 +325,7 @@ async def _start_stream(message: Message, request: Request) -> AsyncIterator[Mes
     timeout = timeout_of(request.headers.get("connect-timeout-ms"))
     try:
         process = await run_in_threadpool(_start, manager, target, message, timeout,
-                                          request.app.state.e2b.envs(target.sandbox_id))
+                                          request.app.state.e2b)
     except CommandError as exc:
         raise ConnectError("invalid_argument", exc.message) from None
     async for event in _follow(manager, target, process, 0):
