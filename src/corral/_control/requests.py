@@ -79,23 +79,6 @@ def _seconds(name: str) -> Callable[[Any], object]:
     return lambda value: validate.positive_seconds(value, name)
 
 
-def _command(value: Any) -> None:
-    validate.command(value, None, None, None)
-
-
-def _envs(value: Any) -> None:
-    validate.command(["true"], None, value, None)
-
-
-def _cwd(value: Any) -> None:
-    if value is not None:
-        validate.command(["true"], value, None, None)
-
-
-def _stdin(value: Any) -> None:
-    validate.command(["true"], None, None, value)
-
-
 # Each rule's schema type says what the OpenAPI document shows (the rule's own shape, which
 # tests/integration/test_schemathesis.py holds against what the server refuses).
 _PositiveFloat = Annotated[float, Field(gt=0)]
@@ -104,9 +87,9 @@ _Seconds = Annotated[float, _rule(_seconds("timeout"), _PositiveFloat)]
 _OptionalSeconds = Annotated[float | None, _rule(_optional(_seconds("timeout")),
                                                  _PositiveFloat | None)]
 _Command = Annotated[str | list[str], _rule(
-    _command, _NonEmpty | Annotated[list[str], Field(min_length=1)])]
-_Envs = Annotated[dict[str, str], _rule(_envs, dict[str, str])]
-_Cwd = Annotated[str | None, _rule(_cwd, str | None)]
+    validate.command_argv, _NonEmpty | Annotated[list[str], Field(min_length=1)])]
+_Envs = Annotated[dict[str, str], _rule(validate.command_env, dict[str, str])]
+_Cwd = Annotated[str | None, _rule(validate.command_cwd, str | None)]
 _SnapshotRef = Annotated[str, _rule(validate.snapshot_ref, _NonEmpty)]
 
 
@@ -240,7 +223,7 @@ class RunCommand(Request):
     timeout: _OptionalSeconds = None
     envs: _Envs = Field(default_factory=dict)
     cwd: _Cwd = None
-    stdin: Annotated[str | None, _rule(_stdin, str | None)] = None
+    stdin: Annotated[str | None, _rule(validate.command_stdin, str | None)] = None
     context: Annotated[dict[str, Any] | None, _rule(validate.context, dict[str, Any] | None)] \
         = None
     stream: bool = Field(default=False, description="Stream NDJSON events as output arrives.")
@@ -267,7 +250,7 @@ class RunCode(Request):
                                 "default: the sandbox's default context of `language`.")
     language: str | None = Field(default=None, description=(
         "python (default), javascript (js), typescript (ts), r or bash."))
-    envs: Annotated[dict[str, str] | None, _rule(_optional(_envs), dict[str, str] | None)] \
+    envs: Annotated[dict[str, str] | None, _rule(validate.command_env, dict[str, str] | None)] \
         = Field(default=None, description="For this cell only.")
     timeout: _OptionalSeconds = None
 

@@ -21,7 +21,11 @@ __all__ = [
     "SNAPSHOT_NAME_PATTERN",
     "Command",
     "command",
+    "command_argv",
+    "command_cwd",
+    "command_env",
     "command_id",
+    "command_stdin",
     "command_timeout",
     "context",
     "fork_count",
@@ -64,10 +68,12 @@ class Command:
 def command(cmd: str | Sequence[str], cwd: str | None, envs: Mapping[str, str] | None,
             stdin: str | bytes | None) -> Command:
     """The command to run, or ``CommandError`` (``PathRefused`` for a cwd outside)."""
-    return Command(argv=_argv(cmd), cwd=_cwd(cwd), env=_env(envs), stdin=_stdin(stdin))
+    return Command(argv=command_argv(cmd), cwd=command_cwd(cwd), env=command_env(envs),
+                   stdin=command_stdin(stdin))
 
 
-def _argv(cmd: str | Sequence[str]) -> list[str]:
+def command_argv(cmd: str | Sequence[str]) -> list[str]:
+    """A command's argv: a shell string runs under ``/bin/bash -c``; or ``CommandError``."""
     if isinstance(cmd, str):
         if not cmd.strip():
             raise CommandError(_EMPTY_COMMAND)
@@ -99,7 +105,8 @@ def _argv(cmd: str | Sequence[str]) -> list[str]:
     return argv
 
 
-def _env(envs: Mapping[str, str] | None) -> dict[str, str]:
+def command_env(envs: Mapping[str, str] | None) -> dict[str, str]:
+    """A command's extra environment, or ``CommandError``."""
     env: dict[str, str] = {}
     total = 0
     for key, value in (envs or {}).items():
@@ -128,10 +135,11 @@ def _env(envs: Mapping[str, str] | None) -> dict[str, str]:
     return env
 
 
-def _cwd(cwd: str | None) -> str:
+def command_cwd(cwd: str | None) -> str:
     """Where the command starts: a relative path is under the workspace; an absolute one is
     taken as it is (normalised), since whether it exists and may be entered is the sandbox's
-    own answer (the tier's chdir, inside the sandbox), not the host-side workspace's."""
+    own answer (the tier's chdir, inside the sandbox), not the host-side workspace's.
+    ``PathRefused`` for a path that cannot be one."""
     if cwd is None:
         return "/workspace"
     if not isinstance(cwd, str) or not cwd.startswith("/"):
@@ -150,7 +158,8 @@ def _cwd(cwd: str | None) -> str:
     return "/" + normal.lstrip("/")
 
 
-def _stdin(stdin: str | bytes | None) -> bytes | None:
+def command_stdin(stdin: str | bytes | None) -> bytes | None:
+    """A command's stdin as bytes (text is UTF-8), or ``CommandError``."""
     data: bytes | None
     if stdin is None:
         data = None
