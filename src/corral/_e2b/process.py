@@ -14,17 +14,28 @@ import asyncio
 import base64
 import binascii
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
-from .._control.plane import MAX_PTY_SIZE, BackgroundProcess, Manager
+from .._control.plane import BackgroundProcess, Manager
 from ..errors import CommandError, CorralError, FileNotFound, PathRefused, SandboxNotFound
 from . import paths
 from .connect import ConnectError, client_stream, route, server_stream, unary
+from .messages import (
+    CloseStdin,
+    ConnectProcess,
+    InputChunk,
+    Selector,
+    SendInput,
+    SendSignal,
+    Start,
+    StreamInputMessage,
+    Update,
+)
 from .state import E2BState
 from .target import SandboxTarget, target_of
 
@@ -33,12 +44,9 @@ __all__ = ["end_event", "requested_user", "routes", "timeout_of"]
 Message = dict[str, Any]
 
 KEEPALIVE: Message = {"event": {"keepalive": {}}}
-_SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
-_UINT32 = 2**32 - 1
 # Who a command on this surface is: the sandbox's one unprivileged user.
 _USER = "user"
 _CONTEXT = {"surface": "e2b"}  # in the audit trail's command.started events
-_MAX_TAG = 256
 
 
 # -- pure: request parsing and the end event --------------------------------------------------
@@ -98,84 +106,6 @@ def _start_event(process: BackgroundProcess) -> Message:
     return {"event": {"start": {"pid": process.pid}}}
 
 
-def _object(message: Mapping[str, Any], key: str, *, required: bool = False) -> Mapping[str, Any]:
-    value = message.get(key)
-    if value is None:
-        if required:
-            raise ConnectError("invalid_argument", f"the request needs {key!r}")
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConnectError("invalid_argument", f"{key!r} must be an object")
-    return value
-
-
-def _uint32(value: object, name: str) -> int:
-    # Proto3 JSON sends uint32 as a number; accept its string form too.
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _UINT32:
-        raise ConnectError("invalid_argument", f"{name} must be a uint32, got {value!r}")
-    return value
-
-
-def _selector(message: Mapping[str, Any]) -> tuple[int | None, str | None]:
-    selector = _object(message, "process", required=True)
-    if selector.get("pid") is not None:
-        return _uint32(selector["pid"], "process.pid"), None
-    tag = selector.get("tag")
-    if isinstance(tag, str) and tag:
-        return None, tag
-    raise ConnectError("invalid_argument", "process must select a pid or a tag: "
-                       '{"process": {"pid": N}} or {"process": {"tag": "..."}}')
-
-
-def _input_bytes(message: Mapping[str, Any]) -> tuple[str, bytes]:
-    data = _object(message, "input", required=True)
-    for kind in ("stdin", "pty"):
-        if kind in data:
-            raw = data[kind]
-            if not isinstance(raw, str):
-                raise ConnectError("invalid_argument", f"input.{kind} must be base64 text")
-            try:
-                return kind, base64.b64decode(raw, validate=False)
-            except binascii.Error:
-                raise ConnectError("invalid_argument", f"input.{kind} is not valid base64") \
-                    from None
-    raise ConnectError("invalid_argument", 'input must hold "stdin" or "pty" (base64)')
-
-
-def _pty_size(message: Mapping[str, Any]) -> tuple[int, int] | None:
-    pty = _object(message, "pty")
-    if not pty:
-        return None
-    size = _object(pty, "size", required=True)
-    rows = _uint32(size.get("rows", 0), "pty.size.rows")
-    cols = _uint32(size.get("cols", 0), "pty.size.cols")
-    if not (0 < rows <= MAX_PTY_SIZE and 0 < cols <= MAX_PTY_SIZE):
-        raise ConnectError("invalid_argument", f"pty.size rows and cols must be 1..{MAX_PTY_SIZE}, "
-                           f"got {rows}x{cols}")
-    return rows, cols
-
-
-def _config(message: Mapping[str, Any]) -> tuple[list[str], dict[str, str], str | None]:
-    config = _object(message, "process", required=True)
-    cmd = config.get("cmd")
-    if not isinstance(cmd, str) or not cmd:
-        raise ConnectError("invalid_argument", "process.cmd must be a non-empty string (the "
-                           "program, e.g. /bin/bash)")
-    args = config.get("args") or []
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise ConnectError("invalid_argument", "process.args must be a list of strings")
-    envs = config.get("envs") or {}
-    if not isinstance(envs, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
-        raise ConnectError("invalid_argument", "process.envs must map strings to strings")
-    cwd = config.get("cwd")
-    if cwd is not None and not isinstance(cwd, str):
-        raise ConnectError("invalid_argument", "process.cwd must be a string")
-    return [cmd, *args], dict(envs), cwd or None
-
-
 def _info(process: BackgroundProcess) -> Message:
     config: Message = {"cmd": process.argv[0], "args": process.argv[1:], "envs": process.envs}
     if process.cwd is not None:
@@ -215,40 +145,34 @@ def _cwd(manager: Manager, target: SandboxTarget, cwd: str | None) -> str:
     return paths.to_e2b(inside)
 
 
-def _start(manager: Manager, target: SandboxTarget, message: Message,
+def _start(manager: Manager, target: SandboxTarget, request: Start,
            timeout: float | None, state: E2BState) -> BackgroundProcess:
-    argv, envs, cwd = _config(message)
-    pty = _pty_size(message)
-    tag = message.get("tag")
-    if tag is not None and (not isinstance(tag, str) or len(tag) > _MAX_TAG):
-        raise ConnectError("invalid_argument", f"tag must be a string of at most {_MAX_TAG} "
-                           "characters")
-    stdin = message.get("stdin")
-    if stdin is not None and not isinstance(stdin, bool):
-        raise ConnectError("invalid_argument", "stdin must be true or false")
+    config = request.process
+    cwd = config.cwd
     run_in = _cwd(manager, target, cwd)
     # envd's environment: PATH (the sandbox's), HOME and USER of the user, the sandbox's
     # envVars from create, then the request's.
-    environment = {"HOME": paths.HOME, "USER": _USER, **state.envs(target.sandbox_id), **envs}
+    environment = {"HOME": paths.HOME, "USER": _USER, **state.envs(target.sandbox_id),
+                   **config.envs}
     try:
         process = manager.processes.start(
-            target.sandbox_id, argv, envs=environment, cwd=run_in, context=_CONTEXT,
-            caller=target.owner, pty=pty, timeout=timeout, tag=tag or None,
+            target.sandbox_id, config.argv, envs=environment, cwd=run_in, context=_CONTEXT,
+            caller=target.owner, pty=None if request.pty is None else request.pty.pair,
+            timeout=timeout, tag=request.tag,
             lossless_output=True)  # envd's stream carries bytes, sent here byte for byte
     except CorralError as exc:
         # A start that failed in its thread carries the control plane's own error.
         cause = exc.__cause__
         raise (cause if isinstance(cause, CorralError) else exc) from None
-    process.envs = envs  # List shows the request's envs, as envd does
+    process.envs = dict(config.envs)  # List shows the request's envs, as envd does
     process.cwd = cwd
-    if stdin is False and pty is None:
+    if request.stdin is False and request.pty is None:
         process.close_input()
     return process
 
 
-def _find(manager: Manager, target: SandboxTarget, message: Mapping[str, Any]
-          ) -> BackgroundProcess:
-    pid, tag = _selector(message)
+def _find(manager: Manager, target: SandboxTarget, selector: Selector) -> BackgroundProcess:
+    pid, tag = selector.pid, selector.tag
     try:
         return manager.processes.find(target.sandbox_id, pid=pid, tag=tag)
     except CorralError:
@@ -323,8 +247,9 @@ async def _start_stream(message: Message, request: Request) -> AsyncIterator[Mes
     manager = _manager(request)
     requested_user(request.headers.get("authorization"))
     timeout = timeout_of(request.headers.get("connect-timeout-ms"))
+    start = Start.read(message)
     try:
-        process = await run_in_threadpool(_start, manager, target, message, timeout,
+        process = await run_in_threadpool(_start, manager, target, start, timeout,
                                           request.app.state.e2b)
     except CommandError as exc:
         raise ConnectError("invalid_argument", exc.message) from None
@@ -335,7 +260,8 @@ async def _start_stream(message: Message, request: Request) -> AsyncIterator[Mes
 async def _connect_stream(message: Message, request: Request) -> AsyncIterator[Message]:
     target = target_of(request)
     manager = _manager(request)
-    process = await run_in_threadpool(_find, manager, target, message)
+    selected = ConnectProcess.read(message)
+    process = await run_in_threadpool(_find, manager, target, selected.process)
     # Output from now on, no replay (envd's Connect); an exited process gets its end.
     async for event in _follow(manager, target, process, process.position):
         yield event
@@ -353,17 +279,18 @@ async def _list(message: Message, request: Request) -> Message:
 
 async def _send_input(message: Message, request: Request) -> Message:
     target = target_of(request)
-    process = await run_in_threadpool(_find, _manager(request), target, message)
-    await _write(process, *_input_bytes(message))
+    sent = SendInput.read(message)
+    process = await run_in_threadpool(_find, _manager(request), target, sent.process)
+    await _write(process, sent.input)
     return {}
 
 
-async def _write(process: BackgroundProcess, kind: str, data: bytes) -> None:
-    if kind == "pty" and process.pty is None:
+async def _write(process: BackgroundProcess, chunk: InputChunk) -> None:
+    if chunk.kind == "pty" and process.pty is None:
         raise ConnectError("failed_precondition", f"process {process.pid} has no terminal; "
                            "send its input as stdin")
     try:
-        await run_in_threadpool(process.send, data)
+        await run_in_threadpool(process.send, chunk.data)
     except CorralError:
         raise ConnectError("not_found", f"process {process.pid} is not running") from None
 
@@ -373,20 +300,17 @@ async def _stream_input(messages: AsyncIterator[Message], request: Request) -> M
     manager = _manager(request)
     process: BackgroundProcess | None = None
     async for message in messages:
-        if "start" in message:
+        part = StreamInputMessage.read(message)
+        if part.start is not None:
             if process is not None:
                 raise ConnectError("invalid_argument", "StreamInput takes one start message, "
                                    "first")
-            process = await run_in_threadpool(_find, manager, target,
-                                              _object(message, "start", required=True))
-        elif "data" in message:
+            process = await run_in_threadpool(_find, manager, target, part.start.process)
+        elif part.data is not None:
             if process is None:
                 raise ConnectError("invalid_argument", "StreamInput must begin with "
                                    '{"start": {"process": {"pid": N}}}')
-            await _write(process, *_input_bytes(_object(message, "data", required=True)))
-        elif "keepalive" not in message:
-            raise ConnectError("invalid_argument", "a StreamInput message is start, data or "
-                               "keepalive")
+            await _write(process, part.data)
     if process is None:
         raise ConnectError("invalid_argument", "StreamInput sent no start message")
     return {}
@@ -395,11 +319,8 @@ async def _stream_input(messages: AsyncIterator[Message], request: Request) -> M
 async def _send_signal(message: Message, request: Request) -> Message:
     target = target_of(request)
     manager = _manager(request)
-    signal = message.get("signal", "SIGNAL_UNSPECIFIED")
-    if signal not in _SIGNALS:
-        raise ConnectError("invalid_argument", f"signal {signal!r} is not supported; send "
-                           "SIGNAL_SIGKILL or SIGNAL_SIGTERM")
-    process = await run_in_threadpool(_find, manager, target, message)
+    signalled = SendSignal.read(message)  # SIGKILL or SIGTERM: both handled alike below
+    process = await run_in_threadpool(_find, manager, target, signalled.process)
     if process.state == "exited":
         raise ConnectError("not_found", f"process {process.pid} is not running")
     # Both end the whole process tree at once (the cgroup's kill): nothing inside may outlive
@@ -413,7 +334,8 @@ async def _send_signal(message: Message, request: Request) -> Message:
 
 async def _close_stdin(message: Message, request: Request) -> Message:
     target = target_of(request)
-    process = await run_in_threadpool(_find, _manager(request), target, message)
+    closing = CloseStdin.read(message)
+    process = await run_in_threadpool(_find, _manager(request), target, closing.process)
     if process.pty is not None:
         raise ConnectError("failed_precondition", f"process {process.pid} runs on a terminal, "
                            "which has no stdin to close; send Ctrl-D (0x04) as pty input")
@@ -425,12 +347,12 @@ async def _close_stdin(message: Message, request: Request) -> Message:
 
 async def _update(message: Message, request: Request) -> Message:
     target = target_of(request)
-    process = await run_in_threadpool(_find, _manager(request), target, message)
-    size = _pty_size(message)
-    if size is None:
+    update = Update.read(message)
+    process = await run_in_threadpool(_find, _manager(request), target, update.process)
+    if update.pty is None:
         return {}  # nothing to change
     try:
-        await run_in_threadpool(process.resize, *size)
+        await run_in_threadpool(process.resize, *update.pty.pair)
     except CorralError as exc:
         code = "not_found" if process.state == "exited" else "failed_precondition"
         raise ConnectError(code, exc.message) from None
