@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +24,6 @@ from corral._control.store import Store
 from corral._control.tenants import Ceiling, Tenant, TenantDirectory, local_tenant
 from corral._images import pull
 from corral.errors import CeilingExceeded, QuotaExceeded
-from corral.testing import memory_manager
-
-
-@pytest.fixture
-def manager(tmp_path: Path) -> Iterator[Manager]:
-    manager = memory_manager(tmp_path / "home")
-    yield manager
-    for info in manager.store.list():
-        manager._destroy(info, reason="cleanup")
-    manager.close()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import pytest
 from corral._audit.auditor import Auditor
 from corral._audit.budget import Budget, BudgetWatch, Overrun
 from corral._audit.retention import prune
+from corral._control.plane import Manager
 
 SBX = "sbx_000000000001"
 OTHER = "sbx_000000000002"
@@ -257,25 +258,20 @@ def test_the_control_plane_pauses_at_the_budget_and_refuses_to_resume(tmp_path: 
         mgr.close()
 
 
-def test_a_tier_that_cannot_pause_has_the_sandbox_destroyed(tmp_path: Path) -> None:
+def test_a_tier_that_cannot_pause_has_the_sandbox_destroyed(manager: Manager) -> None:
     from corral.errors import BackendError
-    from corral.testing import memory_manager
 
-    mgr = memory_manager(tmp_path)
-    try:
-        info = mgr.create()
+    info = manager.create()
 
-        def refuse(spec: object, paused: bool) -> None:
-            raise BackendError("this tier cannot pause")
+    def refuse(spec: object, paused: bool) -> None:
+        raise BackendError("this tier cannot pause")
 
-        mgr.backend.pause = refuse  # type: ignore[method-assign]
-        mgr.sandboxes.stop_over_budget(Overrun(info.id, "sandbox", "local", 9000, 8192))
-        events = _events(tmp_path / "audit", info.id)
-        assert [e["type"] for e in events][-2:] == ["audit.budget_exceeded", "sandbox.destroyed"]
-        assert events[-1]["data"]["reason"] == "audit-budget"
-        assert mgr.store.get(info.id) is None
-    finally:
-        mgr.close()
+    manager.backend.pause = refuse  # type: ignore[method-assign]
+    manager.sandboxes.stop_over_budget(Overrun(info.id, "sandbox", "local", 9000, 8192))
+    events = _events(manager.auditor.directory, info.id)
+    assert [e["type"] for e in events][-2:] == ["audit.budget_exceeded", "sandbox.destroyed"]
+    assert events[-1]["data"]["reason"] == "audit-budget"
+    assert manager.store.get(info.id) is None
 
 
 def test_a_tenants_audit_budgets_are_kept_changed_and_cleared(tmp_path: Path) -> None:

@@ -6,26 +6,13 @@ the dead process played by an owner that never existed (``PID.START`` that is no
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from corral._audit.inflight import InFlight, abandoned, unfinished
 from corral._control.manager import Manager
 from corral._core.owner import this_owner
-from corral.testing import memory_manager
 
 _DEAD = "1.1"  # pid 1 did not start at tick 1: no such process
-
-
-@pytest.fixture
-def manager(tmp_path: Path) -> Iterator[Manager]:
-    manager = memory_manager(tmp_path / "home")
-    yield manager
-    for info in manager.store.list():
-        manager._destroy(info, reason="cleanup")
-    manager.close()
 
 
 def _marks(manager: Manager) -> list[str]:

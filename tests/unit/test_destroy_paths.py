@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,18 +23,8 @@ from corral._mcp.server import CorralMCP, build_server
 from corral._server.app import create_app
 from corral._settings import Settings
 from corral.errors import CommandNotFound, SandboxExpired
-from corral.testing import memory_manager
 
 _BOUND_S = 30.0
-
-
-@pytest.fixture
-def manager(tmp_path: Path) -> Iterator[Manager]:
-    manager = memory_manager(tmp_path / "home")
-    yield manager
-    for info in manager.store.list():
-        manager._destroy(info, reason="cleanup")
-    manager.close()
 
 
 @pytest.fixture

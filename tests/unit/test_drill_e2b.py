@@ -4,7 +4,7 @@ against a surface whose gate has been broken on purpose (so each kind of case ca
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from corral._drill.target import ServiceAccess
 from corral._e2b.app import E2BApp, E2BConfig, create_e2b_app
 from corral._ids import from_e2b
 from corral.models import CommandResult, Usage
-from corral.testing import memory_manager
 
 from ..integration.servers import Server
 
@@ -111,15 +110,6 @@ def test_without_an_e2b_surface_the_cases_are_skipped_saying_why() -> None:
     assert all("E2B surface" in r.observed and "--e2b-port" in r.observed
                for r in report.results)
     assert report.ok
-
-
-@pytest.fixture
-def manager(tmp_path: Path) -> Iterator[Manager]:
-    manager = memory_manager(tmp_path / "home")
-    yield manager
-    for info in manager.list():
-        manager.destroy(info.id)
-    manager.close()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,22 +15,12 @@ from starlette.testclient import TestClient
 from corral._control.manager import Manager
 from corral._control.tenants import TenantDirectory
 from corral._e2b.app import E2BConfig, create_e2b_app
-from corral.testing import memory_manager
 
 BASE = "http://127.0.0.1"
 SANDBOX_FIELDS = {"templateID", "sandboxID", "clientID", "envdVersion", "envdAccessToken",
                   "trafficAccessToken", "domain"}
 DETAIL_FIELDS = SANDBOX_FIELDS | {"startedAt", "endAt", "cpuCount", "memoryMB", "diskSizeMB",
                                   "state", "metadata"}
-
-
-@pytest.fixture
-def manager(tmp_path: Path) -> Iterator[Manager]:
-    manager = memory_manager(tmp_path / "home")
-    yield manager
-    for info in manager.list():
-        manager.destroy(info.id)
-    manager.close()
 
 
 @pytest.fixture

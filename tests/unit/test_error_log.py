@@ -5,8 +5,6 @@ naming the error's class and message, clipped and on one line whatever the calle
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
@@ -17,7 +15,6 @@ from corral._e2b.app import E2BConfig, create_e2b_app
 from corral._serve.app import create_app
 from corral.backends import SandboxSpec
 from corral.errors import BackendError
-from corral.testing import memory_manager
 from corral.testing.backend import MemoryBackend
 
 BASE = "http://127.0.0.1"
@@ -35,12 +32,8 @@ class FailingBackend(MemoryBackend):
 
 
 @pytest.fixture
-def manager(tmp_path: Path) -> Iterator[Manager]:
-    manager = memory_manager(tmp_path / "home", backend=FailingBackend())
-    yield manager
-    for info in manager.store.list():
-        manager._destroy(info, reason="cleanup")
-    manager.close()
+def manager_backend() -> MemoryBackend:
+    return FailingBackend()
 
 
 def _lines(caplog: pytest.LogCaptureFixture, status: int) -> list[str]:

@@ -5,26 +5,20 @@ whitespace before it parses a number)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 
 from corral._control.manager import Manager
 from corral._serve.app import create_app
-from corral.testing import memory_manager
 
 BASE = "http://127.0.0.1"
 
 
 @pytest.fixture
-def api(tmp_path: Path) -> Iterator[tuple[TestClient, Manager]]:
-    manager = memory_manager(tmp_path / "home")
+def api(manager: Manager) -> Iterator[tuple[TestClient, Manager]]:
     with TestClient(create_app(manager), base_url=BASE) as client:
         yield client, manager
-    for info in manager.store.list():
-        manager._destroy(info, reason="cleanup")
-    manager.close()
 
 
 @pytest.mark.parametrize("port", ["1%0C", "%201", "1%20", "+1", "0x1", "1.0", "1_0", "１"])
