@@ -11,11 +11,16 @@ import pytest
 from corral._e2b.connect import ConnectError
 from corral._e2b.messages import (
     ConnectProcess,
+    ListDir,
+    Move,
+    PathRequest,
     SendInput,
     SendSignal,
     Start,
     StreamInputMessage,
     Update,
+    WatchDir,
+    WatcherRequest,
 )
 
 REFUSED: list[tuple[Any, dict[str, Any], str]] = [
@@ -43,6 +48,12 @@ REFUSED: list[tuple[Any, dict[str, Any], str]] = [
     (SendInput, {"process": {"pid": 1}, "input": {}}, 'input must hold "stdin" or "pty"'),
     (StreamInputMessage, {}, "a StreamInput message is start, data or keepalive"),
     (StreamInputMessage, {"data": {}}, "the request needs 'input'"),
+    (PathRequest, {}, "path is required (absolute, or relative to /home/user)"),
+    (ListDir, {"path": "x", "depth": -1}, "depth must be a non-negative integer"),
+    (ListDir, {"path": "x", "depth": 65}, "depth is at most 64"),
+    (Move, {"source": "a"}, "destination is required"),
+    (WatchDir, {"path": "a", "recursive": "yes"}, "recursive must be true or false"),
+    (WatcherRequest, {"watcherId": ""}, "watcherId is required (from CreateWatcher)"),
 ]
 
 
@@ -85,3 +96,22 @@ def test_selectors_inputs_and_signals() -> None:
     assert Update.read({"process": {"pid": 1}}).pty is None
     resized = Update.read({"process": {"pid": 1}, "pty": {"size": {"rows": 5, "cols": 6}}})
     assert resized.pty is not None and resized.pty.pair == (5, 6)
+
+
+def test_a_path_leaving_the_workspace_is_permission_denied() -> None:
+    with pytest.raises(ConnectError) as refused:
+        PathRequest.read({"path": "/etc/passwd"})
+    assert refused.value.code == "permission_denied"
+    assert "outside /home/user" in refused.value.message
+
+
+def test_filesystem_messages_are_typed_with_proto3_defaults() -> None:
+    assert PathRequest.read({"path": "notes.txt"}).path == "/workspace/notes.txt"
+    assert ListDir.read({"path": "/home/user"}).depth == 1
+    assert ListDir.read({"path": "/home/user", "depth": 0}).depth == 1
+    assert ListDir.read({"path": "/home/user", "depth": "3"}).depth == 3
+    watch = WatchDir.read({"path": "d", "include_entry": True})  # older SDKs' spelling
+    assert (watch.path, watch.recursive, watch.include_entry) == ("/workspace/d", False, True)
+    assert WatchDir.read({"path": "d", "includeEntry": True}).include_entry
+    assert WatcherRequest.read({"watcher_id": "w1"}).watcher_id == "w1"
+    assert WatcherRequest.read({"watcherId": "w2"}).watcher_id == "w2"

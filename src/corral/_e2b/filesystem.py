@@ -22,14 +22,14 @@ from ..errors import FileError, FileNotFound, PathRefused
 from ..models import FileEntry
 from . import paths
 from .connect import ConnectError, route, unary
+from .messages import ListDir, Move, PathRequest
 from .target import target_of
 
 __all__ = ["MAX_LIST_ENTRIES", "call", "check_user", "described", "entry_info",
-           "open_files", "routes", "workspace_path"]
+           "open_files", "routes"]
 
 #: A recursive ListDir answers at most this many entries (one unary message must stay small).
 MAX_LIST_ENTRIES = 10_000
-MAX_LIST_DEPTH = 64
 _FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY",
                "symlink": "FILE_TYPE_SYMLINK"}
 _TYPE_BITS = {"file": stat_mod.S_IFREG, "dir": stat_mod.S_IFDIR, "symlink": stat_mod.S_IFLNK}
@@ -56,17 +56,6 @@ def check_user(request: Request) -> None:
                            "no user")
     raise ConnectError("unauthenticated", f"error looking up user {user[:64]!r}: the only user "
                        "is 'user'")
-
-
-def workspace_path(message: dict[str, Any], key: str = "path") -> str:
-    raw = message.get(key)
-    if not isinstance(raw, str) or not raw:
-        raise ConnectError("invalid_argument", f"{key} is required (absolute, or relative to "
-                           f"{paths.HOME})")
-    try:
-        return paths.to_workspace(raw)
-    except PathRefused as exc:
-        raise ConnectError("permission_denied", exc.message) from None
 
 
 def _timestamp(seconds: float) -> str:
@@ -133,7 +122,7 @@ def _shown(message: str) -> str:
 
 
 async def stat(message: dict[str, Any], request: Request) -> dict[str, Any]:
-    path = workspace_path(message)
+    path = PathRequest.read(message).path
     files = await open_files(request)
     return {"entry": await call(lambda: described(files, files.stat(path)))}
 
@@ -168,21 +157,13 @@ def _list(files: AuditedFiles, path: str, depth: int) -> list[dict[str, Any]]:
 
 
 async def list_dir(message: dict[str, Any], request: Request) -> dict[str, Any]:
-    path = workspace_path(message)
-    depth = message.get("depth", 1)
-    if isinstance(depth, str) and depth.isdigit():
-        depth = int(depth)
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-        raise ConnectError("invalid_argument", "depth must be a non-negative integer")
-    depth = max(depth, 1)
-    if depth > MAX_LIST_DEPTH:
-        raise ConnectError("invalid_argument", f"depth is at most {MAX_LIST_DEPTH}")
+    listing = ListDir.read(message)
     files = await open_files(request)
-    return {"entries": await call(lambda: _list(files, path, depth))}
+    return {"entries": await call(lambda: _list(files, listing.path, listing.depth))}
 
 
 async def make_dir(message: dict[str, Any], request: Request) -> dict[str, Any]:
-    path = workspace_path(message)
+    path = PathRequest.read(message).path
     files = await open_files(request)
 
     def make() -> dict[str, Any]:
@@ -199,14 +180,14 @@ async def make_dir(message: dict[str, Any], request: Request) -> dict[str, Any]:
 
 
 async def move(message: dict[str, Any], request: Request) -> dict[str, Any]:
-    source = workspace_path(message, "source")
-    destination = workspace_path(message, "destination")
+    moving = Move.read(message)
     files = await open_files(request)
-    return {"entry": await call(lambda: described(files, files.rename(source, destination)))}
+    return {"entry": await call(lambda: described(files, files.rename(moving.source,
+                                                                      moving.destination)))}
 
 
 async def remove(message: dict[str, Any], request: Request) -> dict[str, Any]:
-    path = workspace_path(message)
+    path = PathRequest.read(message).path
     if path == "/workspace":
         raise ConnectError("permission_denied", f"{paths.HOME} itself cannot be removed (it "
                            "is the sandbox's workspace); remove what is in it")

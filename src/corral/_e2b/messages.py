@@ -1,4 +1,5 @@
-"""The messages of envd's process service that Corral reads, one frozen model each.
+"""The messages of envd's process and filesystem services that Corral reads, one frozen model
+each.
 
 A field's rule and its refusal are written once, on the model; handlers get typed values and
 never look into the raw JSON. Proto3's JSON mapping is followed where clients rely on it:
@@ -15,19 +16,36 @@ import binascii
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
 
 from .._control.plane import MAX_PTY_SIZE
+from ..errors import PathRefused
+from . import paths
 from .connect import ConnectError
 
-__all__ = ["CloseStdin", "ConnectProcess", "InputChunk", "ProcessConfig", "PtySize", "Selector",
-           "SendInput", "SendSignal", "SignalNumber", "Start", "StreamInputMessage", "Update"]
+__all__ = ["MAX_LIST_DEPTH", "CloseStdin", "ConnectProcess", "InputChunk", "ListDir", "Move",
+           "PathRequest", "ProcessConfig", "PtySize", "Selector", "SendInput", "SendSignal",
+           "SignalNumber", "Start", "StreamInputMessage", "Update", "WatchDir",
+           "WatcherRequest"]
 
 _UINT32 = 2**32 - 1
 MAX_TAG = 256
+MAX_LIST_DEPTH = 64
 #: envd's Signal enum, by name or number: both end the whole process tree (the cgroup's kill).
 _SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 SignalNumber = Literal[9, 15]
+
+
+#: An absent field's value: its rule runs on it too (``validate_default``) and says what absence
+#: means, a default or a refusal.
+_ABSENT: Any = None
 
 
 def _refuse(message: str) -> ConnectError:
@@ -167,7 +185,7 @@ class Start(_Message):
     """``Process/Start``: what to run, on a terminal or not, its tag, and whether its stdin
     stays open (envd closes it when ``stdin`` is false, unless on a terminal)."""
 
-    process: Annotated[ProcessConfig, _object("process", required=True)] = None  # type: ignore[assignment]
+    process: Annotated[ProcessConfig, _object("process", required=True)] = _ABSENT
     pty: Annotated[PtySize | None, _rule(_pty)] = None
     tag: Annotated[str | None, _rule(_tag)] = None
     stdin: Annotated[bool | None, _rule(_stdin)] = None
@@ -188,7 +206,7 @@ class Selector(_Message):
 
 
 class _Selected(_Message):
-    process: Annotated[Selector, _object("process", required=True)] = None  # type: ignore[assignment]
+    process: Annotated[Selector, _object("process", required=True)] = _ABSENT
 
 
 class ConnectProcess(_Selected):
@@ -216,8 +234,8 @@ def _signal(value: Any) -> int:
 class SendSignal(_Message):
     """``Process/SendSignal``: the signal is read first, then which process."""
 
-    signal: Annotated[SignalNumber, _rule(_signal)] = None  # type: ignore[assignment]
-    process: Annotated[Selector, _object("process", required=True)] = None  # type: ignore[assignment]
+    signal: Annotated[SignalNumber, _rule(_signal)] = _ABSENT
+    process: Annotated[Selector, _object("process", required=True)] = _ABSENT
 
 
 # -- input ----------------------------------------------------------------------------------------
@@ -254,11 +272,11 @@ def _input(value: Any) -> InputChunk:
 class SendInput(_Selected):
     """``Process/SendInput``."""
 
-    input: Annotated[InputChunk, _rule(_input)] = None  # type: ignore[assignment]
+    input: Annotated[InputChunk, _rule(_input)] = _ABSENT
 
 
 class _InputData(_Message):
-    input: Annotated[InputChunk, _rule(_input)] = None  # type: ignore[assignment]
+    input: Annotated[InputChunk, _rule(_input)] = _ABSENT
 
 
 class StreamInputMessage(_Message):
@@ -271,7 +289,7 @@ class StreamInputMessage(_Message):
     data: Annotated[InputChunk | None, _rule(
         lambda value: None if value is None else _InputData.read(_as_object("data", value)).input
     )] = None
-    keepalive: Annotated[bool, _rule(lambda value: value is not None)] = None  # type: ignore[assignment]
+    keepalive: Annotated[bool, _rule(lambda value: value is not None)] = _ABSENT
 
     def model_post_init(self, context: Any) -> None:
         if self.start is None and self.data is None and not self.keepalive:
@@ -282,3 +300,79 @@ def _as_object(key: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise _refuse(f"{key!r} must be an object")
     return value
+
+
+# -- the filesystem service -----------------------------------------------------------------------
+
+
+def _workspace_path(key: str) -> BeforeValidator:
+    """A path the SDK gives (absolute, or relative to the home), as the workspace's path;
+    one that leaves the workspace is ``permission_denied``, as envd's own refusal is."""
+
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise _refuse(f"{key} is required (absolute, or relative to {paths.HOME})")
+        try:
+            return paths.to_workspace(value)
+        except PathRefused as exc:
+            raise ConnectError("permission_denied", exc.message) from None
+
+    return BeforeValidator(check)
+
+
+class PathRequest(_Message):
+    """``Filesystem/Stat``, ``MakeDir`` and ``Remove``: one path."""
+
+    path: Annotated[str, _workspace_path("path")] = _ABSENT
+
+
+def _depth(value: Any) -> int:
+    depth = 1 if value is None else value
+    if isinstance(depth, str) and depth.isdigit():
+        depth = int(depth)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+        raise _refuse("depth must be a non-negative integer")
+    if depth > MAX_LIST_DEPTH:
+        raise _refuse(f"depth is at most {MAX_LIST_DEPTH}")
+    return max(depth, 1)  # proto3's default, 0, lists one level as envd does
+
+
+class ListDir(_Message):
+    path: Annotated[str, _workspace_path("path")] = _ABSENT
+    depth: Annotated[int, _rule(_depth)] = _ABSENT
+
+
+class Move(_Message):
+    source: Annotated[str, _workspace_path("source")] = _ABSENT
+    destination: Annotated[str, _workspace_path("destination")] = _ABSENT
+
+
+def _flag(name: str) -> BeforeValidator:
+    def check(value: Any) -> bool:
+        if value is not None and not isinstance(value, bool):
+            raise _refuse(f"{name} must be true or false")
+        return bool(value)
+
+    return BeforeValidator(check)
+
+
+class WatchDir(_Message):
+    """``Filesystem/WatchDir`` and ``CreateWatcher``. Older SDKs send ``include_entry``."""
+
+    path: Annotated[str, _workspace_path("path")] = _ABSENT
+    recursive: Annotated[bool, _flag("recursive")] = _ABSENT
+    include_entry: Annotated[bool, _flag("includeEntry")] = Field(
+        default=_ABSENT, validation_alias=AliasChoices("includeEntry", "include_entry"))
+
+
+def _watcher_id(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _refuse("watcherId is required (from CreateWatcher)")
+    return value
+
+
+class WatcherRequest(_Message):
+    """``Filesystem/GetWatcherEvents`` and ``RemoveWatcher``."""
+
+    watcher_id: Annotated[str, _rule(_watcher_id)] = Field(
+        default=_ABSENT, validation_alias=AliasChoices("watcherId", "watcher_id"))

@@ -28,6 +28,7 @@ from ..backends import DirWatch, WatchEvent
 from ..errors import FileError
 from . import filesystem as fs
 from .connect import ConnectError, route, server_stream, unary
+from .messages import WatchDir, WatcherRequest
 from .target import target_of
 
 __all__ = ["IDLE_S", "MAX_BUFFERED", "MAX_PER_SANDBOX", "Watchers", "routes"]
@@ -44,21 +45,10 @@ _EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE",
                 "chmod": "EVENT_TYPE_CHMOD"}
 
 
-def _flag(message: dict[str, Any], *names: str) -> bool:
-    for name in names:
-        value = message.get(name)
-        if value is not None:
-            if not isinstance(value, bool):
-                raise ConnectError("invalid_argument", f"{name} must be true or false")
-            return value
-    return False
-
-
 async def _open(message: dict[str, Any], request: Request
                 ) -> tuple[AuditedFiles, str, DirWatch, bool]:
-    path = fs.workspace_path(message)
-    recursive = _flag(message, "recursive")
-    include = _flag(message, "includeEntry", "include_entry")
+    asked = WatchDir.read(message)
+    path, recursive, include = asked.path, asked.recursive, asked.include_entry
     files = await fs.open_files(request)
 
     def start() -> DirWatch:
@@ -234,10 +224,7 @@ def _watchers(request: Request) -> Watchers:
 
 
 def _watcher_id(message: dict[str, Any]) -> str:
-    value = message.get("watcherId", message.get("watcher_id"))
-    if not isinstance(value, str) or not value:
-        raise ConnectError("invalid_argument", "watcherId is required (from CreateWatcher)")
-    return value
+    return WatcherRequest.read(message).watcher_id
 
 
 async def create_watcher(message: dict[str, Any], request: Request) -> dict[str, Any]:
