@@ -9,6 +9,7 @@ sandbox beyond them (its host uid, secret placeholders, last activity) is not pu
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -125,10 +126,16 @@ class CommandResult:
         """True when the command exited 0 without timing out."""
         return self.exit_code == 0 and not self.timed_out
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the text fields (the exact bytes travel base64-encoded, see the API)."""
+    def to_dict(self, *, exact_bytes: bool = False) -> dict[str, Any]:
+        """The JSON form: the REST API's answer and the CLI's ``--json`` (the SDK reads it back).
+        ``exact_bytes`` adds ``stdout_b64``/``stderr_b64``, the kept output byte-exact."""
         data = dataclasses.asdict(self)
         del data["stdout_bytes"], data["stderr_bytes"]
+        # The clock's digits past the microsecond are float noise, not information.
+        data["duration_s"] = round(self.duration_s, 6)
+        if exact_bytes:
+            for name, raw in (("stdout", self.stdout_bytes), ("stderr", self.stderr_bytes)):
+                data[f"{name}_b64"] = base64.b64encode(raw or b"").decode()
         return data
 
 

@@ -5,7 +5,6 @@ service (``CORRAL_URL``) alike.
 
 from __future__ import annotations
 
-import base64
 import sys
 import time
 from collections.abc import Sequence
@@ -75,11 +74,7 @@ def _run_and_report(
         context=context or None, output="bytes" if binary else "text",
     )
     if as_json:
-        data = _result_json(result)
-        if binary:
-            data["stdout_b64"] = base64.b64encode(result.stdout_bytes or b"").decode()
-            data["stderr_b64"] = base64.b64encode(result.stderr_bytes or b"").decode()
-        emit_json(data)
+        emit_json(result.to_dict(exact_bytes=binary))  # the API's own result form
     elif binary:
         # Byte-exact, once the command has ended (text output is decoded as it streams).
         sys.stdout.buffer.write(result.stdout_bytes or b"")
@@ -93,20 +88,6 @@ def _run_and_report(
         click.secho("corral: the command ran out of memory and was killed (OOM)", err=True,
                     fg="yellow")
     sys.exit(result.exit_code)
-
-
-def _result_json(result: CommandResult) -> dict[str, Any]:
-    return {
-        "exit_code": result.exit_code,
-        "stdout": result.stdout,
-        "stderr": result.stderr,
-        "timed_out": result.timed_out,
-        "duration_s": round(result.duration_s, 6),
-        "usage": result.usage.to_dict(),
-        "stdout_truncated": result.stdout_truncated,
-        "stderr_truncated": result.stderr_truncated,
-        "command_id": result.command_id,
-    }
 
 
 def _info_json(info: SandboxInfo) -> dict[str, Any]:

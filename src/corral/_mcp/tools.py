@@ -184,6 +184,8 @@ async def run_command(
                                "stdout")
     stderr, err_dropped = _cap(result.stderr, OUTPUT_CAP_BYTES, result.stderr_truncated,
                                "stderr")
+    # Not the API's result form (CommandResult.to_dict) on purpose: a model's context is the
+    # budget, so the text is capped and says so, and the one usage fact it acts on is flat.
     return {
         "sandbox_id": sb.id, "exit_code": result.exit_code, "stdout": stdout,
         "stderr": stderr, "timed_out": result.timed_out,

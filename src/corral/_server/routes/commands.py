@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import queue
 import threading
@@ -59,10 +58,7 @@ def _result_out(result: CommandResult, output: str,
     """A result on the wire. ``output="bytes"`` adds the exact bytes, base64-encoded. After a
     stream (``streamed``: the text each stream's events carried), the text is not sent again:
     only ``{stream}_tail``, what the events did not carry (the closing cut notice)."""
-    data = result.to_dict()
-    if output == "bytes":
-        for name, raw in (("stdout", result.stdout_bytes), ("stderr", result.stderr_bytes)):
-            data[f"{name}_b64"] = base64.b64encode(raw or b"").decode()
+    data = result.to_dict(exact_bytes=output == "bytes")
     for name, sent in (streamed or {}).items():
         text: str = data[name]
         if text.startswith(sent):  # else (never expected): send it whole, as before
