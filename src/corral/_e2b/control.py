@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .._control.plane import Manager, Tenant, ceiling_network
-from .._control.requests import Fork, SetTimeout
+from .._control.requests import SetTimeout
 from .._core.resources import get_tier
 from .._ids import from_e2b, to_e2b
 from ..errors import (
@@ -38,6 +38,13 @@ from ..errors import (
     SnapshotNotFound,
 )
 from ..models import SandboxInfo, SnapshotInfo
+from .bodies import (
+    ForkBody,
+    NetworkUpdate,
+    NewSandbox,
+    ResumeBody,
+    SnapshotBody,
+)
 from .common import (
     E2BHTTPError,
     endpoint,
@@ -57,11 +64,6 @@ __all__ = ["ENVD_VERSION", "MetricSamples", "routes", "sandbox_domain"]
 ENVD_VERSION = "0.5.7"
 DEFAULT_TIMEOUT_S = 300  # E2B's default when create omits it (SandboxBase.default_sandbox_timeout)
 _MAX_PAGE = 100
-_UNSUPPORTED_CREATE = {
-    "mcp": "MCP gateways inside sandboxes",
-}
-
-
 def _sandbox_id(request: Request) -> str:
     e2b_id = request.path_params["sandbox_id"]
     corral_id = from_e2b(e2b_id)
@@ -80,13 +82,6 @@ def _owned(manager: Manager, tenant: Tenant, corral_id: str) -> SandboxInfo:
         return manager.get(corral_id, tenant=_owner_filter(tenant))
     except SandboxNotFound:
         raise E2BHTTPError(404, f"sandbox {to_e2b(corral_id)!r} not found") from None
-
-
-def _lifetime(body: Mapping[str, Any], default: float | None = None) -> float | None:
-    """E2B's ``timeout`` (seconds), refused by the control plane's own rule and words."""
-    if body.get("timeout") is None:
-        return default
-    return SetTimeout.parse({"timeout": body["timeout"]}).timeout
 
 
 # -- shapes --------------------------------------------------------------------------------------
@@ -177,11 +172,8 @@ def _snapshot(snap: SnapshotInfo) -> dict[str, Any]:
 # -- create ------------------------------------------------------------------------------------
 
 
-def _template(request: Request, template_id: object) -> tuple[str | None, str | None]:
+def _template(request: Request, template_id: str) -> tuple[str | None, str | None]:
     """(Corral template, snapshot id) for E2B's ``templateID``."""
-    if not isinstance(template_id, str) or not template_id:
-        raise E2BHTTPError(400, "templateID is required: a template name ('base', "
-                           "'code-interpreter-v1') or a snapshot id")
     snapshot = from_e2b(template_id)
     if snapshot is not None and snapshot.startswith("snap_"):
         return None, snapshot
@@ -193,33 +185,15 @@ def _template(request: Request, template_id: object) -> tuple[str | None, str | 
     return templates.get(template_id, template_id), None
 
 
-def _is_address(rule: str) -> bool:
-    try:
-        ipaddress.ip_network(rule, strict=False)
-    except ValueError:
-        return False
-    return True
-
-
-def _network(request: Request, body: Mapping[str, Any], tenant: Tenant) -> dict[str, Any] | None:
-    """Corral's egress policy for E2B's ``allow_internet_access`` and ``network``.
+def _network(request: Request, allow_out: list[str], internet_asked: bool | None,
+             tenant: Tenant) -> dict[str, Any] | None:
+    """Corral's egress policy for E2B's ``network.allowOut`` and ``allow_internet_access``.
 
     Corral never gives raw internet: "internet" means the hosts the tenant's ceiling allows,
     and nothing when it allows none (the gateway then refuses every connection, saying why).
     """
-    network = body.get("network") or {}
-    if not isinstance(network, dict):
-        raise E2BHTTPError(400, "network must be an object")
-    allow_out = network.get("allowOut") or []
-    if not isinstance(allow_out, list) or not all(isinstance(h, str) for h in allow_out):
-        raise E2BHTTPError(400, "network.allowOut must be a list of host names")
-    for rule in allow_out:
-        if _is_address(rule):
-            raise E2BHTTPError(400, f"network.allowOut {rule!r}: Corral's egress gateway "
-                               "allows host names (api.example.com, *.example.com), not IP "
-                               "addresses or ranges")
     internet = None
-    if body.get("allow_internet_access") is True or body.get("allowInternetAccess") is True:
+    if internet_asked:
         manager = manager_of(request)
         # With pip and npm pointed at the operator's index when the ceiling covers it, so a
         # kernel's `!pip install` finds packages where the tenant may reach them.
@@ -230,68 +204,24 @@ def _network(request: Request, body: Mapping[str, Any], tenant: Tenant) -> dict[
     return {**(internet or {}), "allow": allow}
 
 
-def _volume_mounts(value: object) -> dict[str, str]:
-    """E2B's ``volumeMounts`` ``[{name, path}]``: Corral volumes of the caller's tenant by
-    name (made with ``corral volumes create`` or the SDK's ``Volume.create``)."""
-    if value is None:
-        return {}
-    if not isinstance(value, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("name"), str)
-            and isinstance(m.get("path"), str) for m in value):
-        raise E2BHTTPError(400, "volumeMounts must be a list of {name, path}")
-    return {m["name"]: m["path"] for m in value}
-
-
-_LIFECYCLE_NOTICE = ("on_timeout='pause' (autoPause) and autoResume are not available yet "
-                     "(they come with hibernation): this sandbox is killed at its timeout, as "
-                     "its lifecycle says; extend its life with set_timeout")
-
-
-def _lifecycle_notice(body: Mapping[str, Any]) -> str | None:
-    """Corral kills a sandbox at its timeout; it cannot pause one then (that comes with
-    hibernation). A request for it is taken, since agent frameworks ask for it by default
-    (OpenAI Agents' E2B client: on_timeout="pause", auto_resume=True) and refusing would stop
-    them at their first call, but never stored as if it were kept: the sandbox's ``lifecycle``
-    says ``kill`` and the answer carries this notice (``X-Corral-Notice``)."""
-    resume = body.get("autoResume")
-    if body.get("autoPause") is True or (isinstance(resume, dict)
-                                         and resume.get("enabled") is True):
-        return _LIFECYCLE_NOTICE
-    return None
-
-
 @endpoint
 async def create_sandbox(request: Request) -> Response:
-    body = await json_body(request)
+    asked = NewSandbox.read(await json_body(request))
     tenant = tenant_of(request)
     manager = manager_of(request)
-    for key, what in _UNSUPPORTED_CREATE.items():
-        if body.get(key):
-            raise E2BHTTPError(400, f"{key}: Corral does not offer {what}")
-    notice = _lifecycle_notice(body)
-    template, snapshot = _template(request, body.get("templateID"))
-    timeout = _lifetime(body, DEFAULT_TIMEOUT_S)
-    metadata = body.get("metadata") or {}
-    envs = body.get("envVars") or {}
-    if not isinstance(metadata, dict) or not isinstance(envs, dict):
-        raise E2BHTTPError(400, "metadata and envVars must be objects of strings")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
-        raise E2BHTTPError(400, "envVars must map names to string values")
-    from .._control.plane import validate
-
-    validate.command(["true"], None, envs, None)  # the same rules as any command's env
-    network = _network(request, body, tenant)
-    asked_internet = body.get("allow_internet_access", body.get("allowInternetAccess"))
-    volumes = _volume_mounts(body.get("volumeMounts"))
+    notice = asked.lifecycle_notice
+    template, snapshot = _template(request, asked.template_id)
+    timeout = DEFAULT_TIMEOUT_S if asked.timeout is None else asked.timeout
+    network = _network(request, asked.network.allow_out, asked.allow_internet_access, tenant)
 
     def create() -> SandboxInfo:
         info = manager.create(template=template, snapshot=snapshot, timeout=timeout,
-                              labels=metadata, network=network, caller=tenant,
-                              volumes=volumes or None)
+                              labels=asked.metadata, network=network, caller=tenant,
+                              volumes=asked.volume_mounts or None)
         state: E2BState = request.app.state.e2b
         state.remember(E2BSandbox(
-            id=info.id, template_id=body["templateID"], envs=dict(envs),
-            internet=asked_internet if isinstance(asked_internet, bool) else None,
+            id=info.id, template_id=asked.template_id, envs=dict(asked.env_vars),
+            internet=asked.allow_internet_access,
             auto_pause=False))
         return info
 
@@ -424,10 +354,8 @@ async def set_timeout(request: Request) -> Response:
 async def _connect(request: Request, *, resume_only: bool) -> Response:
     manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await json_body(request)
-    # E2B's resume takes autoPause too (SDK 1.x's resume(auto_pause=))
-    notice = _lifecycle_notice(body)
-    timeout = _lifetime(body)
+    asked = ResumeBody.read(await json_body(request))
+    notice, timeout = asked.lifecycle_notice, asked.timeout
 
     def connect() -> tuple[SandboxInfo, bool]:
         info = _owned(manager, tenant, corral_id)
@@ -621,8 +549,8 @@ class MetricSamples:
 async def update_network(request: Request) -> Response:
     manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await json_body(request)
-    network = _network(request, {"network": body, **body}, tenant)
+    asked = NetworkUpdate.read(await json_body(request))
+    network = _network(request, asked.allow_out, asked.allow_internet_access, tenant)
 
     def change() -> None:
         _owned(manager, tenant, corral_id)
@@ -639,11 +567,8 @@ async def update_network(request: Request) -> Response:
 async def create_snapshot(request: Request) -> Response:
     manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await json_body(request)
-    name = body.get("name")
-    if name is not None and not isinstance(name, str):
-        raise E2BHTTPError(400, "name must be a string")
-    memory = _memory_field(body)
+    asked = SnapshotBody.read(await json_body(request))
+    name, memory = asked.name, asked.memory
 
     def snap() -> SnapshotInfo:
         _owned(manager, tenant, corral_id)
@@ -653,13 +578,6 @@ async def create_snapshot(request: Request) -> Response:
                                 tenant=_owner_filter(tenant), memory=memory)
 
     return JSONResponse(_snapshot(await run_in_threadpool(snap)), status_code=201)
-
-
-def _memory_field(body: dict[str, Any]) -> bool:
-    memory = body.get("memory", False)
-    if not isinstance(memory, bool):
-        raise E2BHTTPError(400, "memory must be true or false")
-    return memory
 
 
 @endpoint
@@ -710,10 +628,8 @@ async def delete_snapshot(request: Request) -> Response:
 async def fork_sandbox(request: Request) -> Response:
     manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
-    body = await json_body(request)
-    count = Fork.parse({"count": body.get("count", 1)}).count
-    timeout = _lifetime(body)
-    memory = _memory_field(body)
+    asked = ForkBody.read(await json_body(request))
+    count, timeout, memory = asked.count, asked.timeout, asked.memory
 
     def fork() -> list[SandboxInfo]:
         _owned(manager, tenant, corral_id)
