@@ -227,6 +227,13 @@ def _ui_router() -> APIRouter:
             LOCAL_TENANT, 0), "keys": keys.get(LOCAL_TENANT, [])})
         return rows
 
+    @router.get("/ui/api/drill")
+    def drill_categories(who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
+        """The drill's categories, in its own order, each with its number of cases: what the
+        drill page offers to run."""
+        _operator(who)
+        return {"categories": drills.categories(manager)}
+
     @router.post("/ui/api/drill", status_code=202)
     def start_drill(body: DrillRequest, who: TenantDep, manager: ManagerDep) -> dict[str, Any]:
         """Run the drill against this service's own configuration, in a process of its own
@@ -323,8 +330,8 @@ def _operator(who: Tenant) -> None:
                           "--operator`, or the keyless service on loopback)")
 
 
-# A category's spelling; which names exist is the drill's to say (``check``), so the
-# dashboard does not import the drill package.
+# A category's spelling; which names exist is the drill's to say (``categories``, ``check``),
+# so the dashboard does not import the drill package.
 _CategoryName = Annotated[str, Field(min_length=1, max_length=40, pattern=r"^[a-z0-9][a-z0-9-]*$")]
 
 
@@ -335,31 +342,44 @@ class DrillRequest(BaseModel):
 
 class _Drills:
     """The drill runs started from the dashboard, one at a time, each ``corral drill --json``
-    in a process of its own over the service's data directory (the CLI's drill, unchanged)."""
+    in a process of its own over the service's data directory (the CLI's drill, unchanged).
+
+    The drill sits above the surfaces (``_drill`` runs them), so this surface never imports
+    it: what it knows of the drill, it asks the drill's command."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._runs: dict[str, dict[str, Any]] = {}
+        self._listing = threading.Lock()
+        self._categories: list[dict[str, Any]] | None = None
+
+    def categories(self, manager: Manager) -> list[dict[str, Any]]:
+        """``{"name", "cases"}`` for each category with cases, in the drill's order: listed
+        once by ``corral drill --list`` (about a second), then kept, since the drill's cases
+        are the installed package's."""
+        with self._listing:
+            if self._categories is None:
+                done = _list_cases(manager, ())
+                if done.returncode != 0:
+                    said = _said(done) or f"it exited with {done.returncode}"
+                    raise CorralError(f"the drill could not list its cases: {said}"[:500])
+                counts: dict[str, int] = {}
+                for case in json.loads(done.stdout):
+                    counts[case["category"]] = counts.get(case["category"], 0) + 1
+                self._categories = [{"name": n, "cases": c} for n, c in counts.items()]
+            return self._categories
 
     def check(self, manager: Manager, categories: Sequence[str]) -> None:
-        """Refuse unknown category names with the drill's own message (``corral drill --list``
-        with them, which lists cases and starts nothing), before a run is started."""
-        if not categories:
+        """Refuse unknown category names, with the drill's own message, before a run is
+        started."""
+        if not categories or {c["name"] for c in self.categories(manager)}.issuperset(
+                categories):
             return
-        env = _drill_env(manager)
-        try:
-            done = subprocess.run(_drill_argv(categories, "--list"), env=env,
-                                  capture_output=True, stdin=subprocess.DEVNULL,
-                                  timeout=_DRILL_CHECK_TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            raise SandboxBusy("the drill did not list its cases in "
-                              f"{_DRILL_CHECK_TIMEOUT_S} s; try again") from exc
-        if done.returncode == 0:
-            return
-        said = [line.strip() for line in done.stderr.decode(errors="replace").splitlines()
-                if line.strip().startswith("Error:")]
-        raise UsageError((said[-1].removeprefix("Error:").strip() if said else
-                          f"the drill refused these categories (exit {done.returncode})")[:500])
+        # The drill says why, in its words (``--list`` with them lists cases, starts nothing).
+        done = _list_cases(manager, categories)
+        if done.returncode != 0:
+            raise UsageError((_said(done) or "the drill refused these categories "
+                              f"(exit {done.returncode})")[:500])
 
     def start(self, manager: Manager, categories: Sequence[str]) -> dict[str, Any]:
         with self._lock:
@@ -401,6 +421,25 @@ class _Drills:
         if run is None:
             raise UsageError(f"no drill run {run_id[:40]!r} (runs are kept until the next one)")
         return dict(run)
+
+
+def _list_cases(manager: Manager, categories: Sequence[str]
+                ) -> subprocess.CompletedProcess[bytes]:
+    """``corral drill --json --list``, of ``categories`` (all if none)."""
+    try:
+        return subprocess.run(_drill_argv(categories, "--list"), env=_drill_env(manager),
+                              capture_output=True, stdin=subprocess.DEVNULL,
+                              timeout=_DRILL_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        raise SandboxBusy("the drill did not list its cases in "
+                          f"{_DRILL_CHECK_TIMEOUT_S} s; try again") from exc
+
+
+def _said(done: subprocess.CompletedProcess[bytes]) -> str | None:
+    """Why the drill's command refused: its last ``Error:`` line, if it wrote one."""
+    said = [line.strip() for line in done.stderr.decode(errors="replace").splitlines()
+            if line.strip().startswith("Error:")]
+    return said[-1].removeprefix("Error:").strip() if said else None
 
 
 def _drill_argv(categories: Sequence[str], *extra: str) -> list[str]:

@@ -799,27 +799,23 @@ async function tenantsPage(signal) {
     el("td", {}, t.keys.map((k) => el("span", { class: "label", text: `${k.id}${k.revoked ? " (revoked)" : ""}` }))))));
 }
 
-const CATEGORIES = ["network", "credentials", "filesystem", "privilege", "resources", "control", "caller", "e2b"];
-
 async function drillPage(signal) {
-  const boxes = CATEGORIES.map((c) => el("label", { class: "check" },
-    el("input", { type: "checkbox", value: c }), ` ${c}`));
+  const categories = el("div", { class: "row", role: "group", "aria-label": "Categories" });
   const state = el("p", { class: "muted", role: "status" });
   const report = el("div");
-  const start = el("button", { class: "primary", type: "button", text: "Run the drill" });
+  const start = el("button", { class: "primary", type: "button", text: "Run the drill", disabled: true });
   page("Drill", el("p", { class: "muted", text: "Attacks a hijacked agent would try, run against this " +
     "service's own configuration: each case holds, or is a breach with its evidence. Pick categories, " +
     "or none for all (a few minutes)." }),
-    el("div", { class: "row", role: "group", "aria-label": "Categories" }, boxes), el("div", { class: "row" }, start),
-    state, report);
+    categories, el("div", { class: "row" }, start), state, report);
   start.addEventListener("click", async () => {
     start.disabled = true;
     report.replaceChildren();
     try {
-      const categories = boxes.map((b) => b.querySelector("input")).filter((i) => i.checked).map((i) => i.value);
-      let run = await (await api("/ui/api/drill", { method: "POST", json: { categories }, signal })).json();
+      const picked = [...categories.querySelectorAll("input:checked")].map((i) => i.value);
+      let run = await (await api("/ui/api/drill", { method: "POST", json: { categories: picked }, signal })).json();
       while (run.state === "running") {
-        state.textContent = `Running ${categories.join(", ") || "every category"}… ${Math.round(Date.now() / 1000 - run.started_at)} s`;
+        state.textContent = `Running ${picked.join(", ") || "every category"}… ${Math.round(Date.now() / 1000 - run.started_at)} s`;
         await new Promise((resolve) => setTimeout(resolve, 1000));
         run = await (await api(`/ui/api/drill/${run.id}`, { signal })).json();
       }
@@ -829,6 +825,14 @@ async function drillPage(signal) {
     } catch (failure) { if (!signal.aborted) state.textContent = `The drill could not run: ${failure.message}`; }
     start.disabled = false;
   });
+  // The drill's own list (the service asks the drill once): a case added there shows here.
+  state.textContent = "Listing the drill's categories…";
+  const listed = await (await api("/ui/api/drill", { signal })).json();
+  categories.replaceChildren(...listed.categories.map((c) => el("label",
+    { class: "check", title: `${c.cases} case${c.cases === 1 ? "" : "s"}` },
+    el("input", { type: "checkbox", value: c.name }), ` ${c.name}`)));
+  state.textContent = "";
+  start.disabled = false;
 }
 
 function drillReport(report) {
