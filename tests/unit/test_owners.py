@@ -60,3 +60,15 @@ def test_the_remembered_owners_are_bounded(plane: Manager) -> None:
         assert owners.of(sandbox_id) == "local"
     assert owners.known(made[0]) is None  # the oldest went first
     assert owners.known(made[1]) == owners.known(made[2]) == "local"
+
+
+def test_key_presence_is_live_and_ever_in_one_read(plane: Manager) -> None:
+    store = plane.store
+    assert store.key_presence() == (False, False)
+    tenants = TenantDirectory(store)
+    tenants.add_tenant("acme")
+    key_id, _ = tenants.create_key("acme")
+    assert store.key_presence() == (True, True)
+    store.revoke_key(key_id)
+    # Revoking the last key does not reopen a loopback service (keys_have_existed).
+    assert store.key_presence() == (False, True)

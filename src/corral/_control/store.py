@@ -743,6 +743,15 @@ class Store:
             return int(self._db.execute(
                 "SELECT COUNT(*) FROM api_keys WHERE revoked = 0").fetchone()[0])
 
+    def key_presence(self) -> tuple[bool, bool]:
+        """(whether a live API key exists, whether any ever did), in one read: what a
+        loopback service asks on every request."""
+        with self._lock:
+            live, ever = self._db.execute(
+                "SELECT EXISTS(SELECT 1 FROM api_keys WHERE revoked = 0), "
+                "EXISTS(SELECT 1 FROM flags WHERE name = 'keys_have_existed')").fetchone()
+        return bool(live), bool(ever)
+
     def keys_have_existed(self) -> bool:
         """Whether any API key was ever created in this store (revoked or not)."""
         with self._lock:

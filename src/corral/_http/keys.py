@@ -33,8 +33,12 @@ def key_authenticator(store: Store, tenants: TenantDirectory, *, loopback: bool,
     existed (unless ``allow_keyless``): revoking the last key must not silently reopen it."""
 
     def check(header: str | None) -> Tenant:
-        required = not loopback or store.live_key_count() > 0
-        if not required and not allow_keyless and store.keys_have_existed():
+        if loopback:
+            live, ever = store.key_presence()
+            required = live
+        else:
+            required, ever = True, True
+        if not required and not allow_keyless and ever:
             if not header:
                 raise AuthError(
                     "an API key is required: every key of this service has been revoked, and "
