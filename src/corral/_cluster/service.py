@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._control.plane import Store, Tenant, TenantDirectory, validate
 from .._http.bodies import BODY_LIMITS
 from .._http.deps import scope as scope_of
+from .._http.errors import Failure, as_native, failure
 from .._http.guard import (
     Authenticate,
     BodyLimit,
@@ -150,12 +151,13 @@ class _Gateway:
         try:
             await self._dispatch(scope, receive, send)
         except (CorralError, GatewayError) as exc:
-            status = exc.status
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008,
                             "reason": exc.message[:120]})
                 return
-            await send_json(send, status, {"error": exc.code, "message": exc.message})
+            failed = failure(exc) if isinstance(exc, CorralError) else Failure(
+                exc.status, exc.code, exc.message, exc)
+            await send_json(send, *as_native(failed))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -499,7 +501,8 @@ def create_cluster_app(cluster: Cluster, store: Store, *, listen_host: str = "12
 
     @pages.exception_handler(CorralError)
     async def refused(request: Request, exc: CorralError) -> JSONResponse:
-        return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status)
+        status, body = as_native(failure(exc))
+        return JSONResponse(body, status_code=status)
 
     gateway = _Gateway(cluster, tenants, pages)
     app: ASGIApp = OriginGuard(gateway, names=names)

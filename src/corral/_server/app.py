@@ -10,7 +10,6 @@ dashboard is mounted on it by ``corral._serve.app``, not here.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .._control.plane import Manager, PortURLs
 from .._control.requests import refusal
 from .._http.bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
-from .._http.errorlog import ServerErrorLog, note
+from .._http.errorlog import ServerErrorLog
+from .._http.errors import as_native, failure
 from .._http.guard import (
     AnyName,
     Authenticate,
@@ -54,9 +54,6 @@ from .schemas import _ERRORS
 # The body limits are part of the service's contract; importable from here, as before.
 __all__ = ["BODY_LIMITS", "LOOPBACK_PORTS_DOMAIN", "MAX_COMMAND_BODY", "MAX_FILE_BODY",
            "MAX_JSON_BODY", "create_app"]
-
-
-logger = logging.getLogger(__name__)
 
 
 #: The ports domain of a service only browsers on this machine reach, when it names none.
@@ -127,33 +124,23 @@ def create_app(manager: Manager, *, listen_host: str = "127.0.0.1",
         manager.ports.configure(PortURLs(base=manager.ports.urls.base, domain=ports_domain))
     app.add_middleware(PortRouting, proxy=PortProxy(manager, tenants), names=names)
 
+    # Every failure is answered in Corral's own JSON (``corral._http.errors``): a Corral error,
+    # the framework's own refusal (unparseable JSON, unknown route, wrong method), the request
+    # models' refusal, and an exception nobody meant (a 500 that says nothing of it).
     @app.exception_handler(CorralError)
-    async def corral_error(request: Request, exc: CorralError) -> JSONResponse:
-        note(exc)  # a 5xx made of it is logged with its class and message
-        return JSONResponse({"error": exc.code, "message": exc.message}, status_code=exc.status)
-
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Raised by the framework itself (unparseable JSON, unknown route, wrong method).
-        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(
-            exc.status_code, "http_error")
-        return JSONResponse({"error": code, "message": str(exc.detail)},
-                            status_code=exc.status_code, headers=exc.headers)
-
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse({"error": "internal_error",
-                             "message": "an internal error occurred; the server log has details"},
-                            status_code=500)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        status, body = as_native(failure(exc, where=f"{request.method} {request.url.path}"))
+        headers = exc.headers if isinstance(exc, StarletteHTTPException) else None
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # The request models' own refusal: a control plane rule's error (the class the
-        # embedded SDK raises), or the shape's problems as one InvalidRequestError.
-        refused = refusal(exc.errors())
-        return JSONResponse({"error": refused.code, "message": refused.message},
-                            status_code=refused.status)
+        # A control plane rule's error (the class the embedded SDK raises), or the shape's
+        # problems as one InvalidRequestError.
+        status, body = as_native(failure(refusal(exc.errors())))
+        return JSONResponse(body, status_code=status)
 
     # Included in this order, the order of the OpenAPI document's paths.
     for module in (sandboxes, snapshots, commands, processes, code, files, ports, volumes, audit):
