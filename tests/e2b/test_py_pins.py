@@ -111,7 +111,7 @@ def test_honest_surface(served: Served) -> None:
 
 
 def test_refusals_for_a_corral_reason_say_what_to_do() -> None:
-    from corral._e2b.connect import hinted
+    from corral._http.errors import hinted
     from corral.errors import BackendUnavailable, CeilingExceeded, QuotaExceeded
 
     assert hinted(BackendUnavailable("gVisor is not installed")).endswith(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .._control.plane import Manager, Tenant, TenantDirectory, Who, local_tenant
 from .._http.errorlog import PROXIED, ServerErrorLog
+from .._http.errors import as_connect, as_e2b, failure, refused
 from .._http.guard import AnyName, BodyLimit, BodyLimits, ServiceNames
 from .._http.portproxy import PortProxy, Target
 from .._http.relay import send_json as _send_json
@@ -55,8 +55,6 @@ from .target import ENVD_PORT, JUPYTER_PORT, SCOPE_KEY, TENANT_KEY, SandboxTarge
 from .tokens import SandboxTokens
 
 __all__ = ["E2BConfig", "E2BApp", "create_e2b_app"]
-
-logger = logging.getLogger(__name__)
 
 _CONNECT_PATH = re.compile(r"/(process\.Process|filesystem\.Filesystem)/[A-Za-z]+")
 # What envd and the code interpreter serve. Old SDKs (≤ 2.20) send the E2b-Sandbox-* headers
@@ -146,24 +144,16 @@ def _url_mode_sandbox(scope: Scope, host: str) -> tuple[str, int] | None:
     return match.group(2), int(match.group(1))
 
 
-def e2b_error(status: int, message: str) -> dict[str, Any]:
-    return {"code": status, "message": message}
-
-
 async def _refuse(scope: Scope, send: Send, status: int, message: str) -> None:
     """An E2B-shaped refusal: Connect JSON on RPC paths, ``{"code","message"}`` elsewhere."""
-    if _CONNECT_PATH.fullmatch(scope.get("path", "")):
-        code = {401: "unauthenticated", 403: "permission_denied", 404: "not_found",
-                413: "resource_exhausted", 421: "invalid_argument", 429: "resource_exhausted",
-                502: "unavailable"}.get(status, "internal" if status >= 500 else
-                                        "invalid_argument")
-        await _send_json(send, status, {"code": code, "message": message})
-    else:
-        await _send_json(send, status, e2b_error(status, message))
+    shape = as_connect if _CONNECT_PATH.fullmatch(scope.get("path", "")) else as_e2b
+    await _send_json(send, *shape(refused(status, message)))
 
 
 def _render_refusal(error: CorralError) -> tuple[int, bytes]:
-    return error.status, json.dumps(e2b_error(error.status, error.message)).encode()
+    # The listener's own refusal, like its Host and key ones: its status (413) stands.
+    status, body = as_e2b(refused(error.status, error.message))
+    return status, json.dumps(body).encode()
 
 
 def _sandbox_gone(e2b_id: str) -> dict[str, Any]:
@@ -251,16 +241,16 @@ class E2BApp:
             await self._logged(scope, receive, tracked)
         except HTTPException as exc:  # the router's own: unknown path, wrong method
             if not started:
-                message = ("no such endpoint in Corral's E2B API" if exc.status_code == 404
-                           else str(exc.detail))
-                await _refuse(scope, send, exc.status_code, f"{message}: {scope['method']} "
+                failed = failure(exc)
+                message = ("no such endpoint in Corral's E2B API" if failed.status == 404
+                           else failed.message)
+                await _refuse(scope, send, failed.status, f"{message}: {scope['method']} "
                               f"{scope['path'][:120]}")
-        except Exception:
-            logger.exception("unhandled error in the E2B surface: %s %s", scope.get("method"),
-                             scope.get("path"))
+        except Exception as exc:
+            failed = failure(exc, where=f"the E2B surface: {scope.get('method')} "
+                                        f"{scope.get('path')}")
             if not started:
-                await _refuse(scope, send, 500, "an internal error occurred; the server log "
-                              "has details")
+                await _refuse(scope, send, failed.status, failed.message)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Only an app's own port has WebSockets (envd and the interpreter have none): by
@@ -312,8 +302,8 @@ class E2BApp:
         def render(status: int, code: str, message: str) -> tuple[int, dict[str, Any]]:
             if code == "port_closed":  # the SDKs raise SandboxUnreachable for this message
                 message = f"The sandbox is running but port is not open ({message})"
-            return status, {"sandboxId": e2b_id, "port": port, "code": status,
-                            "message": message}
+            status, body = as_e2b(refused(status, message))
+            return status, {"sandboxId": e2b_id, "port": port, **body}
 
         await self.ports.serve(scope, receive, send, target, record, Who("e2b"), render=render)
 

@@ -1,6 +1,7 @@
 """What every route of the E2B control plane's REST API shares (``control``, ``templates``):
-its error answer (``{"code", "message"}``), the wrapper that turns errors into it, and what a
-request carries (the Manager, the authenticated tenant, a JSON object body)."""
+the wrapper that answers errors in E2B's shape (``{"code", "message"}``, made by
+``corral._http.errors.as_e2b``), and what a request carries (the Manager, the authenticated
+tenant, a JSON object body)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .._control.plane import Manager, Tenant
-from .._http.errorlog import note
+from .._http.errors import as_e2b, failure, refused
 from ..errors import CorralError
-from .connect import hinted
 from .target import TENANT_KEY
 
-__all__ = ["E2BHTTPError", "Handler", "endpoint", "error_response", "json_body", "manager_of",
-           "tenant_of"]
+__all__ = ["E2BHTTPError", "Handler", "endpoint", "json_body", "manager_of", "tenant_of"]
 
 
 class E2BHTTPError(Exception):
@@ -29,17 +28,6 @@ class E2BHTTPError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
-
-
-def _from_corral(exc: CorralError) -> JSONResponse:
-    note(exc)  # a 5xx made of it is logged with its class and message
-    status = exc.status if exc.status in (400, 401, 403, 404, 409, 429, 500, 503) else (
-        500 if exc.status >= 500 else 400)
-    return error_response(status, hinted(exc))
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -53,9 +41,10 @@ def endpoint(fn: Handler) -> Handler:
         try:
             return await fn(request)
         except E2BHTTPError as exc:
-            return error_response(exc.status, exc.message)
+            status, body = as_e2b(refused(exc.status, exc.message))
         except CorralError as exc:
-            return _from_corral(exc)
+            status, body = as_e2b(failure(exc))
+        return JSONResponse(body, status_code=status)
 
     return answer
 

@@ -6,8 +6,9 @@ messages, and a stream response ends with an end-stream frame (flags ``0x02``) t
 error, if any. Hand-framed rather than generated from the protos: the surface is fixed and small,
 and the ``connectrpc`` runtime's pins clash with the SDK's own (E2B-COMPAT §11, P18).
 
-Handlers are plain async functions on dicts; this module does the framing, keepalives and the
-mapping of Corral's errors onto Connect codes.
+Handlers are plain async functions on dicts; this module does the framing and keepalives, and
+sends every failure as a Connect error (``corral._http.errors.as_connect`` maps Corral's errors
+onto Connect codes).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,11 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import errors
-from .._http.errorlog import note
+from .._http.errors import CONNECT_STATUS, as_connect, failure, refused
 
 __all__ = [
-    "CODE_STATUS",
     "ConnectError",
     "Endpoint",
     "client_stream",
@@ -36,26 +34,13 @@ __all__ = [
     "end_stream",
     "envelope",
     "error_response",
-    "hinted",
-    "from_corral",
     "route",
     "server_stream",
     "unary",
 ]
 
-logger = logging.getLogger(__name__)
-
 Endpoint = Callable[[Request], Awaitable[Response]]
 Message = dict[str, Any]
-
-# The Connect protocol's codes and the HTTP status each is sent with (connectrpc.com/docs).
-CODE_STATUS: dict[str, int] = {
-    "canceled": 499, "unknown": 500, "invalid_argument": 400, "deadline_exceeded": 504,
-    "not_found": 404, "already_exists": 409, "permission_denied": 403,
-    "resource_exhausted": 429, "failed_precondition": 400, "aborted": 409,
-    "out_of_range": 400, "unimplemented": 501, "internal": 500, "unavailable": 503,
-    "data_loss": 500, "unauthenticated": 401,
-}
 
 _FLAG_COMPRESSED = 0x01
 _FLAG_END_STREAM = 0x02
@@ -68,10 +53,10 @@ _DEFAULT_KEEPALIVE_S = 50.0
 
 
 class ConnectError(Exception):
-    """An RPC's failure, sent as a Connect error (``code`` is one of ``CODE_STATUS``)."""
+    """An RPC's failure, sent as a Connect error (``code`` is one of ``CONNECT_STATUS``)."""
 
     def __init__(self, code: str, message: str) -> None:
-        if code not in CODE_STATUS:
+        if code not in CONNECT_STATUS:
             raise ValueError(f"not a Connect error code: {code!r}")
         super().__init__(message)
         self.code = code
@@ -81,75 +66,13 @@ class ConnectError(Exception):
         return {"code": self.code, "message": self.message}
 
 
-# What to do about a refusal for a Corral reason, for a message that does not say already (one
-# with a `command` or a CORRAL_ setting in it does). Most specific class first.
-_HINTS: tuple[tuple[type[errors.CorralError], str], ...] = (
-    (errors.BackendUnavailable, "run `corral doctor` on the server: it says what this host lacks"),
-    (errors.DiskFullError, "free space in /home/user, or create the sandbox on a larger "
-                           "resource tier"),
-    (errors.ImageError, "`corral templates ls` on the server lists what is built"),
-    (errors.QuotaExceeded, "the operator sets the tenant's limits with "
-                           "`corral tenants set TENANT`"),
-    (errors.PolicyError, "the operator sets the tenant's ceiling with "
-                         "`corral tenants set TENANT` (--allow-host, --template, --resources)"),
-    (errors.BackendError, "run `corral doctor` on the server"),
-)
-
-
-def hinted(exc: errors.CorralError) -> str:
-    """``exc``'s message, with what to do next when it does not say."""
-    message = exc.message
-    if "`" in message or "CORRAL_" in message:
-        return message
-    for kind, hint in _HINTS:
-        if isinstance(exc, kind):
-            return f"{message.rstrip('. ')}; {hint}"
-    return message
-
-
-def from_corral(exc: errors.CorralError) -> ConnectError:
-    """The Connect error an SDK maps onto the same meaning as Corral's ``exc``."""
-    return ConnectError(_corral_code(exc), hinted(exc))
-
-
-def _corral_code(exc: errors.CorralError) -> str:
-    # Most specific first: several of these subclass each other.
-    table: tuple[tuple[type[errors.CorralError], str], ...] = (
-        (errors.SandboxNotFound, "unavailable"),  # "...was not found" → SandboxNotRunning
-        (errors.FileNotFound, "not_found"),
-        (errors.CommandNotFound, "not_found"),
-        (errors.SnapshotNotFound, "not_found"),
-        (errors.TooLarge, "resource_exhausted"),
-        (errors.QuotaExceeded, "resource_exhausted"),
-        (errors.AuthError, "unauthenticated"),
-        (errors.PolicyError, "permission_denied"),
-        (errors.PathRefused, "permission_denied"),
-        (errors.SandboxBusy, "failed_precondition"),
-        (errors.BackendUnavailable, "unavailable"),
-        (errors.BackendError, "internal"),
-        (errors.ConfigError, "internal"),
-    )
-    for kind, code in table:
-        if isinstance(exc, kind):
-            return code
-    return "invalid_argument" if 400 <= exc.status < 500 else "internal"
-
-
-def _gone_message(exc: errors.SandboxNotFound) -> str:
-    # The SDKs tell a gone sandbox by "was not found" in an `unavailable` error.
-    return f"The sandbox was not found: {exc.message}"
-
-
 def _to_connect(exc: BaseException) -> ConnectError:
     if isinstance(exc, ConnectError):
         return exc
-    note(exc)  # a 5xx made of it is logged with its class and message
-    if isinstance(exc, errors.SandboxNotFound):
-        return ConnectError("unavailable", _gone_message(exc))
-    if isinstance(exc, errors.CorralError):
-        return from_corral(exc)
-    logger.exception("unexpected error in an envd RPC", exc_info=exc)
-    return ConnectError("internal", "an internal error occurred; the server log has details")
+    # A Corral error's status is its Connect code's: sent from the code, before the stream
+    # or in its end frame (which has none).
+    _, body = as_connect(failure(exc, where="an envd RPC"))
+    return ConnectError(body["code"], body["message"])
 
 
 # -- framing --------------------------------------------------------------------------------------
@@ -213,16 +136,14 @@ def _check_encoding(request: Request, header: str) -> None:
 
 def error_response(error: ConnectError) -> JSONResponse:
     """A unary (or pre-stream) error: the code's status, the Connect JSON body."""
-    return JSONResponse(error.to_json(), status_code=CODE_STATUS[error.code])
+    return JSONResponse(error.to_json(), status_code=CONNECT_STATUS[error.code])
 
 
 def _unsupported_type(request: Request, expected: tuple[str, ...]) -> Response:
-    return JSONResponse(
-        {"code": "invalid_argument",
-         "message": f"content type {_media_type(request) or '(none)'!r} is not supported here; "
-                    f"this RPC takes {' or '.join(expected)} (Corral speaks Connect's JSON codec "
-                    "only)"},
-        status_code=415, headers={"Accept-Post": ", ".join(expected)})
+    status, body = as_connect(refused(
+        415, f"content type {_media_type(request) or '(none)'!r} is not supported here; this "
+             f"RPC takes {' or '.join(expected)} (Corral speaks Connect's JSON codec only)"))
+    return JSONResponse(body, status_code=status, headers={"Accept-Post": ", ".join(expected)})
 
 
 # -- endpoints ------------------------------------------------------------------------------------

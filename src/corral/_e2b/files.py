@@ -32,17 +32,9 @@ from starlette.routing import BaseRoute, Route
 
 from .._control.plane import AuditedFiles, Manager
 from .._core.resources import get_tier
-from .._http.errorlog import note
+from .._http.errors import as_e2b_files, failure, refused
 from .._workspace.files import MAX_FILE_BYTES
-from ..errors import (
-    CorralError,
-    FileError,
-    FileNotFound,
-    PathRefused,
-    QuotaExceeded,
-    SandboxNotFound,
-    TooLarge,
-)
+from ..errors import CorralError, QuotaExceeded
 from ..models import FileEntry
 from . import paths
 from .target import target_of
@@ -59,39 +51,12 @@ _QUEUED_CHUNKS = 4
 
 
 class FilesRefused(Exception):
-    """An E2B-shaped ``/files`` error: ``{"message", "code"}`` with ``status``."""
+    """A ``/files`` refusal with envd's ``status`` (shaped by ``as_e2b_files``)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"message": message, "code": status}, status_code=status)
-
-
-def _shown(message: str) -> str:
-    # Corral's file errors name the file API's path; the SDK's user knows it as /home/user.
-    return message.replace("/workspace", paths.HOME)
-
-
-def _from_corral(exc: CorralError) -> FilesRefused:
-    note(exc)  # a 5xx made of it is logged with its class and message
-    # The SDK maps 400 → InvalidArgument, 404 → FileNotFound, 507 → NotEnoughSpace.
-    if isinstance(exc, FileNotFound):
-        return FilesRefused(404, _shown(exc.message))
-    if isinstance(exc, PathRefused):
-        return FilesRefused(403, _shown(exc.message))
-    if isinstance(exc, TooLarge):
-        return FilesRefused(413, exc.message)
-    if isinstance(exc, QuotaExceeded):
-        return FilesRefused(507, _shown(exc.message))
-    if isinstance(exc, FileError):
-        return FilesRefused(400, _shown(exc.message))
-    if isinstance(exc, SandboxNotFound):
-        return FilesRefused(502, "The sandbox was not found")
-    return FilesRefused(exc.status if exc.status < 500 else 500, exc.message)
 
 
 # -- signatures ----------------------------------------------------------------------------------
@@ -201,10 +166,10 @@ def _refusals(fn: Any) -> Any:
             response: Response = await fn(request)
             return response
         except FilesRefused as exc:
-            return _error(exc.status, exc.message)
+            status, body = as_e2b_files(refused(exc.status, exc.message))
         except CorralError as exc:
-            refused = _from_corral(exc)
-            return _error(refused.status, refused.message)
+            status, body = as_e2b_files(failure(exc))
+        return JSONResponse(body, status_code=status)
 
     return endpoint
 
