@@ -37,10 +37,11 @@ from .._control.plane import (
     OutputEvent,
     ResultEvent,
 )
-from .._http.errorlog import note
+from .._http.errors import as_jupyter, failure
 from ..errors import ContextNotFound, CorralError, InterpreterUnavailable, PathRefused
 from ..models import RESULT_MIME, CodeContext
 from . import paths
+from .common import E2BHTTPError, json_body
 from .target import target_of
 
 __all__ = ["result_line", "routes"]
@@ -61,22 +62,14 @@ def _text(status: int, message: str) -> PlainTextResponse:
 
 
 def _refusal(exc: CorralError) -> PlainTextResponse:
-    note(exc)  # a 5xx made of it is logged with its class and message
-    status = exc.status if exc.status in (400, 403, 404, 409, 413, 429) else 500
-    return _text(status, exc.message)
+    return _text(*as_jupyter(failure(exc)))
 
 
 async def _body(request: Request) -> dict[str, Any] | PlainTextResponse:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
     try:
-        body = json.loads(raw)
-    except ValueError:
-        return _text(400, "the body is not JSON")
-    if not isinstance(body, dict):
-        return _text(400, "the body must be a JSON object")
-    return body
+        return await json_body(request)
+    except E2BHTTPError as exc:  # the REST API's refusal, in this port's plain text
+        return _text(exc.status, exc.message)
 
 
 def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
