@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from .. import errors
 from .._control.plane import LOCAL_TENANT, Admission, Ceiling, local_tenant
 from .._egress.policy import NetworkPolicy
+from .._http.errors import Failure, as_tool_error, failure
 from .._sdk._aembedded import AsyncEmbeddedTransport
 from .._sdk._async.http import AsyncHTTPTransport
 from .._sdk._async.sandbox import AsyncSandbox
@@ -74,9 +75,10 @@ def _ok(data: dict[str, Any]) -> CallToolResult:
                           structured_content=data)
 
 
-def _error(code: str, message: str) -> CallToolResult:
-    return CallToolResult(content=[TextContent(type="text", text=f"{code}: {message}")],
-                          structured_content={"code": code, "message": message}, is_error=True)
+def _error(failed: Failure) -> CallToolResult:
+    text, structured = as_tool_error(failed)
+    return CallToolResult(content=[TextContent(type="text", text=text)],
+                          structured_content=structured, is_error=True)
 
 
 
@@ -291,6 +293,7 @@ class CorralMCP:
         try:
             return _ok(await body())
         except errors.CorralError as exc:
+            failed = failure(exc)
             key = self.session_key(ctx) if sandbox_id is None else None
             session = self._sessions.get(key) if key is not None else None
             if isinstance(exc, errors.SandboxNotFound) and session is not None:
@@ -298,11 +301,13 @@ class CorralMCP:
                 # one. Its destroy's listener may have forgotten it already (``forget``).
                 if session.sandbox is not None:
                     self.forget(session.sandbox.id)
-                return _error(exc.code, f"{exc.message}; the session's next call creates a new "
-                                        "session sandbox (its files are gone)")
-            return _error(exc.code, exc.message)
+                failed = replace(failed, message=f"{failed.message}; the session's next call "
+                                                 "creates a new session sandbox (its files are "
+                                                 "gone)")
+            return _error(failed)
         except OSError as exc:
-            return _error("os_error", f"{exc.strerror or exc}")
+            # Its own words under a code of its own (a tool result carries no status).
+            return _error(Failure(500, "os_error", f"{exc.strerror or exc}", exc))
 
     def volume_mounts(self, volumes: Mapping[str, VolumeRequest]
                        ) -> dict[str, str | dict[str, Any]]:
