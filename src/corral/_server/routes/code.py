@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import queue
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Response
@@ -14,16 +11,13 @@ from fastapi.responses import StreamingResponse
 from ..._control.plane import CodeEvent, Manager, Tenant, event_line
 from ..._control.requests import CreateCodeContext, RunCode
 from ..._http.deps import ManagerDep, TenantDep, owned
-from ..._http.errorlog import log_stream_error
-from ...errors import CorralError
 from ...models import CodeContext
 from ..schemas import _NDJSON
+from ..streaming import ndjson_stream
 
 __all__ = ["router"]
 
 router = APIRouter()
-
-_KEEPALIVE_S = 15.0
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/code", response_model=None,
@@ -47,35 +41,18 @@ def run_code(sandbox_id: str, body: RunCode, who: TenantDep, manager: ManagerDep
 
 
 def _stream(manager: Manager, sandbox_id: str, body: RunCode, who: Tenant) -> Iterator[bytes]:
-    """The cell runs in a worker thread; its events are yielded as they come, keepalives
-    while it is quiet (through proxies), the whole ``Execution`` last."""
-    events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    """The cell's events as they come, the whole ``Execution`` last."""
 
-    def on_event(event: CodeEvent) -> None:
-        events.put(event_line(event))
+    def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        def on_event(event: CodeEvent) -> None:
+            emit(event_line(event))
 
-    def work() -> None:
-        try:
-            execution = manager.interpreter.execute(
-                sandbox_id, body.code, context_id=body.context, language=body.language,
-                envs=body.envs, timeout=body.timeout, caller=who, on_event=on_event)
-            events.put({"type": "execution", "execution": execution.to_dict()})
-        except CorralError as exc:
-            log_stream_error("api", f"the code stream of {sandbox_id}", exc, exc.status)
-            events.put({"type": "error", "error": exc.code, "message": exc.message})
-        finally:
-            events.put(None)
+        execution = manager.interpreter.execute(
+            sandbox_id, body.code, context_id=body.context, language=body.language,
+            envs=body.envs, timeout=body.timeout, caller=who, on_event=on_event)
+        return {"type": "execution", "execution": execution.to_dict()}
 
-    threading.Thread(target=work, name="corral-code", daemon=True).start()
-    while True:
-        try:
-            event = events.get(timeout=_KEEPALIVE_S)
-        except queue.Empty:
-            yield b'{"type":"keepalive"}\n'
-            continue
-        if event is None:
-            return
-        yield (json.dumps(event) + "\n").encode()
+    return ndjson_stream(work, what=f"the code stream of {sandbox_id}", thread_name="corral-code")
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/code/contexts", response_model=CodeContext,

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,11 +11,10 @@ from fastapi.responses import StreamingResponse
 from ..._control.plane import Manager
 from ..._control.requests import RunCommand
 from ..._http.deps import ManagerDep, TenantDep, owned
-from ..._http.errorlog import log_stream_error
 from ...backends import OutputCut
-from ...errors import CorralError
 from ...models import CommandResult
 from ..schemas import _NDJSON
+from ..streaming import ndjson_stream
 
 __all__ = ["router"]
 
@@ -68,48 +64,31 @@ def _result_out(result: CommandResult, output: str,
 
 
 def _stream(manager: Manager, sandbox_id: str, cmd: str | list[str],
-            kwargs: dict[str, Any], output: str = "text") -> Iterator[bytes]:
+            kwargs: dict[str, Any], output_kind: str = "text") -> Iterator[bytes]:
     """Run in a worker thread; yield NDJSON lines as output arrives, then the result.
 
     Events: ``{"type": "stdout"|"stderr", "data"}`` (each piece of output once), ``{"type":
     "truncated", "stream", "limit"}`` when a stream reaches its cap (live, not only at the
     end), ``{"type": "keepalive"}``, then ``{"type": "result", ...}`` without the output the
     events carried, or ``{"type": "error", "error", "message"}``."""
-    events: queue.Queue[dict[str, Any] | None] = queue.Queue()
     sent: dict[str, list[str]] = {"stdout": [], "stderr": []}
 
-    def emit(stream: str) -> Callable[[str], None]:
-        def on_output(text: str) -> None:
-            if isinstance(text, OutputCut):
-                # Its text is in the result as well: sent with the event, not again after.
+    def work(emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        def output(stream: str) -> Callable[[str], None]:
+            def on_output(text: str) -> None:
                 sent[stream].append(text)
-                events.put({"type": "truncated", "stream": text.stream, "limit": text.limit,
-                            "data": str(text)})
-            else:
-                sent[stream].append(text)
-                events.put({"type": stream, "data": text})
-        return on_output
+                if isinstance(text, OutputCut):
+                    # Its text is in the result as well: sent with the event, not again after.
+                    emit({"type": "truncated", "stream": text.stream, "limit": text.limit,
+                          "data": str(text)})
+                else:
+                    emit({"type": stream, "data": text})
+            return on_output
 
-    def work() -> None:
-        try:
-            result = manager.run(sandbox_id, cmd, **kwargs, on_stdout=emit("stdout"),
-                                 on_stderr=emit("stderr"))
-            streamed = {name: "".join(parts) for name, parts in sent.items()}
-            events.put({"type": "result", **_result_out(result, output, streamed)})
-        except CorralError as exc:
-            log_stream_error("api", f"the command stream of {sandbox_id}", exc, exc.status)
-            events.put({"type": "error", "error": exc.code, "message": exc.message})
-        finally:
-            events.put(None)
+        result = manager.run(sandbox_id, cmd, **kwargs, on_stdout=output("stdout"),
+                             on_stderr=output("stderr"))
+        streamed = {name: "".join(parts) for name, parts in sent.items()}
+        return {"type": "result", **_result_out(result, output_kind, streamed)}
 
-    threading.Thread(target=work, name="corral-command", daemon=True).start()
-    while True:
-        try:
-            event = events.get(timeout=15)
-        except queue.Empty:
-            # Keep idle connections alive through proxies while a quiet command runs.
-            yield b'{"type":"keepalive"}\n'
-            continue
-        if event is None:
-            return
-        yield (json.dumps(event) + "\n").encode()
+    return ndjson_stream(work, what=f"the command stream of {sandbox_id}",
+                         thread_name="corral-command")
