@@ -285,7 +285,7 @@ def test_every_host_process_corral_starts_gets_the_fixed_environment() -> None:
     # driver (it starts bash and node there, as the user's code could), the microVM's guest
     # agent (its process starts are in _guest/exec.py) and the gVisor resident's helper (they
     # start the user's commands, with the environment the host sent).
-    in_sandbox = {root / "_interpreter" / "python_driver.py",
+    in_sandbox = {root / "_kernels" / "python_driver.py",
                   root / "_guest" / "exec.py",
                   root / "_backends" / "gvisor" / "inside.py"}
     assert all(path.is_file() for path in in_sandbox)

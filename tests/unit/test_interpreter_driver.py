@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from corral._interpreter import driver_source
+from corral._kernels import driver_source
 
 PYTHON = "/usr/bin/python3"
 

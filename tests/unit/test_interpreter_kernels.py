@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from corral._interpreter import driver_source
+from corral._kernels import driver_source
 
 from .test_interpreter_driver import PYTHON, Driver
 

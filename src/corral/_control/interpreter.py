@@ -1,7 +1,7 @@
 """The code interpreter: stateful kernels (contexts) inside a sandbox, cells run in them with
 their output streamed and their rich results returned.
 
-A kernel is the in-sandbox driver (``corral._interpreter``) run as a *declared background
+A kernel is the in-sandbox driver (``corral._kernels``) run as a *declared background
 process* of the sandbox: admitted like any process, under all of the sandbox's limits, listed,
 killed at its TTL. Host and driver speak JSON lines over the process's stdin and stdout (the
 driver keeps a private dup of its stdout for them, so what the user's code prints cannot
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .._core.resources import get_tier
-from .._interpreter import driver_source
+from .._kernels import driver_source
 from ..errors import (
     ContextNotFound,
     CorralError,

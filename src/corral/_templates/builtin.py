@@ -13,7 +13,7 @@ BUILTIN_SPECS: dict[str, TemplateSpec] = {
         packages=("build-essential", "ca-certificates", "curl", "git", "python3",
                   "python3-pip", "python3-venv"),
     ),
-    # The code interpreter's kernels (corral._interpreter): IPython over python3 with the data
+    # The code interpreter's kernels (corral._kernels): IPython over python3 with the data
     # stack generated code imports, node (JavaScript, and TypeScript through Debian's tsc
     # module), R (r-base-core; plots through its cairo png device) and bash, which is in every
     # Debian root; plus pip, git and curl, as in E2B's template. E2B's ``code-interpreter-v1``

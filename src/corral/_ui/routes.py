@@ -426,8 +426,9 @@ class _Drills:
 def _list_cases(manager: Manager, categories: Sequence[str]
                 ) -> subprocess.CompletedProcess[bytes]:
     """``corral drill --json --list``, of ``categories`` (all if none)."""
+    env = _drill_env(manager)  # the service's own, as the drill's run gets
     try:
-        return subprocess.run(_drill_argv(categories, "--list"), env=_drill_env(manager),
+        return subprocess.run(_drill_argv(categories, "--list"), env=env,
                               capture_output=True, stdin=subprocess.DEVNULL,
                               timeout=_DRILL_CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
