@@ -29,7 +29,7 @@ from mcp_types import CallToolResult, TextContent
 
 from corral import CeilingExceeded, QuotaExceeded, Sandbox
 from corral._control.manager import Manager
-from corral._server.auth import TenantDirectory
+from corral._control.plane import TenantDirectory
 from corral._settings import Settings
 
 from ..conftest import managed

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from corral import read_audit
 from corral._audit.events import AuditEvent
+from corral._control.plane import TenantDirectory
 from corral._core.resources import TIERS
 from corral._drill.context import drill_ceiling
 from corral._drill.model import CATEGORIES, DrillReport
@@ -30,7 +31,6 @@ from corral._drill.service import CEILING_SECRET, E2B_DOMAIN, UPSTREAM_HOST
 from corral._drill.target import SdkTarget, ServiceAccess
 from corral._drill.upstream import UPSTREAM_ADDRESS
 from corral._e2b.app import E2BConfig, create_e2b_app
-from corral._server.auth import TenantDirectory
 from corral._settings import Settings
 from corral.models import CommandResult, Usage
 

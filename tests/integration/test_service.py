@@ -30,8 +30,8 @@ from corral import (
     UsageError,
 )
 from corral._control.manager import Manager
+from corral._control.plane import TenantDirectory
 from corral._serve.app import create_app
-from corral._server.auth import TenantDirectory
 from corral._settings import Settings
 
 from ..conftest import managed, private_settings

@@ -26,9 +26,9 @@ import httpx
 import pytest
 
 from corral import Sandbox
+from corral._control.plane import TenantDirectory
 from corral._control.store import Store
 from corral._server.app import MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
-from corral._server.auth import TenantDirectory
 from corral._settings import Settings
 
 from ..conftest import managed

@@ -38,7 +38,7 @@ from corral import (
     SandboxBusy,
     UsageError,
 )
-from corral._server.auth import TenantDirectory
+from corral._control.plane import TenantDirectory
 from corral._settings import Settings
 from corral.errors import SnapshotInUse, SnapshotNotFound
 from corral.models import SnapshotInfo

@@ -72,3 +72,36 @@ def test_key_presence_is_live_and_ever_in_one_read(plane: Manager) -> None:
     store.revoke_key(key_id)
     # Revoking the last key does not reopen a loopback service (keys_have_existed).
     assert store.key_presence() == (False, True)
+
+
+def test_the_http_body_guard_refuses_another_tenants_sandbox_from_memory_too(
+        plane: Manager) -> None:
+    import asyncio
+
+    import httpx
+
+    from corral._server.app import create_app
+
+    tenants = TenantDirectory(plane.store)
+    tenants.add_tenant("acme")
+    tenants.add_tenant("other")
+    acme_key, other_key = (tenants.create_key(name)[1] for name in ("acme", "other"))
+    sandbox = plane.create(caller=tenants.get("acme")).id
+    app = create_app(plane)
+
+    async def post(key: str) -> httpx.Response:
+        async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app, client=("127.0.0.1", 5000)),
+                base_url="http://127.0.0.1", headers={"authorization": f"Bearer {key}"}) as c:
+            return await c.post(f"/v1/sandboxes/{sandbox}/commands", json={"cmd": ["true"]})
+
+    async def calls() -> list[httpx.Response]:
+        # Refused before anything is known (a store read), then from memory (acme's call
+        # made the owner known), and the owner's own call goes through.
+        return [await post(other_key), await post(acme_key), await post(other_key)]
+
+    refused, allowed, refused_again = asyncio.run(calls())
+    assert allowed.status_code == 200 and allowed.json()["exit_code"] == 0
+    for answer in (refused, refused_again):
+        assert answer.status_code == 404 and "does not exist" in answer.json()["message"]
+    assert plane.owner(sandbox, known_only=True) == "acme"

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .._control.plane import Manager, PortURLs
+from .._control.plane import Manager, PortURLs, Tenant, TenantDirectory
 from .._control.requests import refusal
 from .._http.bodies import BODY_LIMITS, MAX_COMMAND_BODY, MAX_FILE_BODY, MAX_JSON_BODY
 from .._http.errorlog import ServerErrorLog
@@ -36,7 +36,6 @@ from .._http.guard import (
 from .._http.keys import is_loopback, is_protected, key_authenticator
 from .._http.portproxy import PortProxy, PortRouting
 from ..errors import CorralError, SandboxNotFound
-from .auth import Tenant, TenantDirectory
 from .openapi import TAGS, describe
 from .routes import (
     audit,
@@ -61,17 +60,17 @@ LOOPBACK_PORTS_DOMAIN = "localhost"
 
 
 def _owner_check(manager: Manager) -> Any:
-    """Whether a sandbox is the tenant's, from the store alone (no side effects: expiry and
-    state are the route's own full check)."""
-
-    def check(who: Tenant, sandbox_id: str) -> None:
-        info = manager.record(sandbox_id)
-        if info is None or (who.name != "local" and info.tenant != who.name):
-            raise SandboxNotFound(f"sandbox {sandbox_id[:40]} does not exist; `corral ls` "
-                                  "lists them")
+    """Whether a sandbox is the tenant's, with no side effect (expiry and state are the route's
+    own full check). A sandbox's tenant never changes, so once the control plane has read it
+    the answer comes from memory, on the event loop: no thread, no store read."""
 
     async def owner(who: Tenant, sandbox_id: str) -> None:
-        await run_in_threadpool(check, who, sandbox_id)
+        tenant = manager.owner(sandbox_id, known_only=True)
+        if tenant is None:
+            tenant = await run_in_threadpool(manager.owner, sandbox_id)
+        if tenant is None or (who.scope is not None and tenant != who.scope):
+            raise SandboxNotFound(f"sandbox {sandbox_id[:40]} does not exist; `corral ls` "
+                                  "lists them")
 
     return owner
 

@@ -10,10 +10,9 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from ..._audit.log import follow_batches, tail_offset
 from ..._audit.metrics import render
-from ..._control.plane import Manager
+from ..._control.plane import Manager, Tenant
 from ..._http.deps import ManagerDep, TenantDep
 from ...errors import SandboxNotFound
-from ..auth import Tenant
 from ..params import FloatText, IntText
 from ..schemas import _NDJSON
 
