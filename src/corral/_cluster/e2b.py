@@ -20,7 +20,6 @@ message that says why, since only a scan of every node could place them.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -36,7 +35,7 @@ from .._ids import from_e2b, to_e2b
 from ..errors import AuthError, CorralError, SandboxLost, SandboxNotFound
 from .fanout import GatewayError
 from .gateway import Cluster
-from .service import _Gateway, _read_body
+from .service import _Gateway, _read_request
 
 __all__ = ["create_cluster_e2b_app"]
 
@@ -151,12 +150,8 @@ class _E2BGateway:
 
     async def _create(self, scope: Scope, receive: Receive, send: Send,
                       caller: Tenant) -> None:
-        body = await _read_body(receive)
-        try:
-            request = json.loads(body or b"{}")
-        except ValueError:
-            request = None
-        template = request.get("templateID") if isinstance(request, dict) else None
+        body, request = await _read_request(receive)
+        template = request.get("templateID")
         snapshot = from_e2b(template) if isinstance(template, str) else None
         await self._core._send_answer(send, await self._core.create_on(
             None, caller, scope["path"], body, service=self._service,

@@ -90,6 +90,17 @@ async def _read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
+async def _read_request(receive: Receive) -> tuple[bytes, dict[str, Any]]:
+    """The body as sent (relayed to a node byte for byte) and its JSON object, for what the
+    gateway reads of it to place the call ({} when it is not one: the node refuses it)."""
+    body = await _read_body(receive)
+    try:
+        request = json.loads(body or b"{}")
+    except ValueError:
+        request = None
+    return body, request if isinstance(request, dict) else {}
+
+
 class _Gateway:
     """The gateway's own routing, inside the same guards as ``corral serve``'s."""
 
@@ -234,22 +245,17 @@ class _Gateway:
 
     async def _create(self, scope: Scope, receive: Receive, send: Send,
                       caller: Tenant) -> None:
-        body = await _read_body(receive)
-        try:
-            request = json.loads(body or b"{}")
-        except ValueError:
-            request = None
+        body, request = await _read_request(receive)
         node_id = None
         snapshot = None
-        template = request.get("template") if isinstance(request, dict) else None
-        if isinstance(request, dict):
-            volumes = request.get("volumes")
-            if isinstance(request.get("snapshot"), str) and validate_ref(request["snapshot"]):
-                snapshot = request["snapshot"]
-            if isinstance(volumes, dict) and volumes:
-                first = next(iter(volumes))
-                if isinstance(first, str) and validate_ref(first):
-                    node_id = await self._holder("volumes", first, caller)
+        template = request.get("template")
+        volumes = request.get("volumes")
+        if isinstance(request.get("snapshot"), str) and validate_ref(request["snapshot"]):
+            snapshot = request["snapshot"]
+        if isinstance(volumes, dict) and volumes:
+            first = next(iter(volumes))
+            if isinstance(first, str) and validate_ref(first):
+                node_id = await self._holder("volumes", first, caller)
         await self._send_answer(send, await self.create_on(
             node_id, caller, "/v1/sandboxes", body, made_id=lambda made: made.get("id"),
             snapshot=snapshot, template=template if isinstance(template, str) else None))
