@@ -196,6 +196,12 @@ class Settings(BaseSettings):
                     "share between data directories: guest kernels, root images, warm "
                     "snapshots, empty formatted disks (each keyed by a hash of what made it).",
         examples=["/srv/cache/corral-microvm"])
+    paused_keep_s: float = Field(
+        default=86400.0, gt=0, le=30 * 86400,
+        description="How long a sandbox paused at its timeout (lifecycle on_timeout=pause) is "
+                    "kept before it is destroyed; a resume before then starts its lifetime "
+                    "again.",
+        examples=[604800])
     microvm_cache_max_bytes: int = Field(
         default=10 * 2**30, ge=0,
         description="The most the microVM cache's root images and warm snapshots may add up "

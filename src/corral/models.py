@@ -22,6 +22,7 @@ __all__ = [
     "Execution",
     "ExecutionError",
     "FileEntry",
+    "Lifecycle",
     "Logs",
     "OutputMessage",
     "PortInfo",
@@ -151,6 +152,22 @@ class _Public(BaseModel):
         return self.model_dump(mode="json")
 
 
+class Lifecycle(_Public):
+    """What happens to a sandbox at the end of its lifetime, and to a call that finds it
+    paused. The default is the safe one: destroyed at its timeout, and a paused sandbox is
+    resumed only when asked (``resume``)."""
+
+    on_timeout: Literal["kill", "pause"] = Field(
+        default="kill", description="kill: destroyed at its timeout. pause: paused (its "
+                                    "processes frozen, its memory and files kept) and kept "
+                                    "paused for the operator's paused_keep_s; a resume "
+                                    "starts its lifetime again.")
+    auto_resume: bool = Field(
+        default=False, description="A call that needs it running (a command, a file, code, "
+                                   "a port request) resumes it first, instead of being "
+                                   "refused while it is paused.")
+
+
 class SandboxInfo(_Public):
     """A sandbox, as every surface describes it."""
 
@@ -183,6 +200,9 @@ class SandboxInfo(_Public):
         default_factory=list, description="Its volumes and data mounts: kind (volume or "
                                           "data), source (volume id or data mount name), "
                                           "target and read_only.")
+    lifecycle: Lifecycle = Field(
+        default_factory=Lifecycle, description="What happens at its timeout and to a call "
+                                               "that finds it paused.")
 
 
 class PortInfo(_Public):

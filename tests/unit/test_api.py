@@ -30,6 +30,8 @@ PUBLIC = [
     "DiskFullError",
     # issue 39: a request of the wrong shape, refused the same way on every surface (422)
     "InvalidRequestError",
+    # issue 40: what happens at a sandbox's timeout, and to a call that finds it paused
+    "Lifecycle",
 ]
 
 

@@ -64,7 +64,8 @@ class Commands:
         self._ready = ready  # recovery, before the first command (see Sandboxes)
 
     def admit_background(self, sandbox_id: str, caller: Tenant | None) -> str:
-        info = self._sandboxes.get(sandbox_id)
+        info = self._sandboxes.awake(sandbox_id, tenant=None if caller is None
+                                     else caller.scope, doing="start processes")
         self._admission.admit(caller)
         return info.id
 
@@ -165,12 +166,12 @@ class Commands:
         validate.context(context)
         # A caller reaches only its tenant's sandboxes, as if the others did not exist: the
         # surfaces need no check of their own before a run.
-        info = self._sandboxes.get(sandbox_id, tenant=None if caller is None else caller.scope)
+        # A paused one is resumed first when its lifecycle says so, else refused.
+        info = self._sandboxes.awake(sandbox_id,
+                                     tenant=None if caller is None else caller.scope)
         image = None if build else image_config(self._sandboxes.templates_dir, info.template)
         if image is not None:
             command = _with_image(command, image, cwd_given=cwd is not None)
-        if info.state == "paused":
-            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to run commands")
         self._ready()
         tier = get_tier(info.resources)
         if lifetime:

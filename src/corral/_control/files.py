@@ -181,7 +181,8 @@ class Files:
         self._auditor = auditor
 
     def open(self, sandbox_id: str) -> AuditedFiles:
-        info = self._sandboxes.get(sandbox_id)
+        # Files work on a paused sandbox too; one that resumes on calls is resumed first.
+        info = self._sandboxes.awake(sandbox_id, doing=None)
         if info.idle_timeout is not None:
             self._store.touch(sandbox_id)
         files = self._sandboxes.backend(info).files(self._sandboxes.spec(info))

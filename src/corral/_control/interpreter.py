@@ -350,7 +350,7 @@ class Interpreter:
 
     def _sandbox(self, sandbox_id: str) -> SandboxRecord:
         try:
-            return self._sandboxes.get(sandbox_id)
+            return self._sandboxes.awake(sandbox_id, doing="run code")
         except SandboxNotFound:
             self.forget_sandbox(sandbox_id)  # gone: so are its kernels
             raise

@@ -24,7 +24,7 @@ from .._audit.auditor import Auditor
 from .._settings import Settings
 from ..backends import IsolationBackend, OutputCallback, ProcessIO, SandboxSpec
 from ..errors import SandboxNotFound
-from ..models import CommandResult, SandboxInfo, SnapshotInfo
+from ..models import CommandResult, Lifecycle, SandboxInfo, SnapshotInfo
 from .admission import Admission, CommandWindows
 from .auditbudget import AuditBudgets
 from .commands import Commands
@@ -177,6 +177,7 @@ class Manager:
         caller: Tenant | None = None, image: str | None = None,
         on_progress: Callable[[str], None] | None = None,
         volumes: Mapping[str, Any] | None = None, data_mounts: Mapping[str, Any] | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> SandboxInfo:
         """Create a sandbox; from ``snapshot`` (id or name), its workspace starts as the
         snapshot's and its template defaults to the snapshot's.
@@ -188,7 +189,8 @@ class Manager:
         first unless it already was (``on_progress`` hears how that goes). ``volumes``: the
         owner's volumes by name, each at a mount point (``{"data": "/mnt/data"}``, or
         ``{"path": ..., "read_only": True}``); ``data_mounts``: the operator's data mounts by
-        name, read-only, the same way."""
+        name, read-only, the same way. ``lifecycle``: what happens at its timeout (killed, or
+        paused and kept for ``paused_keep_s``) and whether a call resumes it when paused."""
         owner = tenant or (caller.name if caller is not None else "local")
         mounts = self.volumes.mounts(volumes, data_mounts, tenant=owner) if (
             volumes or data_mounts) else []
@@ -197,7 +199,8 @@ class Manager:
             template=template, resources=resources, timeout=timeout, labels=labels,
             network=network, secrets=secrets, tenant=tenant, max_for_tenant=max_for_tenant,
             idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot,
-            caller=caller, image=image, on_progress=on_progress, mounts=mounts).public()
+            caller=caller, image=image, on_progress=on_progress, mounts=mounts,
+            lifecycle=lifecycle).public()
 
     @property
     def tenants(self) -> TenantDirectory:

@@ -24,7 +24,7 @@ from .._audit.auditor import Auditor
 from .._core.secretfile import load_or_create_secret
 from .._ids import to_e2b
 from .._settings import Settings
-from ..errors import BackendError, PortNotExposed, SandboxBusy, UsageError
+from ..errors import BackendError, PortNotExposed, UsageError
 from ..models import PortInfo
 from .records import SandboxRecord
 from .sandboxes import Sandboxes
@@ -166,8 +166,8 @@ class Ports:
             SandboxBusy: the sandbox is paused (its processes are frozen).
             PortClosed: nothing accepts connections on the port.
         """
-        if record.state == "paused":
-            raise SandboxBusy(f"sandbox {record.id} is paused; resume it to reach port {port}")
+        if record.state == "paused":  # resumed first when its lifecycle says so
+            record = self._sandboxes.awake(record.id, doing=f"reach port {port}")
         backend = self._sandboxes.backend(record)
         sock = backend.open_port(self._sandboxes.spec(record), port, _CONNECT_TIMEOUT_S)
         if not isinstance(sock, socket.socket):  # the relay runs on asyncio's socket loop

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..models import SandboxInfo, SandboxState
+from ..models import Lifecycle, SandboxInfo, SandboxState
 
 __all__ = ["SandboxRecord"]
 
@@ -41,6 +41,10 @@ class SandboxRecord:
     # ``PID.START`` of the process that created it: while it is ``creating``, recovery
     # cleans it up at once if that process is gone (a crash cut the create short).
     creator: str | None = None
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    # The lifetime asked at create (or set since): what a resume of a sandbox paused at its
+    # timeout starts again.
+    timeout_s: float = 0.0
 
     def public(self) -> SandboxInfo:
         return SandboxInfo(
@@ -49,4 +53,4 @@ class SandboxRecord:
             network=self.network, secrets=sorted(self.secrets),
             idle_timeout=self.idle_timeout, isolation=self.isolation, layer=self.layer,
             memory_image=self.memory_image, template_version=self.template_version,
-            mounts=self.mounts)
+            mounts=self.mounts, lifecycle=self.lifecycle)

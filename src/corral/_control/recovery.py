@@ -16,7 +16,7 @@ from .._audit.retention import PruneReport, prune
 from .._core.owner import owner_alive
 from .._settings import Settings
 from ..backends import IsolationBackend, Leftover
-from ..errors import BackendUnavailable, SandboxNotFound
+from ..errors import BackendUnavailable, CorralError, SandboxNotFound
 from .destroyer import DestroyJob
 from .intents import Intents
 from .layers import Layers
@@ -150,10 +150,20 @@ class Recovery:
         never waited for again (the next passes skip it), so a stuck sandbox costs the
         reaper one wait, once, and never stops it."""
         now = time.time()
-        due = [(info, reason) for info in self._store.list()
-               if self._sandboxes.destroy_due(info.id)
-               and (reason := self._due(info, now)) is not None]
+        records = self._store.list()
         removed: list[str] = []
+        for info in records:
+            if info.expires_at <= now and self._sandboxes.sleeps_at_timeout(info):
+                try:  # its lifecycle pauses it at its timeout instead
+                    self._sandboxes.sleep(info)
+                    removed.append(f"sandbox {info.id} (paused at its timeout)")
+                except CorralError as exc:
+                    logger.warning("sandbox %s: pausing it at its timeout failed: %s",
+                                   info.id, exc)
+        due = [(info, reason) for info in records
+               if not (info.expires_at <= now and self._sandboxes.sleeps_at_timeout(info))
+               and self._sandboxes.destroy_due(info.id)
+               and (reason := self._due(info, now)) is not None]
         for start in range(0, len(due), _REAP_BATCH):
             batch = [(info, self._begin(info, reason))
                      for info, reason in due[start:start + _REAP_BATCH]]

@@ -25,7 +25,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._audit.auditor import Auditor
@@ -44,7 +44,7 @@ from ..errors import (
     SnapshotNotFound,
     UsageError,
 )
-from ..models import SnapshotInfo
+from ..models import Lifecycle, SnapshotInfo
 from . import validate
 from .admission import Admission, check_sandbox_count
 from .auditbudget import AuditBudgets
@@ -109,6 +109,7 @@ class CreatePlan:
     limit: int | None
     mounts: tuple[Mapping[str, Any], ...]
     origin: dict[str, Any]
+    lifecycle: Lifecycle
 
 
 class Sandboxes:
@@ -128,6 +129,7 @@ class Sandboxes:
         self._admission = admission
         self._layers = layers
         self._locks = locks
+        self._sleep_locks = [threading.RLock() for _ in range(64)]
         # Recovery, before the first create or list: injected, because recovery is built on
         # this service (the call goes up; the dependency does not).
         self._ready = ready
@@ -168,7 +170,7 @@ class Sandboxes:
         origin: Mapping[str, Any] | None = None, memory_image: str | None = None,
         image: str | None = None,
         on_progress: Callable[[str], None] | None = None,
-        mounts: Sequence[Mapping[str, Any]] = (),
+        mounts: Sequence[Mapping[str, Any]] = (), lifecycle: Lifecycle | None = None,
     ) -> SandboxRecord:
         """A running sandbox (see ``Manager.create``). A fork passes ``parent_layer``, the
         sealed workspace it starts from (and ``memory_image``, the memory it resumes, for a
@@ -183,7 +185,7 @@ class Sandboxes:
             network=network, secrets=secrets, tenant=tenant, max_for_tenant=max_for_tenant,
             idle_timeout=idle_timeout, isolation=isolation, snapshot=snapshot, caller=caller,
             parent_layer=parent_layer, origin=origin, memory_image=memory_image, image=image,
-            mounts=mounts)
+            mounts=mounts, lifecycle=lifecycle)
         return self._carry_out(plan, on_progress=on_progress)
 
     def plan_create(
@@ -194,6 +196,7 @@ class Sandboxes:
         caller: Tenant | None, parent_layer: str | None = None,
         origin: Mapping[str, Any] | None = None, memory_image: str | None = None,
         image: str | None = None, mounts: Sequence[Mapping[str, Any]] = (),
+        lifecycle: Lifecycle | None = None,
     ) -> CreatePlan:
         """What ``create`` will do, or what refuses it: reads the store and the tier's
         registry, writes nothing and pulls nothing."""
@@ -254,7 +257,8 @@ class Sandboxes:
             resources=resources, ttl_s=ttl, labels=clean_labels, policy=policy,
             secrets=tuple(names), placeholders=placeholders, idle_timeout=idle_timeout,
             isolation=isolation, backend=backend, layer=layer, memory_image=memory_image,
-            limit=limit, mounts=tuple(mounts), origin=dict(origin or {}))
+            limit=limit, mounts=tuple(mounts), origin=dict(origin or {}),
+            lifecycle=lifecycle or Lifecycle())
 
     def _carry_out(self, plan: CreatePlan, *,
                    on_progress: Callable[[str], None] | None) -> SandboxRecord:
@@ -283,7 +287,7 @@ class Sandboxes:
             tenant=plan.tenant, admit=self._admission.sandbox_slot(plan.tenant, plan.limit),
             idle_timeout=plan.idle_timeout, isolation=plan.isolation, layer=plan.layer,
             memory_image=plan.memory_image, template_version=version, mounts=plan.mounts,
-            creator=self._owner,
+            creator=self._owner, lifecycle=plan.lifecycle,
         )
         try:
             backend.create(self.spec(info))
@@ -319,6 +323,8 @@ class Sandboxes:
         if info.state == "creating":
             raise SandboxBusy(f"sandbox {sandbox_id} is still being created; try again shortly")
         if info.expires_at <= time.time():
+            if self.sleeps_at_timeout(info):
+                return self.sleep(info)
             self.expire(info)
             raise SandboxExpired(
                 f"sandbox {sandbox_id} reached the end of its lifetime and was destroyed; pass a "
@@ -331,6 +337,9 @@ class Sandboxes:
         now = time.time()
         live, expired = [], []
         for info in self._store.list():
+            if info.expires_at <= now and self.sleeps_at_timeout(info):
+                with contextlib.suppress(SandboxExpired):  # a tier that could not pause it
+                    info = self.sleep(info)
             if info.expires_at <= now and info.state in ("running", "paused"):
                 expired.append(self.begin_expire(info))
             elif info.state in ("running", "paused") and (tenant is None
@@ -346,7 +355,7 @@ class Sandboxes:
         # The ceiling bounds the whole life, so extending again and again cannot pass it.
         self._admission.check_lifetime(caller=caller, tenant=info.tenant,
                                        lifetime_s=time.time() + ttl - info.created_at)
-        self._store.set_expiry(sandbox_id, time.time() + ttl)
+        self._store.set_expiry(sandbox_id, time.time() + ttl, timeout_s=ttl)
         info = self.get(sandbox_id)
         self._auditor.event(sandbox_id, "sandbox.timeout_changed",
                             {"expires_at": info.expires_at})
@@ -373,19 +382,80 @@ class Sandboxes:
                             {"reason": reason} if reason is not None else {})
         return self.get(sandbox_id)
 
-    def resume(self, sandbox_id: str) -> SandboxRecord:
+    def resume(self, sandbox_id: str, *, reason: str | None = None) -> SandboxRecord:
         """Thaw a paused sandbox; refused (``QuotaExceeded``) while its trail is over its
-        audit budget: its processes would only write on."""
+        audit budget: its processes would only write on. ``reason``: the control plane's own
+        resumes (a call that woke it), recorded in its ``sandbox.resumed`` event."""
         info = self.get(sandbox_id)
         if info.state != "paused":
             return info
         if self._budgets is not None:
             self._budgets.check_resume(info)
         self.backend(info).pause(self.spec(info), False)
-        self._store.set_state(sandbox_id, "running")
+        if info.lifecycle.on_timeout == "pause":
+            # Paused at (or before) its timeout, it starts its lifetime again, as E2B's
+            # resume does; a connect or set_timeout may then change it.
+            self._store.set_sleep(sandbox_id, "running", time.time() + info.timeout_s)
+        else:
+            self._store.set_state(sandbox_id, "running")
         self._auditor.budgets.forget(sandbox_id)  # a raised budget is looked up afresh
-        self._auditor.event(sandbox_id, "sandbox.resumed", {})
+        self._auditor.event(sandbox_id, "sandbox.resumed",
+                            {"reason": reason} if reason is not None else {})
         return self.get(sandbox_id)
+
+    def sleeps_at_timeout(self, info: SandboxRecord) -> bool:
+        """A running sandbox past its lifetime that its lifecycle pauses instead of killing."""
+        return info.state == "running" and info.lifecycle.on_timeout == "pause"
+
+    def sleep(self, info: SandboxRecord) -> SandboxRecord:
+        """Pause ``info`` at its timeout (``on_timeout="pause"``) and keep it so for the
+        operator's ``paused_keep_s``; then it is destroyed like any sandbox past its life. A
+        tier that cannot pause it has it destroyed at once, as its timeout would."""
+        with self._sleeping(info.id):
+            current = self._store.get(info.id)
+            if current is None or not self.sleeps_at_timeout(current) \
+                    or current.expires_at > time.time():
+                return self.get(info.id)  # another caller put it to sleep (or woke it)
+            kept_until = time.time() + self._settings.paused_keep_s
+            try:
+                self.backend(current).pause(self.spec(current), True)
+            except CorralError as exc:
+                logger.warning("sandbox %s could not be paused at its timeout (%s); it is "
+                               "destroyed instead", info.id, exc)
+                self.expire(current)
+                raise SandboxExpired(f"sandbox {info.id} reached the end of its lifetime and "
+                                     f"could not be paused ({exc.message}); it was destroyed") \
+                    from exc
+            self._store.set_sleep(info.id, "paused", kept_until)
+            self._auditor.event(info.id, "sandbox.paused",
+                                {"reason": "timeout", "kept_until": kept_until})
+            return dataclasses.replace(current, state="paused", expires_at=kept_until)
+
+    def awake(self, sandbox_id: str, *, tenant: str | None = None,
+              doing: str | None = "run commands") -> SandboxRecord:
+        """The sandbox, running: a paused one whose lifecycle says ``auto_resume`` is resumed
+        first (concurrent callers wait for the one resume); otherwise a paused one is refused
+        (``SandboxBusy``, saying it cannot ``doing``), or with ``doing=None`` (what works on a
+        paused sandbox too, its files) returned paused."""
+        info = self.get(sandbox_id, tenant=tenant)
+        if info.state != "paused":
+            return info
+        if not info.lifecycle.auto_resume:
+            if doing is None:
+                return info
+            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to {doing}")
+        with self._sleeping(sandbox_id):
+            info = self.get(sandbox_id, tenant=tenant)
+            if info.state == "paused":
+                info = self.resume(sandbox_id, reason="a call needed it")
+        return info
+
+    @contextlib.contextmanager
+    def _sleeping(self, sandbox_id: str) -> Iterator[None]:
+        """One sleep or wake of a sandbox at a time in this process (striped locks: bounded
+        however many sandboxes come and go)."""
+        with self._sleep_locks[hash(sandbox_id) % len(self._sleep_locks)]:
+            yield
 
     def stop_over_budget(self, overrun: Overrun) -> None:
         """The audit budget's stop (on a thread of the audit layer's): record why, then pause

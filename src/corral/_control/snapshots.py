@@ -221,7 +221,7 @@ class Snapshots:
                 isolation=info.isolation, snapshot=None, caller=caller,
                 parent_layer=layer, origin=origin, memory_image=image,
                 # A volume has one writer: children get the read-only mounts only.
-                mounts=[m for m in info.mounts if m["read_only"]])
+                mounts=[m for m in info.mounts if m["read_only"]], lifecycle=info.lifecycle)
             failpoint("fork.child-made")
             return made
 

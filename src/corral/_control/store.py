@@ -15,7 +15,7 @@ from typing import Any
 
 from .._core.diskfull import DiskReserve, disk_full_as_error
 from ..errors import QuotaExceeded, UsageError, VolumeInUse, VolumeNotFound
-from ..models import SnapshotInfo
+from ..models import Lifecycle, SnapshotInfo
 from .counters import CounterBuffer
 from .records import SandboxRecord
 
@@ -135,7 +135,8 @@ def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
         last_active=row["last_active"] or row["created_at"],
         isolation=row["isolation"], layer=row["layer"], memory_image=row["memory_image"],
         template_version=row["template_version"], mounts=json.loads(row["mounts"]),
-        creator=row["creator"],
+        creator=row["creator"], lifecycle=Lifecycle.model_validate_json(row["lifecycle"]),
+        timeout_s=row["timeout_s"] or row["expires_at"] - row["created_at"],
     )
 
 
@@ -178,6 +179,10 @@ class Store:
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN memory_image TEXT")
         if "template_version" not in columns:  # a store made before it was recorded
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN template_version TEXT")
+        if "lifecycle" not in columns:  # made before lifecycles: killed at their timeout
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN lifecycle TEXT NOT NULL "
+                             "DEFAULT '{}'")
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN timeout_s REAL")
         if "mounts" not in columns:  # a store made before volumes and data mounts
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN mounts TEXT NOT NULL "
                              "DEFAULT '[]'")
@@ -238,6 +243,7 @@ class Store:
         layer: str | None = None, memory_image: str | None = None,
         template_version: str | None = None,
         mounts: Sequence[Mapping[str, Any]] = (), creator: str | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> SandboxRecord:
         """Insert a sandbox in state ``creating``; its uid is what the tier's ``allocate_uid``
         picks among the ones not recorded here, inside the insert's transaction. Its volume
@@ -263,12 +269,14 @@ class Store:
             db.execute(
                 "INSERT INTO sandboxes (id, uid, template, resources, state, created_at, "
                 "expires_at, labels, network, secrets, tenant, idle_timeout, last_active, "
-                "isolation, layer, memory_image, template_version, mounts, creator) "
-                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "isolation, layer, memory_image, template_version, mounts, creator, "
+                "lifecycle, timeout_s) "
+                "VALUES (?, ?, ?, ?, 'creating', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (sandbox_id, uid, template, resources, now, now + ttl_s, json.dumps(labels),
                  json.dumps(network or {}), json.dumps(secrets or {}), tenant, idle_timeout,
                  now, isolation, layer, memory_image, template_version,
-                 json.dumps([dict(m) for m in mounts]), creator),
+                 json.dumps([dict(m) for m in mounts]), creator,
+                 (lifecycle or Lifecycle()).model_dump_json(), ttl_s),
             )
         self._remember_placeholders(sandbox_id, secrets or {})
         # The row as written (the insert's own values), not read back: in a burst every
@@ -279,7 +287,8 @@ class Store:
             network=dict(network or {}), secrets=dict(secrets or {}), tenant=tenant,
             idle_timeout=idle_timeout, last_active=now, isolation=isolation, layer=layer,
             memory_image=memory_image, template_version=template_version,
-            mounts=[dict(m) for m in mounts], creator=creator)
+            mounts=[dict(m) for m in mounts], creator=creator,
+            lifecycle=lifecycle or Lifecycle(), timeout_s=ttl_s)
 
     def count_sandboxes(self, tenant: str) -> int:
         """How many sandboxes ``tenant`` has (in any state)."""
@@ -306,9 +315,22 @@ class Store:
         with self._tx(freeing=state == "destroying") as db:
             db.execute("UPDATE sandboxes SET state = ? WHERE id = ?", (state, sandbox_id))
 
-    def set_expiry(self, sandbox_id: str, expires_at: float) -> None:
+    def set_expiry(self, sandbox_id: str, expires_at: float, *,
+                   timeout_s: float | None = None) -> None:
+        """A new end of life; with ``timeout_s``, also the lifetime a resume starts again."""
         with self._tx() as db:
-            db.execute("UPDATE sandboxes SET expires_at = ? WHERE id = ?", (expires_at, sandbox_id))
+            if timeout_s is None:
+                db.execute("UPDATE sandboxes SET expires_at = ? WHERE id = ?",
+                           (expires_at, sandbox_id))
+            else:
+                db.execute("UPDATE sandboxes SET expires_at = ?, timeout_s = ? WHERE id = ?",
+                           (expires_at, timeout_s, sandbox_id))
+
+    def set_sleep(self, sandbox_id: str, state: str, expires_at: float) -> None:
+        """Paused or running again, with the end of life that goes with it, in one write."""
+        with self._tx() as db:
+            db.execute("UPDATE sandboxes SET state = ?, expires_at = ? WHERE id = ?",
+                       (state, expires_at, sandbox_id))
 
     def touch(self, sandbox_id: str) -> None:
         """Record activity (for the idle timeout)."""
