@@ -36,8 +36,8 @@ pytestmark = [pytest.mark.e2b, pytest.mark.needs_root, pytest.mark.timeout(600)]
 # -- OpenAI Agents SDK ----------------------------------------------------------------------------
 
 
-# E2BSandboxClientOptions as a user leaves them (on_timeout="pause", auto_resume=True: taken,
-# and the sandbox's lifecycle says kill), and with on_timeout="kill", for both sandbox types.
+# E2BSandboxClientOptions as a user leaves them (on_timeout="pause", auto_resume=True: kept,
+# since issue 40), and with on_timeout="kill", for both sandbox types.
 AGENTS_RUNS = {"defaults": ("e2b",), "e2b": ("e2b", "kill"),
                "code_interpreter": ("e2b_code_interpreter", "kill")}
 

@@ -161,3 +161,33 @@ def test_network_refused_by_default(security: ClientRun) -> None:
     else:
         assert asked["message"], asked  # refused, and it says why
     assert security.value("kill_a") is True and security.value("kill_b") is True
+
+
+# -- pause at the timeout, and wake (issue 40) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sleep_run(served: Served) -> ClientRun:
+    return run_client(served, "latest", "sleep.py", timeout=300)
+
+
+def test_a_sandbox_paused_at_its_timeout_resumes_on_connect_intact(sleep_run: ClientRun,
+                                                                    served: Served) -> None:
+    assert sleep_run.value("info_lifecycle") == {"on_timeout": "pause", "auto_resume": False}
+    assert sleep_run.value("paused") == "paused"
+    # Paused without auto_resume: a call is refused (the SDK raises what the server said).
+    refused = sleep_run["refused_while_paused"]
+    assert "error" in refused and "paused" in refused.get("message", ""), refused
+    assert sleep_run.value("state_after_connect") == "running"
+    assert sleep_run.value("kept") == "kept across the pause"
+    first, then = sleep_run.value("counting")
+    assert then > first > 0, "the background process did not survive the pause"
+    assert sleep_run.value("processes") >= 1
+    paused = events_of(served, sleep_run.value("id"), "sandbox.paused")
+    assert paused and paused[0]["data"]["reason"] == "timeout"
+
+
+def test_auto_resume_wakes_a_paused_sandbox_on_the_next_call(sleep_run: ClientRun) -> None:
+    assert sleep_run.value("auto_paused") == "paused"
+    assert sleep_run.value("auto_run") == "auto"
+    assert sleep_run.value("auto_state") == "running"

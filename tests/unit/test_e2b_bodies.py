@@ -11,6 +11,7 @@ import pytest
 from corral._e2b.bodies import ForkBody, NetworkUpdate, NewSandbox, ResumeBody, SnapshotBody
 from corral._e2b.common import E2BHTTPError
 from corral.errors import CommandError, CorralError, UsageError
+from corral.models import Lifecycle
 
 REFUSED: list[tuple[Any, dict[str, Any], str]] = [
     (NewSandbox, {}, "templateID is required"),
@@ -63,15 +64,21 @@ def test_a_create_is_typed() -> None:
         "base", 30.0, {"run": "7"}, {"A": "b"})
     assert asked.network.allow_out == ["api.example.com"]
     assert asked.allow_internet_access is True and asked.volume_mounts == {"data": "/data"}
-    assert asked.lifecycle_notice is None
+    assert asked.lifecycle == Lifecycle()
     bare = NewSandbox.read({"templateID": "base"})
     assert (bare.timeout, bare.network.allow_out, bare.allow_internet_access) == (None, [], None)
 
 
-def test_lifecycle_wishes_are_taken_with_a_notice() -> None:
-    assert NewSandbox.read({"templateID": "b", "autoPause": True}).lifecycle_notice
-    assert ResumeBody.read({"autoResume": {"enabled": True}}).lifecycle_notice
-    assert ResumeBody.read({"autoPause": False}).lifecycle_notice is None
+def test_a_create_asks_for_a_lifecycle_and_a_resume_cannot_change_it() -> None:
+    assert NewSandbox.read({"templateID": "b", "autoPause": True}).lifecycle == Lifecycle(
+        on_timeout="pause")
+    assert NewSandbox.read({"templateID": "b", "autoPause": True,
+                            "autoResume": {"enabled": True}}).lifecycle == Lifecycle(
+        on_timeout="pause", auto_resume=True)
+    kill, pause = Lifecycle(), Lifecycle(on_timeout="pause", auto_resume=True)
+    resume = ResumeBody.read({"autoPause": True, "autoResume": {"enabled": True}})
+    assert resume.lifecycle_notice(kill) and resume.lifecycle_notice(pause) is None
+    assert ResumeBody.read({"autoPause": False}).lifecycle_notice(kill) is None
 
 
 def test_fork_and_snapshot_defaults() -> None:

@@ -92,7 +92,7 @@ class Commands:
         if info.idle_timeout is not None:
             self._store.touch(sandbox_id)
         # A command never outlives its sandbox.
-        limit = max(0.001, min(limit, info.expires_at - time.time()))
+        limit = max(0.001, min(limit, _life_left(info)))
         recorder = self._auditor.command(sandbox_id, command_id)
         command_id = recorder.command_id if recorder else (command_id or new_command_id())
         with tracer.start_as_current_span("corral.command", attributes={
@@ -175,7 +175,7 @@ class Commands:
         self._ready()
         tier = get_tier(info.resources)
         if lifetime:
-            limit = info.expires_at - time.time()
+            limit = _life_left(info)
         else:
             limit = validate.command_timeout(timeout, tier)
         self._admission.admit(caller)
@@ -191,6 +191,20 @@ class Commands:
         if not self._sandboxes.backend(info).kill_command(self._sandboxes.spec(info),
                                                           command_id):
             raise CommandNotFound(f"command {command_id} is not running in {sandbox_id}")
+
+
+#: What bounds a command of a sandbox paused at its timeout: its destroy, and this (24 days:
+#: the most a poll's millisecond timeout holds, 2**31 ms).
+_NO_END_S = 24 * 86400.0
+
+
+def _life_left(info: SandboxRecord) -> float:
+    """How long a command may run at most: until its sandbox's timeout, which ends it. A
+    sandbox that its lifecycle pauses at its timeout has its processes sleep with it and go on
+    after a resume; its destroy (the keep over, or a kill) is what ends them."""
+    if info.lifecycle.on_timeout == "pause":
+        return _NO_END_S
+    return info.expires_at - time.time()
 
 
 # Corral's own for the sandbox user (home is the workspace); an image's values would point a

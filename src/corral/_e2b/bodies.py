@@ -17,6 +17,7 @@ from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
 from .._control.plane import validate
 from .._control.requests import Fork, SetTimeout
 from ..errors import CorralError
+from ..models import Lifecycle
 from .common import E2BHTTPError
 
 __all__ = ["ForkBody", "NetworkBody", "NetworkUpdate", "NewSandbox", "ResumeBody", "SnapshotBody"]
@@ -30,9 +31,10 @@ _UNSUPPORTED_CREATE = {
     "mcp": "MCP gateways inside sandboxes",
 }
 
-_LIFECYCLE_NOTICE = ("on_timeout='pause' (autoPause) and autoResume are not available yet "
-                     "(they come with hibernation): this sandbox is killed at its timeout, as "
-                     "its lifecycle says; extend its life with set_timeout")
+_RESUME_NOTICE = ("a resume does not change a sandbox's lifecycle (autoPause, autoResume): it "
+                  "is set when the sandbox is created; create it with lifecycle={'on_timeout': "
+                  "'pause', 'auto_resume': True} (autoPause, autoResume) to have it paused at "
+                  "its timeout and resumed by calls")
 
 
 def _refuse(message: str) -> E2BHTTPError:
@@ -107,15 +109,6 @@ def _asks_resume(value: Any) -> bool:
     return isinstance(value, Mapping) and value.get("enabled") is True
 
 
-def _notice(auto_pause: bool, auto_resume: bool) -> str | None:
-    """Corral kills a sandbox at its timeout; it cannot pause one then (that comes with
-    hibernation). A request for it is taken, since agent frameworks ask for it by default
-    (OpenAI Agents' E2B client: on_timeout="pause", auto_resume=True) and refusing would stop
-    them at their first call, but never stored as if it were kept: the sandbox's ``lifecycle``
-    says ``kill`` and the answer carries this notice (``X-Corral-Notice``)."""
-    return _LIFECYCLE_NOTICE if auto_pause or auto_resume else None
-
-
 _AutoPause = Annotated[bool, BeforeValidator(_asks_pause)]
 _AutoResume = Annotated[bool, BeforeValidator(_asks_resume)]
 _Lifetime = Annotated[float | None, BeforeValidator(_lifetime)]
@@ -129,9 +122,13 @@ class ResumeBody(_Body):
     auto_pause: _AutoPause = Field(default=_ABSENT, validation_alias="autoPause")
     auto_resume: _AutoResume = Field(default=_ABSENT, validation_alias="autoResume")
 
-    @property
-    def lifecycle_notice(self) -> str | None:
-        return _notice(self.auto_pause, self.auto_resume)
+    def lifecycle_notice(self, lifecycle: Lifecycle) -> str | None:
+        """What the resume asked of ``lifecycle`` (the sandbox's, set at its create) that a
+        resume does not change: the answer carries it (``X-Corral-Notice``), and the resume
+        goes on (SDK 1.x's ``resume(auto_pause=True)`` must not fail)."""
+        asks_more = (self.auto_pause and lifecycle.on_timeout != "pause") or (
+            self.auto_resume and not lifecycle.auto_resume)
+        return _RESUME_NOTICE if asks_more else None
 
 
 def _template_id(value: Any) -> str:
@@ -198,8 +195,12 @@ class NewSandbox(_Body):
     auto_resume: _AutoResume = Field(default=_ABSENT, validation_alias="autoResume")
 
     @property
-    def lifecycle_notice(self) -> str | None:
-        return _notice(self.auto_pause, self.auto_resume)
+    def lifecycle(self) -> Lifecycle:
+        """E2B's ``autoPause`` (``lifecycle={"on_timeout": "pause"}`` in its SDKs) and
+        ``autoResume`` as Corral's lifecycle: paused at its timeout and kept, resumed by
+        ``connect`` or, with autoResume, by the next call or request."""
+        return Lifecycle(on_timeout="pause" if self.auto_pause else "kill",
+                         auto_resume=self.auto_resume)
 
     @classmethod
     def read(cls, body: Mapping[str, Any]) -> Self:

@@ -159,7 +159,8 @@ def _detail(request: Request, info: SandboxInfo, extra: E2BSandbox | None) -> di
         "state": "paused" if info.state == "paused" else "running",
         "metadata": dict(info.labels),
         "allowInternetAccess": _internet(info),
-        "lifecycle": {"onTimeout": "kill", "autoResume": False},
+        "lifecycle": {"onTimeout": info.lifecycle.on_timeout,
+                      "autoResume": info.lifecycle.auto_resume},
         "volumeMounts": [{"name": m["source"], "path": m["target"]} for m in info.mounts
                          if m["kind"] == "volume"],
     }
@@ -209,7 +210,6 @@ async def create_sandbox(request: Request) -> Response:
     asked = NewSandbox.read(await json_body(request))
     tenant = tenant_of(request)
     manager = manager_of(request)
-    notice = asked.lifecycle_notice
     template, snapshot = _template(request, asked.template_id)
     timeout = DEFAULT_TIMEOUT_S if asked.timeout is None else asked.timeout
     network = _network(request, asked.network.allow_out, asked.allow_internet_access, tenant)
@@ -217,19 +217,18 @@ async def create_sandbox(request: Request) -> Response:
     def create() -> SandboxInfo:
         info = manager.create(template=template, snapshot=snapshot, timeout=timeout,
                               labels=asked.metadata, network=network, caller=tenant,
-                              volumes=asked.volume_mounts or None)
+                              volumes=asked.volume_mounts or None, lifecycle=asked.lifecycle)
         state: E2BState = request.app.state.e2b
         state.remember(E2BSandbox(
             id=info.id, template_id=asked.template_id, envs=dict(asked.env_vars),
             internet=asked.allow_internet_access,
-            auto_pause=False))
+            auto_pause=asked.auto_pause))
         return info
 
     info = await run_in_threadpool(create)
     request.app.state.e2b_metrics.watch(info.id)  # E2B samples from the start
     extra = request.app.state.e2b.get(info.id)
-    return JSONResponse(_sandbox(request, info, extra), status_code=201,
-                        headers={"X-Corral-Notice": notice} if notice else None)
+    return JSONResponse(_sandbox(request, info, extra), status_code=201)
 
 
 # -- read ------------------------------------------------------------------------------------------
@@ -355,7 +354,7 @@ async def _connect(request: Request, *, resume_only: bool) -> Response:
     manager, tenant = manager_of(request), tenant_of(request)
     corral_id = _sandbox_id(request)
     asked = ResumeBody.read(await json_body(request))
-    notice, timeout = asked.lifecycle_notice, asked.timeout
+    timeout = asked.timeout
 
     def connect() -> tuple[SandboxInfo, bool]:
         info = _owned(manager, tenant, corral_id)
@@ -370,6 +369,7 @@ async def _connect(request: Request, *, resume_only: bool) -> Response:
         return info, resumed
 
     info, resumed = await run_in_threadpool(connect)
+    notice = asked.lifecycle_notice(info.lifecycle)
     extra = request.app.state.e2b.get(info.id)
     return JSONResponse(_sandbox(request, info, extra), status_code=201 if resumed else 200,
                         headers={"X-Corral-Notice": notice} if notice else None)

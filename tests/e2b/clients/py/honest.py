@@ -1,5 +1,5 @@
 """What the E2B surface says it does: get_host a client can open (URL mode), real metrics,
-a pause-on-timeout it cannot do refused (latest SDK).
+a pause-on-timeout kept as asked (latest SDK).
 
 Usage: python honest.py
 """
