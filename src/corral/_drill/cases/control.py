@@ -160,6 +160,44 @@ def _paused_past_lifetime(ctx: DrillContext) -> Outcome:
                    "destroyed", tuple(evidence))
 
 
+def _wake(ctx: DrillContext) -> Outcome:
+    """Tenant A's sandbox sleeps (paused, resumed by calls): tenant B's call must neither
+    reach nor wake it, and when A's own call wakes it, it is the same sandbox: the same uid,
+    network policy and files (issue 40)."""
+    assert ctx.service is not None
+    with _client(ctx, ctx.service.api_key) as own, \
+            _client(ctx, ctx.service.other_api_key) as other:
+        made = own.post("/v1/sandboxes", json={
+            "timeout": 120, "lifecycle": {"on_timeout": "pause", "auto_resume": True}})
+        if made.status_code != 201:
+            return Outcome("error", f"create -> {made.status_code} {made.text[:200]}")
+        path = f"/v1/sandboxes/{made.json()['id']}"
+        try:
+            before = own.post(f"{path}/commands", json={
+                "cmd": "echo kept > /workspace/w.txt; id -u"}).json()["stdout"].strip()
+            policy = own.get(path).json()["network"]
+            own.post(f"{path}/pause").raise_for_status()
+            refused = other.post(f"{path}/commands", json={"cmd": "true"})
+            asleep = own.get(path).json()["state"]
+            woken = own.post(f"{path}/commands", json={"cmd": "cat /workspace/w.txt; id -u"})
+            after = woken.json().get("stdout", "").split() if woken.is_success else []
+            state = own.get(path).json()
+        finally:
+            own.delete(path)
+    evidence = (Evidence("response", f"tenant B's command -> {refused.status_code}; state "
+                                     f"after it: {asleep}"),
+                Evidence("observation", f"uid {before} before the sleep; after the wake: "
+                                        f"{after}, state {state.get('state')}"))
+    if refused.status_code != 404 or asleep != "paused":
+        return Outcome("breached", "another tenant's call reached or woke the sleeping "
+                       "sandbox", evidence)
+    if after != ["kept", before] or state.get("network") != policy:
+        return Outcome("breached", "the woken sandbox is not the one that slept (files, uid "
+                       "or network policy differ)", evidence)
+    return Outcome("held", "tenant B got 404 and did not wake it; tenant A's call woke the "
+                   "same sandbox (files, uid, network policy)", evidence)
+
+
 _FAKE_KEY = "ck_drill0000000000.0000000000000000000000000000000000000000000000000000"
 
 CASES = [
@@ -183,6 +221,9 @@ CASES = [
          "404, and its audit trail shows nothing", _cross_tenant_run, OTHER),
     Case("ctl.other-tenant-list", "control", "list sandboxes and snapshots as another tenant",
          "the other tenant's are not listed", _cross_tenant_list, OTHER),
+    Case("ctl.other-tenant-wake", "control", "wake another tenant's sleeping sandbox (paused, "
+         "resumed by calls) with a command", "404, it stays paused, and its owner's call "
+         "wakes the same sandbox (files, uid, network policy)", _wake, OTHER),
     Case("ctl.oversized-body", "control", "send a 70 MB command body (over the 64 MiB stdin "
          "limit)", "refused with 413 or 400",
          _status_case("POST", "/v1/sandboxes/{sbx}/commands", key="own", ok=(400, 413, 422),
