@@ -139,6 +139,20 @@ def test_a_lifetime_of_zero_at_create(surfaces: Surfaces) -> None:
         said, True), (words, said)
 
 
+def test_an_unknown_on_timeout_at_create(surfaces: Surfaces) -> None:
+    body = {"lifecycle": {"on_timeout": "sleep"}}
+    words = _words(CreateSandbox, body)
+    # MCP and the CLI offer the choices themselves (a tool's enum, --on-timeout's choice list),
+    # so a value outside them never reaches the request model.
+    said = {
+        "sdk": surfaces.sdk(lambda sb: Sandbox.create(
+            lifecycle=body["lifecycle"], transport=EmbeddedTransport(surfaces.manager))),
+        "http": surfaces.http("POST", "/v1/sandboxes", body),
+    }
+    assert {surface: words in message for surface, message in said.items()} == dict.fromkeys(
+        said, True), (words, said)
+
+
 def test_a_lifetime_of_zero_for_a_running_sandbox(surfaces: Surfaces) -> None:
     words = _words(SetTimeout, {"timeout": 0})
     said = {

@@ -201,6 +201,14 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
               help="Resource tier: small or large.")
 @click.option("--ttl", type=float, default=None,
               help="Lifetime in seconds (default: the tier's); destroyed after that.")
+@click.option("--on-timeout", type=click.Choice(["kill", "pause"]), default="kill",
+              show_default=True,
+              help="At the end of its lifetime: kill destroys it; pause freezes it and keeps it "
+                   "(files, memory) for the operator's CORRAL_PAUSED_KEEP_S, until `corral "
+                   "resume ID`, which starts its lifetime again.")
+@click.option("--auto-resume", is_flag=True,
+              help="A command, file, code or port call resumes it when paused, instead of "
+                   "being refused.")
 @click.option("--label", "-l", "labels", multiple=True, metavar="KEY=VALUE", help="Add a label.")
 @network_options
 @start_options
@@ -208,7 +216,8 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
 @json_option
 @click.pass_context
 @handle_errors
-def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[str, ...],
+def create(ctx: click.Context, resources: str, ttl: float | None, on_timeout: str,
+           auto_resume: bool, labels: tuple[str, ...],
            allow: tuple[str, ...], deny: tuple[str, ...], presets: tuple[str, ...],
            require_lock: bool, secret_names: tuple[str, ...], template: str | None,
            image: str | None, isolation: str | None, snapshot_ref: str | None,
@@ -216,20 +225,26 @@ def create(ctx: click.Context, resources: str, ttl: float | None, labels: tuple[
            as_json: bool) -> None:
     """Create a sandbox and print its id (--json: the sandbox, as `corral info --json`).
 
-    It lives until `corral rm ID` or its lifetime (--ttl) ends. Volumes it mounts
-    (--volume) outlive it; while it mounts one read-write, no other sandbox can mount it.
+    It lives until `corral rm ID` or its lifetime (--ttl) ends (then it is destroyed, or with
+    --on-timeout pause, paused). Volumes it mounts (--volume) outlive it; while it mounts one
+    read-write, no other sandbox can mount it.
 
     \b
     Examples:
       ID=$(corral create --template python --label task=42)
       ID=$(corral create --volume cache:/mnt/cache --data refs:/mnt/refs)
+      ID=$(corral create --ttl 600 --on-timeout pause --auto-resume)
     """
     label_map = parse_pairs(labels, "--label")
+    # Sent only when asked for, so a plain create still works against an older service.
+    lifecycle = ({"on_timeout": on_timeout, "auto_resume": auto_resume}
+                 if on_timeout != "kill" or auto_resume else None)
     sb = sdk().create(template, resources=resources, timeout=ttl, labels=label_map,
                         network=_network(allow, deny, presets, require_lock),
                         secrets=list(secret_names),
                         isolation=isolation, snapshot=snapshot_ref, image=image,
-                        volumes=volumes, data_mounts=data_mounts, home=home_of(ctx))
+                        volumes=volumes, data_mounts=data_mounts, lifecycle=lifecycle,
+                        home=home_of(ctx))
     if as_json:
         emit_json(_info_json(sb.get_info()))
     else:
@@ -277,11 +292,12 @@ def list_(ctx: click.Context, as_json: bool) -> None:
         click.echo("no sandboxes", err=True)
         return
     now = time.time()
-    rows = [(info.id, info.template, info.resources, info.isolation,
+    rows = [(info.id, info.state, info.template, info.resources, info.isolation,
              _duration(now - info.created_at), _duration(info.expires_at - now),
              ",".join(f"{k}={v}" for k, v in info.labels.items())) for info in infos]
-    click.echo(columns(("ID", "TEMPLATE", "RESOURCES", "ISOLATION", "AGE", "EXPIRES IN",
-                        "LABELS"), rows))
+    # For a sandbox paused at its timeout, EXPIRES IN is how long it is kept paused.
+    click.echo(columns(("ID", "STATE", "TEMPLATE", "RESOURCES", "ISOLATION", "AGE",
+                        "EXPIRES IN", "LABELS"), rows))
 
 
 def _duration(seconds: float) -> str:
@@ -330,7 +346,8 @@ def pause_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
 @click.pass_context
 @handle_errors
 def resume_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
-    """Let a paused sandbox's processes run again."""
+    """Let a paused sandbox's processes run again; one paused at its timeout (--on-timeout
+    pause) starts its lifetime again."""
     sb = connect(ctx, sandbox_id)
     sb.resume()
     if as_json:

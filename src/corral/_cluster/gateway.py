@@ -574,8 +574,8 @@ class Cluster:
         native forks; for the others the workspace is exported once and moves node to node
         through Ray's object store, once per node, where the first child is made from it and
         the rest fork from that one, with the source's template, tier, isolation, labels,
-        network policy and idle timeout. A memory fork, or one of a sandbox holding secrets
-        (a node's secret store is its own), stays on the sandbox's node."""
+        network policy, idle timeout and lifecycle. A memory fork, or one of a sandbox holding
+        secrets (a node's secret store is its own), stays on the sandbox's node."""
         if count < 1:
             raise UsageError(f"fork needs a count of at least 1, not {count}")
         admitted = self.admit(tenant, max_for_tenant, count=count, place=False)
@@ -609,7 +609,7 @@ class Cluster:
             kwargs = {"template": info.template, "resources": info.resources,
                       "labels": dict(info.labels), "isolation": info.isolation,
                       "network": network_spec(info.network), "idle_timeout": info.idle_timeout,
-                      "tenant": tenant, "caller": caller}
+                      "lifecycle": info.lifecycle, "tenant": tenant, "caller": caller}
             workspace = source.export_fork.remote(sandbox_id, tenant)  # a reference only
             imports = [(node_id, self.agent(node_id).import_fork.remote(workspace, kwargs, n))
                        for node_id, n in others.items()]

@@ -32,11 +32,13 @@ from pydantic import (
 from .._backends import BACKENDS
 from .._core.resources import TIERS, get_tier
 from ..errors import CorralError, InvalidRequestError
+from ..models import Lifecycle
 from . import validate
 
 __all__ = ["CreateCodeContext", "CreateSandbox", "CreateVolume", "ExposePort", "Fork",
-           "NetworkRequest", "Request", "Restore", "RunCode", "RunCommand", "SetTimeout",
-           "StartProcess", "TakeSnapshot", "VolumeMount", "refusal", "request_fields"]
+           "LifecycleRequest", "NetworkRequest", "Request", "Restore", "RunCode", "RunCommand",
+           "SetTimeout", "StartProcess", "TakeSnapshot", "VolumeMount", "refusal",
+           "request_fields"]
 
 
 def _rule(check: Callable[[Any], object], schema_type: Any) -> PlainValidator:
@@ -166,11 +168,27 @@ class CreateVolume(Request):
     size: int | str = Field(default="1G", description="Bytes, or 512M, 10G, 1GiB.")
 
 
+class LifecycleRequest(Request):
+    """``Lifecycle`` as a request: the same fields and words, but a misspelt field is refused
+    (the public model ignores unknown fields, for a newer server's answers)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"on_timeout": "pause", "auto_resume": True}]})
+    on_timeout: Literal["kill", "pause"] = Field(
+        default="kill", description=Lifecycle.model_fields["on_timeout"].description)
+    auto_resume: bool = Field(
+        default=False, description=Lifecycle.model_fields["auto_resume"].description)
+
+    def lifecycle(self) -> Lifecycle:
+        return Lifecycle(on_timeout=self.on_timeout, auto_resume=self.auto_resume)
+
+
 class CreateSandbox(Request):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"template": "base", "resources": "small", "timeout": 600,
          "labels": {"agent": "triage"},
-         "network": {"allow": ["pypi.org", "files.pythonhosted.org"]}}]})
+         "network": {"allow": ["pypi.org", "files.pythonhosted.org"]}},
+        {"timeout": 3600, "lifecycle": {"on_timeout": "pause", "auto_resume": True}}]})
     template: Annotated[str | None, _rule(_optional(validate.template),
                                           _NonEmpty | None)] = Field(
         default=None, description="Root filesystem: base, or the snapshot's when starting "
@@ -205,6 +223,11 @@ class CreateSandbox(Request):
     data_mounts: dict[str, str] = Field(
         default_factory=dict, max_length=16,
         description="The operator's data mounts by name, each at a mount point; read-only.")
+    lifecycle: LifecycleRequest | None = Field(
+        default=None,
+        description="What happens at its timeout: killed (default), or paused and kept for "
+                    "the operator's paused_keep_s; auto_resume has a call resume it when "
+                    "paused.")
 
 
 class ExposePort(Request):

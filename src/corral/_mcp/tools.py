@@ -16,7 +16,7 @@ import binascii
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import CallToolResult, ToolAnnotations
@@ -139,6 +139,7 @@ async def create_sandbox(
     labels: dict[str, str] | None = None, isolation: str | None = None,
     snapshot: str | None = None, template: str | None = None,
     volumes: dict[str, VolumeRequest] | None = None,
+    on_timeout: Literal["kill", "pause"] = "kill", auto_resume: bool = False,
 ) -> dict[str, Any]:
     """Create a sandbox and return its sandbox_id (pass it to the other tools).
 
@@ -151,19 +152,28 @@ async def create_sandbox(
     by name (list_volumes shows those allowed), each at a path under /mnt/ or /workspace/:
     {"cache": "/mnt/cache"}, or {"cache": {"path": "/mnt/cache", "read_only": true}}; a
     volume has one writer or any number of readers (volume_in_use otherwise), and its
-    files outlive the sandbox. Hosts, templates and volumes beyond what the operator
-    allowed are refused (ceiling_exceeded). It is destroyed with this MCP session, or by
-    destroy_sandbox."""
+    files outlive the sandbox. on_timeout: at the end of its lifetime, "kill" (default)
+    destroys it, "pause" freezes it (files and memory kept) for the operator's keep time.
+    auto_resume: a command, file or code call resumes it when paused (its lifetime starts
+    again) instead of being refused (sandbox_busy; `corral resume` resumes it by hand).
+    Hosts, templates
+    and volumes beyond what the operator allowed are refused (ceiling_exceeded). It is
+    destroyed with this MCP session, or by destroy_sandbox."""
     network: dict[str, list[str]] | str = {"allow": list(allow)} if allow else "none"
     mounts = state.volume_mounts(volumes or {})
+    # Sent only when asked for, so a plain create still works against an older service.
+    lifecycle = ({"on_timeout": on_timeout, "auto_resume": auto_resume}
+                 if on_timeout != "kill" or auto_resume else None)
     sb = await state.create(
         template=template, resources=resources, timeout=timeout_s, labels=labels or {},
-        network=network, isolation=isolation, snapshot=snapshot, volumes=mounts or None)
+        network=network, isolation=isolation, snapshot=snapshot, volumes=mounts or None,
+        lifecycle=lifecycle)
     await state.keep(ctx, sandboxes=(sb.id,))
     info = await sb.get_info()
     return {"sandbox_id": sb.id, "template": info.template, "resources": info.resources,
             "expires_at": info.expires_at, "network": info.network, "labels": info.labels,
-            "isolation": info.isolation, "mounts": info.mounts}
+            "isolation": info.isolation, "mounts": info.mounts,
+            "lifecycle": info.lifecycle.to_dict()}
 
 
 @tool(_WRITES)

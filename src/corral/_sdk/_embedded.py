@@ -54,12 +54,20 @@ class EmbeddedTransport:
                idle_timeout: float | None, isolation: str | None,
                snapshot: str | None, image: str | None = None,
                volumes: Mapping[str, Any] | None = None,
-               data_mounts: Mapping[str, Any] | None = None) -> SandboxInfo:
+               data_mounts: Mapping[str, Any] | None = None,
+               lifecycle: Mapping[str, Any] | None = None) -> SandboxInfo:
+        from .._control.requests import CreateSandbox
+
+        # Checked by the service's own create request, so a bad one is refused in the same
+        # words on either transport.
+        asked = None if lifecycle is None else CreateSandbox.parse({"lifecycle": lifecycle})
         return self.manager.create(template=template, resources=resources, timeout=timeout,
                                    labels=labels, network=network, secrets=secrets,
                                    idle_timeout=idle_timeout, isolation=isolation,
                                    snapshot=snapshot, caller=self.caller, image=image,
-                                   volumes=volumes, data_mounts=data_mounts)
+                                   volumes=volumes, data_mounts=data_mounts,
+                                   lifecycle=asked.lifecycle.lifecycle() if asked is not None
+                                   and asked.lifecycle is not None else None)
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         return self.manager.get(sandbox_id)

@@ -34,6 +34,7 @@ from ..models import (
     Execution,
     ExecutionError,
     FileEntry,
+    Lifecycle,
     OutputMessage,
     Result,
     SandboxInfo,
@@ -47,7 +48,8 @@ __all__ = [
     "ErrorCallback", "MessageCallback", "ResultCallback",
     "CommandStream", "code_body", "code_context", "code_item", "Output", "OutputCallback",
     "ProcessInfo", "adeliver", "audit_params", "audit_trail", "check_format", "command_result",
-    "create_body", "deliver", "encodable", "error_for", "file_data", "network_body",
+    "create_body", "deliver", "encodable", "error_for", "file_data", "lifecycle_body",
+    "network_body",
     "process_body", "process_event", "run_body", "sandbox_info", "shaped", "snapshot_info",
     "snapshot_path", "snapshot_ref", "unreachable",
 ]
@@ -220,7 +222,8 @@ def create_body(*, template: str | None, resources: str, timeout: float | None,
                 secrets: Sequence[str] | None, idle_timeout: float | None = None,
                 isolation: str | None = None, snapshot: str | None = None,
                 image: str | None = None, volumes: Mapping[str, Any] | None = None,
-                data_mounts: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                data_mounts: Mapping[str, Any] | None = None,
+                lifecycle: Mapping[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"resources": resources, "timeout": timeout,
                             "labels": dict(labels or {}), "network": network or "none",
                             "secrets": list(secrets or []), "idle_timeout": idle_timeout}
@@ -234,7 +237,23 @@ def create_body(*, template: str | None, resources: str, timeout: float | None,
         body["volumes"] = dict(volumes)
     if data_mounts:
         body["data_mounts"] = dict(data_mounts)
+    if lifecycle is not None:
+        body["lifecycle"] = dict(lifecycle)
     return body
+
+
+def lifecycle_body(lifecycle: Lifecycle | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A create's ``lifecycle`` as the request carries it, on every transport: a ``Lifecycle``
+    or a plain dict (E2B's form, ``{"on_timeout": "pause", "auto_resume": True}``), which the
+    control plane's request model then checks (a misspelt key is refused, not ignored)."""
+    if lifecycle is None:
+        return None
+    if isinstance(lifecycle, Lifecycle):
+        return lifecycle.to_dict()
+    if isinstance(lifecycle, Mapping):
+        return dict(lifecycle)
+    raise UsageError(f"lifecycle must be a Lifecycle or a dict such as {{'on_timeout': "
+                     f"'pause', 'auto_resume': True}}, not {type(lifecycle).__name__}")
 
 
 def port_number(port: object) -> int:

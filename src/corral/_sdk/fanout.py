@@ -218,7 +218,7 @@ class AsyncFanOut:
 
 
 _CREATE_ARGS = frozenset({"template", "resources", "timeout", "labels", "network", "secrets",
-                          "idle_timeout", "isolation", "volumes", "data_mounts"})
+                          "idle_timeout", "isolation", "volumes", "data_mounts", "lifecycle"})
 
 
 class FanOut:

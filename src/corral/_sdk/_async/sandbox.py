@@ -40,6 +40,7 @@ from ...models import (
     CommandResult,
     Execution,
     FileEntry,
+    Lifecycle,
     PortInfo,
     SandboxInfo,
     SnapshotInfo,
@@ -422,6 +423,7 @@ class AsyncSandbox:
         image: str | None = None,
         volumes: Mapping[str, str | Mapping[str, Any]] | None = None,
         data_mounts: Mapping[str, str] | None = None,
+        lifecycle: Lifecycle | Mapping[str, Any] | None = None,
         home: str | Path | None = None,
         url: str | None = None,
         api_key: str | None = None,
@@ -459,6 +461,13 @@ class AsyncSandbox:
                 writer or any number of readers (``VolumeInUse`` otherwise).
             data_mounts: the operator's data mounts (``CORRAL_DATA_MOUNTS``) by name, each
                 at a mount point, read-only: ``{"refs": "/mnt/refs"}``.
+            lifecycle: what happens at its timeout, a ``Lifecycle`` or a dict such as
+                ``{"on_timeout": "pause", "auto_resume": True}``. ``on_timeout``: ``"kill"``
+                (default) destroys it; ``"pause"`` pauses it instead and keeps it paused for
+                the operator's ``paused_keep_s`` (``resume()`` starts its lifetime again).
+                ``auto_resume``: a command, file, code or port call resumes it when paused,
+                instead of being refused (``SandboxBusy``). ``get_info().lifecycle`` says
+                which it has.
             home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
             url: a Corral service to use (default ``CORRAL_URL``; embedded when unset).
             api_key: its API key (default ``CORRAL_API_KEY``).
@@ -478,7 +487,8 @@ class AsyncSandbox:
                                        secrets=secrets, idle_timeout=idle_timeout,
                                        isolation=isolation,
                                        snapshot=_wire.snapshot_ref(snapshot), image=image,
-                                       volumes=volumes, data_mounts=data_mounts)
+                                       volumes=volumes, data_mounts=data_mounts,
+                                       lifecycle=_wire.lifecycle_body(lifecycle))
         except BaseException:
             if transport is None:  # one passed in stays its owner's to close
                 await opened.aclose()
@@ -650,10 +660,13 @@ class AsyncSandbox:
 
     async def pause(self) -> None:
         """Freeze every process in the sandbox (files stay reachable); ``resume()`` goes on.
-        Commands cannot start while paused; lifetimes and timeouts keep counting."""
+        Commands cannot start while paused (unless its lifecycle says ``auto_resume``: then
+        the command resumes it); lifetimes and timeouts keep counting."""
         self._info = await self._transport().pause(self._live_id())
 
     async def resume(self) -> None:
+        """Let a paused sandbox's processes run again; one paused at its timeout
+        (``lifecycle={"on_timeout": "pause"}``) starts its lifetime again."""
         self._info = await self._transport().resume(self._live_id())
 
     async def set_timeout(self, timeout: float) -> None:

@@ -97,12 +97,13 @@ class HTTPTransport:
                      secrets: Sequence[str] | None, idle_timeout: float | None,
                      isolation: str | None, snapshot: str | None,
                      image: str | None = None, volumes: Mapping[str, Any] | None = None,
-                     data_mounts: Mapping[str, Any] | None = None) -> SandboxInfo:
+                     data_mounts: Mapping[str, Any] | None = None,
+                     lifecycle: Mapping[str, Any] | None = None) -> SandboxInfo:
         body = _wire.create_body(template=template, resources=resources, timeout=timeout,
                                  labels=labels, network=network, secrets=secrets,
                                  idle_timeout=idle_timeout, isolation=isolation,
                                  snapshot=snapshot, image=image, volumes=volumes,
-                                 data_mounts=data_mounts)
+                                 data_mounts=data_mounts, lifecycle=lifecycle)
         return _wire.sandbox_info(self._json("POST", "/v1/sandboxes", json=body))
 
     def get(self, sandbox_id: str) -> SandboxInfo:

@@ -42,6 +42,7 @@ from ...models import (
     CommandResult,
     Execution,
     FileEntry,
+    Lifecycle,
     PortInfo,
     SandboxInfo,
     SnapshotInfo,
@@ -424,6 +425,7 @@ class Sandbox:
         image: str | None = None,
         volumes: Mapping[str, str | Mapping[str, Any]] | None = None,
         data_mounts: Mapping[str, str] | None = None,
+        lifecycle: Lifecycle | Mapping[str, Any] | None = None,
         home: str | Path | None = None,
         url: str | None = None,
         api_key: str | None = None,
@@ -461,6 +463,13 @@ class Sandbox:
                 writer or any number of readers (``VolumeInUse`` otherwise).
             data_mounts: the operator's data mounts (``CORRAL_DATA_MOUNTS``) by name, each
                 at a mount point, read-only: ``{"refs": "/mnt/refs"}``.
+            lifecycle: what happens at its timeout, a ``Lifecycle`` or a dict such as
+                ``{"on_timeout": "pause", "auto_resume": True}``. ``on_timeout``: ``"kill"``
+                (default) destroys it; ``"pause"`` pauses it instead and keeps it paused for
+                the operator's ``paused_keep_s`` (``resume()`` starts its lifetime again).
+                ``auto_resume``: a command, file, code or port call resumes it when paused,
+                instead of being refused (``SandboxBusy``). ``get_info().lifecycle`` says
+                which it has.
             home: data directory (default ``CORRAL_HOME`` or ``/var/lib/corral``).
             url: a Corral service to use (default ``CORRAL_URL``; embedded when unset).
             api_key: its API key (default ``CORRAL_API_KEY``).
@@ -480,7 +489,8 @@ class Sandbox:
                                        secrets=secrets, idle_timeout=idle_timeout,
                                        isolation=isolation,
                                        snapshot=_wire.snapshot_ref(snapshot), image=image,
-                                       volumes=volumes, data_mounts=data_mounts)
+                                       volumes=volumes, data_mounts=data_mounts,
+                                       lifecycle=_wire.lifecycle_body(lifecycle))
         except BaseException:
             if transport is None:  # one passed in stays its owner's to close
                 opened.close()
@@ -652,10 +662,13 @@ class Sandbox:
 
     def pause(self) -> None:
         """Freeze every process in the sandbox (files stay reachable); ``resume()`` goes on.
-        Commands cannot start while paused; lifetimes and timeouts keep counting."""
+        Commands cannot start while paused (unless its lifecycle says ``auto_resume``: then
+        the command resumes it); lifetimes and timeouts keep counting."""
         self._info = self._transport().pause(self._live_id())
 
     def resume(self) -> None:
+        """Let a paused sandbox's processes run again; one paused at its timeout
+        (``lifecycle={"on_timeout": "pause"}``) starts its lifetime again."""
         self._info = self._transport().resume(self._live_id())
 
     def set_timeout(self, timeout: float) -> None:

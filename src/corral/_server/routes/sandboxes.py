@@ -17,8 +17,9 @@ router = APIRouter()
 
 @router.post("/v1/sandboxes", status_code=201, response_model=SandboxInfo)
 def create_sandbox(body: CreateSandbox, who: TenantDep, manager: ManagerDep) -> SandboxInfo:
-    """Create a sandbox: a template, a tier, limits, a lifetime, a network policy and secrets. It
-    counts against your tenant's quota and ceiling; the answer is its record."""
+    """Create a sandbox: a template, a tier, limits, a lifetime (and what happens at its end), a
+    network policy and secrets. It counts against your tenant's quota and ceiling; the answer
+    is its record."""
     network = body.network if isinstance(body.network, str) else body.network.model_dump()
     # The snapshot is looked up among this tenant's own, so another's answers 404.
     info = manager.create(template=body.template, resources=body.resources,
@@ -29,7 +30,8 @@ def create_sandbox(body: CreateSandbox, who: TenantDep, manager: ManagerDep) -> 
                           image=body.image,
                           volumes={name: where if isinstance(where, str) else where.model_dump()
                                    for name, where in body.volumes.items()},
-                          data_mounts=body.data_mounts)
+                          data_mounts=body.data_mounts,
+                          lifecycle=body.lifecycle.lifecycle() if body.lifecycle else None)
     return (info)
 
 
