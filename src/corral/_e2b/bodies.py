@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, ClassVar, Self
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BeforeValidator, Field
 
 from .._control.plane import validate
 from .._control.requests import Fork, SetTimeout
-from ..errors import CorralError
 from ..models import Lifecycle
 from .common import E2BHTTPError
+from .wiremodel import ABSENT, WireModel
 
 __all__ = ["ForkBody", "NetworkBody", "NetworkUpdate", "NewSandbox", "ResumeBody", "SnapshotBody"]
 
-#: An absent field's value: its rule runs on it too (``validate_default``) and says what absence
-#: means, a default or a refusal.
-_ABSENT: Any = None
+_ABSENT = ABSENT
 
 #: What E2B's create takes that Corral does not offer: refused, never ignored.
 _UNSUPPORTED_CREATE = {
@@ -41,21 +39,12 @@ def _refuse(message: str) -> E2BHTTPError:
     return E2BHTTPError(400, message)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore", validate_default=True)
+class _Body(WireModel):
+    whole: ClassVar[str] = "the body"
 
     @classmethod
-    def read(cls, body: Mapping[str, Any]) -> Self:
-        try:
-            return cls.model_validate(body)
-        except ValidationError as exc:
-            problem = exc.errors()[0]
-            raised = (problem.get("ctx") or {}).get("error")
-            if isinstance(raised, CorralError):  # a control plane rule's own refusal
-                raise raised from None
-            # A shape no rule words (every field has one).
-            where = ".".join(str(part) for part in problem["loc"]) or "the body"
-            raise _refuse(f"{where}: {problem['msg']}") from None
+    def refuse(cls, message: str) -> Exception:
+        return _refuse(message)
 
 
 def _lifetime(value: Any) -> float | None:

@@ -18,17 +18,15 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AliasChoices,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
-    ValidationError,
 )
 
 from .._control.plane import MAX_PTY_SIZE
 from ..errors import PathRefused
 from . import paths
 from .connect import ConnectError
+from .wiremodel import ABSENT, WireModel
 
 __all__ = ["MAX_LIST_DEPTH", "CloseStdin", "ConnectProcess", "InputChunk", "ListDir", "Move",
            "PathRequest", "ProcessConfig", "PtySize", "Selector", "SendInput", "SendSignal",
@@ -43,9 +41,7 @@ _SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 SignalNumber = Literal[9, 15]
 
 
-#: An absent field's value: its rule runs on it too (``validate_default``) and says what absence
-#: means, a default or a refusal.
-_ABSENT: Any = None
+_ABSENT = ABSENT
 
 
 def _refuse(message: str) -> ConnectError:
@@ -84,18 +80,10 @@ def _rule(check: Callable[[Any], Any]) -> BeforeValidator:
     return BeforeValidator(check)
 
 
-class _Message(BaseModel):
-    # validate_default: a missing field runs its rule too (a required one refuses).
-    model_config = ConfigDict(frozen=True, extra="ignore", validate_default=True)
-
+class _Message(WireModel):
     @classmethod
-    def read(cls, message: Mapping[str, Any]) -> Self:
-        try:
-            return cls.model_validate(message)
-        except ValidationError as exc:  # a shape no rule words (every field has one)
-            problem = exc.errors()[0]
-            where = ".".join(str(part) for part in problem["loc"]) or "the message"
-            raise _refuse(f"{where}: {problem['msg']}") from None
+    def refuse(cls, message: str) -> Exception:
+        return _refuse(message)
 
 
 # -- what a process is --------------------------------------------------------------------------
