@@ -166,6 +166,11 @@ class Lifecycle(_Public):
         default=False, description="A call that needs it running (a command, a file, code, "
                                    "a port request) resumes it first, instead of being "
                                    "refused while it is paused.")
+    on_idle: Literal["destroy", "pause"] = Field(
+        default="destroy", description="After its idle_timeout without calls (and with nothing "
+                                       "running): destroy: destroyed. pause: paused, until a "
+                                       "resume (or, with auto_resume, the next call); its "
+                                       "lifetime goes on.")
 
 
 class SandboxInfo(_Public):

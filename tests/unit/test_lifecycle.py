@@ -133,3 +133,20 @@ def test_a_lifecycle_survives_a_restart_and_a_fork(tmp_path: Path) -> None:
         for info in again.store.list():
             again._destroy(info, reason="cleanup")
         again.close()
+
+
+def test_on_idle_pause_freezes_an_idle_sandbox_and_a_call_wakes_it(manager: Manager) -> None:
+    sandbox = manager.create(timeout=600, idle_timeout=1, lifecycle=Lifecycle(
+        on_idle="pause", auto_resume=True))
+    destroyed = manager.create(timeout=600, idle_timeout=1)  # the default: destroyed when idle
+    time.sleep(1.2)
+    manager.recovery.recover()
+    assert manager.get(sandbox.id).state == "paused"
+    assert _events(manager, sandbox.id, "sandbox.paused")[-1]["reason"] == "idle"
+    record = manager.record(destroyed.id)
+    assert record is None or record.state == "destroying"
+    # The next call wakes it, and counts as activity: the reaper leaves it running.
+    assert manager.run(sandbox.id, ["true"]).exit_code == 0
+    manager.recovery.recover()
+    woken = manager.get(sandbox.id)
+    assert woken.state == "running" and woken.expires_at > time.time() + 500  # lifetime kept

@@ -104,7 +104,7 @@ def test_the_rest_body_carries_it(manager: Manager) -> None:
     with TestClient(create_app(manager), base_url="http://127.0.0.1") as rest:
         made = rest.post("/v1/sandboxes", json={"lifecycle": {"on_timeout": "pause"}})
         assert made.status_code == 201, made.text
-        assert made.json()["lifecycle"] == {"on_timeout": "pause", "auto_resume": False}
+        assert made.json()["lifecycle"] == Lifecycle(on_timeout="pause").to_dict()
         refused = rest.post("/v1/sandboxes", json={"lifecycle": {"auto_resume": "yes"}})
         assert refused.status_code == 422, refused.text
         assert "lifecycle.auto_resume" in refused.json()["message"]
@@ -125,9 +125,9 @@ def test_the_cli_creates_with_on_timeout_and_auto_resume(
                                "--on-timeout", "pause", "--auto-resume", "--json"])
     assert made.exit_code == 0, made.output
     sandbox = json.loads(made.stdout)
-    assert sandbox["lifecycle"] == {"on_timeout": "pause", "auto_resume": True}
+    assert sandbox["lifecycle"] == Lifecycle(on_timeout="pause", auto_resume=True).to_dict()
     plain = runner.invoke(cli, ["--home", str(embedded_home), "create", "--json"])
-    assert json.loads(plain.stdout)["lifecycle"] == {"on_timeout": "kill", "auto_resume": False}
+    assert json.loads(plain.stdout)["lifecycle"] == Lifecycle().to_dict()
     _time_out(manager, sandbox["id"])
     listed = runner.invoke(cli, ["--home", str(embedded_home), "ls"])
     assert listed.exit_code == 0, listed.output
@@ -158,5 +158,5 @@ def test_mcp_creates_with_on_timeout_and_auto_resume(embedded_home: Path) -> Non
             await state.shutdown()
 
     asked, plain = asyncio.run(both())
-    assert asked["lifecycle"] == {"on_timeout": "pause", "auto_resume": True}
-    assert plain["lifecycle"] == {"on_timeout": "kill", "auto_resume": False}
+    assert asked["lifecycle"] == Lifecycle(on_timeout="pause", auto_resume=True).to_dict()
+    assert plain["lifecycle"] == Lifecycle().to_dict()

@@ -16,7 +16,7 @@ _WIRE = {"id": "sbx_0123456789ab", "template": "base", "resources": "small",
          "network": {"mode": "none"}, "secrets": ["TOKEN"], "idle_timeout": None,
          "isolation": "gvisor", "layer": None, "memory_image": None,
          "template_version": None, "mounts": [],
-         "lifecycle": {"on_timeout": "kill", "auto_resume": False}}
+         "lifecycle": {"on_timeout": "kill", "auto_resume": False, "on_idle": "destroy"}}
 
 
 def test_the_public_sandbox_has_nothing_of_the_operator() -> None:

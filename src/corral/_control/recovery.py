@@ -160,8 +160,15 @@ class Recovery:
                 except CorralError as exc:
                     logger.warning("sandbox %s: pausing it at its timeout failed: %s",
                                    info.id, exc)
+            elif info.lifecycle.on_idle == "pause" and self._idle(info, now):
+                try:  # its lifecycle pauses it when idle instead of destroying it
+                    self._sandboxes.pause(info.id, reason="idle")
+                    removed.append(f"sandbox {info.id} (paused: idle)")
+                except CorralError as exc:
+                    logger.warning("sandbox %s: pausing it when idle failed: %s", info.id, exc)
         due = [(info, reason) for info in records
                if not (info.expires_at <= now and self._sandboxes.sleeps_at_timeout(info))
+               and not (info.lifecycle.on_idle == "pause" and self._idle(info, now))
                and self._sandboxes.destroy_due(info.id)
                and (reason := self._due(info, now)) is not None]
         for start in range(0, len(due), _REAP_BATCH):

@@ -178,9 +178,12 @@ class LifecycleRequest(Request):
         default="kill", description=Lifecycle.model_fields["on_timeout"].description)
     auto_resume: bool = Field(
         default=False, description=Lifecycle.model_fields["auto_resume"].description)
+    on_idle: Literal["destroy", "pause"] = Field(
+        default="destroy", description=Lifecycle.model_fields["on_idle"].description)
 
     def lifecycle(self) -> Lifecycle:
-        return Lifecycle(on_timeout=self.on_timeout, auto_resume=self.auto_resume)
+        return Lifecycle(on_timeout=self.on_timeout, auto_resume=self.auto_resume,
+                         on_idle=self.on_idle)
 
 
 class CreateSandbox(Request):
