@@ -167,9 +167,7 @@ class Recovery:
                 except CorralError as exc:
                     logger.warning("sandbox %s: pausing it when idle failed: %s", info.id, exc)
         due = [(info, reason) for info in records
-               if not (info.expires_at <= now and self._sandboxes.sleeps_at_timeout(info))
-               and not (info.lifecycle.on_idle == "pause" and self._idle(info, now))
-               and self._sandboxes.destroy_due(info.id)
+               if self._sandboxes.destroy_due(info.id)
                and (reason := self._due(info, now)) is not None]
         for start in range(0, len(due), _REAP_BATCH):
             batch = [(info, self._begin(info, reason))
@@ -184,10 +182,11 @@ class Recovery:
         return removed
 
     def _due(self, info: SandboxRecord, now: float) -> str | None:
-        """Why ``info`` is to be destroyed now (None: it is not)."""
+        """Why ``info`` is to be destroyed now (None: it is not). One whose lifecycle pauses it
+        at its timeout or when idle is paused instead, by ``_reap``, never destroyed for it."""
         if info.expires_at <= now and info.state in ("running", "paused"):
-            return "expired"
-        if self._idle(info, now):
+            return None if self._sandboxes.sleeps_at_timeout(info) else "expired"
+        if info.lifecycle.on_idle == "destroy" and self._idle(info, now):
             return "idle"
         if info.state == "destroying" or self._abandoned_create(info, now):
             return "interrupted"
