@@ -202,6 +202,13 @@ class Settings(BaseSettings):
                     "kept before it is destroyed; a resume before then starts its lifetime "
                     "again.",
         examples=[604800])
+    hibernate_after_s: float = Field(
+        default=900.0, ge=0, le=30 * 86400,
+        description="How long a sandbox stays paused before it is hibernated (every kernel "
+                    "piece of it released, its files and /tmp kept on disk) when its lifecycle "
+                    "does not say (hibernate_after); 0: never. Only a sandbox with no process "
+                    "running hibernates.",
+        examples=[3600])
     microvm_cache_max_bytes: int = Field(
         default=10 * 2**30, ge=0,
         description="The most the microVM cache's root images and warm snapshots may add up "

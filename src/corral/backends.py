@@ -35,6 +35,8 @@ __all__ = [
     "EgressEndpoint",
     "ExecOutcome",
     "ExecRequest",
+    "Hibernated",
+    "Hibernation",
     "HostCheck",
     "IsolationBackend",
     "LayerMounts",
@@ -405,6 +407,38 @@ class MemorySnapshots(Protocol):
 
     def memory_image_ids(self) -> list[str]:
         """Every memory image this tier holds."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Hibernated:
+    """What a hibernate left on disk: the sandbox's ``/tmp`` (a memory filesystem while it
+    runs) as an archive of ``tmp_bytes`` whose SHA-256 is ``digest``, beside its workspace
+    image. The control plane keeps the digest in the store; ``wake`` refuses an archive that
+    no longer matches it."""
+
+    tmp_bytes: int
+    digest: str
+
+
+@runtime_checkable
+class Hibernation(Protocol):
+    """An optional capability of an ``IsolationBackend``: hibernate a sandbox with no process
+    running (``busy`` false), releasing every piece of it the kernel holds (processes,
+    mounts, loop devices, cgroup, network namespace) and keeping only files: its workspace
+    image and its ``/tmp``, archived. ``wake`` rebuilds them as a reboot's recovery would and
+    puts ``/tmp`` back; until then the sandbox costs disk and a row in the store."""
+
+    def hibernate(self, spec: SandboxSpec) -> Hibernated:
+        """Release the sandbox's kernel pieces, its files kept. Refused (``SandboxBusy``)
+        while a process of it runs; on failure the sandbox is left as it was (or, past the
+        archive, rebuilt by the next ``wake``)."""
+        ...
+
+    def wake(self, spec: SandboxSpec, image: Hibernated) -> None:
+        """Rebuild a hibernated sandbox's pieces and put its ``/tmp`` back. Refused
+        (``BackendError``) when the archive is missing or does not match ``image``; the
+        files on disk are then left as they are."""
         ...
 
 

@@ -36,7 +36,9 @@ __all__ = [
     "Usage",
 ]
 
-SandboxState = Literal["creating", "running", "paused", "destroying"]
+# ``paused``: frozen in place (processes stopped, memory, mounts and network namespace kept);
+# ``hibernated``: nothing left in the kernel, its files and ``/tmp`` on disk (see ``Lifecycle``).
+SandboxState = Literal["creating", "running", "paused", "hibernated", "destroying"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +173,14 @@ class Lifecycle(_Public):
                                        "running): destroy: destroyed. pause: paused, until a "
                                        "resume (or, with auto_resume, the next call); its "
                                        "lifetime goes on.")
+    hibernate_after: float | None = Field(
+        default=None, ge=0, le=30 * 86400,
+        description="Seconds paused before it is hibernated: every process, mount, loop device, "
+                    "cgroup and network namespace of it released, its files and /tmp kept on "
+                    "disk, woken like a paused one. Only a sandbox with no process running "
+                    "hibernates (the tiers cannot keep a process's memory on disk yet); one "
+                    "with processes stays paused. Null: the operator's hibernate_after_s "
+                    "(CORRAL_HIBERNATE_AFTER_S, default 900; 0 there: never).")
 
 
 class SandboxInfo(_Public):
@@ -208,6 +218,9 @@ class SandboxInfo(_Public):
     lifecycle: Lifecycle = Field(
         default_factory=Lifecycle, description="What happens at its timeout and to a call "
                                                "that finds it paused.")
+    sleeping_since: float | None = Field(
+        default=None, description="When it was paused (it stays so when it hibernates); null "
+                                  "while it runs.")
 
 
 class PortInfo(_Public):

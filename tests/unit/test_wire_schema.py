@@ -16,7 +16,9 @@ _WIRE = {"id": "sbx_0123456789ab", "template": "base", "resources": "small",
          "network": {"mode": "none"}, "secrets": ["TOKEN"], "idle_timeout": None,
          "isolation": "gvisor", "layer": None, "memory_image": None,
          "template_version": None, "mounts": [],
-         "lifecycle": {"on_timeout": "kill", "auto_resume": False, "on_idle": "destroy"}}
+         "lifecycle": {"on_timeout": "kill", "auto_resume": False, "on_idle": "destroy",
+                       "hibernate_after": None},
+         "sleeping_since": None}
 
 
 def test_the_public_sandbox_has_nothing_of_the_operator() -> None:
@@ -29,11 +31,12 @@ def test_the_sdk_ignores_fields_a_newer_server_adds_and_defaults_what_an_older_o
     assert newer.to_dict() == _WIRE
     older = {k: v for k, v in _WIRE.items()
              if k not in ("isolation", "layer", "memory_image", "template_version", "mounts",
-                          "lifecycle")}
+                          "lifecycle", "sleeping_since")}
     parsed = SandboxInfo.model_validate(older)
     assert (parsed.isolation, parsed.layer, parsed.memory_image, parsed.template_version) == \
         ("namespace", None, None, None)
     assert parsed.lifecycle.on_timeout == "kill"  # an older server killed at the timeout
+    assert parsed.sleeping_since is None
     with pytest.raises(ValidationError):
         SandboxInfo.model_validate({**_WIRE, "state": "exploded"})
 

@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 _ID_RE = re.compile(r"^sbx_[0-9a-z]{12}$")
 # Before these a sandbox's pending counts are written: its trail pauses, ends or stops at its
 # budget with every count it had.
-_FLUSH_BEFORE = frozenset({"sandbox.paused", "sandbox.expired", "sandbox.destroyed",
-                           "audit.budget_exceeded"})
+_FLUSH_BEFORE = frozenset({"sandbox.paused", "sandbox.hibernated", "sandbox.expired",
+                           "sandbox.destroyed", "audit.budget_exceeded"})
 # The worker looks at the budgets this often, and sooner when a window ends or a write is over.
 _TICK_S = 1.0
 # Summaries a failing disk would not take, kept to try again (beyond: logged as lost).

@@ -20,6 +20,7 @@ EventType = Literal[
     "sandbox.policy_changed",
     "sandbox.paused",
     "sandbox.resumed",
+    "sandbox.hibernated",
     "sandbox.expired",
     "sandbox.destroyed",
     "sandbox.forked",

@@ -54,6 +54,10 @@ _COUNTERS = {
     "corral_audit_budget_stops": ("Sandboxes stopped at an audit byte budget, by budget "
                                   "(sandbox or tenant) and action (pause or destroy).",
                                   ("scope", "action")),
+    "corral_sandbox_sleeps": ("Sandboxes put to sleep, by the state they went to (paused, "
+                              "hibernated).", ("state",)),
+    "corral_sandbox_wakes": ("Sandboxes woken, by the state they woke from (paused, "
+                             "hibernated).", ("state",)),
     "corral_audit_pruned_trails": ("Trails of destroyed sandboxes removed by retention, by "
                                    "reason (age or size).", ("reason",)),
 }

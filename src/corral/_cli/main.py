@@ -31,6 +31,7 @@ COMMANDS: Mapping[str, str] = {
     "ls": "corral._cli.sandboxes:list_",
     "info": "corral._cli.sandboxes:info_",
     "pause": "corral._cli.sandboxes:pause_",
+    "hibernate": "corral._cli.sandboxes:hibernate_",
     "resume": "corral._cli.sandboxes:resume_",
     "rm": "corral._cli.sandboxes:remove",
     "network": "corral._cli.sandboxes:network_",

@@ -1,6 +1,6 @@
-"""Sandbox commands: ``run``, ``create``, ``exec``, ``ls``, ``info``, ``pause``, ``resume``,
-``rm`` and ``network``. A thin layer over ``Sandbox``, so each works embedded and against a
-service (``CORRAL_URL``) alike.
+"""Sandbox commands: ``run``, ``create``, ``exec``, ``ls``, ``info``, ``pause``,
+``hibernate``, ``resume``, ``rm`` and ``network``. A thin layer over ``Sandbox``, so each
+works embedded and against a service (``CORRAL_URL``) alike.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from .._sdk.sandbox import Sandbox
     from ..models import CommandResult, SandboxInfo
 
-__all__ = ["create", "exec_", "info_", "list_", "network_", "pause_", "remove", "resume_", "run"]
+__all__ = ["create", "exec_", "hibernate_", "info_", "list_", "network_", "pause_", "remove",
+           "resume_", "run"]
 
 
 def _command_from(args: Sequence[str]) -> str | list[str]:
@@ -207,8 +208,17 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
                    "(files, memory) for the operator's CORRAL_PAUSED_KEEP_S, until `corral "
                    "resume ID`, which starts its lifetime again.")
 @click.option("--auto-resume", is_flag=True,
-              help="A command, file, code or port call resumes it when paused, instead of "
-                   "being refused.")
+              help="A command, file, code or port call resumes it when paused or hibernated, "
+                   "instead of being refused.")
+@click.option("--idle-timeout", type=float, default=None, metavar="SECONDS",
+              help="After this long without a command or file use (and nothing running), "
+                   "destroy it (or, with --on-idle pause, pause it).")
+@click.option("--on-idle", type=click.Choice(["destroy", "pause"]), default="destroy",
+              show_default=True, help="What its --idle-timeout does.")
+@click.option("--hibernate-after", type=float, default=None, metavar="SECONDS",
+              help="Once paused this long, hibernate it: nothing of it left in the kernel, "
+                   "its files and /tmp on disk (only with no process running). Default: the "
+                   "operator's CORRAL_HIBERNATE_AFTER_S.")
 @click.option("--label", "-l", "labels", multiple=True, metavar="KEY=VALUE", help="Add a label.")
 @network_options
 @start_options
@@ -217,7 +227,8 @@ def run(ctx: click.Context, resources: str, allow: tuple[str, ...], deny: tuple[
 @click.pass_context
 @handle_errors
 def create(ctx: click.Context, resources: str, ttl: float | None, on_timeout: str,
-           auto_resume: bool, labels: tuple[str, ...],
+           auto_resume: bool, idle_timeout: float | None, on_idle: str,
+           hibernate_after: float | None, labels: tuple[str, ...],
            allow: tuple[str, ...], deny: tuple[str, ...], presets: tuple[str, ...],
            require_lock: bool, secret_names: tuple[str, ...], template: str | None,
            image: str | None, isolation: str | None, snapshot_ref: str | None,
@@ -234,12 +245,17 @@ def create(ctx: click.Context, resources: str, ttl: float | None, on_timeout: st
       ID=$(corral create --template python --label task=42)
       ID=$(corral create --volume cache:/mnt/cache --data refs:/mnt/refs)
       ID=$(corral create --ttl 600 --on-timeout pause --auto-resume)
+      ID=$(corral create --idle-timeout 60 --on-idle pause --hibernate-after 300 --auto-resume)
     """
     label_map = parse_pairs(labels, "--label")
     # Sent only when asked for, so a plain create still works against an older service.
-    lifecycle = ({"on_timeout": on_timeout, "auto_resume": auto_resume}
-                 if on_timeout != "kill" or auto_resume else None)
+    asked = {"on_timeout": on_timeout, "auto_resume": auto_resume, "on_idle": on_idle,
+             "hibernate_after": hibernate_after}
+    defaults = {"on_timeout": "kill", "auto_resume": False, "on_idle": "destroy",
+                "hibernate_after": None}
+    lifecycle = {k: v for k, v in asked.items() if v != defaults[k]} or None
     sb = sdk().create(template, resources=resources, timeout=ttl, labels=label_map,
+                        idle_timeout=idle_timeout,
                         network=_network(allow, deny, presets, require_lock),
                         secrets=list(secret_names),
                         isolation=isolation, snapshot=snapshot_ref, image=image,
@@ -294,10 +310,11 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     now = time.time()
     rows = [(info.id, info.state, info.template, info.resources, info.isolation,
              _duration(now - info.created_at), _duration(info.expires_at - now),
+             "-" if info.sleeping_since is None else _duration(now - info.sleeping_since),
              ",".join(f"{k}={v}" for k, v in info.labels.items())) for info in infos]
     # For a sandbox paused at its timeout, EXPIRES IN is how long it is kept paused.
     click.echo(columns(("ID", "STATE", "TEMPLATE", "RESOURCES", "ISOLATION", "AGE",
-                        "EXPIRES IN", "LABELS"), rows))
+                        "EXPIRES IN", "ASLEEP", "LABELS"), rows))
 
 
 def _duration(seconds: float) -> str:
@@ -340,14 +357,30 @@ def pause_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
         emit_json(_info_json(sb.get_info()))
 
 
+@click.command(name="hibernate")
+@click.argument("sandbox_id")
+@json_option
+@click.pass_context
+@handle_errors
+def hibernate_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
+    """Hibernate a sandbox: nothing of it is left in the kernel (no process, mount, loop
+    device, cgroup or network namespace), its files and /tmp stay on disk; `corral resume ID`
+    (or, created with --auto-resume, its next use) wakes it. Refused while a process of it
+    runs (stop it, or `corral pause ID` to freeze it in place instead)."""
+    sb = connect(ctx, sandbox_id)
+    sb.hibernate()
+    if as_json:
+        emit_json(_info_json(sb.get_info()))
+
+
 @click.command(name="resume")
 @click.argument("sandbox_id")
 @json_option
 @click.pass_context
 @handle_errors
 def resume_(ctx: click.Context, sandbox_id: str, as_json: bool) -> None:
-    """Let a paused sandbox's processes run again; one paused at its timeout (--on-timeout
-    pause) starts its lifetime again."""
+    """Let a paused sandbox's processes run again, or wake a hibernated one; one paused at
+    its timeout (--on-timeout pause) starts its lifetime again."""
     sb = connect(ctx, sandbox_id)
     sb.resume()
     if as_json:

@@ -21,7 +21,7 @@ from .store import Store
 
 __all__ = ["AuditBudgets", "size_text"]
 
-_LIVE = ("running", "paused")
+_LIVE = ("running", "paused", "hibernated")
 
 
 def size_text(n: int) -> str:

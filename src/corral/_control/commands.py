@@ -184,9 +184,9 @@ class Commands:
     def kill(self, sandbox_id: str, command_id: str) -> None:
         """Kill a running command (from any process); its run() returns exit code 137."""
         info = self._sandboxes.get(sandbox_id)
-        if info.state == "paused":
-            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume it before killing "
-                              "commands")
+        if info.state in ("paused", "hibernated"):
+            raise SandboxBusy(f"sandbox {sandbox_id} is {info.state}; resume it before "
+                              "killing commands")
         validate.command_id(command_id)
         if not self._sandboxes.backend(info).kill_command(self._sandboxes.spec(info),
                                                           command_id):

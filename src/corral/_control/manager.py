@@ -243,7 +243,14 @@ class Manager:
         """Freeze every process of the sandbox (files stay reachable); its TTL keeps running."""
         return self.sandboxes.pause(sandbox_id).public()
 
+    def hibernate(self, sandbox_id: str) -> SandboxInfo:
+        """Release every kernel piece of the sandbox (processes, mounts, loop devices,
+        cgroup, network namespace), its files and /tmp kept on disk; woken by ``resume`` (or,
+        with ``auto_resume``, by the next call). Refused while a process of it runs."""
+        return self.sandboxes.hibernate(sandbox_id).public()
+
     def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Wake a paused or hibernated sandbox."""
         return self.sandboxes.resume(sandbox_id).public()
 
     def usage_now(self, sandbox_id: str) -> dict[str, float] | None:

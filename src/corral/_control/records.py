@@ -9,7 +9,12 @@ from typing import Any
 
 from ..models import Lifecycle, SandboxInfo, SandboxState
 
-__all__ = ["SandboxRecord"]
+__all__ = ["ASLEEP", "LIVE", "SandboxRecord"]
+
+#: The states of a sandbox asleep: frozen in place, or hibernated (nothing left in the kernel).
+ASLEEP: tuple[SandboxState, ...] = ("paused", "hibernated")
+#: The states of a sandbox that exists for its callers (listed, reachable, expiring).
+LIVE: tuple[SandboxState, ...] = ("running", *ASLEEP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,8 @@ class SandboxRecord:
     # The lifetime asked at create (or set since): what a resume of a sandbox paused at its
     # timeout starts again.
     timeout_s: float = 0.0
+    # When it went to sleep (paused or hibernated; a deeper sleep keeps the time); None awake.
+    slept_at: float | None = None
 
     def public(self) -> SandboxInfo:
         return SandboxInfo(
@@ -53,4 +60,5 @@ class SandboxRecord:
             network=self.network, secrets=sorted(self.secrets),
             idle_timeout=self.idle_timeout, isolation=self.isolation, layer=self.layer,
             memory_image=self.memory_image, template_version=self.template_version,
-            mounts=self.mounts, lifecycle=self.lifecycle)
+            mounts=self.mounts, lifecycle=self.lifecycle,
+            sleeping_since=self.slept_at)

@@ -21,7 +21,7 @@ from .destroyer import DestroyJob
 from .intents import Intents
 from .layers import Layers
 from .processes import ProcessTable
-from .records import SandboxRecord
+from .records import LIVE, SandboxRecord
 from .registry import BackendRegistry
 from .sandboxes import Sandboxes, wait_all
 from .snapshots import is_running
@@ -58,6 +58,9 @@ class Recovery:
         self._layers = layers
         self._auditor = auditor
         self._done = False
+        # Paused sandboxes a hibernate refused (processes run in them), by the time they went
+        # to sleep: asked again only after they woke and slept again.
+        self._stay_paused: dict[str, float | None] = {}
         # Not the registry's lock: recovery loads backends (a store may hold sandboxes of
         # any tier), so loading one must never wait on the lock recovery holds.
         self._lock = threading.Lock()
@@ -166,6 +169,12 @@ class Recovery:
                     removed.append(f"sandbox {info.id} (paused: idle)")
                 except CorralError as exc:
                     logger.warning("sandbox %s: pausing it when idle failed: %s", info.id, exc)
+            elif (paused_for := self._sandboxes.hibernate_due(info, now)) is not None \
+                    and self._stay_paused.get(info.id, 0.0) != info.slept_at:
+                removed += self._hibernate(info, paused_for)
+        if self._stay_paused:
+            known = {info.id for info in records}
+            self._stay_paused = {k: v for k, v in self._stay_paused.items() if k in known}
         due = [(info, reason) for info in records
                if self._sandboxes.destroy_due(info.id)
                and (reason := self._due(info, now)) is not None]
@@ -181,10 +190,25 @@ class Recovery:
                     self._auditor.count("corral_reaper_actions", action="destroy_underway")
         return removed
 
+    def _hibernate(self, info: SandboxRecord, paused_for: float) -> list[str]:
+        """Hibernate a sandbox paused past its ``hibernate_after``. One its tier cannot
+        hibernate (processes run in it, or a tier without hibernation) stays paused, and is
+        not asked again until it wakes and sleeps again."""
+        try:
+            self._sandboxes.hibernate(info.id, reason=f"paused for {paused_for:.0f} s")
+        except SandboxNotFound:
+            return []
+        except CorralError as exc:
+            logger.info("sandbox %s stays paused: %s", info.id, exc)
+            self._stay_paused[info.id] = info.slept_at
+            return []
+        self._auditor.count("corral_reaper_actions", action="hibernate_sandbox")
+        return [f"sandbox {info.id} (hibernated)"]
+
     def _due(self, info: SandboxRecord, now: float) -> str | None:
         """Why ``info`` is to be destroyed now (None: it is not). One whose lifecycle pauses it
         at its timeout or when idle is paused instead, by ``_reap``, never destroyed for it."""
-        if info.expires_at <= now and info.state in ("running", "paused"):
+        if info.expires_at <= now and info.state in LIVE:
             return None if self._sandboxes.sleeps_at_timeout(info) else "expired"
         if info.lifecycle.on_idle == "destroy" and self._idle(info, now):
             return "idle"

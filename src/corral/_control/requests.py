@@ -180,10 +180,13 @@ class LifecycleRequest(Request):
         default=False, description=Lifecycle.model_fields["auto_resume"].description)
     on_idle: Literal["destroy", "pause"] = Field(
         default="destroy", description=Lifecycle.model_fields["on_idle"].description)
+    hibernate_after: float | None = Field(
+        default=None, ge=0, le=30 * 86400, allow_inf_nan=False,
+        description=Lifecycle.model_fields["hibernate_after"].description)
 
     def lifecycle(self) -> Lifecycle:
         return Lifecycle(on_timeout=self.on_timeout, auto_resume=self.auto_resume,
-                         on_idle=self.on_idle)
+                         on_idle=self.on_idle, hibernate_after=self.hibernate_after)
 
 
 class CreateSandbox(Request):

@@ -35,8 +35,9 @@ from .._core.resources import get_tier
 from .._egress.policy import NetworkPolicy
 from .._settings import Settings
 from .._templates.roots import template_version
-from ..backends import IsolationBackend, Mount, SandboxSpec
+from ..backends import Hibernated, Hibernation, IsolationBackend, Mount, SandboxSpec
 from ..errors import (
+    BackendUnavailable,
     CorralError,
     SandboxBusy,
     SandboxExpired,
@@ -53,7 +54,7 @@ from .egress import EgressBroker, NetworkSpec
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .memimages import capable, check_resumable
-from .records import SandboxRecord
+from .records import ASLEEP, LIVE, SandboxRecord
 from .registry import BackendRegistry
 from .store import Store
 from .tenants import Tenant
@@ -340,10 +341,9 @@ class Sandboxes:
             if info.expires_at <= now and self.sleeps_at_timeout(info):
                 with contextlib.suppress(SandboxExpired):  # a tier that could not pause it
                     info = self.sleep(info)
-            if info.expires_at <= now and info.state in ("running", "paused"):
+            if info.expires_at <= now and info.state in LIVE:
                 expired.append(self.begin_expire(info))
-            elif info.state in ("running", "paused") and (tenant is None
-                                                          or info.tenant == tenant):
+            elif info.state in LIVE and (tenant is None or info.tenant == tenant):
                 live.append(info)
         wait_all(expired, DESTROY_WAIT_S)  # together: one wait however many expired
         return live
@@ -374,24 +374,80 @@ class Sandboxes:
         """Freeze the sandbox's processes; ``reason`` (the control plane's own pauses) is
         recorded in its ``sandbox.paused`` event."""
         info = self.get(sandbox_id)
-        if info.state == "paused":
+        if info.state in ASLEEP:
             return info
+        started = time.monotonic()
         self.backend(info).pause(self.spec(info), True)
         self._store.set_state(sandbox_id, "paused")
-        self._auditor.event(sandbox_id, "sandbox.paused",
-                            {"reason": reason} if reason is not None else {})
+        self._auditor.event(sandbox_id, "sandbox.paused", {
+            **({"reason": reason} if reason is not None else {}),
+            "duration_ms": _ms_since(started)})
+        self._auditor.count("corral_sandbox_sleeps", state="paused")
+        return self.get(sandbox_id)
+
+    def hibernate(self, sandbox_id: str, *, reason: str | None = None) -> SandboxRecord:
+        """Release every piece of the sandbox the kernel holds (processes, mounts, loop
+        devices, cgroup, network namespace), its files and ``/tmp`` kept on disk; woken like
+        a paused sandbox (``resume``, or the next call with ``auto_resume``). Refused
+        (``SandboxBusy``) while a process of it runs: no tier keeps a process's memory on
+        disk yet. A running sandbox is paused first, so nothing new starts in it meanwhile;
+        a refusal leaves it as it was."""
+        info = self.get(sandbox_id)
+        if info.state == "hibernated":
+            return info
+        backend = self.backend(info)
+        if not isinstance(backend, Hibernation):
+            raise BackendUnavailable(
+                f"the {info.isolation} tier cannot hibernate a sandbox yet; pause() it instead "
+                "(frozen in place, woken the same way)")
+        with self._sleeping(sandbox_id):
+            info = self.get(sandbox_id)
+            if info.state == "hibernated":
+                return info
+            started = time.monotonic()
+            spec = self.spec(info)
+            if backend.busy(spec):
+                raise SandboxBusy(
+                    f"sandbox {sandbox_id} has processes running; hibernating would end them "
+                    "(no tier keeps a process's memory on disk yet): stop them, or pause() it")
+            was = info.state
+            if was == "running":  # frozen first: nothing new starts while its pieces go
+                backend.pause(spec, True)
+                self._store.set_state(sandbox_id, "paused")
+            # Its refusing egress listener lives in its network namespace: closed first, or
+            # it would keep the namespace alive.
+            self._egress.forget(sandbox_id)
+            try:
+                image = backend.hibernate(spec)
+            except SandboxBusy:
+                if was == "running":  # a command started beside this call: left running
+                    backend.pause(spec, False)
+                    self._store.set_state(sandbox_id, "running")
+                raise
+            self._store.set_hibernated(sandbox_id, {"tmp_bytes": image.tmp_bytes,
+                                                    "digest": image.digest})
+            self._auditor.event(sandbox_id, "sandbox.hibernated", {
+                **({"reason": reason} if reason is not None else {}),
+                "duration_ms": _ms_since(started), "tmp_bytes": image.tmp_bytes})
+            self._auditor.count("corral_sandbox_sleeps", state="hibernated")
         return self.get(sandbox_id)
 
     def resume(self, sandbox_id: str, *, reason: str | None = None) -> SandboxRecord:
-        """Thaw a paused sandbox; refused (``QuotaExceeded``) while its trail is over its
-        audit budget: its processes would only write on. ``reason``: the control plane's own
-        resumes (a call that woke it), recorded in its ``sandbox.resumed`` event."""
+        """Thaw a paused sandbox, or wake a hibernated one (its pieces rebuilt, its ``/tmp``
+        put back; refused, and left hibernated, when its image on disk was changed);
+        refused (``QuotaExceeded``) while its trail is over its audit budget: its processes
+        would only write on. ``reason``: the control plane's own resumes (a call that woke
+        it), recorded in its ``sandbox.resumed`` event."""
         info = self.get(sandbox_id)
-        if info.state != "paused":
+        if info.state not in ASLEEP:
             return info
         if self._budgets is not None:
             self._budgets.check_resume(info)
-        self.backend(info).pause(self.spec(info), False)
+        started = time.monotonic()
+        if info.state == "hibernated":
+            self._wake(info)
+        else:
+            self.backend(info).pause(self.spec(info), False)
         if info.lifecycle.on_timeout == "pause":
             # Paused at (or before) its timeout, it starts its lifetime again, as E2B's
             # resume does; a connect or set_timeout may then change it.
@@ -399,9 +455,35 @@ class Sandboxes:
         else:
             self._store.set_state(sandbox_id, "running")
         self._auditor.budgets.forget(sandbox_id)  # a raised budget is looked up afresh
-        self._auditor.event(sandbox_id, "sandbox.resumed",
-                            {"reason": reason} if reason is not None else {})
+        self._auditor.event(sandbox_id, "sandbox.resumed", {
+            **({"reason": reason} if reason is not None else {}),
+            "from": info.state, "duration_ms": _ms_since(started),
+            **({"slept_s": round(time.time() - info.slept_at, 3)}
+               if info.slept_at is not None else {})})
+        self._auditor.count("corral_sandbox_wakes", state=info.state)
         return self.get(sandbox_id)
+
+    def _wake(self, info: SandboxRecord) -> None:
+        backend = self.backend(info)
+        image = self._store.hibernated_image(info.id)
+        if not isinstance(backend, Hibernation) or image is None:
+            raise BackendUnavailable(f"sandbox {info.id} is hibernated but its tier keeps no "
+                                     "image of it; `corral rm` it")
+        backend.wake(self.spec(info), Hibernated(**image))
+
+    def hibernate_due(self, info: SandboxRecord, now: float) -> float | None:
+        """How long ``info`` has been paused, once that is its lifecycle's
+        ``hibernate_after`` (else the operator's ``hibernate_after_s``; 0 there: never);
+        None before then, or when it is not paused."""
+        if info.state != "paused" or info.slept_at is None:
+            return None
+        after = info.lifecycle.hibernate_after
+        if after is None:
+            after = self._settings.hibernate_after_s
+            if after == 0:
+                return None
+        paused_for = now - info.slept_at
+        return paused_for if paused_for >= after else None
 
     def sleeps_at_timeout(self, info: SandboxRecord) -> bool:
         """A running sandbox past its lifetime that its lifecycle pauses instead of killing."""
@@ -433,20 +515,22 @@ class Sandboxes:
 
     def awake(self, sandbox_id: str, *, tenant: str | None = None,
               doing: str | None = "run commands") -> SandboxRecord:
-        """The sandbox, running: a paused one whose lifecycle says ``auto_resume`` is resumed
-        first (concurrent callers wait for the one resume); otherwise a paused one is refused
-        (``SandboxBusy``, saying it cannot ``doing``), or with ``doing=None`` (what works on a
-        paused sandbox too, its files) returned paused."""
+        """The sandbox, running: a paused or hibernated one whose lifecycle says
+        ``auto_resume`` is woken first (concurrent callers wait for the one wake); otherwise
+        one asleep is refused (``SandboxBusy``, saying it cannot ``doing``), or with
+        ``doing=None`` (what works on a frozen sandbox too, its files) a paused one is
+        returned paused (a hibernated one has no files mounted: refused)."""
         info = self.get(sandbox_id, tenant=tenant)
-        if info.state != "paused":
+        if info.state not in ASLEEP:
             return info
         if not info.lifecycle.auto_resume:
-            if doing is None:
+            if doing is None and info.state == "paused":
                 return info
-            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it to {doing}")
+            raise SandboxBusy(f"sandbox {sandbox_id} is {info.state}; resume() it to "
+                              f"{doing or 'use its files'}")
         with self._sleeping(sandbox_id):
             info = self.get(sandbox_id, tenant=tenant)
-            if info.state == "paused":
+            if info.state in ASLEEP:
                 info = self.resume(sandbox_id, reason="a call needed it")
         return info
 
@@ -585,6 +669,10 @@ class Sandboxes:
                 listener(sandbox_id)
             except Exception:  # one listener's failure neither stops the others nor the destroy
                 logger.exception("a destroy listener failed for sandbox %s", sandbox_id)
+
+
+def _ms_since(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 3)
 
 
 def wait_all(jobs: builtins.list[DestroyJob], wait_s: float) -> builtins.list[DestroyJob]:

@@ -35,7 +35,7 @@ from .layers import Layers
 from .locks import WorkspaceLocks
 from .memimages import capable, check_resumable
 from .processes import ProcessTable
-from .records import SandboxRecord
+from .records import ASLEEP, SandboxRecord
 from .sandboxes import Sandboxes, find_snapshot, new_id
 from .store import Store
 from .tenants import Tenant
@@ -88,8 +88,8 @@ class Snapshots:
         """Seal the sandbox's writable layer into a new read-only layer; return its id. Under
         an intent record (``intents``): a crash at any step leaves the layer recorded and the
         sandbox on it, or the sandbox as it was, never its files in an unrecorded layer."""
-        if info.state == "paused":
-            raise SandboxBusy(f"sandbox {info.id} is paused; resume() it first")
+        if info.state in ASLEEP:
+            raise SandboxBusy(f"sandbox {info.id} is {info.state}; resume() it first")
         backend = self._sandboxes.backend(info)
         with self._quiet(info, "taking a snapshot") as fresh:
             layer = new_id("lyr")
@@ -128,8 +128,8 @@ class Snapshots:
         commands running or not; return (layer, image). The image is recorded unsettled
         (before it exists, so no sweep takes it for a leftover, and no collect takes it
         before anything names it): the caller settles it once a snapshot or child does."""
-        if info.state == "paused":
-            raise SandboxBusy(f"sandbox {info.id} is paused; resume() it before a memory "
+        if info.state in ASLEEP:
+            raise SandboxBusy(f"sandbox {info.id} is {info.state}; resume() it before a memory "
                               "snapshot (its memory is saved running)")
         backend = capable(self._sandboxes.backend(info), "snapshot(memory=True)")
         with self._locks.sealing(info.id):
@@ -256,8 +256,8 @@ class Snapshots:
             tenant = caller.name
         info = self._sandboxes.get(sandbox_id, tenant=tenant)
         self._check_policy(info, caller)
-        if info.state == "paused":
-            raise SandboxBusy(f"sandbox {sandbox_id} is paused; resume() it first")
+        if info.state in ASLEEP:
+            raise SandboxBusy(f"sandbox {sandbox_id} is {info.state}; resume() it first")
         snap = self.get(snapshot, tenant=info.tenant)
         layer = self._store.snapshot_layer(snap.id)
         image = self._store.snapshot_memory_image(snap.id)

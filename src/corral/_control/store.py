@@ -125,6 +125,11 @@ CREATE TABLE IF NOT EXISTS counters (
 """
 
 
+# ``slept_at`` as a state change leaves it (parameters: the new state, now).
+_SLEPT_AT = ("CASE WHEN ? NOT IN ('paused', 'hibernated') THEN NULL "
+             "WHEN slept_at IS NULL THEN ? ELSE slept_at END")
+
+
 def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
     return SandboxRecord(
         id=row["id"], template=row["template"], resources=row["resources"],
@@ -137,6 +142,7 @@ def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
         template_version=row["template_version"], mounts=json.loads(row["mounts"]),
         creator=row["creator"], lifecycle=Lifecycle.model_validate_json(row["lifecycle"]),
         timeout_s=row["timeout_s"] or row["expires_at"] - row["created_at"],
+        slept_at=row["slept_at"],
     )
 
 
@@ -188,6 +194,9 @@ class Store:
                              "DEFAULT '[]'")
         if "creator" not in columns:  # a store made before creators were recorded
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN creator TEXT")
+        if "slept_at" not in columns:  # a store made before sleeps were timed
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN slept_at REAL")
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN hibernated TEXT")
         if "memory_image" not in {r[1] for r in self._db.execute("PRAGMA table_info(snapshots)")}:
             # A store made before memory snapshots: every snapshot in it is a disk snapshot.
             self._db.execute("ALTER TABLE snapshots ADD COLUMN memory_image TEXT")
@@ -312,8 +321,11 @@ class Store:
         return [_row_to_info(r) for r in rows]
 
     def set_state(self, sandbox_id: str, state: str) -> None:
+        """The sandbox's state; going to sleep (``paused``, ``hibernated``) from running
+        records when (``slept_at``), a sleep deepening keeps it, waking clears it."""
         with self._tx(freeing=state == "destroying") as db:
-            db.execute("UPDATE sandboxes SET state = ? WHERE id = ?", (state, sandbox_id))
+            db.execute(f"UPDATE sandboxes SET state = ?, slept_at = {_SLEPT_AT} WHERE id = ?",
+                       (state, state, time.time(), sandbox_id))
 
     def set_expiry(self, sandbox_id: str, expires_at: float, *,
                    timeout_s: float | None = None) -> None:
@@ -329,8 +341,22 @@ class Store:
     def set_sleep(self, sandbox_id: str, state: str, expires_at: float) -> None:
         """Paused or running again, with the end of life that goes with it, in one write."""
         with self._tx() as db:
-            db.execute("UPDATE sandboxes SET state = ?, expires_at = ? WHERE id = ?",
-                       (state, expires_at, sandbox_id))
+            db.execute(f"UPDATE sandboxes SET state = ?, expires_at = ?, slept_at = {_SLEPT_AT} "
+                       "WHERE id = ?", (state, expires_at, state, time.time(), sandbox_id))
+
+    def set_hibernated(self, sandbox_id: str, image: dict[str, Any]) -> None:
+        """Hibernated, with what its tier left on disk (``backends.Hibernated``'s fields)."""
+        with self._tx() as db:
+            db.execute(f"UPDATE sandboxes SET state = 'hibernated', hibernated = ?, "
+                       f"slept_at = {_SLEPT_AT} WHERE id = ?",
+                       (json.dumps(image), "hibernated", time.time(), sandbox_id))
+
+    def hibernated_image(self, sandbox_id: str) -> dict[str, Any] | None:
+        """What ``set_hibernated`` recorded for the sandbox's last hibernate, if any."""
+        with self._lock:
+            row = self._db.execute("SELECT hibernated FROM sandboxes WHERE id = ?",
+                                   (sandbox_id,)).fetchone()
+        return None if row is None or row[0] is None else dict(json.loads(row[0]))
 
     def touch(self, sandbox_id: str) -> None:
         """Record activity (for the idle timeout)."""
@@ -562,15 +588,16 @@ class Store:
             return {r[0] for r in self._db.execute("SELECT id FROM layers")}
 
     def mounted_layers_needed(self) -> set[str]:
-        """The layers a sandbox stands on (whatever its state: one being created, destroyed
-        or restored included) or an open intent names: the ones that must stay mounted."""
+        """The layers a sandbox stands on (whatever its state but hibernated: one being
+        created, destroyed or restored included) or an open intent names: the ones that must
+        stay mounted. A hibernated sandbox mounts its layers again when it wakes."""
         with self._lock:
             return {r[0] for r in self._db.execute(
                 "WITH RECURSIVE used(id) AS (SELECT layer FROM sandboxes WHERE layer IS NOT "
-                "NULL UNION SELECT json_extract(data, '$.layer') FROM intents WHERE "
-                "json_extract(data, '$.layer') IS NOT NULL UNION SELECT layers.parent FROM "
-                "layers JOIN used ON layers.id = used.id WHERE layers.parent IS NOT NULL) "
-                "SELECT id FROM used")}
+                "NULL AND state != 'hibernated' UNION SELECT json_extract(data, '$.layer') "
+                "FROM intents WHERE json_extract(data, '$.layer') IS NOT NULL UNION SELECT "
+                "layers.parent FROM layers JOIN used ON layers.id = used.id WHERE "
+                "layers.parent IS NOT NULL) SELECT id FROM used")}
 
     def unused_layers(self) -> builtins.list[str]:
         """Delete and return layers no sandbox, snapshot or other layer stands on."""
@@ -818,7 +845,7 @@ class Store:
 
     def state_counts(self) -> dict[str, int]:
         """Sandboxes by state; every state appears, at zero when none is in it."""
-        counts = {"creating": 0, "running": 0, "paused": 0, "destroying": 0}
+        counts = {"creating": 0, "running": 0, "paused": 0, "hibernated": 0, "destroying": 0}
         with self._lock:
             rows = self._db.execute(
                 "SELECT state, COUNT(*) FROM sandboxes GROUP BY state").fetchall()

@@ -91,6 +91,11 @@ def _rfc3339(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).isoformat().replace("+00:00", "Z")
 
 
+def _e2b_state(info: SandboxInfo) -> str:
+    """E2B knows two states: a hibernated sandbox is "paused" there (its resume wakes it)."""
+    return "paused" if info.state in ("paused", "hibernated") else "running"
+
+
 def _internet(info: SandboxInfo) -> bool:
     return bool(info.network.get("allow"))
 
@@ -156,7 +161,7 @@ def _detail(request: Request, info: SandboxInfo, extra: E2BSandbox | None) -> di
         "cpuCount": max(1, math.ceil(tier.cpus)),
         "memoryMB": tier.memory_bytes // (1024 * 1024),
         "diskSizeMB": tier.disk_bytes // (1024 * 1024),
-        "state": "paused" if info.state == "paused" else "running",
+        "state": _e2b_state(info),
         "metadata": dict(info.labels),
         "allowInternetAccess": _internet(info),
         "lifecycle": {"onTimeout": info.lifecycle.on_timeout,
@@ -283,7 +288,7 @@ async def _list(request: Request, *, paginated: bool) -> Response:
         return manager.list(tenant=_owner_filter(tenant))
 
     items = [info for info in await run_in_threadpool(listed)
-             if ("paused" if info.state == "paused" else "running") in states
+             if _e2b_state(info) in states
              and info.state != "destroying"
              and all(info.labels.get(k) == v for k, v in wanted.items())]
     items.sort(key=lambda i: (i.created_at, i.id), reverse=descending)
@@ -358,7 +363,7 @@ async def _connect(request: Request, *, resume_only: bool) -> Response:
 
     def connect() -> tuple[SandboxInfo, bool]:
         info = _owned(manager, tenant, corral_id)
-        resumed = info.state == "paused"
+        resumed = info.state in ("paused", "hibernated")
         if resume_only and not resumed:
             raise E2BHTTPError(409, f"sandbox {to_e2b(corral_id)} is already running")
         if resumed:
@@ -393,7 +398,7 @@ async def pause_sandbox(request: Request) -> Response:
 
     def pause() -> None:
         info = _owned(manager, tenant, corral_id)
-        if info.state == "paused":
+        if info.state in ("paused", "hibernated"):
             raise E2BHTTPError(409, f"sandbox {to_e2b(corral_id)} is already paused")
         manager.pause(corral_id)
 

@@ -140,6 +140,7 @@ async def create_sandbox(
     snapshot: str | None = None, template: str | None = None,
     volumes: dict[str, VolumeRequest] | None = None,
     on_timeout: Literal["kill", "pause"] = "kill", auto_resume: bool = False,
+    hibernate_after_s: float | None = None,
 ) -> dict[str, Any]:
     """Create a sandbox and return its sandbox_id (pass it to the other tools).
 
@@ -156,14 +157,18 @@ async def create_sandbox(
     destroys it, "pause" freezes it (files and memory kept) for the operator's keep time.
     auto_resume: a command, file or code call resumes it when paused (its lifetime starts
     again) instead of being refused (sandbox_busy; `corral resume` resumes it by hand).
+    hibernate_after_s: once paused this long with no process running, it is hibernated
+    (nothing of it in the host's kernel, files and /tmp on disk; woken the same way).
     Hosts, templates
     and volumes beyond what the operator allowed are refused (ceiling_exceeded). It is
     destroyed with this MCP session, or by destroy_sandbox."""
     network: dict[str, list[str]] | str = {"allow": list(allow)} if allow else "none"
     mounts = state.volume_mounts(volumes or {})
     # Sent only when asked for, so a plain create still works against an older service.
-    lifecycle = ({"on_timeout": on_timeout, "auto_resume": auto_resume}
-                 if on_timeout != "kill" or auto_resume else None)
+    asked = {"on_timeout": on_timeout, "auto_resume": auto_resume,
+             "hibernate_after": hibernate_after_s}
+    defaults = {"on_timeout": "kill", "auto_resume": False, "hibernate_after": None}
+    lifecycle = {k: v for k, v in asked.items() if v != defaults[k]} or None
     sb = await state.create(
         template=template, resources=resources, timeout=timeout_s, labels=labels or {},
         network=network, isolation=isolation, snapshot=snapshot, volumes=mounts or None,
@@ -344,6 +349,30 @@ async def fork(state: CorralMCP, ctx: Context[Any, Any], count: int = 1,
     children = await sb.fork(count, memory=memory)
     await state.keep(ctx, sandboxes=tuple(c.id for c in children))
     return {"sandbox_id": sb.id, "forks": [c.id for c in children]}
+
+
+@tool(_WRITES)
+async def hibernate_sandbox(state: CorralMCP, ctx: Context[Any, Any],
+                            sandbox_id: str | None = None) -> dict[str, Any]:
+    """Hibernate the sandbox (default: this session's) while you wait (for a user, a long
+    think): nothing of it stays in the host's memory or kernel; its files and /tmp are kept.
+    Refused (sandbox_busy) while a process of it runs. It wakes on the next run_command,
+    run_code or file call when it was created with auto_resume, else on resume_sandbox."""
+    sb = await state.sandbox(ctx, sandbox_id)
+    await sb.hibernate()
+    info = await sb.get_info()
+    return {"sandbox_id": sb.id, "state": info.state}
+
+
+@tool(_WRITES)
+async def resume_sandbox(state: CorralMCP, ctx: Context[Any, Any],
+                         sandbox_id: str | None = None) -> dict[str, Any]:
+    """Wake a paused or hibernated sandbox (default: this session's): its files, /tmp
+    and, when it was only paused, its processes are as they were."""
+    sb = await state.sandbox(ctx, sandbox_id)
+    await sb.resume()
+    info = await sb.get_info()
+    return {"sandbox_id": sb.id, "state": info.state}
 
 
 @tool(_DESTROYS)

@@ -114,6 +114,9 @@ class EmbeddedTransport:
     def delete_volume(self, ref: str) -> None:
         self.manager.volumes.delete(ref, tenant=self._tenant())
 
+    def hibernate(self, sandbox_id: str) -> SandboxInfo:
+        return self.manager.hibernate(sandbox_id)
+
     def resume(self, sandbox_id: str) -> SandboxInfo:
         return self.manager.resume(sandbox_id)
 

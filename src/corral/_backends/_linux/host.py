@@ -29,8 +29,16 @@ from ..._core.owner import owner_alive, this_owner
 from ..._settings import Settings
 from ..._templates import catalog
 from ..._workspace.files import WorkspaceFiles
-from ...backends import EgressEndpoint, ExecRequest, Leftover, SandboxSpec, SealResult, WorkspaceFS
-from ...errors import BackendError, BackendUnavailable, ConfigError, PortClosed
+from ...backends import (
+    EgressEndpoint,
+    ExecRequest,
+    Hibernated,
+    Leftover,
+    SandboxSpec,
+    SealResult,
+    WorkspaceFS,
+)
+from ...errors import BackendError, BackendUnavailable, ConfigError, PortClosed, SandboxBusy
 from ...models import ResourceTier
 from . import netns
 from .cgroups import CgroupDriver, CgroupNow, detect_cgroups
@@ -38,6 +46,7 @@ from .ondemand import OnDemand
 from .ready import ReadyWorkspaces
 from .storage import WorkspaceStore, is_mount
 from .template import BaseTemplate, load_template
+from .tmparchive import archive_tree, digest_of, restore_tree
 from .uids import lowest_free_uid
 from .volumes import BoundMount, VolumeKit
 
@@ -431,6 +440,55 @@ class HostBackedBackend:
         self._destroy_extra(spec)
         netns.remove_netns(self._netns_path(spec.id))
         self._store.remove(spec.id)
+
+    # -- hibernation (backends.Hibernation) ---------------------------------------------------
+
+    def _tmp_archive(self, sandbox_id: str) -> Path:
+        return self._store.sandbox_dir(sandbox_id) / "priv" / "tmp.tar"
+
+    def hibernate(self, spec: SandboxSpec) -> Hibernated:
+        self._ready()
+        if self.busy(spec):
+            raise SandboxBusy(f"sandbox {spec.id} has processes running; hibernating would end "
+                              "them (no tier keeps a process's memory on disk yet): stop them, "
+                              "or leave it paused")
+        # Thawed, so that its resident (which is no command) can be stopped.
+        with contextlib.suppress(BackendError, OSError):
+            self.cgroups.freeze(spec.id, False)
+        self._close_resident(spec.id, forget=True)
+        tmp, archive = self._store.tmp_dir(spec.id), self._tmp_archive(spec.id)
+        if is_mount(tmp):
+            size = archive_tree(tmp, archive)
+        elif archive.exists():  # a hibernate cut short after the archive: it is the /tmp
+            size = archive.stat().st_size
+        else:  # no /tmp since a reboot: an empty one
+            self._store.ensure_tmp(spec)
+            size = archive_tree(tmp, archive)
+        image = Hibernated(tmp_bytes=size, digest=digest_of(archive))
+        self._ensured.discard(spec.id)
+        self._drop_listener(spec.id)
+        self.cgroups.kill(spec.id)
+        self.cgroups.remove(spec.id)
+        self._destroy_extra(spec)
+        netns.remove_netns(self._netns_path(spec.id))
+        self._store.unmount(spec.id, behind=False)
+        return image
+
+    def wake(self, spec: SandboxSpec, image: Hibernated) -> None:
+        self._ready()
+        archive = self._tmp_archive(spec.id)
+        if not archive.exists():
+            raise BackendError(f"the hibernated /tmp of sandbox {spec.id} is missing ({archive}); "
+                               "its workspace is intact: `corral rm` it, or ask the operator")
+        if digest_of(archive) != image.digest:
+            raise BackendError(f"the hibernated image of sandbox {spec.id} was changed on disk "
+                               f"since it hibernated ({archive} no longer matches "
+                               f"{image.digest}); it is not woken and left as it is")
+        self._close_resident(spec.id)
+        self._ensure_runtime(spec)
+        tmp = self._store.ensure_tmp(spec, fresh=True)
+        restore_tree(archive, tmp, spec.uid)
+        archive.unlink()
 
     def _drop_listener(self, sandbox_id: str) -> None:
         with self._listeners_lock:

@@ -688,16 +688,22 @@ class WorkspaceStore:
         """Where the sandbox's volumes and data mounts are bound for it (``volumes``)."""
         return self.root / sandbox_id / "mounts"
 
-    def unmount(self, sandbox_id: str) -> None:
+    def unmount(self, sandbox_id: str, *, behind: bool = True) -> None:
         # Lazy: the sandbox's processes are already dead; detaching can't fail on a stray
         # host shell sitting in the directory, and the loop device auto-clears. Behind:
         # the sync of the disk and the loop device's release need not hold up a destroy.
+        # Not behind (a hibernate): returns once the kernel has let go of all of it, so the
+        # next mount of the same image (a wake) never meets the old one.
         priv = self._priv(sandbox_id)
         lowers = sorted(e for e in priv.iterdir() if e.name.startswith("l")) \
             if priv.is_dir() else []
         # /tmp first: its pages are freed behind, with the workspace's teardown.
-        detach_behind([self.tmp_dir(sandbox_id), self._disk(sandbox_id), *lowers,
-                       self.mount_point(sandbox_id)])
+        points = [self.tmp_dir(sandbox_id), self._disk(sandbox_id), *lowers,
+                  self.mount_point(sandbox_id)]
+        if behind:
+            detach_behind(points)
+        else:
+            _detach_all([p for p in points if is_mount(p)])
         for entry in lowers:
             with contextlib.suppress(OSError):
                 entry.rmdir()

@@ -152,6 +152,9 @@ class AsyncHTTPTransport:
     async def delete_volume(self, ref: str) -> None:
         await self.request("DELETE", _wire.volume_path(ref))
 
+    async def hibernate(self, sandbox_id: str) -> SandboxInfo:
+        return _wire.sandbox_info(await self._json("POST", f"{_sandbox(sandbox_id)}/hibernate"))
+
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         return _wire.sandbox_info(await self._json("POST", f"{_sandbox(sandbox_id)}/resume"))
 

@@ -664,9 +664,17 @@ class AsyncSandbox:
         the command resumes it); lifetimes and timeouts keep counting."""
         self._info = await self._transport().pause(self._live_id())
 
+    async def hibernate(self) -> None:
+        """Release everything of the sandbox the host's kernel holds (processes, mounts, loop
+        devices, cgroup, network namespace), keeping its files and ``/tmp`` on disk: it then
+        costs disk only. ``resume()`` (or, with ``lifecycle={"auto_resume": True}``, the next
+        call) wakes it. Refused (``SandboxBusy``) while a process of it runs: no tier keeps
+        a process's memory on disk yet; ``pause()`` freezes those in place instead."""
+        self._info = await self._transport().hibernate(self._live_id())
+
     async def resume(self) -> None:
-        """Let a paused sandbox's processes run again; one paused at its timeout
-        (``lifecycle={"on_timeout": "pause"}``) starts its lifetime again."""
+        """Let a paused sandbox's processes run again, or wake a hibernated one; one paused
+        at its timeout (``lifecycle={"on_timeout": "pause"}``) starts its lifetime again."""
         self._info = await self._transport().resume(self._live_id())
 
     async def set_timeout(self, timeout: float) -> None:

@@ -154,6 +154,9 @@ class HTTPTransport:
     def delete_volume(self, ref: str) -> None:
         self.request("DELETE", _wire.volume_path(ref))
 
+    def hibernate(self, sandbox_id: str) -> SandboxInfo:
+        return _wire.sandbox_info(self._json("POST", f"{_sandbox(sandbox_id)}/hibernate"))
+
     def resume(self, sandbox_id: str) -> SandboxInfo:
         return _wire.sandbox_info(self._json("POST", f"{_sandbox(sandbox_id)}/resume"))
 

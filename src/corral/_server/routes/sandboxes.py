@@ -90,8 +90,18 @@ def pause(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> SandboxInfo:
     return manager.pause(sandbox_id)
 
 
+@router.post("/v1/sandboxes/{sandbox_id}/hibernate", response_model=SandboxInfo)
+def hibernate(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> SandboxInfo:
+    """Release every kernel piece of the sandbox (processes, mounts, loop devices, cgroup,
+    network namespace), its files and /tmp kept on disk; woken by resume (or, with
+    auto_resume, by the next call). Refused (409) while a process of it runs."""
+    owned(manager, sandbox_id, who)
+    return manager.hibernate(sandbox_id)
+
+
 @router.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
 def resume(sandbox_id: str, who: TenantDep, manager: ManagerDep) -> SandboxInfo:
-    """Thaw a paused sandbox; refused while it is over its audit budget."""
+    """Thaw a paused sandbox or wake a hibernated one; refused while it is over its audit
+    budget."""
     owned(manager, sandbox_id, who)
     return manager.resume(sandbox_id)

@@ -176,7 +176,7 @@ async function sandboxesPage(signal) {
     const focused = body.contains(document.activeElement) ? document.activeElement.getAttribute("href") : null;
     body.replaceChildren(...data.items.map((info) => el("tr", { "data-id": info.id },
       el("td", { class: "id" }, el("a", { href: `#/sandboxes/${info.id}`, text: info.id })),
-      el("td", {}, pill(info.state)),
+      el("td", {}, pill(info.sleeping_since ? `${info.state} ${ago(info.sleeping_since)}` : info.state, info.state)),
       el("td", { text: info.resources }),
       el("td", { text: info.isolation }),
       el("td", { text: info.image || info.template }),
@@ -253,6 +253,7 @@ async function sandboxPage(id, signal) {
       return `Forked into ${child.id}.`;
     })),
     button("Pause", () => act("Pause", async () => { await api(`/v1/sandboxes/${id}/pause`, { method: "POST" }); return "Paused."; })),
+    button("Hibernate", () => act("Hibernate", async () => { await api(`/v1/sandboxes/${id}/hibernate`, { method: "POST" }); return "Hibernated: nothing of it is left in the kernel; Resume wakes it."; })),
     button("Resume", () => act("Resume", async () => { await api(`/v1/sandboxes/${id}/resume`, { method: "POST" }); return "Resumed."; })),
     button("Extend 10 min", () => act("Extend", async () => {
       await api(`/v1/sandboxes/${id}/timeout`, { method: "POST", json: { timeout: 600 } });
@@ -274,7 +275,9 @@ async function sandboxPage(id, signal) {
   trail.catch(() => {});
   try {
     const info = await (await api(`/v1/sandboxes/${id}`, { signal })).json();
-    facts.replaceChildren(...[["State", pill(info.state)], ["Tier", info.resources],
+    facts.replaceChildren(...[["State", pill(info.state)],
+      ...(info.sleeping_since ? [["Asleep since", `${ago(info.sleeping_since)} ago`]] : []),
+      ["Tier", info.resources],
       ["Isolation", info.isolation], ["Template", info.image || info.template],
       ["Created", `${ago(info.created_at)} ago`], ["Ends in", left(info.expires_at)],
       ["Network", networkText(info.network)],

@@ -1,0 +1,219 @@
+"""Hibernation on the host tiers: nothing of a hibernated sandbox is left in the kernel, and it
+wakes (by a command, a file call, a port request, a resume) with its files and /tmp intact.
+Real namespaces, mounts, loop devices, cgroups and runsc: nothing here is mocked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from corral import Sandbox, SandboxBusy
+from corral._backends.gvisor.bundle import runtime_uid
+from corral._control.manager import Manager
+from corral._serve.app import create_app
+from corral._settings import Settings
+from corral.errors import BackendError
+from corral.models import Lifecycle
+
+from .hostprocs import host_procs_of_uid, host_uid
+from .servers import Server
+
+pytestmark = pytest.mark.needs_root
+
+AWAKE = {"auto_resume": True}
+
+
+def kernel_pieces(settings: Settings, sandbox_id: str, uid: int) -> dict[str, list[str]]:
+    """Everything of a sandbox the host's kernel holds: mounts below its directory, loop
+    devices backed by its files, cgroups, its pinned network namespace, and processes of its
+    host uid (and, on gVisor, of the uid its kernel runs as)."""
+    base = str(settings.home / "sandboxes" / sandbox_id)
+    with open("/proc/self/mountinfo") as mountinfo:
+        mounts = [line.split()[4] for line in mountinfo if base in line.split()[4]]
+    listed = subprocess.run(["losetup", "--json", "--list"], capture_output=True, text=True,
+                            check=True).stdout
+    loops = [d["name"] for d in (json.loads(listed)["loopdevices"] if listed.strip() else [])
+             if (d.get("back-file") or "").startswith(base)]
+    tag = f"corral-{settings.instance}"
+    cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/{tag}/{sandbox_id}")]
+    netns = [str(p) for p in settings.run_dir.glob(f"*{sandbox_id}*")] + [
+        str(p) for p in Path("/run/netns").glob(f"*{sandbox_id}*")]
+    procs = [f"{pid}" for pid, _ in host_procs_of_uid(uid) + host_procs_of_uid(runtime_uid(uid))]
+    return {"mounts": mounts, "loops": loops, "cgroups": cgroups, "netns": netns,
+            "processes": procs}
+
+
+def trail_types(manager: Manager, sandbox_id: str) -> list[tuple[str, dict[str, object]]]:
+    return [(e.type, e.data) for e in manager.auditor.trail(sandbox_id).events
+            if e.type in ("sandbox.paused", "sandbox.hibernated", "sandbox.resumed")]
+
+
+def test_a_hibernated_sandbox_leaves_nothing_in_the_kernel_and_wakes_whole(
+        home: str, settings: Settings, manager: Manager, isolation: str) -> None:
+    with Sandbox.create(home=home, isolation=isolation, lifecycle=AWAKE) as sb:
+        setup = sb.commands.run(
+            "echo kept > /workspace/w.txt && mkdir -p /tmp/d && echo scratch > /tmp/d/s.txt"
+            " && chmod 000 /tmp/d/s.txt && ln -s /etc/passwd /tmp/link && echo ok")
+        assert setup.stdout == "ok\n", setup.stderr
+        uid = host_uid(sb.id)
+        assert kernel_pieces(settings, sb.id, uid)["mounts"]  # it has some while it runs
+        sb.hibernate()
+        info = sb.get_info()
+        assert info.state == "hibernated" and info.sleeping_since is not None
+        left = kernel_pieces(settings, sb.id, uid)
+        assert left == {k: [] for k in left}, left
+        assert sb.id in {i.id for i in Sandbox.list(home=home)}  # listed while it sleeps
+        sb.hibernate()  # again: nothing to do
+        # The next command wakes it: files and /tmp as they were (modes and links too).
+        woke = sb.commands.run("cat /workspace/w.txt; stat -c %a /tmp/d/s.txt; "
+                               "readlink /tmp/link; chmod 600 /tmp/d/s.txt; cat /tmp/d/s.txt")
+        assert woke.stdout == "kept\n0\n/etc/passwd\nscratch\n", woke.stderr
+        assert sb.get_info().state == "running" and sb.get_info().sleeping_since is None
+        events = trail_types(manager, sb.id)
+        hibernated = [d for t, d in events if t == "sandbox.hibernated"]
+        resumed = [d for t, d in events if t == "sandbox.resumed"]
+        assert len(hibernated) == 1 and float(hibernated[0]["duration_ms"]) > 0
+        assert resumed[-1]["from"] == "hibernated" and resumed[-1]["reason"] == "a call needed it"
+        assert float(resumed[-1]["duration_ms"]) > 0
+
+
+def test_a_file_call_wakes_it_and_without_auto_resume_calls_are_refused(
+        home: str, isolation: str) -> None:
+    with Sandbox.create(home=home, isolation=isolation, lifecycle=AWAKE) as sb:
+        sb.files.write("notes.txt", "written before")
+        sb.hibernate()
+        assert sb.files.read("notes.txt") == "written before"
+        assert sb.get_info().state == "running"
+    with Sandbox.create(home=home, isolation=isolation) as sb:
+        sb.files.write("notes.txt", "still here")
+        sb.hibernate()
+        with pytest.raises(SandboxBusy, match="hibernated; resume"):
+            sb.files.read("notes.txt")
+        with pytest.raises(SandboxBusy, match="hibernated; resume"):
+            sb.commands.run("true")
+        sb.resume()
+        assert sb.files.read("notes.txt") == "still here"
+
+
+def test_a_sandbox_with_a_process_running_is_not_hibernated(home: str, isolation: str) -> None:
+    with Sandbox.create(home=home, isolation=isolation) as sb:
+        process = sb.processes.start(["sleep", "600"])
+        with pytest.raises(SandboxBusy, match="processes running"):
+            sb.hibernate()
+        assert sb.get_info().state == "running"  # left as it was, not paused
+        assert sb.commands.run("echo fine").stdout == "fine\n"
+        process.kill()
+
+
+def test_a_tampered_image_is_refused_and_left_as_it_is(
+        home: str, settings: Settings, manager: Manager) -> None:
+    with Sandbox.create(home=home) as sb:
+        sb.commands.run("echo secret > /tmp/t")
+        sb.hibernate()
+        archive = settings.home / "sandboxes" / sb.id / "priv" / "tmp.tar"
+        kept = archive.read_bytes()
+        archive.write_bytes(kept.replace(b"secret", b"sEcret"))
+        with pytest.raises(BackendError, match="changed on disk since it hibernated"):
+            sb.resume()
+        assert sb.get_info().state == "hibernated"
+        archive.write_bytes(kept)  # put back by the operator: it wakes
+        sb.resume()
+        assert sb.commands.run("cat /tmp/t").stdout == "secret\n"
+
+
+def test_hibernated_sandboxes_survive_a_restart_of_the_control_plane(
+        home: str, settings: Settings) -> None:
+    """Another process over the same data directory (a restarted service, or the CLI) lists
+    it hibernated and wakes it."""
+    sb = Sandbox.create(home=home, lifecycle=AWAKE)
+    try:
+        sb.commands.run("echo across > /tmp/x && echo files > f")
+        sb.hibernate()
+        env = {**os.environ, "CORRAL_HOME": home, "CORRAL_UID_START": str(settings.uid_start),
+               "CORRAL_UID_COUNT": str(settings.uid_count)}
+        other = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            from corral import Sandbox
+            print({{i.id: i.state for i in Sandbox.list()}}.get("{sb.id}"))
+            print(Sandbox.connect("{sb.id}").commands.run("cat /tmp/x f").stdout, end="")
+            """)], env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert other.stdout == "hibernated\nacross\nfiles\n", other.stderr
+        assert sb.get_info().state == "running"
+    finally:
+        sb.kill()
+
+
+def test_the_reaper_hibernates_a_sandbox_paused_past_its_hibernate_after(
+        home: str, manager: Manager) -> None:
+    with Sandbox.create(home=home, lifecycle={"hibernate_after": 0.2}) as idle, \
+            Sandbox.create(home=home, lifecycle={"hibernate_after": 0.2}) as working:
+        working.processes.start(["sleep", "600"])
+        idle.pause()
+        working.pause()
+        time.sleep(0.3)
+        manager.recover()
+        assert idle.get_info().state == "hibernated"
+        assert working.get_info().state == "paused"  # its process would be lost: kept frozen
+        manager.recover()  # not asked again while it sleeps
+        types = [t for t, _ in trail_types(manager, working.id)]
+        assert "sandbox.hibernated" not in types
+
+
+def test_a_port_request_wakes_a_hibernated_sandbox(manager: Manager) -> None:
+    info = manager.create(lifecycle=Lifecycle(auto_resume=True), timeout=300)
+    try:
+        manager.ports.expose(info.id, 8000)
+        manager.hibernate(info.id)
+        with Server(manager, create_app(manager)) as server:
+            port = manager.ports.list(info.id)[0]
+            url = f"{server.url}/ports/{info.id}/8000/"
+            answer = httpx.get(url, headers={"X-Corral-Port-Token": port.token or ""})
+        # Woken: nothing listens on the port (a hibernate ends every process), which the
+        # answer says, instead of "paused".
+        assert answer.status_code == 502 and answer.json()["error"] == "port_closed", answer.text
+        assert manager.get(info.id).state == "running"
+    finally:
+        manager.destroy(info.id)
+
+
+def test_the_cli_and_the_http_api_hibernate_and_wake(
+        home: str, settings: Settings, manager: Manager) -> None:
+    env = {**os.environ, "CORRAL_HOME": home, "CORRAL_UID_START": str(settings.uid_start),
+           "CORRAL_UID_COUNT": str(settings.uid_count)}
+
+    def corral(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral", *args], env=env, text=True,
+                              capture_output=True, timeout=300, check=False)
+
+    made = corral("create", "--auto-resume", "--hibernate-after", "120")
+    assert made.returncode == 0, made.stderr
+    sandbox_id = made.stdout.strip()
+    try:
+        slept = corral("hibernate", sandbox_id, "--json")
+        assert slept.returncode == 0, slept.stderr
+        described = json.loads(slept.stdout)
+        assert described["state"] == "hibernated"
+        assert described["lifecycle"]["hibernate_after"] == 120
+        listed = corral("ls")
+        row = next(line for line in listed.stdout.splitlines() if line.startswith(sandbox_id))
+        assert " hibernated " in row and "ASLEEP" in listed.stdout
+        assert corral("exec", sandbox_id, "--", "echo up").stdout == "up\n"
+        with Server(manager, create_app(manager)) as server:
+            answer = httpx.post(f"{server.url}/v1/sandboxes/{sandbox_id}/hibernate")
+            assert answer.status_code == 200 and answer.json()["state"] == "hibernated"
+            assert answer.json()["sleeping_since"] is not None
+            woke = httpx.post(f"{server.url}/v1/sandboxes/{sandbox_id}/resume")
+            assert woke.status_code == 200 and woke.json()["state"] == "running"
+            manager.processes.start(sandbox_id, ["sleep", "600"])
+            refused = httpx.post(f"{server.url}/v1/sandboxes/{sandbox_id}/hibernate")
+            assert refused.status_code == 409, refused.text
+            assert "processes running" in refused.json()["message"]
+    finally:
+        corral("rm", sandbox_id)
