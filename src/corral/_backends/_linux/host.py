@@ -42,6 +42,7 @@ from ...errors import BackendError, BackendUnavailable, ConfigError, PortClosed,
 from ...models import ResourceTier
 from . import netns
 from .cgroups import CgroupDriver, CgroupNow, detect_cgroups
+from .loop import attached
 from .ondemand import OnDemand
 from .ready import ReadyWorkspaces
 from .storage import WorkspaceStore, is_mount
@@ -446,6 +447,12 @@ class HostBackedBackend:
     def _tmp_archive(self, sandbox_id: str) -> Path:
         return self._store.sandbox_dir(sandbox_id) / "priv" / "tmp.tar"
 
+    def _released_mark(self, sandbox_id: str) -> Path:
+        """Written by a hibernate that saw the workspace's filesystem gone from every loop
+        device: its wake may mount the image anew without looking for one to reuse (a scan
+        of every loop device: ~10 ms on a host with a thousand of them)."""
+        return self._store.sandbox_dir(sandbox_id) / "priv" / "released"
+
     def hibernate(self, spec: SandboxSpec) -> Hibernated:
         self._ready()
         if self.busy(spec):
@@ -457,14 +464,19 @@ class HostBackedBackend:
             self.cgroups.freeze(spec.id, False)
         self._close_resident(spec.id, forget=True)
         tmp, archive = self._store.tmp_dir(spec.id), self._tmp_archive(spec.id)
-        if is_mount(tmp):
-            size = archive_tree(tmp, archive)
-        elif archive.exists():  # a hibernate cut short after the archive: it is the /tmp
-            size = archive.stat().st_size
-        else:  # no /tmp since a reboot: an empty one
-            self._store.ensure_tmp(spec)
-            size = archive_tree(tmp, archive)
-        image = Hibernated(tmp_bytes=size, digest=digest_of(archive))
+        self._released_mark(spec.id).unlink(missing_ok=True)
+        if is_mount(tmp) and not os.listdir(tmp):
+            archive.unlink(missing_ok=True)  # an empty /tmp: nothing to keep
+            image = Hibernated(tmp_bytes=0, digest="")
+        else:
+            if is_mount(tmp):
+                size = archive_tree(tmp, archive)
+            elif archive.exists():  # a hibernate cut short after the archive: it is /tmp
+                size = archive.stat().st_size
+            else:  # no /tmp since a reboot: an empty one
+                self._store.ensure_tmp(spec)
+                size = archive_tree(tmp, archive)
+            image = Hibernated(tmp_bytes=size, digest=digest_of(archive))
         self._ensured.discard(spec.id)
         self._drop_listener(spec.id)
         self.cgroups.kill(spec.id)
@@ -472,23 +484,32 @@ class HostBackedBackend:
         self._destroy_extra(spec)
         netns.remove_netns(self._netns_path(spec.id))
         self._store.unmount(spec.id, behind=False)
+        if attached(str(self._store.image_path(spec.id))) is None:
+            self._released_mark(spec.id).touch(mode=0o600)
         return image
 
     def wake(self, spec: SandboxSpec, image: Hibernated) -> None:
         self._ready()
         archive = self._tmp_archive(spec.id)
-        if not archive.exists():
-            raise BackendError(f"the hibernated /tmp of sandbox {spec.id} is missing ({archive}); "
-                               "its workspace is intact: `corral rm` it, or ask the operator")
-        if digest_of(archive) != image.digest:
-            raise BackendError(f"the hibernated image of sandbox {spec.id} was changed on disk "
-                               f"since it hibernated ({archive} no longer matches "
-                               f"{image.digest}); it is not woken and left as it is")
+        if image.digest:
+            if not archive.exists():
+                raise BackendError(f"the hibernated /tmp of sandbox {spec.id} is missing "
+                                   f"({archive}); its workspace is intact: `corral rm` it, or "
+                                   "ask the operator")
+            if digest_of(archive) != image.digest:
+                raise BackendError(f"the hibernated image of sandbox {spec.id} was changed on "
+                                   f"disk since it hibernated ({archive} no longer matches "
+                                   f"{image.digest}); it is not woken and left as it is")
         self._close_resident(spec.id)
+        released = self._released_mark(spec.id)
+        if released.exists():
+            self._store.ensure_mounted(spec, fresh=True)
+            released.unlink()
         self._ensure_runtime(spec)
         tmp = self._store.ensure_tmp(spec, fresh=True)
-        restore_tree(archive, tmp, spec.uid)
-        archive.unlink()
+        if image.digest:
+            restore_tree(archive, tmp, spec.uid)
+            archive.unlink()
 
     def _drop_listener(self, sandbox_id: str) -> None:
         with self._listeners_lock:

@@ -279,6 +279,11 @@ class WorkspaceStore:
     def _image(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id / "upper.img"
 
+    def image_path(self, sandbox_id: str) -> Path:
+        """The sandbox's writable workspace image (an ext4 file, mounted through a loop
+        device while the sandbox has its pieces)."""
+        return self._image(sandbox_id)
+
     def _priv(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id / "priv"
 
