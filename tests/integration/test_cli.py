@@ -116,6 +116,9 @@ def test_doctor_reports_a_healthy_host(corral) -> None:  # type: ignore[no-untyp
     report = json.loads(done.stdout)
     assert done.returncode == 0 and report["ok"] is True
     assert {c["name"] for c in report["checks"]} >= {"bwrap", "seccomp", "cgroups", "root"}
+    # What a hibernate keeps here, said: files and /tmp on the namespace tier at least.
+    assert "namespace" in report["hibernation"]["without_processes"]
+    assert report["hibernation"]["with_processes"] == []
 
 
 def test_reap_removes_expired_sandboxes(corral) -> None:  # type: ignore[no-untyped-def]

@@ -4,7 +4,8 @@ imports what it runs (the HTTP service) when it runs."""
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -220,8 +221,9 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
     supported = {name: all(c.ok for c in checks) for name, checks in tiers.items()}
     remembered = {name: checks_path(settings, name).is_file() for name in tiers}
     ok = supported[settings.backend]
+    hibernation = _hibernation(supported)
     if as_json:
-        emit_json({"ok": ok, "default": settings.backend,
+        emit_json({"ok": ok, "default": settings.backend, "hibernation": hibernation,
                    "checks": check_lines(tiers[settings.backend]),
                    "tiers": {name: {"supported": supported[name],
                                     "remembered": remembered[name],
@@ -229,12 +231,31 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
                              for name, checks in tiers.items()}})
     else:
         echo_tiers(tiers, settings.backend)
+        click.echo(f"hibernation: {hibernation['summary']}")
         kept = [name for name, good in remembered.items() if good]
         if kept:
             click.echo(f"checks remembered for this boot ({', '.join(kept)}): other commands "
                        "skip them until a program they vetted, the kernel or Corral changes; "
                        "`corral doctor` always checks again", err=True)
     sys.exit(0 if ok else EXIT_UNAVAILABLE)
+
+
+def _hibernation(supported: Mapping[str, bool]) -> dict[str, Any]:
+    """What a hibernate can keep here: files and /tmp on the host tiers this host runs; a
+    process's memory on none yet (CRIU is not used, whether or not it is installed)."""
+    import shutil
+
+    tiers = [name for name in ("namespace", "gvisor") if supported.get(name)]
+    criu = shutil.which("criu")
+    summary = (
+        (f"a sandbox with no process running hibernates on {' and '.join(tiers)} (nothing of it "
+         "left in the kernel; its files and /tmp on disk)" if tiers else
+         "no tier here can hibernate a sandbox")
+        + "; one with processes stays paused (frozen): no tier keeps a process's memory on "
+          f"disk yet (criu {'is at ' + criu + ' but is not used' if criu else 'is not installed'}"
+          "; the microVM tier hibernates nothing yet)")
+    return {"without_processes": tiers, "with_processes": [], "criu": criu,
+            "summary": summary}
 
 
 @click.command()
