@@ -217,3 +217,22 @@ def test_the_cli_and_the_http_api_hibernate_and_wake(
             assert "processes running" in refused.json()["message"]
     finally:
         corral("rm", sandbox_id)
+
+
+def test_a_microvm_sandbox_hibernates_and_boots_again_from_its_disk(
+        home: str, settings: Settings, manager: Manager, request: pytest.FixtureRequest) -> None:
+    """Under TCG here (a test mode, not an isolation claim): the VM, its keeper, cgroup and
+    network namespace go; the qcow2 workspace stays, and the next call boots it again."""
+    problems: list[str] = request.getfixturevalue("microvm_problems")
+    if problems:
+        pytest.skip("; ".join(problems))
+    with Sandbox.create(home=home, isolation="microvm", lifecycle=AWAKE) as sb:
+        sb.commands.run("echo kept > /workspace/w.txt")
+        uid = host_uid(sb.id)
+        sb.hibernate()
+        assert sb.get_info().state == "hibernated"
+        left = kernel_pieces(settings, sb.id, uid)
+        assert left == {k: [] for k in left}, left
+        assert sb.commands.run("cat /workspace/w.txt").stdout == "kept\n"
+        resumed = [d for t, d in trail_types(manager, sb.id) if t == "sandbox.resumed"]
+        assert resumed[-1]["from"] == "hibernated"

@@ -241,19 +241,19 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
 
 def _hibernation(supported: Mapping[str, bool]) -> dict[str, Any]:
-    """What a hibernate can keep here: files and /tmp on the host tiers this host runs; a
+    """What a hibernate can keep here: files (and /tmp) on the tiers this host runs; a
     process's memory on none yet (CRIU is not used, whether or not it is installed)."""
     import shutil
 
-    tiers = [name for name in ("namespace", "gvisor") if supported.get(name)]
+    tiers = [name for name in ("namespace", "gvisor", "microvm") if supported.get(name)]
     criu = shutil.which("criu")
     summary = (
-        (f"a sandbox with no process running hibernates on {' and '.join(tiers)} (nothing of it "
+        (f"a sandbox with no process running hibernates on {', '.join(tiers)} (nothing of it "
          "left in the kernel; its files and /tmp on disk)" if tiers else
          "no tier here can hibernate a sandbox")
         + "; one with processes stays paused (frozen): no tier keeps a process's memory on "
           f"disk yet (criu {'is at ' + criu + ' but is not used' if criu else 'is not installed'}"
-          "; the microVM tier hibernates nothing yet)")
+          ")")
     return {"without_processes": tiers, "with_processes": [], "criu": criu,
             "summary": summary}
 

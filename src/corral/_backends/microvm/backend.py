@@ -57,13 +57,14 @@ from ...backends import (
     BackendName,
     ExecOutcome,
     ExecRequest,
+    Hibernated,
     HostCheck,
     Leftover,
     SandboxSpec,
     SealResult,
     WorkspaceFS,
 )
-from ...errors import BackendError, BackendUnavailable, CommandError
+from ...errors import BackendError, BackendUnavailable, CommandError, SandboxBusy
 from ...models import ResourceTier, Usage
 from .._linux import netns
 from .._linux.cgroups import detect_cgroups
@@ -553,6 +554,32 @@ class MicrovmBackend(HostBackedBackend):
     def pause(self, spec: SandboxSpec, paused: bool) -> None:
         # The agent freezes every command group, not the VM: files stay reachable.
         self._client(spec).call("freeze", frozen=paused)
+
+    # -- hibernation (backends.Hibernation) ---------------------------------------------------
+
+    def hibernate(self, spec: SandboxSpec) -> Hibernated:
+        """Stop the VM (its agent unmounts the workspace first) and release its keeper,
+        cgroup and network namespace; the qcow2 chain stays. Each command has a fresh
+        ``/tmp`` in the guest, so there is none to keep."""
+        self._ready()
+        if self.busy(spec):
+            raise SandboxBusy(f"sandbox {spec.id} has processes running; hibernating would end "
+                              "them (the microVM tier does not keep a process's memory on "
+                              "disk for it yet): stop them, or leave it paused")
+        self._stop_vm(spec)
+        with contextlib.suppress(OSError):  # the keeper's socket and files, in /run (memory)
+            remove_tree(self._run_path(spec.id))
+        self._ensured.discard(spec.id)
+        self._drop_listener(spec.id)
+        self.cgroups.kill(spec.id)
+        self.cgroups.remove(spec.id)
+        netns.remove_netns(self._netns_path(spec.id))
+        return Hibernated(tmp_bytes=0, digest="")
+
+    def wake(self, spec: SandboxSpec, image: Hibernated) -> None:
+        """Start the VM again from its disk (the template's warm snapshot, as after any
+        stop), so the call that woke it finds it running."""
+        self._client(spec)
 
     # -- ports ------------------------------------------------------------------------------
 
