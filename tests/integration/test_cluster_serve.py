@@ -105,6 +105,13 @@ def test_sandboxes_spread_per_tenant_and_each_call_reaches_its_node(
         for sb in made[:6]:
             sb.files.write("me", sb.id)
             assert sb.commands.run("cat me", timeout=30).stdout == sb.id
+        # Hibernated through the gateway, on its node: listed so there, and woken there.
+        sleeper = made[0]  # beta's (i = 0)
+        sleeper.hibernate()
+        listed = {i.id: i.state for i in Sandbox.list(**sdk(served, "beta"))}
+        assert listed[sleeper.id] == "hibernated" == sleeper.get_info().state
+        sleeper.resume()
+        assert sleeper.commands.run("cat me", timeout=30).stdout == sleeper.id
         # A tenant sees only its own, through the gateway as on one host.
         alpha = {i.id for i in Sandbox.list(**sdk(served, "alpha"))}
         assert alpha == {sb.id for sb in made if embedded.state.record(sb.id)["tenant"] == "alpha"}
