@@ -4,6 +4,11 @@ trail."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from .conftest import ClientRun, Served, events_of, run_client
@@ -168,7 +173,11 @@ def test_network_refused_by_default(security: ClientRun) -> None:
 
 @pytest.fixture(scope="module")
 def sleep_run(served: Served) -> ClientRun:
-    return run_client(served, "latest", "sleep.py", timeout=300)
+    env = {**os.environ, "CORRAL_HOME": str(served.home)}
+    made = subprocess.run([sys.executable, "-m", "corral", "keys", "create", "alpha", "--json"],
+                          env=env, capture_output=True, text=True, timeout=60, check=True)
+    native = {"CORRAL_URL": served.url, "CORRAL_KEY": json.loads(made.stdout)["key"]}
+    return run_client(served, "latest", "sleep.py", env=native, timeout=300)
 
 
 def test_a_sandbox_paused_at_its_timeout_resumes_on_connect_intact(sleep_run: ClientRun,
@@ -191,3 +200,14 @@ def test_auto_resume_wakes_a_paused_sandbox_on_the_next_call(sleep_run: ClientRu
     assert sleep_run.value("auto_paused") == "paused"
     assert sleep_run.value("auto_run") == "auto"
     assert sleep_run.value("auto_state") == "running"
+
+
+def test_a_hibernated_sandbox_is_paused_to_e2b_and_connect_wakes_it_intact(
+        sleep_run: ClientRun, served: Served) -> None:
+    assert sleep_run.value("deep_paused") == "paused"
+    assert sleep_run.value("deep_hibernate") == "hibernated"
+    assert sleep_run.value("deep_state") == "paused"  # E2B knows two states
+    assert sleep_run.value("deep_kept") == "kept while hibernated"
+    assert sleep_run.value("deep_run") == "awake\n"
+    woke = events_of(served, sleep_run.value("deep_id"), "sandbox.resumed")
+    assert woke and woke[-1]["data"]["from"] == "hibernated"

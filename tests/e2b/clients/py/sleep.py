@@ -1,13 +1,18 @@
 """A sandbox paused at its timeout and woken (issue 40), through the official Python SDK:
 ``lifecycle={"on_timeout": "pause"}`` then ``Sandbox.connect`` resumes it with its files and
-processes; with ``auto_resume`` the next call wakes it by itself.
+processes; with ``auto_resume`` the next call wakes it by itself; hibernated while paused (by
+the operator, over Corral's own API: ``CORRAL_URL`` and ``CORRAL_KEY``), ``connect`` wakes it
+with its files.
 
 Usage: python sleep.py
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+import urllib.request
 
 from _steps import done, step
 from e2b import Sandbox
@@ -65,4 +70,30 @@ step("auto_paused", lambda: paused(aid))
 step("auto_run", lambda: auto.commands.run("cat /home/user/a.txt", timeout=30).stdout)
 step("auto_state", lambda: str(Sandbox.get_info(aid).state.value))
 step("auto_kill", lambda: auto.kill())
+
+
+def hibernate(e2b_id: str) -> str:
+    """Corral's own call (no E2B equivalent): hibernate, as the same tenant, by its id."""
+    corral_id = e2b_id.replace("-", "_", 1)
+    request = urllib.request.Request(
+        f"{os.environ['CORRAL_URL']}/v1/sandboxes/{corral_id}/hibernate", method="POST",
+        headers={"Authorization": f"Bearer {os.environ['CORRAL_KEY']}"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return str(json.load(answer)["state"])
+
+
+# Paused at its timeout, then hibernated (nothing of it left in the kernel), woken by connect.
+deep = step("create_deep", lambda: Sandbox.create(timeout=TIMEOUT_S,
+                                                  lifecycle={"on_timeout": "pause"}), seconds=90)
+did = deep.sandbox_id if deep else "sbx-missing"
+step("deep_id", lambda: did)
+step("deep_write", lambda: deep.files.write("/home/user/deep.txt", "kept while hibernated")
+     and None)
+step("deep_paused", lambda: paused(did))
+step("deep_hibernate", lambda: hibernate(did))
+step("deep_state", lambda: str(Sandbox.get_info(did).state.value))
+deep_woken = step("deep_connect", lambda: Sandbox.connect(did, timeout=60), seconds=60)
+step("deep_kept", lambda: deep_woken.files.read("/home/user/deep.txt"))
+step("deep_run", lambda: deep_woken.commands.run("echo awake", timeout=30).stdout)
+step("deep_kill", lambda: deep_woken.kill())
 done()
