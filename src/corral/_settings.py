@@ -167,6 +167,12 @@ class Settings(BaseSettings):
         description="Operator ceiling: the longest lifetime a sandbox may ask for, in seconds "
                     "(unset: the resource tier's maximum).",
         examples=[3600])
+    ceiling_max_asleep_s: int | None = Field(
+        default=None, ge=1,
+        description="Operator ceiling: the longest a sandbox may stay asleep (paused or "
+                    "hibernated), in seconds, before the reaper destroys it (unset: its "
+                    "lifetime, or CORRAL_PAUSED_KEEP_S past its timeout, bound it alone).",
+        examples=[604800])
     server_host_names: str = Field(
         default="",
         description="Names `corral serve` answers to besides its listen address, "

@@ -4,8 +4,10 @@ Real namespaces, mounts, loop devices, cgroups and runsc: nothing here is mocked
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -15,9 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from corral import Sandbox, SandboxBusy
+from corral import Sandbox, SandboxBusy, SandboxNotFound
 from corral._backends.gvisor.bundle import runtime_uid
 from corral._control.manager import Manager
+from corral._control.tenants import Ceiling, TenantDirectory
 from corral._serve.app import create_app
 from corral._settings import Settings
 from corral.errors import BackendError
@@ -236,3 +239,33 @@ def test_a_microvm_sandbox_hibernates_and_boots_again_from_its_disk(
         assert sb.commands.run("cat /workspace/w.txt").stdout == "kept\n"
         resumed = [d for t, d in trail_types(manager, sb.id) if t == "sandbox.resumed"]
         assert resumed[-1]["from"] == "hibernated"
+
+
+def test_a_tenant_ceiling_bounds_how_long_its_sandboxes_sleep(
+        manager: Manager, isolation: str) -> None:
+    """``max_asleep_s``: the reaper destroys a sandbox asleep longer, hibernated (nothing to
+    release but files) or paused, and says why; an awake one of the same tenant stays."""
+    name = f"sleepy-{secrets.token_hex(4)}"
+    tenant = TenantDirectory(manager.store).add_tenant(
+        name, max_sandboxes=5, ceiling=Ceiling.build(max_asleep_s=1))
+    deep = manager.create(caller=tenant, isolation=isolation, timeout=300)
+    frozen = manager.create(caller=tenant, isolation=isolation, timeout=300)
+    awake = manager.create(caller=tenant, isolation=isolation, timeout=300)
+    try:
+        manager.hibernate(deep.id)
+        manager.pause(frozen.id)
+        manager.recover()  # not yet: asleep for less than the bound
+        assert {manager.get(i).state for i in (deep.id, frozen.id)} == {"hibernated", "paused"}
+        time.sleep(1.2)
+        manager.recover()
+        for gone in (deep.id, frozen.id):
+            with pytest.raises(SandboxNotFound):
+                manager.get(gone)
+            expired = [e.data for e in manager.auditor.trail(gone).events
+                       if e.type == "sandbox.expired"]
+            assert expired and expired[-1]["max_asleep_s"] == 1
+        assert manager.get(awake.id).state == "running"
+    finally:
+        for info in (deep, frozen, awake):
+            with contextlib.suppress(SandboxNotFound):
+                manager.destroy(info.id)

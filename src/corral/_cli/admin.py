@@ -46,6 +46,9 @@ def _ceiling_options(fn: Any) -> Any:
                      help="Ceiling: a secret its sandboxes may bind (repeatable)."),
         click.option("--max-lifetime", "max_lifetime", type=int, metavar="SECONDS",
                      help="Ceiling: the longest lifetime (TTL) of its sandboxes."),
+        click.option("--max-asleep", "max_asleep", type=int, metavar="SECONDS",
+                     help="Ceiling: the longest one of its sandboxes may stay paused or "
+                          "hibernated before it is destroyed."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -54,7 +57,8 @@ def _ceiling_options(fn: Any) -> Any:
 
 def _ceiling_fields(hosts: tuple[str, ...], no_network: bool, templates: tuple[str, ...],
                     isolation: tuple[str, ...], resources: tuple[str, ...],
-                    secrets: tuple[str, ...], max_lifetime: int | None) -> dict[str, Any]:
+                    secrets: tuple[str, ...], max_lifetime: int | None,
+                    max_asleep: int | None) -> dict[str, Any]:
     """Only the ceiling fields given on the command line."""
     if no_network and hosts:
         raise errors.UsageError("--no-network and --allow-host contradict each other; give one")
@@ -67,6 +71,8 @@ def _ceiling_fields(hosts: tuple[str, ...], no_network: bool, templates: tuple[s
             fields[name] = values
     if max_lifetime is not None:
         fields["max_lifetime_s"] = max_lifetime
+    if max_asleep is not None:
+        fields["max_asleep_s"] = max_asleep
     return fields
 
 
@@ -142,14 +148,14 @@ def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[
                 commands_per_minute: int, hosts: tuple[str, ...], no_network: bool,
                 templates: tuple[str, ...], isolation: tuple[str, ...],
                 resources: tuple[str, ...], secrets: tuple[str, ...],
-                max_lifetime: int | None, audit_max: str | None,
+                max_lifetime: int | None, max_asleep: int | None, audit_max: str | None,
                 audit_sandbox_max: str | None, as_json: bool) -> None:
     """Add (or replace) a tenant; ceiling options not given set no bound of its own, audit
     budgets not given follow the server's default."""
     from .._control.plane import get_manager
 
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
-                             max_lifetime)
+                             max_lifetime, max_asleep)
     from .._control.plane import Ceiling, TenantDirectory
 
     tenant = TenantDirectory(get_manager(ctx.obj["settings"]).store).add_tenant(
@@ -178,9 +184,9 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
                 tiers: tuple[str, ...], commands_per_minute: int | None,
                 hosts: tuple[str, ...], no_network: bool, templates: tuple[str, ...],
                 isolation: tuple[str, ...], resources: tuple[str, ...],
-                secrets: tuple[str, ...], max_lifetime: int | None, clear_ceiling: bool,
-                audit_max: str | None, audit_sandbox_max: str | None, clear_audit: bool,
-                as_json: bool) -> None:
+                secrets: tuple[str, ...], max_lifetime: int | None, max_asleep: int | None,
+                clear_ceiling: bool, audit_max: str | None, audit_sandbox_max: str | None,
+                clear_audit: bool, as_json: bool) -> None:
     """Change a tenant: only what is given changes (each ceiling option replaces that field).
 
     A sandbox paused at its audit budget may be resumed once the budget is raised here."""
@@ -188,7 +194,7 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
 
     directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
-                             max_lifetime)
+                             max_lifetime, max_asleep)
     if clear_ceiling:
         old = directory.get(name)
         directory.add_tenant(name, max_sandboxes=old.max_sandboxes, tiers=list(old.tiers),

@@ -21,7 +21,7 @@ from .destroyer import DestroyJob
 from .intents import Intents
 from .layers import Layers
 from .processes import ProcessTable
-from .records import LIVE, SandboxRecord
+from .records import ASLEEP, LIVE, SandboxRecord
 from .registry import BackendRegistry
 from .sandboxes import Sandboxes, wait_all
 from .snapshots import is_running
@@ -208,6 +208,10 @@ class Recovery:
     def _due(self, info: SandboxRecord, now: float) -> str | None:
         """Why ``info`` is to be destroyed now (None: it is not). One whose lifecycle pauses it
         at its timeout or when idle is paused instead, by ``_reap``, never destroyed for it."""
+        if info.state in ASLEEP and info.slept_at is not None:
+            bound = self._sandboxes.max_asleep_s(info.tenant)
+            if bound is not None and now - info.slept_at > bound:
+                return "asleep"
         if info.expires_at <= now and info.state in LIVE:
             return None if self._sandboxes.sleeps_at_timeout(info) else "expired"
         if info.lifecycle.on_idle == "destroy" and self._idle(info, now):
@@ -222,6 +226,10 @@ class Recovery:
         if reason == "idle":
             self._auditor.event(info.id, "sandbox.expired", {
                 "idle_timeout": info.idle_timeout, "last_active": info.last_active})
+        if reason == "asleep":  # its tenant's ceiling: kept asleep no longer than this
+            self._auditor.event(info.id, "sandbox.expired", {
+                "asleep_since": info.slept_at,
+                "max_asleep_s": self._sandboxes.max_asleep_s(info.tenant)})
         return self._sandboxes.begin_destroy(info, reason=reason)
 
     @staticmethod

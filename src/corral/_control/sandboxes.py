@@ -57,7 +57,7 @@ from .memimages import capable, check_resumable
 from .records import ASLEEP, LIVE, SandboxRecord
 from .registry import BackendRegistry
 from .store import Store
-from .tenants import Tenant
+from .tenants import LOCAL_TENANT, Tenant, TenantDirectory
 
 __all__ = ["DESTROY_WAIT_S", "CreatePlan", "Sandboxes", "find_snapshot", "new_id"]
 
@@ -484,6 +484,15 @@ class Sandboxes:
                 return None
         paused_for = now - info.slept_at
         return paused_for if paused_for >= after else None
+
+    def max_asleep_s(self, tenant: str) -> int | None:
+        """How long a sandbox of ``tenant`` may stay asleep before it is destroyed: its
+        ceiling's ``max_asleep_s`` over the operator's (None: no bound of its own)."""
+        ceiling = self._admission.ceiling
+        if tenant != LOCAL_TENANT:
+            with contextlib.suppress(UsageError):  # a tenant removed since: the default
+                ceiling = TenantDirectory(self._store).get(tenant).ceiling.over(ceiling)
+        return ceiling.max_asleep_s
 
     def sleeps_at_timeout(self, info: SandboxRecord) -> bool:
         """A running sandbox past its lifetime that its lifecycle pauses instead of killing."""

@@ -38,7 +38,8 @@ _KEY_RE = re.compile(r"^ck_([0-9a-f]{12})_([A-Za-z0-9_-]{20,100})$")
 # The E2B SDKs check a key's format before sending it (``^e2b_[0-9a-f]+$``, E2B-COMPAT §3), so
 # keys for the E2B surface are 48 hex digits: the first 12 name the key, the rest is the secret.
 _E2B_KEY_RE = re.compile(r"^e2b_([0-9a-f]{12})([0-9a-f]{36})$")
-_FIELDS = ("hosts", "templates", "isolation", "resources", "secrets", "max_lifetime_s")
+_FIELDS = ("hosts", "templates", "isolation", "resources", "secrets", "max_lifetime_s",
+           "max_asleep_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +52,14 @@ class Ceiling:
     resources: tuple[str, ...] | None = None  # "small", "large"
     secrets: tuple[str, ...] | None = None
     max_lifetime_s: int | None = None
+    # The longest a sandbox may stay asleep (paused or hibernated) before it is destroyed.
+    max_asleep_s: int | None = None
 
     @classmethod
     def build(cls, *, hosts: Iterable[str] | None = None,
               templates: Iterable[str] | None = None, isolation: Iterable[str] | None = None,
               resources: Iterable[str] | None = None, secrets: Iterable[str] | None = None,
-              max_lifetime_s: int | None = None) -> Ceiling:
+              max_lifetime_s: int | None = None, max_asleep_s: int | None = None) -> Ceiling:
         """A validated ceiling: host patterns parse as allow rules (normalised), tiers exist."""
 
         def names(what: str, values: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -75,14 +78,15 @@ class Ceiling:
         if unknown:
             raise UsageError(f"unknown resource tiers {unknown} in the ceiling; choose from "
                              f"{sorted(TIERS)}")
-        if max_lifetime_s is not None and (isinstance(max_lifetime_s, bool)
-                                           or not isinstance(max_lifetime_s, int)
-                                           or max_lifetime_s < 1):
-            raise UsageError(f"the max lifetime ceiling must be a positive number of seconds, "
-                             f"not {max_lifetime_s!r}")
+        for what, seconds in (("max lifetime", max_lifetime_s), ("max asleep", max_asleep_s)):
+            if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int)
+                                        or seconds < 1):
+                raise UsageError(f"the {what} ceiling must be a positive number of seconds, "
+                                 f"not {seconds!r}")
         return cls(hosts=rules, templates=names("templates", templates),
                    isolation=names("isolation", isolation), resources=tiers,
-                   secrets=names("secrets", secrets), max_lifetime_s=max_lifetime_s)
+                   secrets=names("secrets", secrets), max_lifetime_s=max_lifetime_s,
+                   max_asleep_s=max_asleep_s)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Ceiling:
@@ -96,7 +100,8 @@ class Ceiling:
                          isolation=split(settings.ceiling_isolation),
                          resources=split(settings.ceiling_resources),
                          secrets=split(settings.ceiling_secrets),
-                         max_lifetime_s=settings.ceiling_max_lifetime_s)
+                         max_lifetime_s=settings.ceiling_max_lifetime_s,
+                         max_asleep_s=settings.ceiling_max_asleep_s)
 
     def over(self, default: Ceiling) -> Ceiling:
         """This ceiling, with ``default``'s bound wherever this one sets none."""
