@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -269,3 +270,14 @@ def test_a_tenant_ceiling_bounds_how_long_its_sandboxes_sleep(
         for info in (deep, frozen, awake):
             with contextlib.suppress(SandboxNotFound):
                 manager.destroy(info.id)
+
+
+def test_concurrent_calls_wait_for_one_wake(home: str, manager: Manager) -> None:
+    with Sandbox.create(home=home, lifecycle=AWAKE) as sb:
+        sb.commands.run("echo 1 > /tmp/n")
+        sb.hibernate()
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            outputs = list(pool.map(lambda _: sb.commands.run("cat /tmp/n").stdout, range(6)))
+        assert outputs == ["1\n"] * 6
+        woke = [d for t, d in trail_types(manager, sb.id) if t == "sandbox.resumed"]
+        assert len(woke) == 1 and woke[0]["from"] == "hibernated"
