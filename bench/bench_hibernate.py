@@ -22,6 +22,11 @@ Through the embedded SDK, on one tier, interleaved in shuffled rounds, after war
 ``density``: N sandboxes created and paused, then per sandbox: the host's ``MemAvailable`` drop
 (and ``Slab`` growth), processes, mounts, loop devices and network namespaces still held.
 
+``memory_100mb``: a sandbox holding 100 MB of memory a hibernate can keep: 100 MB of
+incompressible data in its ``/tmp`` (a memory filesystem, charged to the sandbox; no tier keeps
+a *process's* memory yet, see docs/design/hibernation.md): hibernate time, the archive's size,
+the host's ``MemAvailable`` before and after, and the wake to first command (reading it all).
+
 ``hibernated``: M sandboxes (default 1,000) created, given a file, and hibernated; then per
 sandbox the same figures (target: no process, mount, loop device or network namespace) and its
 disk (allocated bytes under its directory, and the store); how many would fit on this host by
@@ -189,6 +194,38 @@ def _density(home: Path, isolation: str, count: int) -> dict[str, Any]:
     }
 
 
+def _memory_100mb(home: Path, isolation: str) -> dict[str, Any]:
+    if isolation == "microvm":
+        return {"skipped": "each microVM command has a fresh /tmp: nothing of it to keep"}
+    sb = Sandbox.create(home=str(home), isolation=isolation, lifecycle=SLEEPY,
+                        resources="large")
+    try:
+        made = sb.commands.run("head -c 100000000 /dev/urandom > /tmp/blob && sync && "
+                               "sha256sum /tmp/blob", timeout=300)
+        assert made.exit_code == 0, made.stderr
+        time.sleep(1.0)
+        before = _meminfo()["MemAvailable"]
+        began = time.perf_counter()
+        sb.hibernate()
+        hibernate_s = time.perf_counter() - began
+        time.sleep(1.0)
+        after = _meminfo()["MemAvailable"]
+        archive = home / "sandboxes" / sb.id / "priv" / "tmp.tar"
+        size = archive.stat().st_size
+        began = time.perf_counter()
+        again = sb.commands.run("sha256sum /tmp/blob", timeout=300)
+        wake_s = time.perf_counter() - began
+        return {
+            "hibernate_ms": round(hibernate_s * 1000, 1),
+            "image_bytes": size,
+            "mem_available_gain_mib": round((after - before) / 2**20, 1),
+            "wake_to_first_command_reading_it_ms": round(wake_s * 1000, 1),
+            "intact": again.stdout == made.stdout,
+        }
+    finally:
+        sb.kill()
+
+
 def _allocated(path: Path) -> int:
     """Bytes the filesystem allocated under ``path`` (a sparse image counts what it holds)."""
     total = 0
@@ -297,7 +334,8 @@ def _hibernated(settings: Settings, isolation: str, count: int,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100, help="rounds (each series once each)")
-    parser.add_argument("--isolation", default="namespace", choices=["namespace", "gvisor"])
+    parser.add_argument("--isolation", default="namespace",
+                        choices=["namespace", "gvisor", "microvm"])
     parser.add_argument("--density", type=int, default=100, help="paused sandboxes (0: skip)")
     parser.add_argument("--hibernated", type=int, default=1000,
                         help="hibernated sandboxes, then a restart (0: skip)")
@@ -316,6 +354,7 @@ def main() -> int:
     try:
         samples = _series(home, args.isolation, args.runs, seed)
         density = _density(home, args.isolation, args.density)
+        memory = _memory_100mb(home, args.isolation)
         hibernated = _hibernated(settings, args.isolation, args.hibernated,
                                  random.Random(seed))
     finally:
@@ -343,6 +382,7 @@ def main() -> int:
                     "hibernated_wake_within_2x_create_and_first_command":
                         deep_wake <= 2 * create_first},
         "density": density,
+        "memory_100mb": memory,
         "hibernated": hibernated,
         "cleanup": {"ok": not left, "leftovers": left},
     }
