@@ -434,13 +434,19 @@ class HostBackedBackend:
         # Then a resident still starting is waited for and stopped, so it never makes its
         # group inside a cgroup being removed.
         self._close_resident(spec.id, forget=True)
+        self._release_host_pieces(spec)
+        self._store.remove(spec.id)
+
+    def _release_host_pieces(self, spec: SandboxSpec) -> None:
+        """What every tier's sandbox holds on the host beside its files, gone: the egress
+        listener made ahead for it, its cgroup (and what still runs in it), the tier's own
+        pieces, its pinned network namespace. A destroy and a hibernate both end so."""
         self._ensured.discard(spec.id)
         self._drop_listener(spec.id)
         self.cgroups.kill(spec.id)
         self.cgroups.remove(spec.id)
         self._destroy_extra(spec)
         netns.remove_netns(self._netns_path(spec.id))
-        self._store.remove(spec.id)
 
     # -- hibernation (backends.Hibernation) ---------------------------------------------------
 
@@ -477,12 +483,7 @@ class HostBackedBackend:
                 self._store.ensure_tmp(spec)
                 size = archive_tree(tmp, archive)
             image = Hibernated(tmp_bytes=size, digest=digest_of(archive))
-        self._ensured.discard(spec.id)
-        self._drop_listener(spec.id)
-        self.cgroups.kill(spec.id)
-        self.cgroups.remove(spec.id)
-        self._destroy_extra(spec)
-        netns.remove_netns(self._netns_path(spec.id))
+        self._release_host_pieces(spec)
         self._store.unmount(spec.id, behind=False)
         if attached(str(self._store.image_path(spec.id))) is None:
             self._released_mark(spec.id).touch(mode=0o600)

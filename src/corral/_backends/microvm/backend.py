@@ -569,11 +569,7 @@ class MicrovmBackend(HostBackedBackend):
         self._stop_vm(spec)
         with contextlib.suppress(OSError):  # the keeper's socket and files, in /run (memory)
             remove_tree(self._run_path(spec.id))
-        self._ensured.discard(spec.id)
-        self._drop_listener(spec.id)
-        self.cgroups.kill(spec.id)
-        self.cgroups.remove(spec.id)
-        netns.remove_netns(self._netns_path(spec.id))
+        self._release_host_pieces(spec)
         return Hibernated(tmp_bytes=0, digest="")
 
     def wake(self, spec: SandboxSpec, image: Hibernated) -> None:
