@@ -167,7 +167,7 @@ class Lifecycle(_Public):
     auto_resume: bool = Field(
         default=False, description="A call that needs it running (a command, a file, code, "
                                    "a port request) resumes it first, instead of being "
-                                   "refused while it is paused.")
+                                   "refused while it is paused or hibernated.")
     on_idle: Literal["destroy", "pause"] = Field(
         default="destroy", description="After its idle_timeout without calls (and with nothing "
                                        "running): destroy: destroyed. pause: paused, until a "
