@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 Verdict = Literal["held", "breached", "error", "skipped"]
 Category = Literal["network", "credentials", "filesystem", "privilege", "resources", "control",
-                   "caller", "e2b", "previews", "relays", "cookies", "audit"]
+                   "caller", "e2b", "previews", "relays", "cookies", "audit", "hibernation"]
 CATEGORIES: tuple[Category, ...] = (
     "network", "credentials", "filesystem", "privilege", "resources", "control", "caller",
-    "e2b", "previews", "relays", "cookies", "audit")
+    "e2b", "previews", "relays", "cookies", "audit", "hibernation")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ def all_cases() -> list[Case]:
         credentials,
         e2b,
         filesystem,
+        hibernation,
         network,
         previews,
         privilege,
@@ -26,7 +27,7 @@ def all_cases() -> list[Case]:
 
     cases = [*network.CASES, *credentials.CASES, *filesystem.CASES, *privilege.CASES,
              *resources.CASES, *control.CASES, *caller.CASES, *e2b.CASES, *previews.CASES,
-             *relays.CASES, *cookies.CASES, *audit.CASES]
+             *relays.CASES, *cookies.CASES, *audit.CASES, *hibernation.CASES]
     ids = [c.id for c in cases]
     duplicated = {i for i in ids if ids.count(i) > 1}
     assert not duplicated, f"duplicate drill case ids: {duplicated}"
