@@ -115,6 +115,17 @@ def test_output_is_coalesced_by_line_in_the_order_written(ipython: Driver) -> No
                         ("stdout", "c\n"), ("stdout", "d\n")]
 
 
+@needs_ipython
+def test_a_partial_line_shows_while_the_cell_waits(ipython: Driver) -> None:
+    """A progress bar's text without a newline goes out once it has waited (0.3 s, looked at
+    every 0.2 s), before the rest of its line: the split proves it went out while the cell
+    slept (the sleep is far above the wait, so a loaded host still sees it)."""
+    events = ipython.run("import sys, time\nsys.stdout.write('working')\ntime.sleep(3)\n"
+                         "print(' done')")
+    streamed = [(e["ev"], e["text"]) for e in events if e["ev"] == "stdout"]
+    assert streamed == [("stdout", "working"), ("stdout", " done\n")]
+
+
 @pytest.fixture
 def plain() -> Iterator[Driver]:
     driver = Driver("python", "-S")  # the plain kernel: the same streams, no IPython needed

@@ -32,6 +32,7 @@ import select
 import signal
 import sys
 import threading
+import time
 import traceback
 import types
 
@@ -54,6 +55,20 @@ def _flush_streams(but=None):
         for stream in _STREAMS:
             if stream is not but:
                 stream._flush()
+
+
+# A partial line (a progress bar) goes out once it has waited this long, looked at every
+# _TICK_S: within half a second. Only a line that waited: a timer that flushed whatever was
+# pending would split a print's pieces ("a", " ", "b", "\n") whenever it fired between them.
+_STALE_S = 0.3
+_TICK_S = 0.2
+
+
+def _flush_stale():
+    now = time.monotonic()
+    with _OUT_LOCK:
+        for stream in _STREAMS:
+            stream._flush_if_stale(now)
 
 
 def emit(event, **fields):
@@ -97,11 +112,11 @@ class _Forwarder:
 
     def _loop(self):
         while True:
-            ready, _, _ = select.select(list(self._pipes), [], [], 0.5)
+            ready, _, _ = select.select(list(self._pipes), [], [], _TICK_S)
             if ready:
                 self.drain(ready)
             else:
-                _flush_streams()  # a partial line (a progress bar) shows within 0.5 s
+                _flush_stale()  # a partial line (a progress bar) shows within 0.5 s
 
     def drain(self, fds=None):
         with self._lock:
@@ -127,6 +142,7 @@ class _Stream:
         self._forwarder = forwarder
         self._pending = []  # the partial line, in pieces: joined once, when it goes out
         self._size = 0
+        self._since = 0.0  # when the partial line's first piece came
         self.encoding = "utf-8"
         self.errors = "replace"
         _STREAMS.append(self)
@@ -148,8 +164,14 @@ class _Stream:
         return len(text)
 
     def _hold(self, text):
+        if not self._pending:
+            self._since = time.monotonic()
         self._pending.append(text)
         self._size += len(text)
+
+    def _flush_if_stale(self, now):
+        if self._pending and now - self._since >= _STALE_S:
+            self._flush()
 
     def _flush(self):
         if self._pending:
