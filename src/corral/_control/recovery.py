@@ -5,6 +5,7 @@ the retention of destroyed sandboxes' audit trails (by age and total size)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -175,11 +176,13 @@ class Recovery:
         if self._stay_paused:
             known = {info.id for info in records}
             self._stay_paused = {k: v for k, v in self._stay_paused.items() if k in known}
+        # A tenant's bound on sleep, read once a pass however many of its sandboxes sleep.
+        max_asleep = functools.cache(self._sandboxes.max_asleep_s)
         due = [(info, reason) for info in records
                if self._sandboxes.destroy_due(info.id)
-               and (reason := self._due(info, now)) is not None]
+               and (reason := self._due(info, now, max_asleep)) is not None]
         for start in range(0, len(due), _REAP_BATCH):
-            batch = [(info, self._begin(info, reason))
+            batch = [(info, self._begin(info, reason, max_asleep))
                      for info, reason in due[start:start + _REAP_BATCH]]
             still = wait_all([job for _, job in batch], _REAP_WAIT_S)
             for info, job in batch:
@@ -205,11 +208,12 @@ class Recovery:
         self._auditor.count("corral_reaper_actions", action="hibernate_sandbox")
         return [f"sandbox {info.id} (hibernated)"]
 
-    def _due(self, info: SandboxRecord, now: float) -> str | None:
+    def _due(self, info: SandboxRecord, now: float,
+             max_asleep: Callable[[str], int | None]) -> str | None:
         """Why ``info`` is to be destroyed now (None: it is not). One whose lifecycle pauses it
         at its timeout or when idle is paused instead, by ``_reap``, never destroyed for it."""
         if info.state in ASLEEP and info.slept_at is not None:
-            bound = self._sandboxes.max_asleep_s(info.tenant)
+            bound = max_asleep(info.tenant)
             if bound is not None and now - info.slept_at > bound:
                 return "asleep"
         if info.expires_at <= now and info.state in LIVE:
@@ -220,7 +224,8 @@ class Recovery:
             return "interrupted"
         return None
 
-    def _begin(self, info: SandboxRecord, reason: str) -> DestroyJob:
+    def _begin(self, info: SandboxRecord, reason: str,
+               max_asleep: Callable[[str], int | None]) -> DestroyJob:
         if reason == "expired":
             return self._sandboxes.begin_expire(info)
         if reason == "idle":
@@ -229,7 +234,7 @@ class Recovery:
         if reason == "asleep":  # its tenant's ceiling: kept asleep no longer than this
             self._auditor.event(info.id, "sandbox.expired", {
                 "asleep_since": info.slept_at,
-                "max_asleep_s": self._sandboxes.max_asleep_s(info.tenant)})
+                "max_asleep_s": max_asleep(info.tenant)})
         return self._sandboxes.begin_destroy(info, reason=reason)
 
     @staticmethod
