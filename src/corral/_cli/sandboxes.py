@@ -249,11 +249,12 @@ def create(ctx: click.Context, resources: str, ttl: float | None, on_timeout: st
     """
     label_map = parse_pairs(labels, "--label")
     # Sent only when asked for, so a plain create still works against an older service.
-    asked = {"on_timeout": on_timeout, "auto_resume": auto_resume, "on_idle": on_idle,
-             "hibernate_after": hibernate_after}
-    defaults = {"on_timeout": "kill", "auto_resume": False, "on_idle": "destroy",
-                "hibernate_after": None}
-    lifecycle = {k: v for k, v in asked.items() if v != defaults[k]} or None
+    from ..models import Lifecycle
+
+    # Not validated here: the service judges it (and says what is wrong) like any request.
+    lifecycle = Lifecycle.model_construct(
+        on_timeout=on_timeout, auto_resume=auto_resume, on_idle=on_idle,
+        hibernate_after=hibernate_after).model_dump(exclude_defaults=True) or None
     sb = sdk().create(template, resources=resources, timeout=ttl, labels=label_map,
                         idle_timeout=idle_timeout,
                         network=_network(allow, deny, presets, require_lock),

@@ -16,12 +16,10 @@ from .._audit.auditor import Auditor
 from .._audit.budget import Budget, Overrun, trail_size
 from .._settings import Settings
 from ..errors import QuotaExceeded
-from .records import SandboxRecord
+from .records import LIVE, SandboxRecord
 from .store import Store
 
 __all__ = ["AuditBudgets", "size_text"]
-
-_LIVE = ("running", "paused", "hibernated")
 
 
 def size_text(n: int) -> str:
@@ -55,13 +53,13 @@ class AuditBudgets:
 
     def budget(self, sandbox_id: str) -> Budget | None:
         record = self._store.get(sandbox_id)
-        if record is None or record.state not in _LIVE:
+        if record is None or record.state not in LIVE:
             return None
         sandbox_bytes, tenant_bytes = self._limits(record.tenant)
         return Budget(sandbox_bytes, record.tenant, tenant_bytes)
 
     def tenant_sandboxes(self, tenant: str) -> Iterable[str]:
-        return [r.id for r in self._store.list() if r.tenant == tenant and r.state in _LIVE]
+        return [r.id for r in self._store.list() if r.tenant == tenant and r.state in LIVE]
 
     # -- what the trails use ----------------------------------------------------------------------
 

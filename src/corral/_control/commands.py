@@ -31,7 +31,7 @@ from . import validate
 from .admission import Admission
 from .egress import EgressBroker
 from .locks import WorkspaceLocks
-from .records import SandboxRecord
+from .records import ASLEEP, SandboxRecord
 from .sandboxes import Sandboxes
 from .store import Store
 from .tenants import Tenant
@@ -184,7 +184,7 @@ class Commands:
     def kill(self, sandbox_id: str, command_id: str) -> None:
         """Kill a running command (from any process); its run() returns exit code 137."""
         info = self._sandboxes.get(sandbox_id)
-        if info.state in ("paused", "hibernated"):
+        if info.state in ASLEEP:
             raise SandboxBusy(f"sandbox {sandbox_id} is {info.state}; resume it before "
                               "killing commands")
         validate.command_id(command_id)

@@ -26,13 +26,14 @@ from .manager import Manager, get_manager
 from .ports import PortURLs, Who
 from .presets import ceiling_network
 from .processes import MAX_PTY_SIZE, BackgroundProcess
-from .records import SandboxRecord
+from .records import ASLEEP, SandboxRecord
 from .recovery import Reaper
 from .store import Store
 from .tenants import LOCAL_TENANT, Ceiling, Tenant, TenantDirectory, local_tenant, new_key
 from .volumes import parse_size
 
 __all__ = [
+    "ASLEEP",
     "LOCAL_TENANT",
     "MAX_PTY_SIZE",
     "Admission",

@@ -26,7 +26,7 @@ from .._ids import to_e2b
 from .._settings import Settings
 from ..errors import BackendError, PortNotExposed, UsageError
 from ..models import PortInfo
-from .records import SandboxRecord
+from .records import ASLEEP, SandboxRecord
 from .sandboxes import Sandboxes
 from .store import Store
 
@@ -166,7 +166,7 @@ class Ports:
             SandboxBusy: the sandbox is paused (its processes are frozen).
             PortClosed: nothing accepts connections on the port.
         """
-        if record.state in ("paused", "hibernated"):  # woken first when its lifecycle says so
+        if record.state in ASLEEP:  # woken first when its lifecycle says so
             record = self._sandboxes.awake(record.id, doing=f"reach port {port}")
         backend = self._sandboxes.backend(record)
         sock = backend.open_port(self._sandboxes.spec(record), port, _CONNECT_TIMEOUT_S)

@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from .._core.diskfull import DiskReserve, disk_full_as_error
 from ..errors import QuotaExceeded, UsageError, VolumeInUse, VolumeNotFound
-from ..models import Lifecycle, SnapshotInfo
+from ..models import Lifecycle, SandboxState, SnapshotInfo
 from .counters import CounterBuffer
-from .records import SandboxRecord
+from .records import ASLEEP, SandboxRecord
 
 __all__ = ["Store"]
 
@@ -126,8 +126,8 @@ CREATE TABLE IF NOT EXISTS counters (
 
 
 # ``slept_at`` as a state change leaves it (parameters: the new state, now).
-_SLEPT_AT = ("CASE WHEN ? NOT IN ('paused', 'hibernated') THEN NULL "
-             "WHEN slept_at IS NULL THEN ? ELSE slept_at END")
+_SLEPT_AT = (f"CASE WHEN ? NOT IN ({', '.join(repr(state) for state in ASLEEP)}) "
+             "THEN NULL WHEN slept_at IS NULL THEN ? ELSE slept_at END")
 
 
 def _row_to_info(row: sqlite3.Row) -> SandboxRecord:
@@ -845,7 +845,7 @@ class Store:
 
     def state_counts(self) -> dict[str, int]:
         """Sandboxes by state; every state appears, at zero when none is in it."""
-        counts = {"creating": 0, "running": 0, "paused": 0, "hibernated": 0, "destroying": 0}
+        counts = dict.fromkeys(get_args(SandboxState), 0)
         with self._lock:
             rows = self._db.execute(
                 "SELECT state, COUNT(*) FROM sandboxes GROUP BY state").fetchall()

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .._control.plane import Manager, Tenant, ceiling_network
+from .._control.plane import ASLEEP, Manager, Tenant, ceiling_network
 from .._control.requests import SetTimeout
 from .._core.resources import get_tier
 from .._ids import from_e2b, to_e2b
@@ -93,7 +93,7 @@ def _rfc3339(epoch: float) -> str:
 
 def _e2b_state(info: SandboxInfo) -> str:
     """E2B knows two states: a hibernated sandbox is "paused" there (its resume wakes it)."""
-    return "paused" if info.state in ("paused", "hibernated") else "running"
+    return "paused" if info.state in ASLEEP else "running"
 
 
 def _internet(info: SandboxInfo) -> bool:
@@ -363,7 +363,7 @@ async def _connect(request: Request, *, resume_only: bool) -> Response:
 
     def connect() -> tuple[SandboxInfo, bool]:
         info = _owned(manager, tenant, corral_id)
-        resumed = info.state in ("paused", "hibernated")
+        resumed = info.state in ASLEEP
         if resume_only and not resumed:
             raise E2BHTTPError(409, f"sandbox {to_e2b(corral_id)} is already running")
         if resumed:
@@ -398,7 +398,7 @@ async def pause_sandbox(request: Request) -> Response:
 
     def pause() -> None:
         info = _owned(manager, tenant, corral_id)
-        if info.state in ("paused", "hibernated"):
+        if info.state in ASLEEP:
             raise E2BHTTPError(409, f"sandbox {to_e2b(corral_id)} is already paused")
         manager.pause(corral_id)
 

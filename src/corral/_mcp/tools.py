@@ -22,7 +22,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import CallToolResult, ToolAnnotations
 
 from .. import errors
-from ..models import CommandResult, FileEntry, PortInfo, SnapshotInfo, VolumeInfo
+from ..models import CommandResult, FileEntry, Lifecycle, PortInfo, SnapshotInfo, VolumeInfo
 from .sessions import CorralMCP, VolumeRequest
 
 __all__ = ["ARCHIVE_CAP_BYTES", "FILE_CAP_BYTES", "OUTPUT_CAP_BYTES", "RESULT_CAP_BYTES",
@@ -165,10 +165,10 @@ async def create_sandbox(
     network: dict[str, list[str]] | str = {"allow": list(allow)} if allow else "none"
     mounts = state.volume_mounts(volumes or {})
     # Sent only when asked for, so a plain create still works against an older service.
-    asked = {"on_timeout": on_timeout, "auto_resume": auto_resume,
-             "hibernate_after": hibernate_after_s}
-    defaults = {"on_timeout": "kill", "auto_resume": False, "hibernate_after": None}
-    lifecycle = {k: v for k, v in asked.items() if v != defaults[k]} or None
+    # Not validated here: the service judges it (and says what is wrong) like any request.
+    lifecycle = Lifecycle.model_construct(
+        on_timeout=on_timeout, auto_resume=auto_resume,
+        hibernate_after=hibernate_after_s).model_dump(exclude_defaults=True) or None
     sb = await state.create(
         template=template, resources=resources, timeout=timeout_s, labels=labels or {},
         network=network, isolation=isolation, snapshot=snapshot, volumes=mounts or None,

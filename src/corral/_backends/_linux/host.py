@@ -501,7 +501,6 @@ class HostBackedBackend:
                 raise BackendError(f"the hibernated image of sandbox {spec.id} was changed on "
                                    f"disk since it hibernated ({archive} no longer matches "
                                    f"{image.digest}); it is not woken and left as it is")
-        self._close_resident(spec.id)
         released = self._released_mark(spec.id)
         if released.exists():
             self._store.ensure_mounted(spec, fresh=True)

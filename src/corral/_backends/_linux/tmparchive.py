@@ -9,7 +9,6 @@ could write anyway.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shutil
@@ -69,8 +68,3 @@ def restore_tree(archive: Path, point: Path, uid: int) -> None:
     if proc.returncode != 0:
         raise BackendError(f"putting back {point} from {archive} failed: "
                            f"{proc.stderr.decode(errors='replace').strip()[:500]}")
-
-
-def remove(archive: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        archive.unlink()
