@@ -214,3 +214,49 @@ def test_a_crash_in_a_volume_operation_is_undone_or_finished(
         again = mgr.volumes.create(name, "16M")
         mgr.volumes.delete(again.id)
         mgr.volumes.delete(kept.id)
+
+
+PAUSED_CHILD = r"""
+import os, signal, sys
+from corral._control.manager import Manager
+from corral._settings import Settings
+
+home, uid_start, sandbox_id = sys.argv[1:]
+mgr = Manager(Settings(home=home, uid_start=int(uid_start), uid_count=1000))
+assert mgr.run(sandbox_id, "echo 'before the pause' > /tmp/kept.txt", timeout=60).exit_code == 0
+mgr.pause(sandbox_id)
+print("paused", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_process_killed_with_a_sandbox_it_paused_is_recovered(
+        plane: tuple[Manager, str]) -> None:
+    """The process that ran a sandbox's commands (its resident, on gVisor) paused it and was
+    killed: the next start's sweep cannot kill that process's frozen groups, and must not stop
+    there (it once raised, and every later step of the recovery was skipped). They go once
+    the sandbox wakes."""
+    mgr, tier = plane
+    info = mgr.create(isolation=tier, timeout=1800)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", PAUSED_CHILD, str(mgr.settings.home),
+             str(mgr.settings.uid_start), info.id], capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+        assert child.stdout.startswith("paused"), child.stderr[-2000:]
+        assert child.returncode == -9, (child.returncode, child.stderr[-2000:])
+        mgr.recover()  # the next start: raises nothing
+        assert mgr.get(info.id).state == "paused"
+        mgr.resume(info.id)
+        run = mgr.run(info.id, "cat /tmp/kept.txt", timeout=60)
+        assert (run.exit_code, run.stdout) == (0, "before the pause\n"), run
+        mgr.recover()  # awake now: the dead process's groups go
+        driver = mgr.sandboxes.backend(mgr.sandboxes.get(info.id)).cgroups  # type: ignore[attr-defined]
+        # Command groups are named c.<owner pid>.<start>.<id>: none is the dead child's.
+        assert [g for g in driver.children(info.id)
+                if g.startswith("c.") and not g.startswith(f"c.{os.getpid()}.")] == []
+    finally:
+        mgr.destroy(info.id)
+    assert _leftovers(mgr) == []
+

@@ -560,7 +560,13 @@ class HostBackedBackend:
                 if self._keep_group(sandbox_id, command):
                     continue
                 group = f"{sandbox_id}/{command}"
-                self.cgroups.kill(group)
+                try:
+                    self.cgroups.kill(group)
+                except BackendError as exc:
+                    # Its sandbox is paused (a frozen process takes no SIGKILL): left for a
+                    # sweep after it wakes (or its destroy), never the end of this sweep.
+                    logger.info("leftover command group %s left for now: %s", group, exc)
+                    continue
                 self.cgroups.remove(group)
                 # The group is named c.<owner pid>.<start time>.<command id> (_group_name).
                 command_id = command.rsplit(".", 1)[-1]
