@@ -242,20 +242,45 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
 def _hibernation(supported: Mapping[str, bool]) -> dict[str, Any]:
     """What a hibernate can keep here: files (and /tmp) on the tiers this host runs; a
-    process's memory on none yet (CRIU is not used, whether or not it is installed)."""
+    process's memory on none yet. CRIU, if installed, is asked whether it could work on this
+    kernel (``criu check``), so the report says what stands in the way here."""
     import shutil
 
     tiers = [name for name in ("namespace", "gvisor", "microvm") if supported.get(name)]
     criu = shutil.which("criu")
+    criu_check = None if criu is None else _criu_check(criu)
+    if criu is None:
+        criu_said = "criu is not installed"
+    elif criu_check is None:
+        criu_said = f"criu at {criu} passes `criu check` but Corral does not use it yet"
+    else:
+        criu_said = f"criu at {criu} fails `criu check` on this kernel: {criu_check}"
     summary = (
         (f"a sandbox with no process running hibernates on {', '.join(tiers)} (nothing of it "
          "left in the kernel; its files and /tmp on disk)" if tiers else
          "no tier here can hibernate a sandbox")
         + "; one with processes stays paused (frozen): no tier keeps a process's memory on "
-          f"disk yet (criu {'is at ' + criu + ' but is not used' if criu else 'is not installed'}"
-          ")")
+          f"disk yet ({criu_said})")
     return {"without_processes": tiers, "with_processes": [], "criu": criu,
-            "summary": summary}
+            "criu_check": criu_check, "summary": summary}
+
+
+def _criu_check(criu: str) -> str | None:
+    """None if ``criu check`` passes, else its first error line (or why it did not run)."""
+    import subprocess
+
+    from .._core.privileged import privileged_env
+
+    try:
+        done = subprocess.run([criu, "check"], capture_output=True, text=True, timeout=30,
+                              env=privileged_env(), check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"it did not run ({exc})"
+    if done.returncode == 0:
+        return None
+    lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    first = next((line for line in lines if line.startswith("Error")), lines[0] if lines else "")
+    return first[:300] or f"exit status {done.returncode}"
 
 
 @click.command()
