@@ -173,6 +173,12 @@ class Settings(BaseSettings):
                     "hibernated), in seconds, before the reaper destroys it (unset: its "
                     "lifetime, or CORRAL_PAUSED_KEEP_S past its timeout, bound it alone).",
         examples=[604800])
+    ceiling_max_hibernated: int | None = Field(
+        default=None, ge=0,
+        description="Operator ceiling: how many of a tenant's sandboxes may be hibernated at "
+                    "once (unset: no bound; 0: none). A hibernate past it is refused; the "
+                    "reaper's leaves the sandbox paused.",
+        examples=[1000])
     server_host_names: str = Field(
         default="",
         description="Names `corral serve` answers to besides its listen address, "

@@ -431,8 +431,13 @@ class Hibernation(Protocol):
 
     def hibernate(self, spec: SandboxSpec) -> Hibernated:
         """Release the sandbox's kernel pieces, its files kept. Refused (``SandboxBusy``)
-        while a process of it runs; on failure the sandbox is left as it was (or, past the
-        archive, rebuilt by the next ``wake``)."""
+        while a process of it runs, before anything changed. Cut short (a crash, an error)
+        at any later point, it is made whole by ``recover_hibernate``."""
+        ...
+
+    def recover_hibernate(self, spec: SandboxSpec) -> Hibernated | None:
+        """Make whole a hibernate cut short: finish it (its image), or, when it had released
+        nothing yet, undo it (None: the sandbox is paused as before, no archive left)."""
         ...
 
     def wake(self, spec: SandboxSpec, image: Hibernated) -> None:

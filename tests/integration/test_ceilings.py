@@ -317,6 +317,13 @@ def test_cli_sets_and_shows_a_tenants_ceiling(capped_home: tuple[str, Manager]) 
     assert "hosts=(none)" in corral("tenants", "ls").stdout
     bad = corral("tenants", "set", "clitenant", "--allow-host", "*.com")
     assert bad.returncode != 0 and "top-level domain" in bad.stderr
+    slept = corral("tenants", "set", "clitenant", "--max-asleep", "3600", "--max-hibernated",
+                   "20", "--json")
+    assert slept.returncode == 0, slept.stderr
+    assert json.loads(slept.stdout)["ceiling"]["max_asleep_s"] == 3600
+    assert json.loads(slept.stdout)["ceiling"]["max_hibernated"] == 20
+    negative = corral("tenants", "set", "clitenant", "--max-hibernated", "-1")
+    assert negative.returncode != 0 and "number of sandboxes" in negative.stderr
     mgr.store.remove_tenant("clitenant")
 
 

@@ -216,6 +216,66 @@ def test_a_crash_in_a_volume_operation_is_undone_or_finished(
         mgr.volumes.delete(kept.id)
 
 
+HIBERNATE_CHILD = r"""
+import sys
+from corral._control.manager import Manager
+from corral._core import failpoints
+from corral._settings import Settings
+
+home, uid_start, sandbox_id, point = sys.argv[1:]
+mgr = Manager(Settings(home=home, uid_start=int(uid_start), uid_count=1000))
+run = mgr.run(sandbox_id, f"echo 'in /tmp before {point}' > /tmp/acked.txt", timeout=60)
+assert run.exit_code == 0, run
+mgr.files(sandbox_id).write("acked.txt", f"acknowledged before {point}".encode())
+print("acked", flush=True)
+failpoints.arm(point)
+mgr.hibernate(sandbox_id)
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("point", NAMES["hibernate"])
+def test_a_crash_in_a_hibernate_loses_nothing(plane: tuple[Manager, str], point: str) -> None:
+    """Killed before its tier released anything, a hibernate is undone (the sandbox paused,
+    whole); killed after, finished (hibernated, nothing of it left mounted). Either way the
+    trail says which, and the wake finds its workspace and its /tmp."""
+    mgr, tier = plane
+    info = mgr.create(isolation=tier, timeout=1800)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", HIBERNATE_CHILD, str(mgr.settings.home),
+             str(mgr.settings.uid_start), info.id, point], capture_output=True, text=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+        assert child.stdout.startswith("acked"), child.stderr[-2000:]
+        assert child.returncode == -9, (child.returncode, child.stdout, child.stderr[-2000:])
+        said = mgr.recover()  # the next start
+        assert _leftovers(mgr) == []
+        finished = point == "hibernate.released"
+        assert mgr.get(info.id).state == ("hibernated" if finished else "paused"), said
+        if finished:  # nothing of it is mounted any more
+            sandbox_dir = str(mgr.settings.home / "sandboxes" / info.id)
+            assert [p for p in _mounts_under(mgr.settings.home)
+                    if p.startswith(sandbox_dir + "/") or p == sandbox_dir] == []
+        events = [e.type for e in mgr.auditor.trail(info.id).events]
+        assert ("recovery.rolled_forward" if finished else "recovery.rolled_back") in events, \
+            (events, said)
+        mgr.resume(info.id)
+        run = mgr.run(info.id, "cat /tmp/acked.txt /workspace/acked.txt", timeout=60)
+        assert run.exit_code == 0, run
+        assert run.stdout == (f"in /tmp before {point}\n"
+                              f"acknowledged before {point}"), run
+        # And it hibernates and wakes as any other.
+        assert mgr.hibernate(info.id).state == "hibernated"
+        assert mgr.resume(info.id).state == "running"
+        assert mgr.run(info.id, "cat /tmp/acked.txt", timeout=60).stdout == \
+            f"in /tmp before {point}\n"
+    finally:
+        mgr.destroy(info.id)
+    assert _leftovers(mgr) == []
+
+
 PAUSED_CHILD = r"""
 import os, signal, sys
 from corral._control.manager import Manager
@@ -260,3 +320,33 @@ def test_a_process_killed_with_a_sandbox_it_paused_is_recovered(
         mgr.destroy(info.id)
     assert _leftovers(mgr) == []
 
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("point", ["hibernate.archived", "hibernate.released"])
+def test_a_hibernate_that_fails_in_its_process_is_settled_there(
+        plane: tuple[Manager, str], point: str) -> None:
+    """An error (not a crash) inside a hibernate: before its tier released anything, the
+    sandbox is put back as it was (running) and the error told; after, the hibernate is
+    finished. No intent is left open either way."""
+    from corral._core import failpoints
+
+    mgr, tier = plane
+    info = mgr.create(isolation=tier, timeout=1800)
+    try:
+        assert mgr.run(info.id, "echo kept > /tmp/kept.txt", timeout=60).exit_code == 0
+        failpoints.arm(point, "eio")
+        try:
+            if point == "hibernate.archived":
+                with pytest.raises(OSError, match="failpoint hibernate.archived"):
+                    mgr.hibernate(info.id)
+                assert mgr.get(info.id).state == "running"
+            else:
+                assert mgr.hibernate(info.id).state == "hibernated"
+        finally:
+            failpoints.disarm()
+        assert mgr.store.intents(info.id) == []
+        mgr.resume(info.id)
+        assert mgr.run(info.id, "cat /tmp/kept.txt", timeout=60).stdout == "kept\n"
+    finally:
+        mgr.destroy(info.id)
+    assert _leftovers(mgr) == []

@@ -24,7 +24,7 @@ from corral._control.manager import Manager
 from corral._control.tenants import Ceiling, TenantDirectory
 from corral._serve.app import create_app
 from corral._settings import Settings
-from corral.errors import BackendError
+from corral.errors import BackendError, QuotaExceeded
 from corral.models import Lifecycle
 
 from .hostprocs import host_procs_of_uid, host_uid
@@ -268,6 +268,36 @@ def test_a_tenant_ceiling_bounds_how_long_its_sandboxes_sleep(
         assert manager.get(awake.id).state == "running"
     finally:
         for info in (deep, frozen, awake):
+            with contextlib.suppress(SandboxNotFound):
+                manager.destroy(info.id)
+
+
+def test_a_tenant_ceiling_bounds_how_many_of_its_sandboxes_hibernate(
+        manager: Manager, isolation: str) -> None:
+    """``max_hibernated``: past it a hibernate is refused (the sandbox left as it was, running
+    or paused) and says what to do; a place freed by a wake is taken again."""
+    name = f"deep-{secrets.token_hex(4)}"
+    tenant = TenantDirectory(manager.store).add_tenant(
+        name, max_sandboxes=5, ceiling=Ceiling.build(max_hibernated=1))
+    first = manager.create(caller=tenant, isolation=isolation, timeout=300)
+    second = manager.create(caller=tenant, isolation=isolation, timeout=300)
+    other = manager.create(isolation=isolation, timeout=300)  # another tenant's: unbounded
+    try:
+        assert manager.hibernate(first.id).state == "hibernated"
+        with pytest.raises(QuotaExceeded, match="max_hibernated"):
+            manager.hibernate(second.id)
+        assert manager.get(second.id).state == "running"
+        assert manager.run(second.id, "echo still", timeout=30).stdout == "still\n"
+        manager.pause(second.id)
+        with pytest.raises(QuotaExceeded):
+            manager.hibernate(second.id)
+        assert manager.get(second.id).state == "paused"
+        assert manager.store.intents(second.id) == []
+        assert manager.hibernate(other.id).state == "hibernated"
+        manager.resume(first.id)  # its place is free
+        assert manager.hibernate(second.id).state == "hibernated"
+    finally:
+        for info in (first, second, other):
             with contextlib.suppress(SandboxNotFound):
                 manager.destroy(info.id)
 

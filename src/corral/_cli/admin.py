@@ -49,6 +49,9 @@ def _ceiling_options(fn: Any) -> Any:
         click.option("--max-asleep", "max_asleep", type=int, metavar="SECONDS",
                      help="Ceiling: the longest one of its sandboxes may stay paused or "
                           "hibernated before it is destroyed."),
+        click.option("--max-hibernated", "max_hibernated", type=int, metavar="N",
+                     help="Ceiling: how many of its sandboxes may be hibernated at once "
+                          "(0: none)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -58,7 +61,7 @@ def _ceiling_options(fn: Any) -> Any:
 def _ceiling_fields(hosts: tuple[str, ...], no_network: bool, templates: tuple[str, ...],
                     isolation: tuple[str, ...], resources: tuple[str, ...],
                     secrets: tuple[str, ...], max_lifetime: int | None,
-                    max_asleep: int | None) -> dict[str, Any]:
+                    max_asleep: int | None, max_hibernated: int | None) -> dict[str, Any]:
     """Only the ceiling fields given on the command line."""
     if no_network and hosts:
         raise errors.UsageError("--no-network and --allow-host contradict each other; give one")
@@ -73,6 +76,8 @@ def _ceiling_fields(hosts: tuple[str, ...], no_network: bool, templates: tuple[s
         fields["max_lifetime_s"] = max_lifetime
     if max_asleep is not None:
         fields["max_asleep_s"] = max_asleep
+    if max_hibernated is not None:
+        fields["max_hibernated"] = max_hibernated
     return fields
 
 
@@ -148,14 +153,15 @@ def tenants_add(ctx: click.Context, name: str, max_sandboxes: int, tiers: tuple[
                 commands_per_minute: int, hosts: tuple[str, ...], no_network: bool,
                 templates: tuple[str, ...], isolation: tuple[str, ...],
                 resources: tuple[str, ...], secrets: tuple[str, ...],
-                max_lifetime: int | None, max_asleep: int | None, audit_max: str | None,
+                max_lifetime: int | None, max_asleep: int | None,
+                max_hibernated: int | None, audit_max: str | None,
                 audit_sandbox_max: str | None, as_json: bool) -> None:
     """Add (or replace) a tenant; ceiling options not given set no bound of its own, audit
     budgets not given follow the server's default."""
     from .._control.plane import get_manager
 
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
-                             max_lifetime, max_asleep)
+                             max_lifetime, max_asleep, max_hibernated)
     from .._control.plane import Ceiling, TenantDirectory
 
     tenant = TenantDirectory(get_manager(ctx.obj["settings"]).store).add_tenant(
@@ -185,8 +191,8 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
                 hosts: tuple[str, ...], no_network: bool, templates: tuple[str, ...],
                 isolation: tuple[str, ...], resources: tuple[str, ...],
                 secrets: tuple[str, ...], max_lifetime: int | None, max_asleep: int | None,
-                clear_ceiling: bool, audit_max: str | None, audit_sandbox_max: str | None,
-                clear_audit: bool, as_json: bool) -> None:
+                max_hibernated: int | None, clear_ceiling: bool, audit_max: str | None,
+                audit_sandbox_max: str | None, clear_audit: bool, as_json: bool) -> None:
     """Change a tenant: only what is given changes (each ceiling option replaces that field).
 
     A sandbox paused at its audit budget may be resumed once the budget is raised here."""
@@ -194,7 +200,7 @@ def tenants_set(ctx: click.Context, name: str, max_sandboxes: int | None,
 
     directory = TenantDirectory(get_manager(ctx.obj["settings"]).store)
     fields = _ceiling_fields(hosts, no_network, templates, isolation, resources, secrets,
-                             max_lifetime, max_asleep)
+                             max_lifetime, max_asleep, max_hibernated)
     if clear_ceiling:
         old = directory.get(name)
         directory.add_tenant(name, max_sandboxes=old.max_sandboxes, tiers=list(old.tiers),

@@ -15,6 +15,8 @@ Kinds:
   records it and puts the sandbox on it, else the layer goes and the sandbox is as before.
 * ``restore``: the sandbox's writable layer is dropped and a fresh one made on ``layer``. A
   restore that began has thrown the old writable layer away, so it is always finished.
+* ``hibernate``: the sandbox's tier releases its kernel pieces, its ``/tmp`` archived. The
+  tier finishes it (``recover_hibernate``), or undoes it when it had released nothing yet.
 * ``volume.create`` and ``volume.delete`` are ``Volumes``' own (``Volumes.recover``).
 """
 
@@ -25,11 +27,10 @@ import logging
 from typing import Any
 
 from .._audit.auditor import Auditor
-from .._core.failpoints import failpoint
-from .._core.owner import owner_alive, this_owner
+from .._core.owner import owner_alive
 from ..backends import SealResult
 from ..errors import CorralError
-from .sandboxes import Sandboxes, new_id
+from .sandboxes import Sandboxes
 from .store import Store
 from .volumes import VOLUME_INTENTS
 
@@ -43,14 +44,6 @@ class Intents:
         self._store = store
         self._sandboxes = sandboxes
         self._auditor = auditor
-
-    def begin(self, kind: str, sandbox_id: str, **data: Any) -> str:
-        """Record that this process is about to make a change of ``kind``; its id."""
-        intent = new_id("int")
-        self._store.add_intent(intent, kind=kind, sandbox_id=sandbox_id, data=data,
-                               owner=this_owner())
-        failpoint(f"{kind}.intent")
-        return intent
 
     def resolve_abandoned(self) -> list[str]:
         """Finish or undo every intent whose process is gone; what became of each."""
@@ -71,6 +64,8 @@ class Intents:
             return self._resolve_seal(intent)
         if kind == "restore":
             return self._resolve_restore(intent)
+        if kind == "hibernate":
+            return self._resolve_hibernate(intent)
         # A kind this build does not know (written by a newer one): leave it for that one.
         logger.warning("intent %s of kind %r left alone: this Corral does not know it",
                        intent["id"], kind)
@@ -113,6 +108,19 @@ class Intents:
                                  intent=intent["id"])
         self._report(sandbox_id, "recovery.rolled_forward", intent, {"layer": restored.layer})
         return f"restore of {sandbox_id} finished"
+
+    def _resolve_hibernate(self, intent: dict[str, Any]) -> str:
+        sandbox_id = intent["sandbox_id"]
+        if self._store.get(sandbox_id) is None:
+            self._store.delete_intent(intent["id"])
+            return f"hibernate of destroyed sandbox {sandbox_id} dropped"
+        image = self._sandboxes.settle_hibernate(intent)
+        if image is None:
+            self._report(sandbox_id, "recovery.rolled_back", intent, {})
+            return f"hibernate of {sandbox_id} undone (paused)"
+        self._report(sandbox_id, "recovery.rolled_forward", intent,
+                     {"tmp_bytes": image.tmp_bytes})
+        return f"hibernate of {sandbox_id} finished"
 
     def _report(self, sandbox_id: str, type_: str, intent: dict[str, Any],
                 extra: dict[str, Any]) -> None:

@@ -4,17 +4,24 @@ was last active). Converted to the public form once, at the Manager's edge."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..models import Lifecycle, SandboxInfo, SandboxState
 
-__all__ = ["ASLEEP", "LIVE", "SandboxRecord"]
+__all__ = ["ASLEEP", "LIVE", "SandboxRecord", "new_id"]
 
 #: The states of a sandbox asleep: frozen in place, or hibernated (nothing left in the kernel).
 ASLEEP: tuple[SandboxState, ...] = ("paused", "hibernated")
 #: The states of a sandbox that exists for its callers (listed, reachable, expiring).
 LIVE: tuple[SandboxState, ...] = ("running", *ASLEEP)
+
+
+def new_id(prefix: str = "sbx") -> str:
+    """A fresh id for a record of kind ``prefix`` (``sbx``, ``lyr``, ``int``, ...)."""
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+    return f"{prefix}_" + "".join(secrets.choice(alphabet) for _ in range(12))
 
 
 @dataclass(frozen=True, slots=True)

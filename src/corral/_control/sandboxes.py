@@ -22,7 +22,6 @@ import builtins
 import contextlib
 import dataclasses
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,7 +29,7 @@ from typing import Any
 
 from .._audit.auditor import Auditor
 from .._audit.budget import Overrun
-from .._core.owner import this_owner
+from .._core.owner import owner_alive, this_owner
 from .._core.resources import get_tier
 from .._egress.policy import NetworkPolicy
 from .._settings import Settings
@@ -39,6 +38,7 @@ from ..backends import Hibernated, Hibernation, IsolationBackend, Mount, Sandbox
 from ..errors import (
     BackendUnavailable,
     CorralError,
+    QuotaExceeded,
     SandboxBusy,
     SandboxExpired,
     SandboxNotFound,
@@ -54,12 +54,12 @@ from .egress import EgressBroker, NetworkSpec
 from .layers import Layers
 from .locks import WorkspaceLocks
 from .memimages import capable, check_resumable
-from .records import ASLEEP, LIVE, SandboxRecord
+from .records import ASLEEP, LIVE, SandboxRecord, new_id
 from .registry import BackendRegistry
 from .store import Store
-from .tenants import LOCAL_TENANT, Tenant, TenantDirectory
+from .tenants import LOCAL_TENANT, Ceiling, Tenant, TenantDirectory
 
-__all__ = ["DESTROY_WAIT_S", "CreatePlan", "Sandboxes", "find_snapshot", "new_id"]
+__all__ = ["DESTROY_WAIT_S", "CreatePlan", "Sandboxes", "find_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +70,6 @@ logger = logging.getLogger(__name__)
 DESTROY_WAIT_S = 10.0
 # The most a destroy waits for the commands it killed to record their ends.
 _SETTLE_S = 5.0
-
-
-def new_id(prefix: str = "sbx") -> str:
-    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
-    return f"{prefix}_" + "".join(secrets.choice(alphabet) for _ in range(12))
 
 
 def find_snapshot(store: Store, ref: str, *, tenant: str | None) -> SnapshotInfo:
@@ -390,8 +385,9 @@ class Sandboxes:
         devices, cgroup, network namespace), its files and ``/tmp`` kept on disk; woken like
         a paused sandbox (``resume``, or the next call with ``auto_resume``). Refused
         (``SandboxBusy``) while a process of it runs: no tier keeps a process's memory on
-        disk yet. A running sandbox is paused first, so nothing new starts in it meanwhile;
-        a refusal leaves it as it was."""
+        disk yet; refused (``QuotaExceeded``) when its tenant keeps its ceiling's
+        ``max_hibernated`` already. A running sandbox is paused first, so nothing new starts
+        in it meanwhile; a refusal leaves it as it was."""
         info = self.get(sandbox_id)
         if info.state == "hibernated":
             return info
@@ -417,20 +413,67 @@ class Sandboxes:
             # Its refusing egress listener lives in its network namespace: closed first, or
             # it would keep the namespace alive.
             self._egress.forget(sandbox_id)
+            # Past the tier's first release, a sandbox cut short is neither paused (its /tmp
+            # may be unmounted) nor hibernated (no image recorded): the intent lets the next
+            # start, or the next call here, finish it or undo it.
+            intent: str | None = None
             try:
+                intent = self._store.begin_hibernate(
+                    sandbox_id, tenant=info.tenant,
+                    limit=self.ceiling_of(info.tenant).max_hibernated)
                 image = backend.hibernate(spec)
-            except SandboxBusy:
+            except (SandboxBusy, QuotaExceeded):  # refused before anything changed
+                if intent is not None:
+                    self._store.delete_intent(intent)
                 if was == "running":  # a command started beside this call: left running
                     backend.pause(spec, False)
                     self._store.set_state(sandbox_id, "running")
                 raise
-            self._store.set_hibernated(sandbox_id, {"tmp_bytes": image.tmp_bytes,
-                                                    "digest": image.digest})
+            except Exception as exc:
+                settled = None if intent is None else self._settle_here(intent)
+                if settled is None:
+                    if was == "running":
+                        backend.pause(spec, False)
+                        self._store.set_state(sandbox_id, "running")
+                    raise
+                logger.warning("hibernating %s failed once (%s) and was finished", sandbox_id,
+                               exc)
+                image = settled
+            else:
+                self._store.set_hibernated(sandbox_id, _image_record(image), intent=intent)
             self._auditor.event(sandbox_id, "sandbox.hibernated", {
                 **({"reason": reason} if reason is not None else {}),
                 "duration_ms": _ms_since(started), "tmp_bytes": image.tmp_bytes})
             self._auditor.count("corral_sandbox_sleeps", state="hibernated")
         return self.get(sandbox_id)
+
+    def settle_hibernate(self, intent: dict[str, Any]) -> Hibernated | None:
+        """Make whole a hibernate cut short (its ``intent`` still open): finished (its image;
+        the sandbox hibernated) or, when its tier had released nothing yet, undone (None; the
+        sandbox paused as before). The intent is closed either way; an error leaves it."""
+        info = self._store.get(intent["sandbox_id"])
+        backend = None if info is None else self.backend(info)
+        if info is None or info.state == "hibernated" or not isinstance(backend, Hibernation):
+            self._store.delete_intent(intent["id"])  # gone, or made whole already
+            return None
+        image = backend.recover_hibernate(self.spec(info))
+        if image is None:
+            self._store.delete_intent(intent["id"])
+        else:
+            self._store.set_hibernated(info.id, _image_record(image), intent=intent["id"])
+        return image
+
+    def _settle_here(self, intent: str) -> Hibernated | None:
+        """``settle_hibernate`` for a hibernate that failed in this process; an error there
+        is logged and the intent left to the next start's recovery."""
+        record = next((i for i in self._store.intents() if i["id"] == intent), None)
+        if record is None:
+            return None
+        try:
+            return self.settle_hibernate(record)
+        except Exception:
+            logger.exception("an interrupted hibernate (%s) is left to recovery", intent)
+            return None
 
     def resume(self, sandbox_id: str, *, reason: str | None = None) -> SandboxRecord:
         """Thaw a paused sandbox, or wake a hibernated one (its pieces rebuilt, its ``/tmp``
@@ -443,17 +486,23 @@ class Sandboxes:
             return info
         if self._budgets is not None:
             self._budgets.check_resume(info)
-        started = time.monotonic()
-        if info.state == "hibernated":
-            self._wake(info)
-        else:
-            self.backend(info).pause(self.spec(info), False)
-        if info.lifecycle.on_timeout == "pause":
-            # Paused at (or before) its timeout, it starts its lifetime again, as E2B's
-            # resume does; a connect or set_timeout may then change it.
-            self._store.set_sleep(sandbox_id, "running", time.time() + info.timeout_s)
-        else:
-            self._store.set_state(sandbox_id, "running")
+        with self._sleeping(sandbox_id):  # never beside a hibernate of this process
+            info = self.get(sandbox_id)
+            if info.state not in ASLEEP:
+                return info
+            started = time.monotonic()
+            if info.state == "paused":
+                info = self._settle_left(info)
+            if info.state == "hibernated":
+                self._wake(info)
+            else:
+                self.backend(info).pause(self.spec(info), False)
+            if info.lifecycle.on_timeout == "pause":
+                # Paused at (or before) its timeout, it starts its lifetime again, as E2B's
+                # resume does; a connect or set_timeout may then change it.
+                self._store.set_sleep(sandbox_id, "running", time.time() + info.timeout_s)
+            else:
+                self._store.set_state(sandbox_id, "running")
         self._auditor.budgets.forget(sandbox_id)  # a raised budget is looked up afresh
         self._auditor.event(sandbox_id, "sandbox.resumed", {
             **({"reason": reason} if reason is not None else {}),
@@ -462,6 +511,18 @@ class Sandboxes:
                if info.slept_at is not None else {})})
         self._auditor.count("corral_sandbox_wakes", state=info.state)
         return self.get(sandbox_id)
+
+    def _settle_left(self, info: SandboxRecord) -> SandboxRecord:
+        """A paused sandbox, after any hibernate of it that failed in this process (and
+        could not be made whole then) or whose process is gone: such a one is neither
+        paused nor hibernated until settled. Another live process's is its own business."""
+        for intent in self._store.intents(info.id):
+            pid, _, start = str(intent["owner"]).partition(".")
+            if intent["kind"] == "hibernate" and (
+                    intent["owner"] == this_owner() or not owner_alive(pid, start)):
+                self.settle_hibernate(intent)
+                info = self.get(info.id)
+        return info
 
     def _wake(self, info: SandboxRecord) -> None:
         backend = self.backend(info)
@@ -485,14 +546,18 @@ class Sandboxes:
         paused_for = now - info.slept_at
         return paused_for if paused_for >= after else None
 
-    def max_asleep_s(self, tenant: str) -> int | None:
-        """How long a sandbox of ``tenant`` may stay asleep before it is destroyed: its
-        ceiling's ``max_asleep_s`` over the operator's (None: no bound of its own)."""
+    def ceiling_of(self, tenant: str) -> Ceiling:
+        """The ceiling ``tenant``'s sandboxes live under: its own over the operator's."""
         ceiling = self._admission.ceiling
         if tenant != LOCAL_TENANT:
             with contextlib.suppress(UsageError):  # a tenant removed since: the default
                 ceiling = TenantDirectory(self._store).get(tenant).ceiling.over(ceiling)
-        return ceiling.max_asleep_s
+        return ceiling
+
+    def max_asleep_s(self, tenant: str) -> int | None:
+        """How long a sandbox of ``tenant`` may stay asleep before it is destroyed (None: no
+        bound of its own)."""
+        return self.ceiling_of(tenant).max_asleep_s
 
     def sleeps_at_timeout(self, info: SandboxRecord) -> bool:
         """A running sandbox past its lifetime that its lifecycle pauses instead of killing."""
@@ -697,3 +762,8 @@ def wait_all(jobs: builtins.list[DestroyJob], wait_s: float) -> builtins.list[De
         except Exception as exc:
             logger.warning("destroying sandbox %s failed: %s", job.sandbox_id, exc)
     return pending
+
+
+def _image_record(image: Hibernated) -> dict[str, Any]:
+    """What the store keeps of a hibernated image (``wake`` gets it back as ``Hibernated``)."""
+    return dataclasses.asdict(image)

@@ -35,8 +35,8 @@ from .layers import Layers
 from .locks import WorkspaceLocks
 from .memimages import capable, check_resumable
 from .processes import ProcessTable
-from .records import ASLEEP, SandboxRecord
-from .sandboxes import Sandboxes, find_snapshot, new_id
+from .records import ASLEEP, SandboxRecord, new_id
+from .sandboxes import Sandboxes, find_snapshot
 from .store import Store
 from .tenants import Tenant
 
@@ -93,7 +93,7 @@ class Snapshots:
         backend = self._sandboxes.backend(info)
         with self._quiet(info, "taking a snapshot") as fresh:
             layer = new_id("lyr")
-            intent = self._intents.begin("seal", info.id, layer=layer, operation=operation)
+            intent = self._store.begin_intent("seal", info.id, layer=layer, operation=operation)
             with self._settled_on_error(intent):
                 result = backend.seal_workspace(self._sandboxes.spec(fresh), layer)
             parent = result.layers[1] if len(result.layers) > 1 else None
@@ -137,7 +137,7 @@ class Snapshots:
             layer, image = new_id("lyr"), new_id("mem")
             self._store.add_memory_image(image, layer=layer, isolation=info.isolation,
                                          resources=info.resources, template=info.template)
-            intent = self._intents.begin("seal", info.id, layer=layer,
+            intent = self._store.begin_intent("seal", info.id, layer=layer,
                                          operation="memory snapshot")
             try:
                 with self._settled_on_error(intent):
@@ -274,7 +274,7 @@ class Snapshots:
         with self._quiet(info, "restoring") as fresh:
             info = dataclasses.replace(fresh, layer=layer, memory_image=image)
             # Begun, a restore has dropped the writable layer: a crash's only way on is forward.
-            intent = self._intents.begin("restore", info.id, layer=layer, memory_image=image,
+            intent = self._store.begin_intent("restore", info.id, layer=layer, memory_image=image,
                                          operation="restore")
             with self._settled_on_error(intent):
                 backend.reset_workspace(self._sandboxes.spec(info))

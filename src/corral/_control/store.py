@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any, get_args
 
 from .._core.diskfull import DiskReserve, disk_full_as_error
+from .._core.failpoints import failpoint
+from .._core.owner import this_owner
 from ..errors import QuotaExceeded, UsageError, VolumeInUse, VolumeNotFound
 from ..models import Lifecycle, SandboxState, SnapshotInfo
 from .counters import CounterBuffer
-from .records import ASLEEP, SandboxRecord
+from .records import ASLEEP, SandboxRecord, new_id
 
 __all__ = ["Store"]
 
@@ -344,12 +346,14 @@ class Store:
             db.execute(f"UPDATE sandboxes SET state = ?, expires_at = ?, slept_at = {_SLEPT_AT} "
                        "WHERE id = ?", (state, expires_at, state, time.time(), sandbox_id))
 
-    def set_hibernated(self, sandbox_id: str, image: dict[str, Any]) -> None:
-        """Hibernated, with what its tier left on disk (``backends.Hibernated``'s fields)."""
+    def set_hibernated(self, sandbox_id: str, image: dict[str, Any], *, intent: str) -> None:
+        """Hibernated, with what its tier left on disk (``backends.Hibernated``'s fields),
+        and (one transaction) the hibernate's intent closed."""
         with self._tx() as db:
             db.execute(f"UPDATE sandboxes SET state = 'hibernated', hibernated = ?, "
                        f"slept_at = {_SLEPT_AT} WHERE id = ?",
                        (json.dumps(image), "hibernated", time.time(), sandbox_id))
+            db.execute("DELETE FROM intents WHERE id = ?", (intent,))
 
     def hibernated_image(self, sandbox_id: str) -> dict[str, Any] | None:
         """What ``set_hibernated`` recorded for the sandbox's last hibernate, if any."""
@@ -550,17 +554,54 @@ class Store:
 
     # -- intents ----------------------------------------------------------------------------
 
-    def add_intent(self, intent_id: str, *, kind: str, sandbox_id: str,
-                   data: Mapping[str, Any], owner: str) -> None:
+    def begin_intent(self, kind: str, subject: str, **data: Any) -> str:
+        """Record that this process is about to make a change of ``kind`` to ``subject`` (a
+        sandbox's id; a volume's for a volume's intents); the intent's id (``intents``)."""
+        intent = new_id("int")
         with self._tx() as db:
-            db.execute("INSERT INTO intents (id, kind, sandbox_id, data, owner, created_at) "
-                       "VALUES (?, ?, ?, ?, ?, ?)", (intent_id, kind, sandbox_id,
-                                                     json.dumps(dict(data)), owner, time.time()))
+            self._add_intent(db, intent, kind, subject, data)
+        failpoint(f"{kind}.intent")
+        return intent
 
-    def intents(self) -> builtins.list[dict[str, Any]]:
-        """Every open intent, oldest first."""
+    def begin_hibernate(self, sandbox_id: str, *, tenant: str, limit: int | None) -> str:
+        """``begin_intent("hibernate")``, holding ``tenant`` to ``limit`` sandboxes
+        hibernated or being hibernated, counted in the same transaction: two hibernates
+        racing for the last place (in any process) cannot both pass.
+
+        Raises:
+            QuotaExceeded: the tenant is at its limit; nothing is written.
+        """
+        intent = new_id("int")
+        with self._tx() as db:
+            if limit is not None:
+                count: int = db.execute(
+                    "SELECT COUNT(*) FROM sandboxes WHERE tenant = ? AND id != ? AND "
+                    "(state = 'hibernated' OR id IN "
+                    "(SELECT sandbox_id FROM intents WHERE kind = 'hibernate'))",
+                    (tenant, sandbox_id)).fetchone()[0]
+                if count >= limit:
+                    raise QuotaExceeded(
+                        f"tenant {tenant!r} keeps {count} hibernated sandboxes, the most its "
+                        "ceiling allows (max_hibernated); destroy or resume one of them, leave "
+                        "this one paused, or ask the operator for a higher bound")
+            self._add_intent(db, intent, "hibernate", sandbox_id, {})
+        failpoint("hibernate.intent")
+        return intent
+
+    @staticmethod
+    def _add_intent(db: sqlite3.Connection, intent: str, kind: str, subject: str,
+                    data: Mapping[str, Any]) -> None:
+        db.execute("INSERT INTO intents (id, kind, sandbox_id, data, owner, created_at) "
+                   "VALUES (?, ?, ?, ?, ?, ?)", (intent, kind, subject, json.dumps(dict(data)),
+                                                 this_owner(), time.time()))
+
+    def intents(self, subject: str | None = None) -> builtins.list[dict[str, Any]]:
+        """Every open intent (of ``subject``), oldest first."""
+        query, args = "SELECT * FROM intents", tuple[str, ...]()
+        if subject is not None:
+            query, args = query + " WHERE sandbox_id = ?", (subject,)
         with self._lock:
-            rows = self._db.execute("SELECT * FROM intents ORDER BY created_at").fetchall()
+            rows = self._db.execute(query + " ORDER BY created_at", args).fetchall()
         return [{**dict(row), "data": json.loads(row["data"])} for row in rows]
 
     def delete_intent(self, intent_id: str) -> None:

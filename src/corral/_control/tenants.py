@@ -39,7 +39,7 @@ _KEY_RE = re.compile(r"^ck_([0-9a-f]{12})_([A-Za-z0-9_-]{20,100})$")
 # keys for the E2B surface are 48 hex digits: the first 12 name the key, the rest is the secret.
 _E2B_KEY_RE = re.compile(r"^e2b_([0-9a-f]{12})([0-9a-f]{36})$")
 _FIELDS = ("hosts", "templates", "isolation", "resources", "secrets", "max_lifetime_s",
-           "max_asleep_s")
+           "max_asleep_s", "max_hibernated")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +54,16 @@ class Ceiling:
     max_lifetime_s: int | None = None
     # The longest a sandbox may stay asleep (paused or hibernated) before it is destroyed.
     max_asleep_s: int | None = None
+    # How many of its sandboxes may be hibernated at once (each holds its workspace image and
+    # its /tmp's archive on disk, both bounded by its resource tier: this bounds their sum).
+    max_hibernated: int | None = None
 
     @classmethod
     def build(cls, *, hosts: Iterable[str] | None = None,
               templates: Iterable[str] | None = None, isolation: Iterable[str] | None = None,
               resources: Iterable[str] | None = None, secrets: Iterable[str] | None = None,
-              max_lifetime_s: int | None = None, max_asleep_s: int | None = None) -> Ceiling:
+              max_lifetime_s: int | None = None, max_asleep_s: int | None = None,
+              max_hibernated: int | None = None) -> Ceiling:
         """A validated ceiling: host patterns parse as allow rules (normalised), tiers exist."""
 
         def names(what: str, values: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -83,10 +87,15 @@ class Ceiling:
                                         or seconds < 1):
                 raise UsageError(f"the {what} ceiling must be a positive number of seconds, "
                                  f"not {seconds!r}")
+        if max_hibernated is not None and (isinstance(max_hibernated, bool)
+                                           or not isinstance(max_hibernated, int)
+                                           or max_hibernated < 0):
+            raise UsageError("the max hibernated ceiling must be a number of sandboxes (0: "
+                             f"none may hibernate), not {max_hibernated!r}")
         return cls(hosts=rules, templates=names("templates", templates),
                    isolation=names("isolation", isolation), resources=tiers,
                    secrets=names("secrets", secrets), max_lifetime_s=max_lifetime_s,
-                   max_asleep_s=max_asleep_s)
+                   max_asleep_s=max_asleep_s, max_hibernated=max_hibernated)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Ceiling:
@@ -101,7 +110,8 @@ class Ceiling:
                          resources=split(settings.ceiling_resources),
                          secrets=split(settings.ceiling_secrets),
                          max_lifetime_s=settings.ceiling_max_lifetime_s,
-                         max_asleep_s=settings.ceiling_max_asleep_s)
+                         max_asleep_s=settings.ceiling_max_asleep_s,
+                         max_hibernated=settings.ceiling_max_hibernated)
 
     def over(self, default: Ceiling) -> Ceiling:
         """This ceiling, with ``default``'s bound wherever this one sets none."""

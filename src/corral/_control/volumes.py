@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._core.failpoints import failpoint
-from .._core.owner import owner_alive, this_owner
+from .._core.owner import owner_alive
 from .._settings import Settings
 from ..backends import VolumeStorage
 from ..errors import (
@@ -31,8 +31,8 @@ from ..errors import (
 )
 from ..models import VolumeInfo
 from .admission import volume_slot
+from .records import new_id
 from .registry import BackendRegistry
-from .sandboxes import new_id
 from .store import Store
 
 __all__ = ["MAX_MOUNTS", "VOLUME_INTENTS", "Volumes", "mount_target"]
@@ -107,7 +107,7 @@ class Volumes:
         volume_id = new_id("vol")
         admit = volume_slot(tenant, size_bytes, max_count=self._settings.volumes_per_tenant,
                             max_bytes=self._settings.volume_bytes_per_tenant)
-        intent = self._begin("volume.create", volume_id)
+        intent = self._store.begin_intent("volume.create", volume_id, volume=volume_id)
         try:
             self._store.add_volume(volume_id, name=name, tenant=tenant, size_bytes=size_bytes,
                                    admit=admit)
@@ -134,7 +134,7 @@ class Volumes:
     def delete(self, ref: object, *, tenant: str | None = None) -> None:
         """Delete a volume and its data; refused (``VolumeInUse``) while a sandbox mounts it."""
         row = self._row(ref, tenant)
-        intent = self._begin("volume.delete", row["id"])
+        intent = self._store.begin_intent("volume.delete", row["id"], volume=row["id"])
         try:
             self._store.delete_volume(row["id"])  # refuses while mounted, in its transaction
         except BaseException:
@@ -144,14 +144,6 @@ class Volumes:
         self._storage().remove_volume(row["id"])
         self._store.delete_intent(intent)
         logger.info("deleted volume %s (%s)", row["name"], row["id"])
-
-    def _begin(self, kind: str, volume_id: str) -> str:
-        intent = new_id("int")
-        # The intents table names its subject in the sandbox_id column: here, the volume.
-        self._store.add_intent(intent, kind=kind, sandbox_id=volume_id,
-                               data={"volume": volume_id}, owner=this_owner())
-        failpoint(f"{kind}.intent")
-        return intent
 
     def recover(self) -> builtins.list[str]:
         """Finish or undo the volume operations a dead process left open (its intents): a

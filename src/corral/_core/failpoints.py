@@ -26,6 +26,7 @@ NAMES: dict[str, tuple[str, ...]] = {
     "snapshot": ("snapshot.sealed",),
     "fork": ("fork.sealed", "fork.child-made"),
     "restore": ("restore.intent", "restore.upper-dropped", "restore.reset"),
+    "hibernate": ("hibernate.intent", "hibernate.archived", "hibernate.released"),
     "volume create": ("volume.create.intent", "volume.recorded", "volume.made"),
     "volume delete": ("volume.delete.intent", "volume.forgotten"),
 }

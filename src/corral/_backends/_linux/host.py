@@ -25,6 +25,7 @@ from collections.abc import Callable, Set
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..._core.failpoints import failpoint
 from ..._core.owner import owner_alive, this_owner
 from ..._settings import Settings
 from ..._templates import catalog
@@ -465,6 +466,21 @@ class HostBackedBackend:
             raise SandboxBusy(f"sandbox {spec.id} has processes running; hibernating would end "
                               "them (no tier keeps a process's memory on disk yet): stop them, "
                               "or leave it paused")
+        return self._hibernate(spec)
+
+    def recover_hibernate(self, spec: SandboxSpec) -> Hibernated | None:
+        self._ready()
+        tmp, archive = self._store.tmp_dir(spec.id), self._tmp_archive(spec.id)
+        whole = all(path.exists() for path in self.cgroups.procs_files(spec.id))
+        if whole and is_mount(tmp):  # cut short before it released anything: as it was
+            archive.unlink(missing_ok=True)
+            archive.with_name(archive.name + ".part").unlink(missing_ok=True)
+            return None
+        return self._hibernate(spec)
+
+    def _hibernate(self, spec: SandboxSpec) -> Hibernated:
+        """Every step may be taken again: a hibernate cut short at any point is finished by
+        running it once more (``recover_hibernate``)."""
         # Thawed, so that its resident (which is no command) can be stopped.
         with contextlib.suppress(BackendError, OSError):
             self.cgroups.freeze(spec.id, False)
@@ -483,10 +499,12 @@ class HostBackedBackend:
                 self._store.ensure_tmp(spec)
                 size = archive_tree(tmp, archive)
             image = Hibernated(tmp_bytes=size, digest=digest_of(archive))
+        failpoint("hibernate.archived")
         self._release_host_pieces(spec)
         self._store.unmount(spec.id, behind=False)
         if attached(str(self._store.image_path(spec.id))) is None:
             self._released_mark(spec.id).touch(mode=0o600)
+        failpoint("hibernate.released")
         return image
 
     def wake(self, spec: SandboxSpec, image: Hibernated) -> None:

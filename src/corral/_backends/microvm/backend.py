@@ -566,6 +566,11 @@ class MicrovmBackend(HostBackedBackend):
             raise SandboxBusy(f"sandbox {spec.id} has processes running; hibernating would end "
                               "them (the microVM tier does not keep a process's memory on "
                               "disk for it yet): stop them, or leave it paused")
+        return self.recover_hibernate(spec)
+
+    def recover_hibernate(self, spec: SandboxSpec) -> Hibernated:
+        """Each step may be taken again (a stopped VM stays stopped): finished, always."""
+        self._ready()
         self._stop_vm(spec)
         with contextlib.suppress(OSError):  # the keeper's socket and files, in /run (memory)
             remove_tree(self._run_path(spec.id))
