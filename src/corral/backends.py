@@ -419,6 +419,8 @@ class Hibernated:
 
     tmp_bytes: int
     digest: str
+    #: The size of the saved memory and devices of a tier that keeps processes (0: none).
+    memory_bytes: int = 0
 
 
 @runtime_checkable
@@ -429,10 +431,15 @@ class Hibernation(Protocol):
     image and its ``/tmp``, archived. ``wake`` rebuilds them as a reboot's recovery would and
     puts ``/tmp`` back; until then the sandbox costs disk and a row in the store."""
 
+    #: Whether a process running in the sandbox survives: its memory is saved, and it goes on
+    #: after the wake (the commands the waking Corral process follows, attached again).
+    keeps_processes: bool
+
     def hibernate(self, spec: SandboxSpec) -> Hibernated:
         """Release the sandbox's kernel pieces, its files kept. Refused (``SandboxBusy``)
-        while a process of it runs, before anything changed. Cut short (a crash, an error)
-        at any later point, it is made whole by ``recover_hibernate``."""
+        while a process of it runs, before anything changed, unless ``keeps_processes``. Cut
+        short (a crash, an error) at any later point, it is made whole by
+        ``recover_hibernate``."""
         ...
 
     def recover_hibernate(self, spec: SandboxSpec) -> Hibernated | None:

@@ -177,9 +177,10 @@ class Lifecycle(_Public):
         default=None, ge=0, le=30 * 86400,
         description="Seconds paused before it is hibernated: every process, mount, loop device, "
                     "cgroup and network namespace of it released, its files and /tmp kept on "
-                    "disk, woken like a paused one. Only a sandbox with no process running "
-                    "hibernates (the tiers cannot keep a process's memory on disk yet); one "
-                    "with processes stays paused. Null: the operator's hibernate_after_s "
+                    "disk, woken like a paused one. On the microVM tier its processes' memory "
+                    "is kept too; on the namespace and gVisor tiers only a sandbox with no "
+                    "process running hibernates, one with processes stays paused. Null: the "
+                    "operator's hibernate_after_s "
                     "(CORRAL_HIBERNATE_AFTER_S, default 900; 0 there: never).")
 
 

@@ -12,13 +12,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from corral import Sandbox, SandboxBusy, SandboxNotFound
+from corral import Process, Sandbox, SandboxBusy, SandboxNotFound
 from corral._backends.gvisor.bundle import runtime_uid
 from corral._control.manager import Manager
 from corral._control.tenants import Ceiling, TenantDirectory
@@ -240,6 +241,52 @@ def test_a_microvm_sandbox_hibernates_and_boots_again_from_its_disk(
         assert sb.commands.run("cat /workspace/w.txt").stdout == "kept\n"
         resumed = [d for t, d in trail_types(manager, sb.id) if t == "sandbox.resumed"]
         assert resumed[-1]["from"] == "hibernated"
+
+
+def _ticks(process: Process) -> list[int]:
+    text = "".join(t for _, stream, t in process.output() if stream == "stdout")
+    return [int(line.split()[1]) for line in text.splitlines() if line.startswith("tick ")]
+
+
+def _until(what: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    """Wait for ``what`` (emulated guests are slow on a loaded host: the bound is far above
+    the work, and each look is cheap)."""
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_microvm_sandbox_hibernates_with_its_processes_and_they_go_on(
+        home: str, settings: Settings, manager: Manager, request: pytest.FixtureRequest) -> None:
+    """Its memory saved with it (under TCG here): while it sleeps nothing of it is in the
+    kernel, and woken by the next call, a code context's variable is still there and a
+    background process is the same one, counting on from where it was (no tick lost, none
+    twice), with its output read through the same process record."""
+    problems: list[str] = request.getfixturevalue("microvm_problems")
+    if problems:
+        pytest.skip("; ".join(problems))
+    with Sandbox.create(home=home, isolation="microvm", lifecycle=AWAKE) as sb:
+        assert sb.run_code("x = 41").error is None
+        ticker = sb.processes.start(
+            ["sh", "-c", "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.1; done"])
+        _until(lambda: len(_ticks(ticker)) >= 3)
+        uid = host_uid(sb.id)
+        sb.hibernate()
+        assert sb.get_info().state == "hibernated"
+        left = kernel_pieces(settings, sb.id, uid)
+        assert left == {k: [] for k in left}, left
+        hibernated = [d for t, d in trail_types(manager, sb.id) if t == "sandbox.hibernated"]
+        assert int(hibernated[-1]["memory_bytes"]) > 0  # type: ignore[call-overload]
+        asleep = _ticks(ticker)
+        assert ticker.info()["state"] == "running"  # it sleeps with the sandbox
+        assert sb.run_code("x + 1").text == "42"  # the call wakes it; the variable is kept
+        assert sb.get_info().state == "running"
+        _until(lambda: len(_ticks(ticker)) >= len(asleep) + 3)
+        ticks = _ticks(ticker)
+        assert ticks == list(range(1, len(ticks) + 1)), ticks  # the same process, gap-free
+        ticker.kill()
+        assert ticker.wait(timeout=60)["state"] == "exited"
 
 
 def test_a_tenant_ceiling_bounds_how_long_its_sandboxes_sleep(

@@ -474,6 +474,33 @@ def test_resume_detaches_the_commands_of_the_snapshot(guest: Guest) -> None:
     assert bad["error"]["kind"] == "protocol" and "64 bytes" in bad["error"]["message"]
 
 
+def test_a_wake_from_hibernation_keeps_commands_for_attach_and_holds_their_output(
+        guest: Guest) -> None:
+    """``resume`` with ``keep_commands`` (a wake from hibernation): the commands stay, and what
+    they write before the host attaches is held, then sent under the attach's id, in order,
+    after ``started``; an exit meanwhile too. ``attach`` of a tag no command has: not_found."""
+    c = guest.client
+    ticker = c.start(["sh", "-c", "echo one; read line; echo two; read line; exit 7"],
+                     stdin="pipe", tag="cmd_ticker")
+    seen: dict[str, Any] = {}
+    c.wait_output(ticker, b"one\n", seen)
+    assert c.ok("resume", seed=b64(os.urandom(64)), time_ns=time.time_ns(),
+                hostname="sandbox", sandbox_id="sbx_test", keep_commands=True) is True
+    assert c.ok("procs")["commands"] == [ticker]
+    # Input still reaches it by tag; it writes "two" and exits while no host is attached.
+    assert c.ok("stdin", tag="cmd_ticker", data=b64(b"go\ngo\n")) is True
+    time.sleep(0.5)
+    assert c._queue(ticker).empty()  # held, not sent under the old id
+    rid = c.new_id()
+    c.send({"id": rid, "op": "attach", "tag": "cmd_ticker"})
+    again = c.finish(rid)
+    assert again["started"]["pid"] == seen["started"]["pid"]
+    assert again["stdout"] == b"two\n" and again["exit"]["code"] == 7, again
+    assert c.ok("procs")["commands"] == []
+    missing = c.request("attach", tag="cmd_ticker")
+    assert missing["error"]["kind"] == "not_found"
+
+
 def test_unmount_is_refused_while_a_command_runs(guest: Guest) -> None:
     c = guest.client
     rid = c.start(["sleep", "60"])

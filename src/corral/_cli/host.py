@@ -242,8 +242,9 @@ def doctor(ctx: click.Context, as_json: bool) -> None:
 
 def _hibernation(supported: Mapping[str, bool]) -> dict[str, Any]:
     """What a hibernate can keep here: files (and /tmp) on the tiers this host runs; a
-    process's memory on none yet. CRIU, if installed, is asked whether it could work on this
-    kernel (``criu check``), so the report says what stands in the way here."""
+    process's memory on the microVM tier's. CRIU, if installed, is asked whether it could work
+    on this kernel (``criu check``), so the report says what stands in the way of the
+    namespace tier's."""
     import shutil
 
     tiers = [name for name in ("namespace", "gvisor", "microvm") if supported.get(name)]
@@ -255,13 +256,16 @@ def _hibernation(supported: Mapping[str, bool]) -> dict[str, Any]:
         criu_said = f"criu at {criu} passes `criu check` but Corral does not use it yet"
     else:
         criu_said = f"criu at {criu} fails `criu check` on this kernel: {criu_check}"
+    kept = [name for name in tiers if name == "microvm"]
     summary = (
         (f"a sandbox with no process running hibernates on {', '.join(tiers)} (nothing of it "
          "left in the kernel; its files and /tmp on disk)" if tiers else
          "no tier here can hibernate a sandbox")
-        + "; one with processes stays paused (frozen): no tier keeps a process's memory on "
-          f"disk yet ({criu_said})")
-    return {"without_processes": tiers, "with_processes": [], "criu": criu,
+        + (f"; on {', '.join(kept)} its running processes' memory is saved too, and they go "
+           "on after the wake" if kept else "")
+        + "; on the namespace and gvisor tiers one with processes stays paused (frozen): they "
+          f"keep no process's memory on disk ({criu_said})")
+    return {"without_processes": tiers, "with_processes": kept, "criu": criu,
             "criu_check": criu_check, "summary": summary}
 
 

@@ -383,9 +383,10 @@ class Sandboxes:
     def hibernate(self, sandbox_id: str, *, reason: str | None = None) -> SandboxRecord:
         """Release every piece of the sandbox the kernel holds (processes, mounts, loop
         devices, cgroup, network namespace), its files and ``/tmp`` kept on disk; woken like
-        a paused sandbox (``resume``, or the next call with ``auto_resume``). Refused
-        (``SandboxBusy``) while a process of it runs: no tier keeps a process's memory on
-        disk yet; refused (``QuotaExceeded``) when its tenant keeps its ceiling's
+        a paused sandbox (``resume``, or the next call with ``auto_resume``). A tier that
+        ``keeps_processes`` (the microVM's) saves their memory too, and they go on after the
+        wake; on the others it is refused (``SandboxBusy``) while a process of it runs;
+        refused (``QuotaExceeded``) when its tenant keeps its ceiling's
         ``max_hibernated`` already. A running sandbox is paused first, so nothing new starts
         in it meanwhile; a refusal leaves it as it was."""
         info = self.get(sandbox_id)
@@ -402,10 +403,11 @@ class Sandboxes:
                 return info
             started = time.monotonic()
             spec = self.spec(info)
-            if backend.busy(spec):
+            if not backend.keeps_processes and backend.busy(spec):
                 raise SandboxBusy(
                     f"sandbox {sandbox_id} has processes running; hibernating would end them "
-                    "(no tier keeps a process's memory on disk yet): stop them, or pause() it")
+                    f"(the {info.isolation} tier does not keep a process's memory on disk): "
+                    "stop them, or pause() it")
             was = info.state
             if was == "running":  # frozen first: nothing new starts while its pieces go
                 backend.pause(spec, True)
@@ -443,7 +445,8 @@ class Sandboxes:
                 self._store.set_hibernated(sandbox_id, _image_record(image), intent=intent)
             self._auditor.event(sandbox_id, "sandbox.hibernated", {
                 **({"reason": reason} if reason is not None else {}),
-                "duration_ms": _ms_since(started), "tmp_bytes": image.tmp_bytes})
+                "duration_ms": _ms_since(started), "tmp_bytes": image.tmp_bytes,
+                **({"memory_bytes": image.memory_bytes} if image.memory_bytes else {})})
             self._auditor.count("corral_sandbox_sleeps", state="hibernated")
         return self.get(sandbox_id)
 

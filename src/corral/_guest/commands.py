@@ -1,5 +1,6 @@
 """A running command (``Command``) and the ops on it: ``stdin``, ``stdin_close`` and
-``resize`` (through its stdin lane, in order), ``signal``, ``kill``, ``procs`` and ``freeze``. A
+``resize`` (through its stdin lane, in order), ``signal``, ``kill``, ``procs``, ``freeze`` and
+``attach`` (a new connection takes a command over, after a wake from hibernation). A
 command is named by ``target`` (the exec's id) or ``tag`` (the host's command id: a kill from
 another host process names it)."""
 
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .channel import Lane
+from .channel import Channel, Lane
 from .protocol import AgentError, Message
 from .system import cgroup_pids, log, write_text
 
@@ -47,6 +48,18 @@ class Command:
     listener: socket.socket | None = None
     conns: set[int] = field(default_factory=set)
     tag: str | None = None  # the host's command id: a kill from another host process names it
+    # What it would have sent while a wake from hibernation waits for the host to ``attach``
+    # (None: it sends at once). Its id changes at the attach: both under ``lock``.
+    held: list[Message] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def emit(self, channel: Channel, fields: Message) -> None:
+        """Send ``fields`` as this command's message, or hold it for the host's attach."""
+        with self.lock:
+            if self.held is not None:
+                self.held.append(fields)
+            else:
+                channel.send({"id": self.id, **fields})
 
     def close_fds(self) -> None:
         """Close stdin and the PTY; only ever run on the stdin lane."""
@@ -202,6 +215,32 @@ def _op_kill(agent: Agent, rid: int, request: Message) -> None:
     agent.reply(rid, True)
 
 
+def _op_attach(agent: Agent, rid: int, request: Message) -> None:
+    """Give a running command (named by ``tag``) to this request: after a wake from
+    hibernation the host's new connection gets its output and its exit from here on, and
+    ``started`` again first. Output it wrote meanwhile was none: it was frozen, then saved."""
+    tag = request.get("tag")
+    if not isinstance(tag, str):
+        raise AgentError("protocol", "attach: 'tag' must be the command's tag")
+    with agent.lock:
+        command = next((c for c in agent.commands.values() if c.tag == tag), None)
+        if command is not None:
+            del agent.commands[command.id]
+            agent.commands[rid] = command
+    if command is None:
+        raise AgentError("not_found", f"no running command is tagged {tag!r} (it ended)")
+    with command.lock:
+        command.id = rid  # what its output and exit are sent under from now on
+        held, command.held = command.held or [], None
+        agent.channel.send({"id": rid, "started": {"pid": command.pid}})
+        for fields in held:  # what it wrote between the wake and now, in order
+            agent.channel.send({"id": rid, **fields})
+    if any("exit" in fields for fields in held):
+        with agent.lock:
+            if agent.commands.get(rid) is command:
+                del agent.commands[rid]
+
+
 def _op_procs(agent: Agent, rid: int, request: Message) -> None:
     with agent.lock:
         known = {c.cgroup: c.id for c in agent.commands.values()}
@@ -233,5 +272,6 @@ def _freeze_groups(agent: Agent, frozen: bool) -> None:
             write_text(path, "1" if frozen else "0")
 
 
-OPS = {"stdin": _op_stdin, "stdin_close": _op_stdin_close, "resize": _op_resize,
-       "signal": _op_signal, "kill": _op_kill, "procs": _op_procs, "freeze": _op_freeze}
+OPS = {"attach": _op_attach, "stdin": _op_stdin, "stdin_close": _op_stdin_close,
+       "resize": _op_resize, "signal": _op_signal, "kill": _op_kill, "procs": _op_procs,
+       "freeze": _op_freeze}

@@ -301,7 +301,7 @@ def _pump(agent: Agent, command: Command, name: str, fd: int) -> None:
         if not data:
             return
         if not command.detached:  # after a restore the output has no reader: drain it
-            agent.channel.send({"id": command.id, "out": name, "data": b64(data)})
+            command.emit(agent.channel, {"out": name, "data": b64(data)})
 
 
 def _wait(agent: Agent, command: Command, deadline: float | None, started: float,
@@ -373,13 +373,15 @@ def _wait(agent: Agent, command: Command, deadline: float | None, started: float
     peak = read_int(os.path.join(command.cgroup, "memory.peak"))
     oom = read_int(os.path.join(command.cgroup, "memory.events"), "oom_kill") > 0
     remove_cgroup(command.cgroup)
-    with agent.lock:
-        if agent.commands.get(command.id) is command:
+    with agent.lock, command.lock:
+        # One a wake holds for the host's attach stays findable until then (the attach
+        # sends its exit and removes it).
+        if agent.commands.get(command.id) is command and command.held is None:
             del agent.commands[command.id]
     if not command.detached:
         if sync_error is not None:
             log(f"syncfs of the workspace failed: {sync_error}")
-        agent.channel.send({"id": command.id, "exit": {
+        command.emit(agent.channel, {"exit": {
             "code": code, "signal": signal_no, "timed_out": timed_out,
             "wall_s": round(time.monotonic() - started, 6), "cpu_s": cpu,
             "peak_memory_bytes": peak, "oom_killed": oom}})

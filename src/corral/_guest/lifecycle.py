@@ -78,10 +78,18 @@ def _op_resume(agent: Agent, rid: int, request: Message) -> None:
             finally:
                 os.close(fd)
     sandbox_id = request.get("sandbox_id")
+    # A wake from hibernation keeps its commands for the host to ``attach`` to again; any
+    # other restore (a memory snapshot's or fork's) leaves them running as orphans.
+    keep = request.get("keep_commands") is True
     with agent.lock:
         agent.session += 1
-        commands = list(agent.commands.values())
-        agent.commands.clear()
+        commands = [] if keep else list(agent.commands.values())
+        if keep:
+            for command in agent.commands.values():  # held until the host attaches
+                with command.lock:
+                    command.held = []
+        else:
+            agent.commands.clear()
         handles = list(agent.handles.items())
         open_conns = list(agent.conns.values())
     for command in commands:  # they keep running as orphans, reported by no one

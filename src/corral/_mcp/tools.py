@@ -157,8 +157,9 @@ async def create_sandbox(
     destroys it, "pause" freezes it (files and memory kept) for the operator's keep time.
     auto_resume: a command, file or code call resumes it when paused (its lifetime starts
     again) instead of being refused (sandbox_busy; `corral resume` resumes it by hand).
-    hibernate_after_s: once paused this long with no process running, it is hibernated
-    (nothing of it in the host's kernel, files and /tmp on disk; woken the same way).
+    hibernate_after_s: once paused this long, it is hibernated (nothing of it in the host's
+    kernel, files and /tmp on disk, and on the microVM tier its processes' memory; elsewhere
+    only with no process running; woken the same way).
     Hosts, templates
     and volumes beyond what the operator allowed are refused (ceiling_exceeded). It is
     destroyed with this MCP session, or by destroy_sandbox."""
@@ -356,7 +357,8 @@ async def hibernate_sandbox(state: CorralMCP, ctx: Context[Any, Any],
                             sandbox_id: str | None = None) -> dict[str, Any]:
     """Hibernate the sandbox (default: this session's) while you wait (for a user, a long
     think): nothing of it stays in the host's memory or kernel; its files and /tmp are kept.
-    Refused (sandbox_busy) while a process of it runs. It wakes on the next run_command,
+    On the microVM tier its processes are kept too; on the others it is refused
+    (sandbox_busy) while a process of it runs. It wakes on the next run_command,
     run_code or file call when it was created with auto_resume, else on resume_sandbox."""
     sb = await state.sandbox(ctx, sandbox_id)
     await sb.hibernate()

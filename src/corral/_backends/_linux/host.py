@@ -460,12 +460,15 @@ class HostBackedBackend:
         of every loop device: ~10 ms on a host with a thousand of them)."""
         return self._store.sandbox_dir(sandbox_id) / "priv" / "released"
 
+    #: No host tier keeps a process's memory on disk (docs/design/hibernation.md says why).
+    keeps_processes = False
+
     def hibernate(self, spec: SandboxSpec) -> Hibernated:
         self._ready()
         if self.busy(spec):
             raise SandboxBusy(f"sandbox {spec.id} has processes running; hibernating would end "
-                              "them (no tier keeps a process's memory on disk yet): stop them, "
-                              "or leave it paused")
+                              "them (this tier does not keep a process's memory on "
+                              "disk; the microvm tier does): stop them, or leave it paused")
         return self._hibernate(spec)
 
     def recover_hibernate(self, spec: SandboxSpec) -> Hibernated | None:

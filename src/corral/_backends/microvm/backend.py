@@ -64,7 +64,7 @@ from ...backends import (
     SealResult,
     WorkspaceFS,
 )
-from ...errors import BackendError, BackendUnavailable, CommandError, SandboxBusy
+from ...errors import BackendError, BackendUnavailable, CommandError
 from ...models import ResourceTier, Usage
 from .._linux import netns
 from .._linux.cgroups import detect_cgroups
@@ -72,10 +72,12 @@ from .._linux.host import HostBackedBackend
 from .._linux.notfound import NOT_FOUND_EXIT_CODE
 from .._linux.process_io import OutputStream
 from .._linux.supervise import TIMEOUT_EXIT_CODE
+from .._linux.tmparchive import digest_of
 from ..execlimits import check_exec_size
 from .client import KeeperClient, open_port
 from .files import VmFiles
 from .keeper import CONFIG, ERROR, PIDFILE, SOCKET, KeeperConfig
+from .sleeps import Sleep
 from .wire import b64, unb64
 
 __all__ = ["MicrovmBackend"]
@@ -90,6 +92,8 @@ _HOST_TASKS = 128
 # How long a command may run past its own timeout before the VM counts as hung: the agent
 # kills on time; this is for a guest that stopped answering.
 _GRACE_S = 20.0
+# Saving a guest's memory writes its RAM (a few hundred MiB) to disk; emulated, slowly.
+_HIBERNATE_TIMEOUT_S = 300.0
 _START_DEADLINE_S = 90.0
 _PROXY = re.compile(r"^http://127\.0\.0\.1:(\d+)$")
 RUN_ROOT = Path("/run/corral-microvm")
@@ -104,6 +108,10 @@ class _VmProcess:
     """The ``ProcessIO`` of one command running in the guest."""
 
     def __init__(self, client: KeeperClient, exec_id: int) -> None:
+        self._client, self._id = client, exec_id
+
+    def rebind(self, client: KeeperClient, exec_id: int) -> None:
+        """The command goes on in a VM woken from hibernation, under a new id."""
         self._client, self._id = client, exec_id
 
     def write(self, data: bytes) -> None:
@@ -136,8 +144,11 @@ class MicrovmBackend(HostBackedBackend):
         self._lock = threading.Lock()
         self._clients: dict[str, KeeperClient] = {}
         self._keepers: dict[str, subprocess.Popen[bytes]] = {}
-        # Commands this process runs, by command id, for kill_command.
-        self._running: dict[str, tuple[KeeperClient, int]] = {}
+        # Commands this process runs, by command id: (sandbox, keeper client, exec id), for
+        # kill_command and for a hibernate to give back.
+        self._running: dict[str, tuple[str, KeeperClient, int]] = {}
+        # The last hibernate with memory of each sandbox (``sleeps``), by sandbox id.
+        self._sleeps: dict[str, Sleep] = {}
         self._kernel: Any = None
         self._accel: Any = None
 
@@ -286,6 +297,9 @@ class MicrovmBackend(HostBackedBackend):
         self._ensured.discard(spec.id)
         with self._lock:
             client = self._clients.pop(spec.id, None)
+            sleep = self._sleeps.pop(spec.id, None)
+        if sleep is not None:
+            sleep.lose("the sandbox was destroyed")
         if client is not None:
             client.close()
         with contextlib.suppress(BackendError, OSError):
@@ -320,7 +334,12 @@ class MicrovmBackend(HostBackedBackend):
 
     # -- the keeper -------------------------------------------------------------------------
 
-    def _client(self, spec: SandboxSpec, *, memory_image: str | None = None) -> KeeperClient:
+    def _client(self, spec: SandboxSpec, *, memory_image: str | None = None,
+                memory: Path | None = None, keep_commands: bool = False) -> KeeperClient:
+        """The keeper's client, the VM started first if it is not running: booted (from the
+        warm snapshot or cold), or restored from memory image ``memory_image`` (a memory
+        snapshot's), or from ``memory`` (its own hibernated state; ``keep_commands``: its
+        commands kept for ``attach``, else they run on as orphans)."""
         with self._lock:
             client = self._clients.get(spec.id)
             if client is not None and not client.closed:
@@ -333,7 +352,9 @@ class MicrovmBackend(HostBackedBackend):
                 with contextlib.suppress(OSError):
                     client = KeeperClient(sock)
             if client is None:
-                self._start_keeper(spec, memory_image=memory_image)
+                if memory_image:
+                    memory = self._memory_state(memory_image)
+                self._start_keeper(spec, memory=memory, keep_commands=keep_commands)
                 client = KeeperClient(sock)
         with self._lock:
             old = self._clients.get(spec.id)
@@ -343,7 +364,8 @@ class MicrovmBackend(HostBackedBackend):
             self._clients[spec.id] = client
         return client
 
-    def _start_keeper(self, spec: SandboxSpec, *, memory_image: str | None = None) -> None:
+    def _start_keeper(self, spec: SandboxSpec, *, memory: Path | None = None,
+                      keep_commands: bool = False) -> None:
         from . import disk, warm
 
         _refuse_mounts(spec)
@@ -355,7 +377,7 @@ class MicrovmBackend(HostBackedBackend):
             (run / name).unlink(missing_ok=True)
         memory_mib = max(128, spec.tier.memory_bytes >> 20)
         image = self._root(spec.template)
-        image_path = str(self._memory_state(memory_image)) if memory_image else ""
+        image_path = str(memory) if memory is not None else ""
         if image_path:
             mode, snapshot = "memory", None
         elif not self._settings.microvm_warm:
@@ -382,7 +404,8 @@ class MicrovmBackend(HostBackedBackend):
             cpu_model=self._accel.cpu, mode=mode,
             warm_ram=str(snapshot.ram) if snapshot else "",
             warm_state=str(snapshot.state) if snapshot else "",
-            memory_image=image_path, netns=str(self._netns_path(spec.id)),
+            memory_image=image_path, keep_commands=bool(image_path) and keep_commands,
+            netns=str(self._netns_path(spec.id)),
             backing=tuple(str(entry["filename"])
                           for entry in disk.chain(self._top(spec.id))[1:]))
         config.dump(run / CONFIG)
@@ -453,20 +476,21 @@ class MicrovmBackend(HostBackedBackend):
         exec_id, events = client.start_exec(fields)
         process = _VmProcess(client, exec_id)
         if request.command_id:
-            self._running[request.command_id] = (client, exec_id)
+            self._running[request.command_id] = (spec.id, client, exec_id)
         try:
-            return self._follow(request, client, exec_id, events, process, started)
+            return self._follow(spec.id, request, client, exec_id, events, process, started)
         finally:
             if request.command_id:
                 self._running.pop(request.command_id, None)
 
-    def _follow(self, request: ExecRequest, client: KeeperClient, exec_id: int,
-                events: queue.Queue[dict[str, Any]], process: _VmProcess,
+    def _follow(self, sandbox_id: str, request: ExecRequest, client: KeeperClient,
+                exec_id: int, events: queue.Queue[dict[str, Any]], process: _VmProcess,
                 started: float) -> ExecOutcome:
         out = OutputStream.for_request("stdout", request)
         err = OutputStream.for_request("stderr", request)
         deadline = started + request.timeout_s + _GRACE_S
         killed_at: float | None = None
+        attached_again = False
         while True:
             wait = deadline - time.monotonic()
             try:
@@ -482,6 +506,8 @@ class MicrovmBackend(HostBackedBackend):
             if "out" in message:
                 data = unb64(message.get("data", ""))
                 (err if message["out"] == "stderr" else out).feed(data)
+            elif "started" in message and attached_again:
+                pass  # its start was handled before the sandbox slept
             elif "started" in message:
                 if request.stdin and not request.interactive:
                     process.write(request.stdin)
@@ -495,7 +521,18 @@ class MicrovmBackend(HostBackedBackend):
             elif "exit" in message:
                 return self._outcome(message["exit"], out, err, started)
             elif "error" in message:
-                return self._failed(request, message["error"], out, err, started)
+                sleep = self._sleeps.get(sandbox_id)
+                if sleep is None or not sleep.holds(request.command_id):
+                    return self._failed(request, message["error"], out, err, started)
+                # Its VM went to sleep with it: woken, it goes on where it was.
+                assert request.command_id is not None
+                disk = self._disk_dir(sandbox_id)
+                back = sleep.take(request.command_id, still=disk.exists)
+                client, exec_id, events = back.client, back.exec_id, back.events
+                process.rebind(client, exec_id)
+                self._running[request.command_id] = (sandbox_id, client, exec_id)
+                deadline += back.slept_s
+                attached_again = True
 
     @staticmethod
     def _outcome(exit_: Any, out: OutputStream, err: OutputStream,
@@ -537,8 +574,8 @@ class MicrovmBackend(HostBackedBackend):
 
     def kill_command(self, spec: SandboxSpec, command_id: str) -> bool:
         running = self._running.get(command_id)
-        if running is not None:
-            client, exec_id = running
+        if running is not None and not running[1].closed:
+            _, client, exec_id = running
             client.notify("kill", target=exec_id)
             return True
         if not (self._run_path(spec.id) / SOCKET).exists():
@@ -557,30 +594,96 @@ class MicrovmBackend(HostBackedBackend):
 
     # -- hibernation (backends.Hibernation) ---------------------------------------------------
 
+    keeps_processes = True
+
+    def _memory_path(self, sandbox_id: str) -> Path:
+        """A hibernated VM's RAM and device state, beside its disk (the sandbox's uid's
+        directory: its QEMU writes the save and reads it back)."""
+        return self._disk_dir(sandbox_id) / "hibernated.mem"
+
     def hibernate(self, spec: SandboxSpec) -> Hibernated:
-        """Stop the VM (its agent unmounts the workspace first) and release its keeper,
-        cgroup and network namespace; the qcow2 chain stays. Each command has a fresh
-        ``/tmp`` in the guest, so there is none to keep."""
+        """With no command running: stop the VM (its agent unmounts the workspace first) and
+        release its keeper, cgroup and network namespace; the qcow2 chain stays, and the wake
+        boots it again. With commands running (the sandbox is paused: they are frozen): save
+        the guest's memory and devices too, and stop it where it is; the wake restores it,
+        and the commands this process follows go on (``sleeps``). Each command has a fresh
+        ``/tmp`` in the guest, so there is no ``/tmp`` of the sandbox's to keep."""
         self._ready()
-        if self.busy(spec):
-            raise SandboxBusy(f"sandbox {spec.id} has processes running; hibernating would end "
-                              "them (the microVM tier does not keep a process's memory on "
-                              "disk for it yet): stop them, or leave it paused")
+        if not self.busy(spec):
+            return self.recover_hibernate(spec)
+        memory = self._memory_path(spec.id)
+        memory.unlink(missing_ok=True)
+        tags = [tag for tag, (sandbox_id, _, _) in list(self._running.items())
+                if sandbox_id == spec.id]
+        sleep = Sleep(spec.id, tags)
+        with self._lock:
+            old = self._sleeps.get(spec.id)
+            self._sleeps[spec.id] = sleep
+        if old is not None:
+            old.lose("the sandbox went to sleep again before they were taken back")
+        try:
+            self._client(spec).call("vm.hibernate", timeout=_HIBERNATE_TIMEOUT_S,
+                                    memory_path=str(memory))
+        except BaseException as exc:
+            # Settled by recover_hibernate (without the memory, unless it was saved whole).
+            sleep.lose(f"its memory could not be saved ({exc})")
+            raise
         return self.recover_hibernate(spec)
 
     def recover_hibernate(self, spec: SandboxSpec) -> Hibernated:
-        """Each step may be taken again (a stopped VM stays stopped): finished, always."""
+        """Each step may be taken again (a stopped VM stays stopped): finished, always. A
+        memory save that completed is kept (the save renames it into place whole), and the
+        VM was then never run on: the wake restores it."""
         self._ready()
-        self._stop_vm(spec)
+        memory = self._memory_path(spec.id)
+        saved = memory.is_file()
+        if saved:  # its keeper stopped the guest where the state was taken: nothing to quit
+            with self._lock:
+                client = self._clients.pop(spec.id, None)
+            if client is not None:
+                client.close()
+            self._stop_keeper(spec.id)
+        else:
+            self._stop_vm(spec)
+            with self._lock:
+                sleep = self._sleeps.get(spec.id)
+            if sleep is not None:
+                sleep.lose("its VM was stopped without its memory")
         with contextlib.suppress(OSError):  # the keeper's socket and files, in /run (memory)
             remove_tree(self._run_path(spec.id))
         self._release_host_pieces(spec)
-        return Hibernated(tmp_bytes=0, digest="")
+        if not saved:
+            return Hibernated(tmp_bytes=0, digest="")
+        return Hibernated(tmp_bytes=0, digest=digest_of(memory),
+                          memory_bytes=memory.stat().st_size)
 
     def wake(self, spec: SandboxSpec, image: Hibernated) -> None:
-        """Start the VM again from its disk (the template's warm snapshot, as after any
-        stop), so the call that woke it finds it running."""
-        self._client(spec)
+        """Start the VM again: restored from its memory (thawed once the commands this
+        process follows are attached again), or booted from its disk (the template's warm
+        snapshot, as after any stop), so the call that woke it finds it running."""
+        memory = self._memory_path(spec.id)
+        with self._lock:
+            sleep = self._sleeps.get(spec.id)
+        if not image.memory_bytes:
+            self._client(spec)
+            if sleep is not None:
+                sleep.lose("its VM was booted again from its disk")
+            return
+        if not memory.is_file():
+            raise BackendError(f"the hibernated memory of sandbox {spec.id} is missing "
+                               f"({memory}); its disk is intact: `corral rm` it, or ask the "
+                               "operator")
+        if image.digest and digest_of(memory) != image.digest:
+            raise BackendError(f"the hibernated image of sandbox {spec.id} was changed on "
+                               f"disk since it hibernated ({memory} no longer matches "
+                               f"{image.digest}); it is not woken and left as it is")
+        # Commands only this process could take back; another's (one that has ended since)
+        # run on as orphans, as after a memory snapshot's restore.
+        client = self._client(spec, memory=memory, keep_commands=sleep is not None)
+        memory.unlink(missing_ok=True)  # loaded whole by the restore
+        if sleep is not None:
+            sleep.woke(lambda tag: (client, *client.start_exec({"tag": tag}, op="attach")))
+        client.call("freeze", frozen=False)  # it slept paused: awake, it runs
 
     # -- ports ------------------------------------------------------------------------------
 

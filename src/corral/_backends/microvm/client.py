@@ -144,9 +144,11 @@ class KeeperClient:
             return batches + result
         return result
 
-    def start_exec(self, fields: dict[str, Any]) -> tuple[int, queue.Queue[dict[str, Any]]]:
-        """Start a command; its events (``started``, ``out``, ``exit``/``error``) arrive on the
-        returned queue, the last one being ``exit`` or ``error``."""
+    def start_exec(self, fields: dict[str, Any], *,
+                   op: str = "exec") -> tuple[int, queue.Queue[dict[str, Any]]]:
+        """Start a command (or, ``op="attach"``, take one over by its tag); its events
+        (``started``, ``out``, ``exit``/``error``) arrive on the returned queue, the last one
+        being ``exit`` or ``error``."""
         events: queue.Queue[dict[str, Any]] = queue.Queue()
         mid = next(self._ids)
 
@@ -161,7 +163,7 @@ class KeeperClient:
                 raise BackendError("the microVM's keeper went away (the VM stopped)")
             self._waiters[mid] = deliver
         try:
-            self._send({"id": mid, "op": "exec", **fields})
+            self._send({"id": mid, "op": op, **fields})
         except BaseException:
             with self._lock:
                 self._waiters.pop(mid, None)

@@ -92,6 +92,8 @@ class KeeperConfig:
     warm_ram: str = ""
     warm_state: str = ""
     memory_image: str = ""
+    # A wake from hibernation (mode "memory"): the guest keeps its commands for ``attach``.
+    keep_commands: bool = False
     fresh_disk: bool = False
     backing: tuple[str, ...] = ()  # the read-only files under ``top`` (its qcow2 chain)
     netns: str = ""
@@ -530,7 +532,7 @@ class Keeper:
                     client.send({"id": cid, "ok": False})
                     return
                 forwarded["target"] = target
-            is_exec = op == "exec"
+            is_exec = op in ("exec", "attach")  # a command's events follow, under this id
             self._routes[gid] = _Route(client.send, client, cid, is_exec)
             if is_exec:
                 client.execs[cid] = gid
@@ -547,7 +549,7 @@ class Keeper:
             client.send({"id": cid, "error": {"kind": "io", "message": f"{op} failed: {exc}"}})
             return
         client.send({"id": cid, "ok": result})
-        if op == "vm.quit":
+        if op in ("vm.quit", "vm.hibernate"):
             self.stop()
 
     def _run_vm_op(self, op: str, message: dict[str, Any]) -> Any:
@@ -567,7 +569,18 @@ class Keeper:
             with contextlib.suppress(Exception):
                 self.call_agent("unmount", timeout=10)
             return True
+        if op == "vm.hibernate":
+            return self._hibernate(Path(message["memory_path"]), deadline)
         raise ValueError(f"unknown keeper op {op!r}")
+
+    def _hibernate(self, memory: Path, deadline: float) -> int:
+        """Stop the guest where it is and save its RAM and devices to ``memory``; the keeper
+        then stops (QEMU quits with the guest never run on: its disk is as the state says).
+        The image is the sandbox's uid's only (its QEMU restores from it); its size."""
+        self._vm.save_memory(memory, deadline)
+        os.chown(memory, self._config.uid, self._config.uid)
+        os.chmod(memory, 0o400)
+        return memory.stat().st_size
 
     def _snapshot_memory(self, top: Path, new_top: Path, layer: Path, memory: Path,
                          deadline: float) -> bool:
@@ -683,7 +696,8 @@ def _start_vm(run_dir: Path, config: KeeperConfig) -> tuple[Any, socket.socket]:
 def _prepare_guest(keeper: Keeper, config: KeeperConfig) -> None:
     if config.mode in ("warm", "memory"):
         keeper.call_agent("resume", seed=b64(secrets.token_bytes(64)), time_ns=time.time_ns(),
-                          hostname="sandbox", sandbox_id=config.sandbox_id)
+                          hostname="sandbox", sandbox_id=config.sandbox_id,
+                          keep_commands=config.keep_commands)
     if config.mode in ("warm", "cold"):
         keeper.call_agent("mount", fresh=config.fresh_disk)
 

@@ -668,8 +668,9 @@ class AsyncSandbox:
         """Release everything of the sandbox the host's kernel holds (processes, mounts, loop
         devices, cgroup, network namespace), keeping its files and ``/tmp`` on disk: it then
         costs disk only. ``resume()`` (or, with ``lifecycle={"auto_resume": True}``, the next
-        call) wakes it. Refused (``SandboxBusy``) while a process of it runs: no tier keeps
-        a process's memory on disk yet; ``pause()`` freezes those in place instead."""
+        call) wakes it. On the microVM tier its processes' memory is kept too, and they go
+        on after the wake; on the namespace and gVisor tiers it is refused (``SandboxBusy``)
+        while a process of it runs: ``pause()`` freezes those in place instead."""
         self._info = await self._transport().hibernate(self._live_id())
 
     async def resume(self) -> None:
