@@ -1,14 +1,16 @@
 """Hibernation: a sandbox whose kernel pieces were all released, its ``/tmp`` kept on the host
-as an archive (``<home>/sandboxes/<id>/priv/tmp.tar``, root's), and woken from it.
+as an archive (``<home>/sandboxes/<id>/priv/tmp.tar``, root's) or its guest's memory as an
+image, and woken from it.
 
 Each case hibernates a sandbox of its own on the drill's tier and attacks what hibernation
 adds: the wake rebuilds every piece (is it the same sandbox, as isolated as before?), the image
 sits on the host's disk while it sleeps (can another sandbox or tenant read it, or wake it?),
 and the wake trusts that image (is one changed on disk refused?). Each needs the host (the
 store's record, the archive's path): skipped over a service the drill cannot see into. The
-microVM tier keeps no ``/tmp`` image (each command's ``/tmp`` is its own): there the secret is
-looked for in the workspace only, and the tampering case has nothing to tamper with (skipped,
-saying so); a tier that cannot hibernate at all has every case skipped, saying so.
+microVM tier keeps no ``/tmp`` image (each command's ``/tmp`` is its own) but keeps a running
+process's memory (``<home>/microvm/sandboxes/<id>/hibernated.mem``): there the secret is held
+by a process, and the privacy and tampering cases attack that image; a tier that cannot
+hibernate at all has every case skipped, saying so.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import secrets as _secrets
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,31 @@ def _manager(ctx: DrillContext) -> Any:
 
 def _archive(home: Path, sandbox_id: str) -> Path:
     return home / "sandboxes" / sandbox_id / "priv" / "tmp.tar"
+
+
+def _memory_image(home: Path, sandbox_id: str) -> Path:
+    """Where the microVM tier keeps a hibernated guest's memory (beside its disk)."""
+    return home / "microvm" / "sandboxes" / sandbox_id / "hibernated.mem"
+
+
+def _memory_modes(image: Path, marker: str, uid: int) -> tuple[list[str], str]:
+    """What is wrong with a hibernated guest's memory image's owner and mode (its own QEMU's
+    uid only: it restores from it), and whether it holds what the guest's process held."""
+    if not image.exists():
+        raise BackendError(f"no memory image of the hibernated guest at {image}")
+    with image.open("rb") as f:
+        held = any(marker.encode() in chunk for chunk in iter(lambda: f.read(64 << 20), b""))
+    if not held:
+        raise BackendError(f"{image} does not hold what the guest's process held in memory")
+    wrong, shown = [], []
+    for path, mode in ((image.parent, 0o700), (image, 0o400)):
+        st = os.stat(path, follow_symlinks=False)
+        shown.append(f"{path}: {stat.filemode(st.st_mode)} uid {st.st_uid}")
+        if st.st_uid != uid or stat.S_IMODE(st.st_mode) & ~mode:
+            wrong.append(f"{path} is {oct(stat.S_IMODE(st.st_mode))} owned by uid "
+                         f"{st.st_uid} (the sandbox's uid {uid}'s alone, at most "
+                         f"{oct(mode)}, is what it must be)")
+    return wrong, "; ".join(shown)
 
 
 def _hibernate(manager: Any, sandbox_id: str, evidence: list[Evidence]) -> None:
@@ -246,12 +274,24 @@ def _host_modes(archive: Path, marker: str) -> tuple[list[str], str]:
 # hibernated sandbox wrote to /tmp ($MARK, passed in the environment so the script does not
 # carry it). Prints SEEN/FOUND lines; the archive's bytes, if any could be read.
 _LOOK = """
-for p in "$ARCHIVE" "$PRIV" "$SBX"; do [ -e "$p" ] && echo "SEEN $p"; done
+for p in "$ARCHIVE" "$PRIV" "$SBX" "$MEMORY"; do [ -e "$p" ] && echo "SEEN $p"; done
 cat "$ARCHIVE" 2>/dev/null | head -c 1048576
+cat "$MEMORY" 2>/dev/null | grep -caF -- "$MARK" | sed 's/^[1-9].*/FOUND in memory/;/^0$/d'
 grep -rslF -- "$MARK" /tmp /workspace 2>/dev/null | head -5 | sed 's/^/FOUND /'
 timeout 20 find / -xdev -name tmp.tar 2>/dev/null | head -5 | sed 's/^/FOUND /'
 echo looked
 """
+
+
+def _until_output(api: httpx.Client, process: str, text: str, timeout_s: float = 120) -> None:
+    """Wait until a background process has printed ``text`` (an emulated guest is slow)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = api.get(f"{process}/output")
+        if answer.status_code == 200 and text in answer.text:
+            return
+        time.sleep(0.2)
+    raise BackendError(f"the process did not print {text!r} within {timeout_s:.0f} s")
 
 
 def _tenant_calls(own: httpx.Client, other: httpx.Client, path: str,
@@ -303,6 +343,17 @@ def _image_private(ctx: DrillContext) -> Outcome:
             # keeps; on the microVM tier each command's /tmp is its own, so none is kept).
             _ran(own, sleeper, f"echo {marker} | tee /tmp/hib-marker > /workspace/hib-marker "
                                "&& chmod 644 /tmp/hib-marker")
+            microvm = own.get(path).json().get("isolation") == "microvm"
+            holder = None
+            if microvm:  # the tier keeps a process's memory: one holds the secret in it
+                started = own.post(f"{path}/processes", json={"cmd": [
+                    "python3", "-c", "import sys, time\nheld = sys.argv[1] * 64\n"
+                    "print('holding', flush=True)\ntime.sleep(3600)", marker]})
+                if started.status_code != 201:
+                    return Outcome("error", f"starting the holder -> {started.status_code} "
+                                   f"{started.text[:200]}", tuple(evidence))
+                holder = str(started.json()["id"])
+                _until_output(own, f"{path}/processes/{holder}", "holding")
             slept = own.post(f"{path}/hibernate")
             evidence.append(Evidence("response", f"tenant A: POST {path}/hibernate -> "
                                                  f"{slept.status_code} {slept.text[:120]}"))
@@ -312,18 +363,27 @@ def _image_private(ctx: DrillContext) -> Outcome:
                                    f"{slept.text[:200]}", tuple(evidence))
                 return Outcome("error", f"hibernate -> {slept.status_code}", tuple(evidence))
             archive = _archive(access.home, sleeper)
-            kept_tmp = archive.exists() or own.get(path).json().get("isolation") != "microvm"
+            memory = _memory_image(access.home, sleeper)
+            kept_tmp = archive.exists() or not microvm
             if kept_tmp:
                 wrong, modes = _host_modes(archive, marker)
             else:
                 wrong, modes = [], f"no /tmp archive ({archive} absent): this tier keeps none"
+            if holder is not None:
+                # The sandbox's host uid: its QEMU's, which owns its writable disk beside it.
+                disks = sorted(memory.parent.glob("*.qcow2")) if memory.parent.is_dir() else []
+                uid = disks[0].stat().st_uid if disks else -1
+                memory_wrong, memory_modes = _memory_modes(memory, marker, uid)
+                wrong += memory_wrong
+                modes += f"; {memory_modes} (holds the process's secret)"
             evidence.append(Evidence("observation", f"on the host: {modes}", sandbox=sleeper))
             wrong += _tenant_calls(own, other, path, evidence)
             looker = _created(other, {k: v for k, v in body.items() if k != "lifecycle"}, ids)
             made.append((other, looker))
             looked = _ran(other, looker, _LOOK, timeout=60,
                           envs={"ARCHIVE": str(archive), "PRIV": str(archive.parent),
-                                "SBX": str(archive.parent.parent), "MARK": marker})
+                                "SBX": str(archive.parent.parent), "MEMORY": str(memory),
+                                "MARK": marker})
             out = str(looked.get("stdout", "")) + str(looked.get("stderr", ""))
             lines = [ln for ln in out.splitlines() if ln.startswith(("SEEN ", "FOUND "))]
             evidence.append(Evidence("observation", f"tenant B's sandbox looked: "
@@ -344,6 +404,13 @@ def _image_private(ctx: DrillContext) -> Outcome:
             if found != (2 if kept_tmp else 1):
                 return Outcome("error", "its owner's call did not wake it with its files "
                                "intact", tuple(evidence))
+            if holder is not None:
+                state = own.get(f"{path}/processes/{holder}").json().get("state")
+                evidence.append(Evidence("response", f"its process after the wake: {state}",
+                                         sandbox=sleeper))
+                if state != "running":
+                    return Outcome("error", f"its process did not survive the hibernate "
+                                   f"({state})", tuple(evidence))
         finally:
             for api, sandbox_id in made:
                 with contextlib.suppress(httpx.HTTPError):
@@ -352,6 +419,9 @@ def _image_private(ctx: DrillContext) -> Outcome:
         return Outcome("breached", "; ".join(wrong), tuple(evidence))
     return Outcome("held", ("the archive is root's (0600 in a 0700 directory); " if kept_tmp
                             else "no /tmp archive is kept on this tier; ")
+                   + ("the memory image (holding a process's secret) is the sandbox uid's "
+                      "alone (0400 in its 0700 directory), and the process ran on after the "
+                      "wake; " if holder is not None else "")
                    + "tenant B's sandbox saw neither its path nor the secret; tenant B's calls "
                    "got 404 and it stayed hibernated; its owner's call woke it", tuple(evidence))
 
@@ -369,9 +439,10 @@ def _put_back(archive: Path, kept: bytes) -> Iterator[None]:
 
 
 def _tampered(ctx: DrillContext) -> Outcome:
-    """Hibernate a sandbox with a secret in /tmp, change its archive on the host (the secret's
-    bytes flipped: a well-formed archive with other content; then cut short): each wake must
-    be refused with the reason and leave it hibernated; its own bytes put back, it wakes."""
+    """Hibernate a sandbox with a secret in /tmp (on the microVM tier, in a process's memory),
+    change its archive (memory image) on the host (the secret's bytes flipped: a well-formed
+    image with other content; then cut short): each wake must be refused with the reason and
+    leave it hibernated; its own bytes put back, it wakes."""
     manager = _manager(ctx)
     marker = f"drill-tamper-{_secrets.token_hex(12)}"
     evidence: list[Evidence] = []
@@ -380,11 +451,22 @@ def _tampered(ctx: DrillContext) -> Outcome:
     try:
         wrote = ctx.run(f"echo {marker} > /tmp/hib-marker && echo ok", sandbox=sb)
         evidence += ctx.evidence(wrote, sb)
+        holder = None
+        if manager.get(sb.id).isolation == "microvm":  # its image is a process's memory
+            holder = manager.processes.start(sb.id, [
+                "python3", "-c", "import sys, time\nheld = sys.argv[1] * 64\n"
+                "print('holding', flush=True)\ntime.sleep(3600)", marker])
+            deadline = time.monotonic() + 120
+            while "holding" not in "".join(t for _, _, t in holder.output()):
+                if time.monotonic() > deadline:
+                    return Outcome("error", "the holder printed nothing", tuple(evidence))
+                time.sleep(0.1)
         try:
             _hibernate(manager, sb.id, evidence)
         except _CannotHibernate as exc:
             return _skipped(exc, evidence)
-        archive = _archive(manager.settings.home, sb.id)
+        archive = (_archive(manager.settings.home, sb.id) if holder is None
+                   else _memory_image(manager.settings.home, sb.id))
         recorded = (manager.store.hibernated_image(sb.id) or {}).get("digest")
         if not recorded and not archive.exists():
             evidence.append(Evidence("observation", f"the store holds no digest and {archive} "
@@ -426,15 +508,24 @@ def _tampered(ctx: DrillContext) -> Outcome:
         if wrong:
             return Outcome("breached", "; ".join(wrong), tuple(evidence))
         manager.resume(sb.id)
-        back = ctx.run("cat /tmp/hib-marker", sandbox=sb)
-        evidence += ctx.evidence(back, sb)
-        if back.stdout.strip() != marker:
-            return Outcome("error", f"its own image put back, it woke without its /tmp: "
-                           f"{(back.stdout + back.stderr)[:200]}", tuple(evidence))
+        if holder is not None:
+            state = holder.info().state
+            evidence.append(Evidence("observation", f"its process after the wake: {state}",
+                                     sandbox=sb.id))
+            if state != "running":
+                return Outcome("error", f"its own image put back, it woke without its "
+                               f"process ({state})", tuple(evidence))
+        else:
+            back = ctx.run("cat /tmp/hib-marker", sandbox=sb)
+            evidence += ctx.evidence(back, sb)
+            if back.stdout.strip() != marker:
+                return Outcome("error", f"its own image put back, it woke without its /tmp: "
+                               f"{(back.stdout + back.stderr)[:200]}", tuple(evidence))
     finally:
         ctx.discard(sb)
     return Outcome("held", f"both changed images refused ({_CHANGED}), the sandbox left "
-                   "hibernated; its own bytes put back, it woke with its /tmp", tuple(evidence))
+                   "hibernated; its own bytes put back, it woke with its "
+                   + ("process" if holder is not None else "/tmp"), tuple(evidence))
 
 
 CASES = [
@@ -446,14 +537,17 @@ CASES = [
          "1000, Seccomp 2, no connection, route or gateway pass, no host path, before and "
          "after", _isolation_after_wake, frozenset({"python3"}) | HOST),
     Case("hib.image-private", "hibernation", "while tenant A's sandbox hibernates with a secret "
-         "in /tmp: tenant B's sandbox on the same service and tier looks for the archive by its "
-         "host path and searches for it and the secret; tenant B resumes it, runs a command, "
-         "reads its /tmp file and hibernates it by id", "the archive is root's only (0600 in a "
-         "0700 root directory), not visible to the other sandbox; tenant B gets 404 and it "
-         "stays hibernated; tenant A's call wakes it with /tmp intact", _image_private,
+         "in /tmp (on the microVM tier, in a running process's memory): tenant B's sandbox on "
+         "the same service and tier looks for the image by its host path and searches for it "
+         "and the secret; tenant B resumes it, runs a command, reads its /tmp file and "
+         "hibernates it by id", "the /tmp archive is root's only (0600 in a 0700 root "
+         "directory), a memory image its sandbox uid's only (0400 in its 0700 directory); "
+         "neither is visible to the other sandbox; tenant B gets 404 and it stays hibernated; "
+         "tenant A's call wakes it with /tmp (and its process) intact", _image_private,
          HOST | {"service", "other-tenant"}),
-    Case("hib.tampered-refused", "hibernation", "change a hibernated sandbox's /tmp archive on "
-         "the host (bytes of its content flipped; cut short) and wake it",
+    Case("hib.tampered-refused", "hibernation", "change a hibernated sandbox's image on the host "
+         "(its /tmp archive, or on the microVM tier its memory image: bytes of the secret it "
+         "holds flipped; cut short) and wake it",
          f"each wake refused ({_CHANGED}), the sandbox left hibernated; with its own bytes "
-         "back it wakes with its /tmp", _tampered, HOST),
+         "back it wakes with its /tmp (its process)", _tampered, HOST),
 ]
