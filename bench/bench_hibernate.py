@@ -27,6 +27,12 @@ incompressible data in its ``/tmp`` (a memory filesystem, charged to the sandbox
 a *process's* memory yet, see docs/design/hibernation.md): hibernate time, the archive's size,
 the host's ``MemAvailable`` before and after, and the wake to first command (reading it all).
 
+``with_processes`` (the microVM tier, the one that keeps a process's memory): a sandbox with a
+live Python kernel (a variable set) and a background process holding 100 MB of incompressible
+memory, hibernated and woken ``--process-runs`` times: hibernate time, the memory image's
+size, the wake to the first command and to the first cell (the variable read back), beside
+``bare_qemu_restore``: QEMU alone restoring copies of the same state and disk.
+
 ``hibernated``: M sandboxes (default 1,000) created, given a file, and hibernated; then per
 sandbox the same figures (target: no process, mount, loop device or network namespace) and its
 disk (allocated bytes under its directory, and the store); how many would fit on this host by
@@ -232,6 +238,95 @@ def _memory_100mb(home: Path, isolation: str) -> dict[str, Any]:
         sb.kill()
 
 
+_HOLDER = ("import os, time\nheld = os.urandom(100_000_000)\nprint('ready', flush=True)\n"
+           "time.sleep(86400)")
+
+
+def _bare_restore(keeper_config: Any, memory: Path, top: Path) -> float:
+    """QEMU alone restoring the same saved state (``-incoming defer``, ``migrate-incoming
+    file:``, until the guest runs): no keeper, agent, control plane or digest. On copies of
+    the state and the writable disk, so the sandbox's own stay as they were; then killed."""
+    from corral._backends.microvm.accel import Accel
+    from corral._backends.microvm.vm import Vm, VmConfig
+
+    work = Path(tempfile.mkdtemp(prefix="corral-bench-restore-", dir=str(top.parent.parent)))
+    try:
+        shutil.copyfile(memory, work / "state")
+        shutil.copyfile(top, work / "top.qcow2")
+        for path in (work, work / "state", work / "top.qcow2"):
+            os.chown(path, keeper_config.uid, keeper_config.uid)
+        config = VmConfig(
+            kernel=Path(keeper_config.kernel), root_image=Path(keeper_config.root_image),
+            run_dir=work / "vm", work_dir=work,
+            accel=Accel(keeper_config.accel, keeper_config.cpu_model,
+                        "hardware" if keeper_config.accel == "kvm" else "none"),
+            memory_mib=keeper_config.memory_mib, vcpus=keeper_config.cpus,
+            top_disk=work / "top.qcow2", backing=tuple(Path(b) for b in keeper_config.backing),
+            uid=keeper_config.uid, gid=keeper_config.uid)
+        began = time.perf_counter()
+        vm = Vm.restore_memory(config, work / "state", time.monotonic() + 300)
+        took = time.perf_counter() - began
+        vm.kill()
+        return took
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _with_processes(home: Path, isolation: str, runs: int) -> dict[str, Any]:
+    """A sandbox with a live Python kernel (a code context's variable) and a background
+    process holding 100 MB of incompressible memory, hibernated and woken ``runs`` times:
+    hibernate time, the memory image's size, the wake to the first command and to the first
+    cell (which reads the variable), beside QEMU's own restore of the same state."""
+    if isolation != "microvm":
+        return {"skipped": f"the {isolation} tier keeps no process's memory (a sandbox with "
+                           "processes stays paused): docs/design/hibernation.md"}
+    from corral._backends.microvm.keeper import CONFIG, KeeperConfig
+
+    manager = manager_mod.get_manager(Settings(home=home, uid_start=UID_START,
+                                               uid_count=UID_COUNT))
+    backend = manager.backend_for("microvm")
+    samples: dict[str, list[float]] = {name: [] for name in (
+        "hibernate", "wake_to_first_command", "wake_to_first_cell", "bare_qemu_restore")}
+    sizes: list[int] = []
+    sb = Sandbox.create(home=str(home), isolation=isolation, lifecycle=SLEEPY)
+    try:
+        assert sb.run_code("x = 41").error is None
+        holder = sb.processes.start(["python3", "-c", _HOLDER])
+        deadline = time.monotonic() + 300
+        while "ready" not in "".join(t for _, _, t in holder.output()):
+            assert time.monotonic() < deadline, "the holder never got its memory"
+            time.sleep(0.1)
+        keeper_config = KeeperConfig.load(backend._run_path(sb.id) / CONFIG)
+        for n in range(runs):
+            began = time.perf_counter()
+            sb.hibernate()
+            samples["hibernate"].append(time.perf_counter() - began)
+            image = manager.store.hibernated_image(sb.id) or {}
+            sizes.append(int(image.get("memory_bytes", 0)))
+            samples["bare_qemu_restore"].append(_bare_restore(
+                keeper_config, backend._memory_path(sb.id), backend._top(sb.id)))
+            began = time.perf_counter()
+            if n % 2:
+                assert sb.run_code("x").text == "41"
+                samples["wake_to_first_cell"].append(time.perf_counter() - began)
+            else:
+                assert sb.commands.run(["true"]).exit_code == 0
+                samples["wake_to_first_command"].append(time.perf_counter() - began)
+            log(f"with processes: round {n + 1}/{runs}")
+        alive = holder.info()["state"] == "running"
+    finally:
+        sb.kill()
+    results = {name: summarize(values) for name, values in samples.items() if values}
+    return {
+        "results": results,
+        "memory_image_bytes": {"min": min(sizes), "max": max(sizes)},
+        "process_alive_after_every_wake": alive,
+        "ratio_wake_to_first_command_p50_over_bare_qemu_restore_p50": round(
+            results["wake_to_first_command"]["p50_ms"]
+            / results["bare_qemu_restore"]["p50_ms"], 2),
+    }
+
+
 def _allocated(path: Path) -> int:
     """Bytes the filesystem allocated under ``path`` (a sparse image counts what it holds)."""
     total = 0
@@ -346,6 +441,8 @@ def main() -> int:
     parser.add_argument("--density", type=int, default=100, help="paused sandboxes (0: skip)")
     parser.add_argument("--hibernated", type=int, default=1000,
                         help="hibernated sandboxes, then a restart (0: skip)")
+    parser.add_argument("--process-runs", type=int, default=10,
+                        help="hibernate/wake rounds of a sandbox with processes (microvm)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the order shuffle")
     parser.add_argument("--out", type=Path, help="also write the JSON to this file")
     args = parser.parse_args()
@@ -362,6 +459,7 @@ def main() -> int:
         samples = _series(home, args.isolation, args.runs, seed)
         density = _density(home, args.isolation, args.density)
         memory = _memory_100mb(home, args.isolation)
+        with_processes = _with_processes(home, args.isolation, args.process_runs)
         hibernated = _hibernated(settings, args.isolation, args.hibernated,
                                  random.Random(seed))
     finally:
@@ -390,6 +488,7 @@ def main() -> int:
                         deep_wake <= 2 * create_first},
         "density": density,
         "memory_100mb": memory,
+        "with_processes": with_processes,
         "hibernated": hibernated,
         "cleanup": {"ok": not left, "leftovers": left},
     }
