@@ -259,29 +259,55 @@ def _until(what: Callable[[], bool], timeout_s: float = 120.0) -> None:
 
 def test_a_microvm_sandbox_hibernates_with_its_processes_and_they_go_on(
         home: str, settings: Settings, manager: Manager, request: pytest.FixtureRequest) -> None:
-    """Its memory saved with it (under TCG here): while it sleeps nothing of it is in the
-    kernel, and woken by the next call, a code context's variable is still there and a
-    background process is the same one, counting on from where it was (no tick lost, none
-    twice), with its output read through the same process record."""
+    """Its memory saved with it (under TCG here). Paused, then hibernated by the reaper on its
+    policy; while it sleeps nothing of it is in the kernel. A request through its preview URL
+    wakes it and the same web server answers; a code context's variable is still there; a
+    terminal's shell reads the line typed after the wake; a background process is the same
+    one, counting on from where it was (no tick lost, none twice), its output read through
+    the same process record."""
     problems: list[str] = request.getfixturevalue("microvm_problems")
     if problems:
         pytest.skip("; ".join(problems))
-    with Sandbox.create(home=home, isolation="microvm", lifecycle=AWAKE) as sb:
+    with Sandbox.create(home=home, isolation="microvm",
+                        lifecycle={"auto_resume": True, "hibernate_after": 0.2}) as sb, \
+            Server(manager, create_app(manager)) as server:
         assert sb.run_code("x = 41").error is None
         ticker = sb.processes.start(
             ["sh", "-c", "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.1; done"])
+        sb.files.write("hello.txt", "served from memory")
+        web = sb.processes.start(["python3", "-m", "http.server", "8000", "--bind",
+                                  "127.0.0.1", "--directory", "/workspace"])
+        term = manager.processes.start(sb.id, ["sh", "-c", "read line; echo got $line"],
+                                       pty=(24, 80))
+        token = manager.ports.expose(sb.id, 8000).token or ""
+        url = f"{server.url}/ports/{sb.id}/8000/hello.txt"
+
+        def served() -> bool:
+            return httpx.get(url, headers={"X-Corral-Port-Token": token}).status_code == 200
+
+        _until(served)
         _until(lambda: len(_ticks(ticker)) >= 3)
         uid = host_uid(sb.id)
-        sb.hibernate()
+        sb.pause()
+        time.sleep(0.3)
+        manager.recover()  # the reaper: paused past its hibernate_after
         assert sb.get_info().state == "hibernated"
         left = kernel_pieces(settings, sb.id, uid)
         assert left == {k: [] for k in left}, left
         hibernated = [d for t, d in trail_types(manager, sb.id) if t == "sandbox.hibernated"]
         assert int(hibernated[-1]["memory_bytes"]) > 0  # type: ignore[call-overload]
         asleep = _ticks(ticker)
-        assert ticker.info()["state"] == "running"  # it sleeps with the sandbox
-        assert sb.run_code("x + 1").text == "42"  # the call wakes it; the variable is kept
+        assert ticker.info()["state"] == web.info()["state"] == "running"  # asleep with it
+        # The request wakes it, and the server that was running answers.
+        answer = httpx.get(url, headers={"X-Corral-Port-Token": token}, timeout=300)
+        assert (answer.status_code, answer.text) == (200, "served from memory")
         assert sb.get_info().state == "running"
+        assert "GET /hello.txt" in "".join(t for _, _, t in web.output())
+        kept = sb.run_code("x + 1")  # the kernel kept its variable
+        assert kept.text == "42", ([(p.argv[:2], p.state, p.result)
+                                    for p in manager.processes.list(sb.id)], kept)
+        term.send(b"hello\n")  # the terminal's shell was waiting on its line: it reads it
+        _until(lambda: "got hello" in "".join(t for _, _, t in term.output()))
         _until(lambda: len(_ticks(ticker)) >= len(asleep) + 3)
         ticks = _ticks(ticker)
         assert ticks == list(range(1, len(ticks) + 1)), ticks  # the same process, gap-free

@@ -491,6 +491,14 @@ def test_a_wake_from_hibernation_keeps_commands_for_attach_and_holds_their_outpu
     assert c.ok("stdin", tag="cmd_ticker", data=b64(b"go\ngo\n")) is True
     time.sleep(0.5)
     assert c._queue(ticker).empty()  # held, not sent under the old id
+    # An id another command has is refused: the two commands' events would mix.
+    other = c.start(["sleep", "60"])
+    assert "started" in c.get(other)
+    c.send({"id": other, "op": "attach", "tag": "cmd_ticker"})
+    clash = c.get(other)
+    assert clash["error"]["kind"] == "protocol" and "another command" in clash["error"]["message"]
+    assert c.ok("kill", target=other) is True
+    c.finish(other)
     rid = c.new_id()
     c.send({"id": rid, "op": "attach", "tag": "cmd_ticker"})
     again = c.finish(rid)

@@ -224,6 +224,8 @@ def _op_attach(agent: Agent, rid: int, request: Message) -> None:
         raise AgentError("protocol", "attach: 'tag' must be the command's tag")
     with agent.lock:
         command = next((c for c in agent.commands.values() if c.tag == tag), None)
+        if command is not None and agent.commands.get(rid, command) is not command:
+            raise AgentError("protocol", f"attach: id {rid} is another command's")
         if command is not None:
             del agent.commands[command.id]
             agent.commands[rid] = command

@@ -188,6 +188,13 @@ class Keeper:
         with self._send_lock:
             self._channel.sendall(data)
 
+    def number_past(self, used: list[int]) -> None:
+        """Give this keeper's requests ids above ``used``: a guest woken from hibernation keeps
+        its commands under the ids an earlier keeper gave them (each keeper counts from the
+        same start), and an id given twice would mix two commands' events."""
+        start = max(next(self._ids), max(used, default=0) + 1)
+        self._ids = itertools.count(start)
+
     def call_agent(self, op: str, timeout: float = 30.0, **fields: Any) -> Any:
         """One request of the keeper's own (resume, mount, unmount) and its answer."""
         done = threading.Event()
@@ -698,6 +705,8 @@ def _prepare_guest(keeper: Keeper, config: KeeperConfig) -> None:
         keeper.call_agent("resume", seed=b64(secrets.token_bytes(64)), time_ns=time.time_ns(),
                           hostname="sandbox", sandbox_id=config.sandbox_id,
                           keep_commands=config.keep_commands)
+        if config.keep_commands:
+            keeper.number_past(list(keeper.call_agent("procs")["commands"]))
     if config.mode in ("warm", "cold"):
         keeper.call_agent("mount", fresh=config.fresh_disk)
 
