@@ -90,7 +90,9 @@ def _flood(mgr: Manager, sandbox_id: str, seconds: float, cap: int,
     """Run the flood as a background process; (refused, other, seconds, its command id)."""
     # The drill's client (one connection a request, refused by rule no-match), as a
     # background process: its one line of output is the count it saw.
-    process = mgr.processes.start(sandbox_id, ["python3", "-c", FLOOD, str(seconds), str(cap)])
+    # (for ``seconds`` or ``cap`` requests, whichever comes first: no least count)
+    process = mgr.processes.start(sandbox_id, ["python3", "-c", FLOOD, str(seconds), str(cap),
+                                               "0", str(seconds)])
     _wait(lambda: process.state == "exited", seconds + 120, "the flood to end")
     assert process.result is not None and process.result.exit_code == 0, process.result
     printed = "".join(text for _, stream, text in process.output(0) if stream == "stdout")
