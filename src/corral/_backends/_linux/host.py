@@ -422,7 +422,13 @@ class HostBackedBackend:
         self._ready()
         for name in self.cgroups.children(spec.id):
             if name.endswith(f".{command_id}"):
-                self.cgroups.kill(f"{spec.id}/{name}")
+                group = f"{spec.id}/{name}"
+                # An empty group is no running command: named for it a moment before its
+                # process joins, or ended and waiting to be removed. A kill then killed
+                # nothing and said it had; "not running" lets the caller try again.
+                if not any(_read_pids(path) for path in self.cgroups.procs_files(group)):
+                    return False
+                self.cgroups.kill(group)
                 return True
         return False
 
@@ -624,3 +630,11 @@ class HostBackedBackend:
             cgroups.remove_if_empty("")
         except BackendError as exc:
             logger.info("the data directory's cgroups were not removed: %s", exc)
+
+
+def _read_pids(path: Path) -> bool:
+    """Whether a ``cgroup.procs`` file lists a process (a group gone meanwhile: none)."""
+    try:
+        return bool(path.read_text().strip())
+    except OSError:
+        return False
